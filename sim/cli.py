@@ -1,0 +1,104 @@
+"""`infersim`: run scenarios, list the catalogs. Bad input → one line on stderr and exit code 2."""
+from __future__ import annotations
+
+import sys
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sim.errors import ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
+DEFAULT_SCENARIO = "default.yaml"
+
+
+def _fail(e: ConfigError) -> None:
+    print(f"infersim: error: {e.one_line()}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def default_scenario_path() -> Path:
+    """The scenario `infersim run` uses when given none (shipped inside the package)."""
+    return Path(str(files("sim") / "data" / DEFAULT_SCENARIO))
+
+
+def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool = True) -> dict:
+    """Load, simulate, report. Returns report.json's content."""
+    from sim.cluster import sim_records, simulate
+    from sim.report import build_report, print_summary, write_outputs
+    from sim.scenario import load_scenario
+    from sim.workload import generate_requests
+
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.scenario.workload, plan.base_dir)
+    console = Console(stderr=True)
+    show = not quiet and console.is_terminal and len(specs) >= 2000
+    if show:
+        from rich.progress import Progress
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("simulating", total=len(specs))
+            step = max(1, len(specs) // 100)
+            result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
+    else:
+        result = simulate(plan, specs)
+    records = sim_records(result)
+    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
+    if out is not None:
+        write_outputs(out, report, records, result.replicas, plots=plots)
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))
+    return report
+
+
+@app.command()
+def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for report.json, requests.csv, plots"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
+        no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots")) -> None:
+    """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
+    try:
+        run_scenario(scenario or default_scenario_path(), out, quiet=quiet, plots=not no_plots)
+    except ConfigError as e:
+        _fail(e)
+
+
+@app.command()
+def models() -> None:
+    """List the model catalog."""
+    from sim.models import MODEL_CATALOG
+
+    t = Table("name", "params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+              "max_len", "dtype", "KV/token")
+    for m in MODEL_CATALOG.values():
+        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size), str(m.num_heads),
+                  str(m.num_kv_heads), str(m.head_size), str(m.intermediate_size), str(m.vocab_size),
+                  str(m.max_position_embeddings), m.weight_dtype, f"{m.kv_bytes_per_token / 1024:.0f} KiB")
+    Console().print(t)
+
+
+@app.command()
+def hardware() -> None:
+    """List the hardware catalog."""
+    from sim.hardware import HARDWARE_CATALOG
+
+    t = Table("name", "memory", "bandwidth", "bf16 dense", "int8/fp8", "interconnect", "$/hour")
+    for h in HARDWARE_CATALOG.values():
+        t.add_row(h.name, f"{h.memory_gib:.1f} GiB", f"{h.memory_bandwidth / 1e9:,.0f} GB/s",
+                  f"{h.flops('bf16') / 1e12:,.1f} TFLOP/s", f"{h.flops('int8') / 1e12:,.1f}",
+                  f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s", f"{h.price_per_hour:.2f}")
+    Console().print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

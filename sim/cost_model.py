@@ -1,0 +1,64 @@
+"""Step-cost models: the batch shape of one engine step → seconds.
+
+The vocabulary shared with the executor's traces is the batch shape: per sequence, the new tokens it
+computes this step and its context length (tokens in the KV cache after the step).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from sim.hardware import HardwareSpec
+from sim.models import BYTES_PER_PARAM, ModelSpec
+from sim.scheduler import BatchShape
+
+
+class StepCostModel(Protocol):
+    def step_time(self, shape: BatchShape) -> float:
+        """Seconds for one engine step over this batch shape."""
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        """Seconds for a step in which each of `num_seqs` sequences decodes one token, with
+        `sum_context` tokens in their caches after the step. Must equal step_time of that shape
+        exactly: the simulator takes many such steps at once."""
+
+
+class RooflineCostModel:
+    """Per operator group, time = max(FLOPs / achieved peak, bytes / achieved bandwidth); summed, plus
+    a fixed per-step and a per-sequence overhead.
+
+    - linear layers: 2·params FLOPs per token; all weights and the lm_head read once per step;
+    - lm_head FLOPs only for sequences that sample this step;
+    - attention: 4·layers·heads·head_dim FLOPs per (query, key) pair, causal within a prompt;
+      K/V read for the whole context, GQA-aware (2·layers·kv_heads·head_dim·bytes per token).
+    """
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, compute_efficiency: float = 0.6,
+                 memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
+                 block_bytes: float = 0.0):
+        act_bytes = 4 if model.act_dtype == "fp32" else 2
+        flops = hw.flops(model.act_dtype) * compute_efficiency
+        bw = hw.memory_bandwidth * memory_efficiency
+        self.s_per_linear_token = 2 * model.linear_params / flops
+        self.s_per_logit_row = 2 * model.hidden_size * model.vocab_size / flops
+        # decoder weights and the lm_head matrix are read once per step (embedding lookups are tiny)
+        self.s_weights = (model.linear_params * BYTES_PER_PARAM[model.weight_dtype]
+                          + model.embedding_params * act_bytes) / bw
+        self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw
+        self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops
+        self.s_per_kv_token = model.kv_bytes_per_token / bw
+        self.step_overhead_s = step_overhead_s
+        self.per_seq_overhead_s = per_seq_overhead_s
+        self.s_per_swap_block = block_bytes / hw.host_bandwidth
+
+    def _time(self, tokens: int, seqs: int, sampled: int, attn_pairs: int, kv_tokens: int) -> float:
+        linear = max(tokens * self.s_per_linear_token + sampled * self.s_per_logit_row,
+                     self.s_weights + tokens * self.s_per_act_token)
+        attention = max(attn_pairs * self.s_per_attn_pair, kv_tokens * self.s_per_kv_token)
+        return linear + attention + self.step_overhead_s + seqs * self.per_seq_overhead_s
+
+    def step_time(self, shape: BatchShape) -> float:
+        return self._time(shape.num_new_tokens, shape.num_seqs, shape.num_sampled, shape.attn_pairs,
+                          shape.sum_context) + shape.swap_blocks * self.s_per_swap_block
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        return self._time(num_seqs, num_seqs, num_seqs, sum_context, sum_context)

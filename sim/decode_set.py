@@ -1,0 +1,116 @@
+"""The requests in decode phase, advanced lazily.
+
+Every step of a decode batch adds one token to every member, so members' counters need not be
+touched per step: a member stores the step count at which its counters were last brought up to date,
+and two heaps say when something happens to it — it finishes, or it fills its last KV block. The
+simulator then pays per event, not per token; the executor syncs members after every step.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+from sim.request import Request
+
+
+class DecodeSet:
+    def __init__(self, block_size: int | None):
+        self.block_size = block_size  # None: blocks are reserved up front, members never need more
+        self.steps = 0
+        self.members: dict[Request, None] = {}
+        self.sum_computed = 0  # Σ num_computed over members, as of `steps`
+        self._finish: list[tuple[int, int, Request]] = []
+        self._blocks: list[tuple[int, int, Request]] = []
+        self._tags = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __contains__(self, r: Request) -> bool:
+        return r in self.members
+
+    def join(self, r: Request, block_capacity: int | None) -> None:
+        """Add a request whose counters are current; `block_capacity`: tokens its blocks hold."""
+        r.sync_step = self.steps
+        r.decode_tag = tag = next(self._tags)
+        self.members[r] = None
+        self.sum_computed += r.num_computed
+        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        if block_capacity is not None and self.block_size:
+            heapq.heappush(self._blocks, (self.steps + block_capacity - r.num_computed, tag, r))
+
+    def sync(self, r: Request) -> None:
+        d = self.steps - r.sync_step
+        if d:
+            r.num_computed += d
+            r.num_generated += d
+            r.sync_step = self.steps
+
+    def leave(self, r: Request) -> None:
+        self.sync(r)
+        del self.members[r]
+        self.sum_computed -= r.num_computed
+        r.decode_tag = -1  # invalidates its heap entries
+
+    def advance(self, k: int) -> None:
+        self.steps += k
+        self.sum_computed += k * len(self.members)
+
+    def pop_finished(self) -> list[Request]:
+        """Members that have produced all their tokens by now; they leave the set."""
+        out = []
+        while self._finish and self._finish[0][0] <= self.steps:
+            _, tag, r = heapq.heappop(self._finish)
+            if r.decode_tag == tag:
+                self.leave(r)
+                out.append(r)
+        return out
+
+    def next_finish(self) -> float:
+        while self._finish and self._finish[0][2].decode_tag != self._finish[0][1]:
+            heapq.heappop(self._finish)
+        return self._finish[0][0] if self._finish else math.inf
+
+    def push_block_need(self, r: Request, block_capacity: int) -> None:
+        """Record when a (synced) member next fills its blocks."""
+        heapq.heappush(self._blocks, (self.steps + block_capacity - r.num_computed, r.decode_tag, r))
+
+    def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
+        """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
+        (step, join) order. Returns the first member left without one when the list runs dry."""
+        heap = self._blocks
+        while heap and heap[0][0] <= upto:
+            step, tag, r = heap[0]
+            if r.decode_tag != tag:
+                heapq.heappop(heap)
+            elif not free_blocks:
+                heapq.heappop(heap)
+                return r
+            else:
+                r.block_table.append(free_blocks.pop())
+                heapq.heapreplace(heap, (step + self.block_size, tag, r))
+        return None
+
+    def block_horizon(self, k: int, num_free: int) -> int:
+        """Largest k' ≤ k such that the blocks members need during steps 2..k' fit in `num_free`."""
+        bs = self.block_size
+        if num_free >= len(self.members) * ((k - 1) // bs + 1):
+            return k
+        firsts = []
+        for r in self.members:
+            self.sync(r)
+            firsts.append(len(r.block_table) * bs - r.num_computed)  # steps from now to its next need
+
+        def needed(kk: int) -> int:
+            last = kk - 1
+            return sum((last - f) // bs + 1 for f in firsts if f <= last)
+
+        lo, hi = 1, k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if needed(mid) <= num_free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

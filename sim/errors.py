@@ -1,0 +1,21 @@
+"""One error type for bad user input: the CLI prints it as one line and exits with code 2."""
+from __future__ import annotations
+
+
+class ConfigError(Exception):
+    """Bad user input, located by file and key path (e.g. ``serving.max_num_seqs``)."""
+
+    def __init__(self, message: str, key_path: str = "", file: str | None = None):
+        self.message = message
+        self.key_path = key_path
+        self.file = file
+        super().__init__(self.one_line())
+
+    def with_file(self, file: str) -> "ConfigError":
+        """Return a copy that names `file` (the file is known only at the top)."""
+        return ConfigError(self.message, self.key_path, self.file or file)
+
+    def one_line(self) -> str:
+        """`file: key.path: what is wrong and what is allowed`, on one line."""
+        parts = [p for p in (self.file, self.key_path) if p]
+        return ": ".join(parts + [" ".join(self.message.split())])

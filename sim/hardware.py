@@ -1,0 +1,64 @@
+"""Accelerators: the catalog and explicit specs (peak rates, memory, links, price)."""
+from __future__ import annotations
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from sim.errors import ConfigError
+from sim.schema_base import StrictModel
+
+GiB = 1024**3
+
+
+class HardwareSpec(StrictModel):
+    """One device: dense peak FLOP/s per dtype, memory, and the links around it."""
+
+    name: str = "custom"
+    peak_flops: dict[str, PositiveFloat] = Field(description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8")
+    memory_bandwidth: PositiveFloat = Field(description="bytes/s")
+    memory_gib: PositiveFloat
+    interconnect_bandwidth: PositiveFloat = Field(64e9, description="device-to-device bytes/s (NVLink or PCIe)")
+    interconnect_latency_s: NonNegativeFloat = 5e-6
+    host_bandwidth: PositiveFloat = Field(25e9, description="device-to-host bytes/s (PCIe), used by KV swap")
+    price_per_hour: NonNegativeFloat = Field(0.0, description="USD per device-hour")
+
+    def flops(self, dtype: str) -> float:
+        """Peak rate for a matmul dtype, falling back to the 16-bit rate."""
+        return self.peak_flops.get(dtype) or self.peak_flops.get("fp16") or max(self.peak_flops.values())
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+
+def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9):
+    return HardwareSpec(
+        name=name, memory_gib=mem_gib, memory_bandwidth=bw,
+        peak_flops={"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": fp8_int8, "fp8": fp8_int8},
+        interconnect_bandwidth=link, interconnect_latency_s=link_latency, host_bandwidth=host_bw,
+        price_per_hour=price)
+
+
+# Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi).
+# Prices: rough 2024-25 on-demand USD per GPU-hour at GPU clouds; they vary by provider, set your own.
+HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
+    _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 600e9, 1.29),
+    _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 600e9, 1.79),
+    _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 900e9, 2.99, host_bw=50e9),
+    _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 900e9, 3.79, host_bw=50e9),
+    _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6),
+    _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 32e9, 1.49, link_latency=10e-6),
+    # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; `infersim profile`
+    # measures and replaces them.
+    HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
+                 peak_flops={"fp32": 115e9, "fp16": 30e9, "bf16": 30e9},
+                 interconnect_bandwidth=9e9, host_bandwidth=9e9, price_per_hour=0.1),
+]}
+
+
+def catalog_hardware(name: str, key_path: str = "hardware") -> HardwareSpec:
+    """Look a device up by name, case-insensitively."""
+    for known, spec in HARDWARE_CATALOG.items():
+        if known.lower() == name.lower():
+            return spec
+    raise ConfigError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE_CATALOG)}, or an explicit "
+                      "spec (peak_flops, memory_bandwidth, memory_gib, ...)", key_path)

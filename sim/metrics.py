@@ -1,0 +1,145 @@
+"""Serving metrics as vLLM's benchmark defines them, shared by the simulator and the executor.
+
+TTFT: arrival → first token. E2E: arrival → last token. TPOT: (E2E − TTFT) / (output tokens − 1).
+ITL: every gap between consecutive tokens of a request. Throughput: over first arrival → last finish.
+Goodput: completed requests per second that meet every SLO target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.request import Request, Status
+
+
+@dataclass
+class RequestRecords:
+    """Per-request outcomes with every token's time, flat (token_times[offsets[i]:offsets[i+1]])."""
+
+    id: np.ndarray
+    replica: np.ndarray
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    completed: np.ndarray
+    reject_reason: list[str]
+    num_preemptions: np.ndarray
+    token_times: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def first_token_s(self) -> np.ndarray:
+        has = self.offsets[1:] > self.offsets[:-1]
+        return np.where(has, self.token_times[np.minimum(self.offsets[:-1], len(self.token_times) - 1)], np.nan) \
+            if len(self.token_times) else np.full(len(self.id), np.nan)
+
+    @property
+    def finish_s(self) -> np.ndarray:
+        has = self.offsets[1:] > self.offsets[:-1]
+        return np.where(has, self.token_times[np.maximum(self.offsets[1:] - 1, 0)], np.nan) \
+            if len(self.token_times) else np.full(len(self.id), np.nan)
+
+
+def records_from_requests(requests: list[Request], token_times: np.ndarray | None = None,
+                          offsets: np.ndarray | None = None) -> RequestRecords:
+    """Build records. Token times: flat `token_times` with `offsets`, or each request's own list."""
+    if token_times is None:
+        counts = np.array([len(r.token_times) for r in requests], dtype=np.int64)
+        token_times = np.fromiter((t for r in requests for t in r.token_times), float, int(counts.sum()))
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    counts = np.diff(offsets)
+    return RequestRecords(
+        id=np.array([r.id for r in requests], dtype=np.int64),
+        replica=np.array([r.replica for r in requests], dtype=np.int64),
+        arrival_s=np.array([r.arrival_s for r in requests], dtype=float),
+        prompt_len=np.array([r.prompt_len for r in requests], dtype=np.int64),
+        output_len=counts,
+        completed=np.array([r.status is Status.FINISHED for r in requests], dtype=bool),
+        reject_reason=[r.reject_reason or "" for r in requests],
+        num_preemptions=np.array([r.num_preemptions for r in requests], dtype=np.int64),
+        token_times=token_times,
+        offsets=offsets,
+    )
+
+
+def summarize(x: np.ndarray) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (numpy's linear percentiles, as vLLM's benchmark); None when empty."""
+    x = x[~np.isnan(x)]
+    if not len(x):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def per_request_latency(rec: RequestRecords) -> dict[str, np.ndarray]:
+    """ttft, e2e, tpot per request (nan where undefined: rejected, or tpot with one output token)."""
+    ttft = rec.first_token_s - rec.arrival_s
+    e2e = rec.finish_s - rec.arrival_s
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(rec.output_len > 1, (e2e - ttft) / (rec.output_len - 1), np.nan)
+    done = rec.completed
+    return {"ttft": np.where(done, ttft, np.nan), "e2e": np.where(done, e2e, np.nan),
+            "tpot": np.where(done, tpot, np.nan)}
+
+
+def inter_token_latencies(rec: RequestRecords) -> np.ndarray:
+    """Every gap between consecutive tokens of the same completed request."""
+    gaps = np.diff(rec.token_times)
+    same = np.ones(len(gaps), dtype=bool)
+    boundaries = rec.offsets[1:-1] - 1  # gap index that would cross from request i to i+1
+    same[boundaries[(boundaries >= 0) & (boundaries < len(gaps))]] = False
+    in_done = np.repeat(rec.completed, rec.output_len)[1:] if len(gaps) else np.zeros(0, bool)
+    return gaps[same & in_done]
+
+
+def slo_mask(lat: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> np.ndarray:
+    """Per request: completed and within every target (a request with one token has no TPOT to miss)."""
+    ok = ~np.isnan(lat["e2e"])
+    if ttft_s is not None:
+        ok &= lat["ttft"] <= ttft_s
+    if tpot_s is not None:
+        ok &= np.isnan(lat["tpot"]) | (lat["tpot"] <= tpot_s)
+    return ok
+
+
+def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+                    slo_quantile: float = 0.9) -> dict:
+    """The latency / throughput / SLO sections of report.json."""
+    n = len(rec.id)
+    done = rec.completed
+    lat = per_request_latency(rec)
+    finish = rec.finish_s[done]
+    duration = float(finish.max() - rec.arrival_s.min()) if done.any() else 0.0
+    out_tokens = int(rec.output_len[done].sum())
+    in_tokens = int(rec.prompt_len[done].sum())
+    rate = (lambda v: v / duration if duration > 0 else 0.0)
+    good = slo_mask(lat, ttft_slo_s, tpot_slo_s)
+    reasons: dict[str, int] = {}
+    for reason, c in zip(rec.reject_reason, done):
+        if not c:
+            key = reason or "unknown"
+            reasons[key] = reasons.get(key, 0) + 1
+
+    def q(x):
+        x = x[~np.isnan(x)]
+        return float(np.quantile(x, slo_quantile)) if len(x) else None
+
+    ttft_q, tpot_q = q(lat["ttft"]), q(lat["tpot"])
+    slo_met = (ttft_slo_s is None or (ttft_q is not None and ttft_q <= ttft_slo_s)) and \
+              (tpot_slo_s is None or tpot_q is None or tpot_q <= tpot_slo_s) and bool(done.any())
+    return {
+        "requests": {"arrived": n, "completed": int(done.sum()), "rejected": int(n - done.sum()),
+                     "rejected_by_reason": reasons},
+        "duration_s": duration,
+        "ttft_s": summarize(lat["ttft"]),
+        "tpot_s": summarize(lat["tpot"]),
+        "itl_s": summarize(inter_token_latencies(rec)),
+        "e2e_s": summarize(lat["e2e"]),
+        "throughput": {"requests_per_s": rate(int(done.sum())), "output_tokens_per_s": rate(out_tokens),
+                       "total_tokens_per_s": rate(out_tokens + in_tokens)},
+        "goodput_requests_per_s": rate(int(good.sum())),
+        "slo_attainment": float(good.sum() / n) if n else 0.0,
+        "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s, "quantile": slo_quantile,
+                "ttft_at_quantile_s": ttft_q, "tpot_at_quantile_s": tpot_q, "met": bool(slo_met)},
+    }

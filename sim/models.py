@@ -1,0 +1,149 @@
+"""Model architectures: the catalog, explicit specs, Hugging Face config.json loading, sizes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from sim.errors import ConfigError
+from sim.schema_base import StrictModel
+
+WeightDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+
+# Bytes per weight; int8/int4 carry one fp16 scale and zero point per group of 128 (GPTQ/AWQ style).
+BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
+
+
+class ModelSpec(StrictModel):
+    """A llama-family decoder, described by the numbers in its config.json."""
+
+    name: str = "custom"
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt | None = None
+    intermediate_size: PositiveInt
+    vocab_size: PositiveInt
+    max_position_embeddings: PositiveInt = 4096
+    weight_dtype: WeightDtype = "fp16"
+    kv_dtype: Literal["fp32", "fp16", "bf16", "fp8"] | None = Field(
+        default=None, description="KV cache element type; default: the activation dtype")
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelSpec":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        return self
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def act_dtype(self) -> str:
+        """Activations and matmuls run in this dtype (int8/int4 are weight-only quantization)."""
+        return "fp32" if self.weight_dtype == "fp32" else ("bf16" if self.weight_dtype == "bf16" else "fp16")
+
+    @property
+    def kv_bytes_per_element(self) -> float:
+        return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.kv_dtype or self.act_dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """2 (K and V) · layers · kv_heads · head_dim · bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.kv_bytes_per_element
+
+    @property
+    def params_per_layer(self) -> int:
+        h, d = self.hidden_size, self.head_size
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
+        return attn + 3 * h * self.intermediate_size + 2 * h  # SwiGLU gate/up/down + two RMSNorms
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters every token multiplies through (all decoder layers; not embeddings or lm_head)."""
+        return self.num_layers * self.params_per_layer
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.linear_params + self.embedding_params + lm_head + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> float:
+        """Decoder layers at weight_dtype; embeddings and lm_head stay in the activation dtype."""
+        act = BYTES_PER_PARAM[self.act_dtype]
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.linear_params * BYTES_PER_PARAM[self.weight_dtype] + (self.embedding_params + lm_head) * act
+
+
+def _spec(name, layers, hidden, heads, kv_heads, inter, vocab, max_pos, **kw) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                     intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_pos, **kw)
+
+
+# Numbers from each model's public config.json.
+MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
+    _spec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _spec("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _spec("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _spec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0, weight_dtype="bf16"),
+    _spec("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0, weight_dtype="bf16"),
+    _spec("Mistral-7B", 32, 4096, 32, 8, 14336, 32000, 32768, weight_dtype="bf16"),
+    _spec("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, rope_theta=100000.0,
+          tie_word_embeddings=True, weight_dtype="bf16"),
+]}
+
+
+def catalog_model(name: str, key_path: str = "model") -> ModelSpec:
+    """Look a model up by name, case-insensitively."""
+    for known, spec in MODEL_CATALOG.items():
+        if known.lower() == name.lower():
+            return spec
+    raise ConfigError(f"unknown model {name!r}; allowed: {', '.join(MODEL_CATALOG)}, an explicit "
+                      "architecture, or {hf_config: path/to/config.json}", key_path)
+
+
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def model_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
+    """Build a ModelSpec from the dict of a Hugging Face llama-family config.json."""
+    heads = config["num_attention_heads"]
+    return ModelSpec(
+        name=name,
+        num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim"),
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        weight_dtype=_DTYPES.get(config.get("torch_dtype") or config.get("dtype") or "float16", "fp16"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+    )
+
+
+def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
+    """Read a config.json file (or a folder holding one) into a ModelSpec."""
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+        return model_from_hf_config(config, name=path.parent.name or "hf-model")
+    except FileNotFoundError:
+        raise ConfigError(f"file not found: {path}; expected a Hugging Face config.json", key_path) from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path} is not a usable llama-family config.json ({type(e).__name__}: {e}); "
+                          "needs num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
+                          "vocab_size", key_path) from None

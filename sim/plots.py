@@ -1,0 +1,56 @@
+"""PNG plots for a report: latency CDFs, KV-cache use and batch size over time."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sim.metrics import RequestRecords, inter_token_latencies, per_request_latency  # noqa: E402
+
+MAX_POINTS = 4000
+
+
+def _cdf(ax, x: np.ndarray, label: str) -> None:
+    x = np.sort(x[~np.isnan(x)])
+    if len(x):
+        ax.plot(x * 1000, np.arange(1, len(x) + 1) / len(x), label=label)
+
+
+def _thin(a: np.ndarray) -> np.ndarray:
+    return a[:: max(1, len(a) // MAX_POINTS)]
+
+
+def write_plots(out_dir: Path, rec: RequestRecords, replicas: list) -> list[Path]:
+    """Write latency_cdf.png, kv_cache.png and batch_size.png; returns their paths."""
+    lat = per_request_latency(rec)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))):
+        _cdf(ax, inter_token_latencies(rec) if key == "itl" else lat[key], title)
+        ax.set(title=title, xlabel="ms", ylabel="fraction of requests" if key != "itl" else "fraction of gaps")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = [out_dir / "latency_cdf.png"]
+    fig.savefig(paths[0], dpi=90)
+    plt.close(fig)
+
+    for name, col, ylabel in (("kv_cache.png", 2, "KV blocks used (%)"), ("batch_size.png", 1, "running sequences")):
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for i, r in enumerate(replicas):
+            a = _thin(np.asarray(r.samples, float)) if r.samples else np.zeros((0, 5))
+            y = a[:, col] / r.num_blocks * 100 if col == 2 else a[:, col]
+            ax.step(a[:, 0], y, where="post", label=f"replica {i}", lw=0.8)
+            if col == 1 and len(replicas) == 1:
+                ax.step(a[:, 0], a[:, 4], where="post", label="waiting", lw=0.8, alpha=0.7)
+        ax.set(xlabel="time (s)", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if len(replicas) > 1 or col == 1:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,113 @@
+"""One serving replica as a SimPy process: one event per engine step (or per run of identical steps)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import simpy
+
+from sim.cost_model import StepCostModel
+from sim.request import Request
+from sim.scheduler import Scheduler
+
+# Longest run of identical decode steps taken as one event; bounds the work wasted when cut short.
+MAX_BULK_STEPS = 4096
+
+
+class Replica:
+    """Engine loop of one replica. Time advances by the cost model's prediction for each step.
+
+    Token times are not stored per token: each request keeps runs of steps (first step, last step)
+    and the replica keeps each step's end time and whether the step decoded every running request,
+    from which metrics rebuild every token's time.
+    """
+
+    def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
+                 next_arrival: Callable[[], float], bulk: bool = True,
+                 on_finish: Callable[[Request], None] | None = None):
+        self.env = env
+        self.index = index
+        self.scheduler = scheduler
+        self.cost = cost
+        self.next_arrival = next_arrival
+        self.bulk = bulk
+        self.on_finish = on_finish
+        self.clock = 0.0
+        self.step_end: list[float] = []
+        self.step_decodes_all: list[bool] = []
+        # (time, running sequences, KV blocks used, KV tokens stored, waiting) after each event
+        self.samples: list[tuple[float, int, int, int, int]] = []
+        self.wakeup: simpy.Event | None = None
+        self.process = env.process(self.run())
+
+    @property
+    def num_outstanding(self) -> int:
+        return self.scheduler.num_outstanding
+
+    def add(self, req: Request) -> bool:
+        """Hand an arriving request to the scheduler; wakes the engine if it was idle."""
+        req.replica = self.index
+        accepted = self.scheduler.add(req)
+        if accepted and self.wakeup is not None and not self.wakeup.triggered:
+            self.wakeup.succeed(req.arrival_s)
+        return accepted
+
+    def run(self):
+        sched, cost, env = self.scheduler, self.cost, self.env
+        while True:
+            batch = sched.schedule() if sched.has_work() else None
+            if not batch:
+                if sched.has_work():  # an empty engine can always take the head of its queue
+                    raise RuntimeError(f"replica {self.index}: work queued but nothing schedulable")
+                self.wakeup = env.event()
+                self.clock = max(self.clock, (yield self.wakeup))
+                self.wakeup = None
+                continue
+            step = len(self.step_end)
+            if batch.decode_only and self.bulk:
+                horizon = self.next_arrival()
+                b, s = batch.shape.num_seqs, batch.shape.sum_context
+                # steps only get slower as contexts grow, so this many reach the next arrival
+                k_max = MAX_BULK_STEPS if horizon == math.inf else \
+                    min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
+                k_max = sched.decode_horizon(max(k_max, 1))
+                clock, k = self.clock, 0
+                while k < k_max:  # stop at the step during which the next request arrives
+                    clock += cost.decode_time(b, s)
+                    self.step_end.append(clock)
+                    s += b
+                    k += 1
+                    if clock >= horizon:
+                        break
+                self.step_decodes_all.extend([True] * k)
+                yield env.timeout(max(0.0, clock - env.now))
+                finished = sched.advance_decode(k)
+            else:
+                k = 1
+                clock = self.clock + cost.step_time(batch.shape)
+                self.step_end.append(clock)
+                self.step_decodes_all.append(batch.decodes)
+                for r in batch.preempted:
+                    if r.run_start >= 0:
+                        r.runs.append((r.run_start, step - 1))
+                        r.run_start = -1
+                yield env.timeout(max(0.0, clock - env.now))
+                started, finished = sched.complete_step(batch)
+                for r in started:
+                    r.run_start = step
+                    if r.first_token_s is None:
+                        r.first_token_s = clock
+            self.clock = clock
+            last = step + k - 1
+            for r in finished:
+                r.runs.append((r.run_start, last))
+                r.run_start = -1
+                r.finish_s = clock
+                if self.on_finish:
+                    self.on_finish(r)
+            kv = sched.kv
+            self.samples.append((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+
+
+def no_more_arrivals() -> float:
+    return math.inf

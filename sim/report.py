@@ -1,0 +1,134 @@
+"""The report contract: report.json, requests.csv, plots and a console table, for sim and executor alike."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from sim.metrics import RequestRecords, compute_metrics, per_request_latency
+from sim.scenario import Plan
+
+GiB = 2**30
+
+
+def kv_usage(samples: list[tuple], num_blocks: int, block_size: int) -> dict[str, float]:
+    """Time-weighted KV use of one replica from its (time, running, used blocks, stored tokens, waiting)
+    samples; `reserved_unused` is the reserved-but-unused share (what paging removes)."""
+    if len(samples) < 2:
+        return {"mean": 0.0, "reserved_unused": 0.0}
+    a = np.asarray(samples, float)
+    dt = np.diff(a[:, 0])
+    used = a[:-1, 2]
+    total = dt.sum()
+    if total <= 0:
+        return {"mean": 0.0, "reserved_unused": 0.0}
+    reserved = used * block_size
+    unused = np.where(reserved > 0, 1 - a[:-1, 3] / np.maximum(reserved, 1), 0.0)
+    busy = dt * (used > 0)
+    return {"mean": float((used / num_blocks * dt).sum() / total),
+            "reserved_unused": float((unused * busy).sum() / busy.sum()) if busy.sum() > 0 else 0.0}
+
+
+def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_s: float, engine: str = "sim",
+                 extra: dict | None = None) -> dict:
+    """Assemble report.json. `replicas`: objects with samples, num_blocks, block_size, peak_blocks,
+    num_preemptions and step_end (the simulator's ReplicaTrace; the executor fills the same)."""
+    sc = plan.scenario
+    m = compute_metrics(records, sc.slo.ttft_s, sc.slo.tpot_s, sc.slo.quantile)
+    usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
+    out_tok_s = m["throughput"]["output_tokens_per_s"]
+    usd_per_hour = plan.hardware.price_per_hour * sc.replicas
+    report = {
+        "scenario": {"name": sc.name, "model": plan.model.name, "hardware": plan.hardware.name,
+                     "replicas": sc.replicas, "router": sc.router, "batching": sc.serving.batching,
+                     "kv_allocator": sc.kv_cache.allocator, "config": sc.model_dump(mode="json")},
+        "engine": engine,
+        **m,
+        "kv_cache": {
+            "peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
+            "mean_utilization": float(np.mean([u["mean"] for u in usage])),
+            "reserved_unused_fraction": float(np.mean([u["reserved_unused"] for u in usage])),
+            "preemptions": int(sum(r.num_preemptions for r in replicas)),
+            "num_blocks": replicas[0].num_blocks, "block_size": replicas[0].block_size,
+            "bytes_per_token": plan.model.kv_bytes_per_token,
+            "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size,
+        },
+        "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
+                       "kv_cache": plan.num_blocks * plan.block_size * plan.model.kv_bytes_per_token / GiB,
+                       "device": plan.hardware.memory_gib},
+        "cost": {"usd_per_hour": usd_per_hour,
+                 "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
+        "engine_steps": int(sum(len(r.step_end) for r in replicas)),
+        "wall_time_s": wall_time_s,
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def write_requests_csv(path: Path, rec: RequestRecords) -> None:
+    lat = per_request_latency(rec)
+    first, finish = rec.first_token_s, rec.finish_s
+
+    def num(x: float) -> str:
+        return "" if math.isnan(x) else f"{x:.6f}"
+
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "status", "reject_reason",
+                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions"])
+        for i in range(len(rec.id)):
+            w.writerow([int(rec.id[i]), int(rec.replica[i]), f"{rec.arrival_s[i]:.6f}", int(rec.prompt_len[i]),
+                        int(rec.output_len[i]), "completed" if rec.completed[i] else "rejected",
+                        rec.reject_reason[i], num(first[i]), num(finish[i]), num(lat["ttft"][i]),
+                        num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i])])
+
+
+def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas: list, plots: bool = True) -> None:
+    """Write report.json, requests.csv and the PNG plots into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_requests_csv(out_dir / "requests.csv", records)
+    if plots:
+        from sim.plots import write_plots  # matplotlib is slow to import; only when plotting
+        write_plots(out_dir, records, replicas)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else (f"{x * 1000:.1f}" if isinstance(x, float) else str(x))
+
+
+def print_summary(report: dict, console=None) -> None:
+    """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = report["scenario"]
+    rq = report["requests"]
+    console.print(f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}  "
+                  f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
+    console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
+                  + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))
+    t = Table("latency (ms)", "mean", "p50", "p90", "p99")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        v = report[key]
+        t.add_row(label, *(_fmt(v[q]) for q in ("mean", "p50", "p90", "p99")))
+    console.print(t)
+    th = report["throughput"]
+    kv = report["kv_cache"]
+    slo = report["slo"]
+    cost = report["cost"]
+    console.print(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
+                  f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s")
+    console.print(f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms): "
+                  f"{'met' if slo['met'] else 'MISSED'}; attainment {report['slo_attainment'] * 100:.1f}%")
+    console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
+                  f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
+                  f"{kv['capacity_tokens']} tokens")
+    per_m = cost["usd_per_million_output_tokens"]
+    console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
+                  + f"; simulated in {report['wall_time_s']:.2f} s")

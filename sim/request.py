@@ -1,0 +1,60 @@
+"""A request's serving state, shared by the simulator and the executor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One request as the scheduler and KV allocator see it (token counts, not token ids).
+
+    Known tokens are the prompt plus the outputs so far; `num_computed` of them have K/V in the cache.
+    A step computes some of the rest; when none are left the step samples one output token.
+    """
+
+    id: int
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_generated: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_swapped_blocks: int = 0
+    swap_blocks: int = 0  # blocks copied to or from host memory in the current step
+    num_preemptions: int = 0
+    replica: int = 0
+    reject_reason: str | None = None
+    finish_reason: str | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    run_start: int = -1
+    sync_step: int = 0
+    decode_tag: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_generated
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_generated
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.REJECTED)

@@ -1,0 +1,414 @@
+"""Schedulers: which requests run in the next engine step. Plain Python, no SimPy, no torch.
+
+The simulator's replica and the executor's engine call the same objects; only the clock differs.
+Continuous batching follows vLLM (FCFS, prefill-first, recompute/swap preemption from the tail,
+optional chunked prefill with a per-step token budget) with TGI's waiting_served_ratio gate;
+static batching follows HF `generate` (padded batch that runs until its longest request ends).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from sim.decode_set import DecodeSet
+from sim.kv_cache import BlockAllocator
+from sim.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batching: str = "continuous"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = False
+    prefill_chunk_size: int = 4096
+    waiting_served_ratio: float | None = None
+    max_waiting_tokens: int | None = None
+    max_model_len: int = 4096
+    preemption: str = "recompute"
+    batch_size: int = 8
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """What one engine step computes, as the cost model sees it (padded rows included)."""
+
+    num_seqs: int
+    num_new_tokens: int
+    sum_context: int  # tokens in the KV cache after the step, over all sequences
+    attn_pairs: int  # (query, key) pairs attention computes, causal within each prompt
+    num_sampled: int  # sequences whose logits are computed (a prompt chunk that ends mid-prompt has none)
+    swap_blocks: int = 0
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One engine step: every decoding request steps one token (if `decodes`), plus prompt chunks.
+
+    Decoding requests' counters are kept lazily by the DecodeSet; `rows()` brings them up to date.
+    """
+
+    shape: BatchShape
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decodes: bool = True  # this step decodes every decoding request (False: a prefill-only step)
+    decode_only: bool = False  # nothing but decodes: the next steps repeat it until something changes
+    preempted: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    padded: bool = False
+
+    def __bool__(self) -> bool:
+        return self.shape.num_seqs > 0
+
+    def rows(self) -> list[tuple[Request, int, int]]:
+        """(request, new tokens, context length after the step) per real sequence, decodes first.
+        The counters of decode rows must be current (the scheduler's `sync_all`)."""
+        return [(r, 1, r.num_computed + 1) for r in self.decode] + \
+               [(r, n, r.num_computed + n) for r, n in self.prefill]
+
+
+def _prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
+    tokens = ctx = pairs = sampled = 0
+    for r, n in prefill:
+        c = r.num_computed + n
+        tokens += n
+        ctx += c
+        pairs += n * (c - n) + n * (n + 1) // 2  # each new token attends to everything before it
+        sampled += c == r.num_tokens
+    return tokens, ctx, pairs, sampled
+
+
+class Scheduler:
+    """Continuous (in-flight) batching over a paged or contiguous KV allocator.
+
+    `eager=False` (the simulator) leaves decoding requests' counters stale between events, so a step
+    costs O(events), not O(batch); the executor keeps them current.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True):
+        self.cfg = cfg
+        self.kv = kv
+        self.eager = eager
+        self.waiting: deque[Request] = deque()
+        self.running: dict[Request, None] = {}  # admission order: preemption takes from the end
+        self.prefilling: dict[Request, None] = {}  # running, prompt not fully computed (chunked)
+        self.swapped: deque[Request] = deque()
+        self.decoding = DecodeSet(None if kv.contiguous else kv.block_size)
+        self.steps_since_admission = 0
+        self.num_preemptions = 0
+
+    # -- arrivals -------------------------------------------------------------------------------
+    def add(self, req: Request) -> bool:
+        """Queue a request, or reject it with a reason if it can never be served."""
+        total = req.prompt_len + req.max_tokens
+        reason = None
+        if req.prompt_len < 1 or req.max_tokens < 1:
+            reason = "prompt and output need at least one token each"
+        elif total > self.cfg.max_model_len:
+            reason = "prompt_len + max_tokens exceeds max_model_len"
+        elif self.kv.blocks_for(total - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
+            reason = "needs more KV cache than the whole cache"
+        if reason:
+            req.status, req.reject_reason = Status.REJECTED, reason
+            return False
+        self.waiting.append(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose K/V is in the cache now."""
+        return self.decoding.sum_computed + sum(r.num_computed for r in self.prefilling)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step's batch; allocates its KV blocks and may preempt."""
+        batch = self._schedule()
+        self.kv.note_peak()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
+        budget = self.cfg.max_num_batched_tokens
+        if self.cfg.enable_chunked_prefill:
+            preempted = self._grow_decodes()
+            budget -= len(self.decoding)
+            prefill = self._continue_prefills(budget, preempted)
+            budget -= sum(n for _, n in prefill)
+            swapped_in = [] if preempted else self._swap_in(budget)
+            budget -= len(swapped_in)
+            admitted = [] if preempted or self.swapped else self._admit(budget, chunked=True)
+            self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
+            return self._batch(prefill + admitted, True, preempted, swapped_in)
+        if not self.swapped:
+            admitted = self._admit(budget, chunked=False)
+            if admitted:
+                self.steps_since_admission = 0
+                return self._batch(admitted, False, [], [])
+        preempted = self._grow_decodes()
+        swapped_in = [] if preempted else self._swap_in(budget - len(self.decoding))
+        self.steps_since_admission += 1
+        return self._batch([], True, preempted, swapped_in)
+
+    def _grow_decodes(self) -> list[Request]:
+        """Give a new block to every decoding request that fills its last one this step; when none is
+        free, preempt from the end of the running order (possibly the request itself)."""
+        preempted: list[Request] = []
+        dec, free = self.decoding, self.kv.free_blocks
+        while (r := dec.grant_blocks(dec.steps, free)) is not None:
+            while True:
+                victim = next(reversed(self.running))
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+                if free:
+                    dec.sync(r)
+                    self.kv.append_block(r)
+                    dec.push_block_need(r, len(r.block_table) * self.kv.block_size)
+                    break
+        return preempted
+
+    def _continue_prefills(self, budget: int, preempted: list[Request]) -> list[tuple[Request, int]]:
+        """Next chunks of partly computed prompts; short of blocks, the newest prefill is preempted."""
+        out: list[tuple[Request, int]] = []
+        for r in list(self.prefilling):
+            if r not in self.prefilling:
+                continue
+            n = min(r.num_uncomputed, self.cfg.prefill_chunk_size, budget)
+            if n <= 0:
+                break
+            while not self.kv.can_allocate(r, r.num_computed + n):
+                victim = next(reversed(self.prefilling))
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            else:
+                self.kv.allocate(r, r.num_computed + n)
+                out.append((r, n))
+                budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Take `req` off the device: swap its blocks to host memory, or free them to recompute later."""
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req in self.decoding:
+            self.decoding.leave(req)
+        del self.running[req]
+        self.prefilling.pop(req, None)
+        if self.cfg.preemption == "swap" and req.num_generated and self.kv.can_swap_out(req):
+            req.status = Status.SWAPPED
+            req.swap_blocks = self.kv.swap_out(req)
+            self.swapped.append(req)
+            return
+        self.kv.free(req)
+        req.num_computed = 0  # recompute: the prompt and the outputs so far are prefilled again
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def _swap_in(self, budget: int) -> list[Request]:
+        out = []
+        while self.swapped and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            r = self.swapped[0]
+            if not self.kv.can_allocate(r, r.num_computed + 1):
+                break
+            self.swapped.popleft()
+            r.swap_blocks = self.kv.swap_in(r, r.num_computed + 1)
+            r.status = Status.RUNNING
+            self.running[r] = None
+            self.decoding.join(r, self._block_capacity(r))
+            out.append(r)
+            budget -= 1
+        return out
+
+    def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
+        """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
+        cfg = self.cfg
+        picks: list[tuple[Request, int]] = []
+        free = self.kv.num_free - self.kv.watermark_blocks
+        slots = cfg.max_num_seqs - len(self.running)
+        for r in self.waiting:
+            if len(picks) >= slots or budget <= 0:
+                break
+            n = min(r.num_uncomputed, cfg.prefill_chunk_size, budget) if chunked else r.num_uncomputed
+            need = self.kv.extra_blocks(r, r.num_computed + n)
+            if n > budget or need > free:
+                break
+            free -= need
+            budget -= n
+            picks.append((r, n))
+        if not picks or not self._gate_open(len(picks)):
+            return []
+        for r, n in picks:
+            self.waiting.popleft()
+            self.kv.allocate(r, r.num_computed + n)
+            r.status = Status.RUNNING
+            self.running[r] = None
+            self.prefilling[r] = None
+        return picks
+
+    def _gate_open(self, num_admissible: int) -> bool:
+        """TGI: pause the running batch for a prefill only if enough requests wait, or they waited long."""
+        ratio, max_wait = self.cfg.waiting_served_ratio, self.cfg.max_waiting_tokens
+        if not self.running or ratio is None:
+            return True
+        if max_wait is not None and self.steps_since_admission >= max_wait:
+            return True
+        return num_admissible >= int(len(self.running) * ratio)
+
+    def _block_capacity(self, r: Request) -> int | None:
+        return None if self.kv.contiguous else len(r.block_table) * self.kv.block_size
+
+    def _batch(self, prefill, decodes, preempted, swapped_in) -> ScheduledBatch:
+        tokens, ctx, pairs, sampled = _prefill_shape(prefill)
+        b = len(self.decoding) if decodes else 0
+        s = self.decoding.sum_computed + b if decodes else 0  # context after the step, decodes only
+        swap = (sum(r.swap_blocks for r in preempted if r.status is Status.SWAPPED)
+                + sum(r.swap_blocks for r in swapped_in)) if preempted or swapped_in else 0
+        shape = BatchShape(b + len(prefill), b + tokens, s + ctx, s + pairs, b + sampled, swap)
+        decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling
+        # the simulator never reads the decode rows: skip the O(batch) copy there
+        rows = list(self.decoding.members) if decodes and self.eager else []
+        return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in)
+
+    # -- after the step -------------------------------------------------------------------------
+    def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = ()) -> tuple[list[Request], list[Request]]:
+        """Account for a finished step. Returns (requests that got their first token of a run — prompt
+        done or swapped in —, requests that finished). Every decode row got one token.
+        `stopped`: requests the executor saw emit EOS this step."""
+        dec = self.decoding
+        if batch.decodes:
+            dec.advance(1)
+        started, finished = list(batch.swapped_in), []
+        for r, n in batch.prefill:
+            r.num_computed += n
+            if r.num_computed < r.num_tokens:
+                continue  # a prompt chunk: no token yet
+            self.prefilling.pop(r, None)
+            r.num_generated += 1
+            started.append(r)
+            if r.num_generated >= r.max_tokens or r in stopped:
+                finished.append(self._finish(r))
+            else:
+                dec.join(r, self._block_capacity(r))
+        for r in dec.pop_finished():
+            finished.append(self._finish(r))
+        for r in stopped:
+            if r in dec:
+                dec.leave(r)
+                finished.append(self._finish(r))
+        if self.eager:
+            self.sync_all()
+        return started, finished
+
+    def _finish(self, r: Request) -> Request:
+        r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
+        r.status = Status.FINISHED
+        del self.running[r]
+        self.kv.free(r)
+        return r
+
+    def sync_all(self) -> None:
+        """Bring every decoding request's counters up to date."""
+        for r in self.decoding.members:
+            self.decoding.sync(r)
+
+    # -- many identical decode steps at once (simulator only) ----------------------------------
+    def decode_horizon(self, k_max: int) -> int:
+        """How many decode steps, the scheduled one included, would be scheduled identically (absent
+        arrivals): until a request finishes, a block allocation could fail, or the TGI wait limit trips."""
+        dec = self.decoding
+        k = min(k_max, dec.next_finish() - dec.steps)
+        max_wait = self.cfg.max_waiting_tokens
+        if self.waiting and max_wait is not None and self.cfg.waiting_served_ratio is not None \
+                and self.steps_since_admission - 1 < max_wait:
+            k = min(k, max_wait - (self.steps_since_admission - 1))
+        if k > 1 and dec.block_size:
+            k = dec.block_horizon(k, self.kv.num_free)
+        return max(k, 1)
+
+    def advance_decode(self, k: int) -> list[Request]:
+        """Apply the remaining k - 1 steps of a decode-only run (k ≤ decode_horizon) and account for all
+        k; returns the requests that finished."""
+        dec = self.decoding
+        if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
+            raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
+        self.kv.note_peak()
+        dec.advance(k)
+        self.steps_since_admission += k - 1
+        finished = [self._finish(r) for r in dec.pop_finished()]
+        if self.eager:
+            self.sync_all()
+        return finished
+
+
+class StaticScheduler(Scheduler):
+    """Static batching (HF `generate`): a padded batch of up to batch_size requests runs until its
+    longest request ends; finished rows keep computing padding and their memory stays reserved."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True):
+        super().__init__(cfg, kv, eager)
+        self.decoding = DecodeSet(None)  # every row reserves its padded length up front
+        self.rows = 0
+        self.padded_context = 0
+
+    def _schedule(self) -> ScheduledBatch:
+        if self.running and not self.decoding:  # every row is done: release the batch
+            for r in self.running:
+                self.kv.free(r)
+            self.running = {}
+        if not self.running:
+            return self._form_batch()
+        self.padded_context += 1
+        b, c = self.rows, self.padded_context
+        shape = BatchShape(b, b, b * c, b * c, b)
+        rows = list(self.decoding.members) if self.eager else []
+        return ScheduledBatch(shape, rows, [], True, True, padded=True)
+
+    def _form_batch(self) -> ScheduledBatch:
+        picks: list[Request] = []
+        max_prompt = max_out = 0
+        for r in self.waiting:
+            if len(picks) == self.cfg.batch_size:
+                break
+            p, o = max(max_prompt, r.prompt_len), max(max_out, r.max_tokens)
+            if (len(picks) + 1) * self.kv.blocks_for(p + o - 1) > self.kv.num_free:
+                break
+            picks.append(r)
+            max_prompt, max_out = p, o
+        if not picks:
+            return ScheduledBatch(BatchShape(0, 0, 0, 0, 0))
+        for r in picks:
+            self.waiting.popleft()
+            self.kv.allocate(r, max_prompt + max_out - 1)
+            r.status = Status.RUNNING
+            self.running[r] = None
+        b = self.rows = len(picks)
+        self.padded_context = max_prompt
+        pairs = b * (max_prompt * (max_prompt + 1) // 2)
+        shape = BatchShape(b, b * max_prompt, b * max_prompt, pairs, b)
+        return ScheduledBatch(shape, [], [(r, r.prompt_len) for r in picks], False, padded=True)
+
+    def _finish(self, r: Request) -> Request:
+        r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
+        r.status = Status.FINISHED  # keeps its row and its memory until the whole batch ends
+        return r
+
+    def decode_horizon(self, k_max: int) -> int:
+        return max(1, min(k_max, self.decoding.next_finish() - self.decoding.steps))
+
+    def advance_decode(self, k: int) -> list[Request]:
+        self.padded_context += k - 1
+        return super().advance_decode(k)
+
+
+def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True) -> Scheduler:
+    return (StaticScheduler if cfg.batching == "static" else Scheduler)(cfg, kv, eager)

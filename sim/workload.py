@@ -1,0 +1,399 @@
+"""The scenario's `workload:` section and the request generator it drives.
+
+A workload is either *synthetic* (an arrival process plus prompt/output length
+distributions) or a *trace replay* (a CSV with the Azure LLM trace 2023 schema),
+with optional bursts on top.  Generation is fully deterministic for a seed.
+
+Each length distribution has `sample(rng, n, load) -> int64 array of n lengths >= 1`, where
+`load(path)` returns a trace's arrays (used only by `empirical` with `trace`).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from sim.errors import ConfigError
+from sim.schema_base import StrictModel
+
+BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"}
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_MINUTE = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}")
+_TRACE_CACHE: dict = {}  # (resolved path, mtime_ns, size) -> arrays
+MAX_ZIPF_SUPPORT = 10_000_000  # the inverse-CDF table holds one float per support value
+
+
+class ArrivalConfig(StrictModel):
+    """Base arrival process at `rate` requests/s, first arrival at t=0.
+
+    `cv` (gamma only) is the coefficient of variation of the gaps: 1 is Poisson, > 1 bursty.
+    """
+
+    process: Literal["poisson", "gamma", "constant"]
+    rate: float = Field(gt=0)
+    cv: Optional[float] = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _cv_only_for_gamma(self) -> "ArrivalConfig":
+        if self.process == "gamma" and self.cv is None:
+            raise ValueError("process 'gamma' needs 'cv' (1 = Poisson, > 1 = bursty)")
+        if self.process != "gamma" and self.cv is not None:
+            raise ValueError(f"'cv' applies only to process 'gamma', not '{self.process}'")
+        return self
+
+
+class BurstConfig(StrictModel):
+    """`count` extra requests that all arrive at `at_s` (simulation seconds)."""
+
+    at_s: float = Field(ge=0)
+    count: int = Field(gt=0)
+
+
+class _Bounded(StrictModel):
+    """Length distributions with `min`/`max` bounds check their order."""
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if getattr(self, "max", None) is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class FixedLength(StrictModel):
+    """Every request has length `value`."""
+
+    dist: Literal["fixed"]
+    value: int = Field(ge=1)
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        return np.full(n, self.value, dtype=np.int64)
+
+
+class UniformLength(_Bounded):
+    """Integers in [min, max], both inclusive."""
+
+    dist: Literal["uniform"]
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        return rng.integers(self.min, self.max + 1, size=n, dtype=np.int64)
+
+
+class LognormalLength(_Bounded):
+    """exp(Normal(ln median, sigma)), rounded to integers and clipped to [min, max]."""
+
+    dist: Literal["lognormal"]
+    median: float = Field(gt=0)
+    sigma: float = Field(ge=0)
+    min: int = Field(default=1, ge=1)
+    max: Optional[int] = Field(default=None, ge=1)
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        x = np.rint(rng.lognormal(math.log(self.median), self.sigma, size=n))
+        # an unbounded tail still has to fit an int64 (a huge sigma overflows to inf)
+        hi = self.max if self.max is not None else 2**31 - 1
+        return np.clip(x, self.min, hi).astype(np.int64)
+
+
+class ZipfLength(_Bounded):
+    """Power law P(k) ∝ k^-a over the integers min..max (inverse-CDF sampling)."""
+
+    dist: Literal["zipf"]
+    a: float = Field(gt=1)
+    min: int = Field(default=1, ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _small_support(self):
+        if self.max - self.min + 1 > MAX_ZIPF_SUPPORT:
+            raise ValueError(f"max - min + 1 must be <= {MAX_ZIPF_SUPPORT:,}")
+        return self
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        support = np.arange(self.min, self.max + 1, dtype=np.int64)
+        cdf = np.cumsum(support.astype(float) ** -self.a)
+        idx = np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right")
+        # guard against the float edge case u*total == total
+        return support[np.minimum(idx, len(support) - 1)]
+
+
+class EmpiricalLength(StrictModel):
+    """Either `values` (+ optional `weights`, drawn ∝ weight) or a trace `column` to resample."""
+
+    dist: Literal["empirical"]
+    values: Optional[list[Annotated[int, Field(ge=1)]]] = None
+    weights: Optional[list[Annotated[float, Field(ge=0)]]] = None
+    trace: Optional[str] = Field(default=None, description='CSV path or "builtin:azure_conv"')
+    column: Optional[Literal["ContextTokens", "GeneratedTokens"]] = None
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        with_values = (self.values, self.weights) != (None, None)
+        if with_values == (self.trace is not None or self.column is not None):
+            raise ValueError("empirical takes either 'values' (+ optional 'weights') "
+                             "or 'trace' + 'column' (ContextTokens or GeneratedTokens)")
+        if with_values:
+            if not self.values:
+                raise ValueError("'values' must be a non-empty list")
+            w = self.weights
+            if w is not None and (len(w) != len(self.values) or sum(w) <= 0):
+                raise ValueError(f"'weights' ({len(w)} entries) must match 'values' "
+                                 f"({len(self.values)} entries) and have a positive sum")
+        elif self.trace is None or self.column is None:
+            raise ValueError("empirical from a trace needs both 'trace' and 'column'")
+        else:
+            _check_trace_name(self.trace)
+        return self
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        if self.values is not None:
+            p = None
+            if self.weights is not None:
+                p = np.asarray(self.weights, dtype=float) / sum(self.weights)
+            return rng.choice(np.asarray(self.values, dtype=np.int64), size=n, p=p)
+        _, prompt, output = load(self.trace)
+        col = prompt if self.column == "ContextTokens" else output
+        return np.maximum(col[rng.integers(0, len(col), size=n)], 1)
+
+
+LengthDist = Annotated[
+    Union[FixedLength, UniformLength, LognormalLength, ZipfLength, EmpiricalLength],
+    Field(discriminator="dist"),
+]
+
+
+def _check_trace_name(path: str) -> None:
+    if path.startswith("builtin:") and path not in BUILTIN_TRACES:
+        raise ValueError(f"unknown builtin trace '{path}'; known: {', '.join(BUILTIN_TRACES)}")
+
+
+class TraceConfig(StrictModel):
+    """Replay a CSV with the Azure LLM trace 2023 schema: TIMESTAMP, ContextTokens, GeneratedTokens.
+
+    `path` is relative to the scenario file's folder, or "builtin:azure_conv" for the shipped
+    trace.  `start_s`/`end_s` select rows by trace seconds since the first row ([start, end)),
+    then `max_requests` keeps the first N of those.  Kept arrivals are re-based so the first is
+    at t=0, then inter-arrival times are DIVIDED by `time_scale`: 2.0 replays twice as fast
+    (double the load), 0.5 at half speed.  `prompt_len`/`output_len`, if given, replace the
+    trace's lengths (trace timing, synthetic lengths).
+    """
+
+    path: str
+    time_scale: float = Field(default=1.0, gt=0)
+    start_s: float = Field(default=0.0, ge=0)
+    end_s: Optional[float] = None
+    max_requests: Optional[int] = Field(default=None, gt=0)
+    prompt_len: Optional[LengthDist] = None
+    output_len: Optional[LengthDist] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _check_trace_name(self.path)
+        if self.end_s is not None and self.end_s <= self.start_s:
+            raise ValueError(f"end_s ({self.end_s}) must be > start_s ({self.start_s})")
+        return self
+
+
+class WorkloadConfig(StrictModel):
+    """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
+    `num_requests` / `duration_s`.  `bursts` add requests on top of either."""
+
+    seed: int = Field(default=0, ge=0)
+    trace: Optional[TraceConfig] = None
+    arrival: Optional[ArrivalConfig] = None
+    prompt_len: Optional[LengthDist] = None
+    output_len: Optional[LengthDist] = None
+    num_requests: Optional[int] = Field(default=None, gt=0)
+    duration_s: Optional[float] = Field(default=None, gt=0)
+    bursts: list[BurstConfig] = []
+
+    @model_validator(mode="after")
+    def _one_mode(self):
+        synthetic = {k: getattr(self, k) for k in
+                     ("arrival", "prompt_len", "output_len", "num_requests", "duration_s")}
+        if self.trace is not None:
+            given = [k for k, v in synthetic.items() if v is not None]
+            if given:
+                raise ValueError(f"with 'trace', drop {given}: use either 'trace' (lengths may be "
+                                 "overridden inside it) or arrival/prompt_len/output_len + "
+                                 "num_requests|duration_s")
+            return self
+        missing = [k for k in ("arrival", "prompt_len", "output_len") if synthetic[k] is None]
+        if missing:
+            raise ValueError(f"missing {missing}: give either 'trace', or 'arrival', 'prompt_len', "
+                             "'output_len' and one of 'num_requests' / 'duration_s'")
+        if (self.num_requests is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of 'num_requests' or 'duration_s'")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    id: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+def _bad(path: Path, key_path: str, what: str) -> ConfigError:
+    return ConfigError(f"trace file '{path}': {what} (expected a CSV with columns "
+                       f"{', '.join(TRACE_COLUMNS)}; TIMESTAMP like 2023-11-16 18:15:46.6805900)",
+                       key_path)
+
+
+def _num(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        return math.nan
+
+
+def _column(cells, shown, name, expect, ok, path, key_path) -> np.ndarray:
+    """Parse `cells` as floats in bulk; report the first cell that isn't a number or fails `ok`."""
+    try:
+        v = np.array(cells, dtype=float)
+    except ValueError:
+        v = np.array([_num(c) for c in cells])
+    bad = np.flatnonzero(~ok(v))
+    if len(bad):
+        raise _bad(path, key_path, f"row {bad[0] + 2}: {name} {shown[bad[0]]!r} is not {expect}")
+    return v
+
+
+def load_trace(path: str | Path, key_path: str = "workload.trace.path"
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Read an Azure-2023-schema CSV into (arrival_s, prompt_len, output_len) numpy arrays.
+
+    Arrays are in file order; arrival_s is seconds since the first (earliest) row.  `path` may be
+    "builtin:azure_conv".  Any problem with the file raises ConfigError at `key_path`.  Results
+    are cached per (file, mtime, size) and returned read-only, as sweeps replay one trace often.
+    """
+    path = BUILTIN_TRACES.get(str(path), Path(path))
+    try:
+        st = path.stat()
+        cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    except OSError:
+        cache_key = None  # open() below reports the problem
+    if cache_key in _TRACE_CACHE:
+        return _TRACE_CACHE[cache_key]
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = [r for r in csv.reader(f) if r]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise _bad(path, key_path, f"cannot read it ({e.__class__.__name__}: {e})") from None
+    header = [h.strip() for h in rows[0]] if rows else []
+    missing = [c for c in TRACE_COLUMNS if c not in header]
+    if missing:
+        raise _bad(path, key_path, f"missing column(s) {missing}, found {header}")
+    if len(rows) < 2:
+        raise _bad(path, key_path, "no data rows")
+    idx = [header.index(c) for c in TRACE_COLUMNS]
+    short = next((i for i, r in enumerate(rows[1:]) if len(r) <= max(idx)), None)
+    if short is not None:
+        raise _bad(path, key_path, f"row {short + 2} has too few cells")
+    ts, ctx, gen = ([r[i].strip() for r in rows[1:]] for i in idx)
+    # Per-row datetime parsing is slow and fromisoformat (< 3.11) rejects 7 fractional digits, so
+    # split "YYYY-MM-DD HH:MM" (few distinct values, parsed by numpy) from the seconds (floats).
+    minutes = {m: i for i, m in enumerate(dict.fromkeys(t[:16] for t in ts))}
+    good = {m for m in minutes if _MINUTE.fullmatch(m)}
+    secs = [t[17:] if t[16:17] == ":" and t[:16] in good else "nan" for t in ts]
+    seconds = _column(secs, ts, "TIMESTAMP", "a date-time like 2023-11-16 18:15:46.6805900",
+                      lambda v: (v >= 0) & (v < 61), path, key_path)
+    base = np.array([m.replace(" ", "T") for m in minutes], dtype="datetime64[m]")
+    whole = (base - base.min()).astype(np.int64)[[minutes[t[:16]] for t in ts]]
+    arrival = whole * 60.0 + seconds
+    count = "an integer >= 0"
+    is_count = lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))  # noqa: E731
+    prompt = _column(ctx, ctx, "ContextTokens", count, is_count, path, key_path)
+    output = _column(gen, gen, "GeneratedTokens", count, is_count, path, key_path)
+    result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))
+    for a in result:
+        a.flags.writeable = False
+    if cache_key is not None:
+        _TRACE_CACHE[cache_key] = result
+    return result
+
+
+class _Traces:
+    """Trace access for one scenario: relative paths resolve against the scenario's folder."""
+
+    def __init__(self, base_dir: Path | None):
+        self.base_dir = base_dir
+
+    def load(self, path: str, key_path: str):
+        if path not in BUILTIN_TRACES and self.base_dir is not None:
+            path = str(Path(self.base_dir) / path)  # an absolute path survives the join unchanged
+        return load_trace(path, key_path)
+
+    def draw(self, dist, rng, n: int, key_path: str) -> np.ndarray:
+        return dist.sample(rng, n, lambda p: self.load(p, f"{key_path}.trace"))
+
+
+def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None, rng) -> np.ndarray:
+    """Arrival times starting at t=0: the first `n`, or all those < `duration`."""
+    if a.process == "constant":
+        count = n if n is not None else math.ceil(duration * a.rate)
+        t = np.arange(count) / a.rate  # i/rate, not a cumsum, so gaps are exact
+        return t if duration is None else t[t < duration]
+
+    def gaps(m: int) -> np.ndarray:
+        if a.process == "poisson":
+            return rng.exponential(1.0 / a.rate, size=m)
+        k = 1.0 / a.cv ** 2
+        return rng.gamma(k, 1.0 / (a.rate * k), size=m)
+
+    if n is not None:
+        return np.concatenate(([0.0], np.cumsum(gaps(n - 1))))
+    chunks = [np.zeros(1)]
+    while chunks[-1][-1] < duration:  # usually one chunk; more only when the draw runs short
+        chunks.append(chunks[-1][-1] + np.cumsum(gaps(max(1024, int(1.1 * duration * a.rate)))))
+    t = np.concatenate(chunks)
+    return t[t < duration]
+
+
+def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
+    """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order.
+
+    `base_dir` is the scenario file's folder, for relative trace paths.  Arrivals, each length
+    stream and the bursts use independent child generators of `seed`, so changing a length
+    distribution or adding bursts leaves the other draws unchanged.
+    """
+    rng_arr, rng_p, rng_o, rng_bp, rng_bo = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(5))
+    traces = _Traces(base_dir)
+    n_burst = sum(b.count for b in cfg.bursts)
+    if cfg.trace is not None:
+        tr, key = cfg.trace, "workload.trace"
+        t, prompt, output = traces.load(tr.path, f"{key}.path")
+        end = tr.end_s if tr.end_s is not None else np.inf
+        rows = np.flatnonzero((t >= tr.start_s) & (t < end))
+        rows = rows[np.argsort(t[rows], kind="stable")][:tr.max_requests]
+        if len(rows) == 0:
+            raise ConfigError(f"the window [{tr.start_s}, {tr.end_s}) s selects no requests "
+                              f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", key)
+        arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
+        # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
+        rows = np.concatenate((rows, rng_bp.choice(rows, size=n_burst)))
+        prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
+        if tr.prompt_len is not None:
+            prompt = traces.draw(tr.prompt_len, rng_p, len(rows), f"{key}.prompt_len")
+        if tr.output_len is not None:
+            output = traces.draw(tr.output_len, rng_o, len(rows), f"{key}.output_len")
+    else:
+        arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
+        n, kp, ko = len(arrivals), "workload.prompt_len", "workload.output_len"
+        prompt = np.concatenate((traces.draw(cfg.prompt_len, rng_p, n, kp),
+                                 traces.draw(cfg.prompt_len, rng_bp, n_burst, kp)))
+        output = np.concatenate((traces.draw(cfg.output_len, rng_o, n, ko),
+                                 traces.draw(cfg.output_len, rng_bo, n_burst, ko)))
+    arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
+    order = np.argsort(arrivals, kind="stable")
+    columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
+    return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]

@@ -1,0 +1,5 @@
+import os
+
+# Nothing may download weights or data at test time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
