@@ -360,11 +360,18 @@ class StaticScheduler(Scheduler):
         self.rows = 0
         self.padded_context = 0
 
-    def _schedule(self) -> ScheduledBatch:
+    def _release_if_done(self) -> None:
         if self.running and not self.decoding:  # every row is done: release the batch
             for r in self.running:
                 self.kv.free(r)
             self.running = {}
+
+    def complete_step(self, batch, stopped=()):
+        out = super().complete_step(batch, stopped)
+        self._release_if_done()
+        return out
+
+    def _schedule(self) -> ScheduledBatch:
         if not self.running:
             return self._form_batch()
         self.padded_context += 1
@@ -407,7 +414,9 @@ class StaticScheduler(Scheduler):
 
     def advance_decode(self, k: int) -> list[Request]:
         self.padded_context += k - 1
-        return super().advance_decode(k)
+        finished = super().advance_decode(k)
+        self._release_if_done()
+        return finished
 
 
 def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True) -> Scheduler:
