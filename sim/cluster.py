@@ -132,11 +132,11 @@ def sim_records(result: RunResult) -> RequestRecords:
     b = np.searchsorted(decode_steps, lasts, side="right")
     per_run = 1 + (b - a)
     run_off = np.concatenate([[0], np.cumsum(per_run)])
-    j = np.arange(run_off[-1]) - np.repeat(run_off[:-1], per_run)  # index of the token within its run
-    idx = np.where(j == 0, np.repeat(starts, per_run),
-                   decode_steps[np.clip(np.repeat(a, per_run) + j - 1, 0, max(len(decode_steps) - 1, 0))]
-                   if len(decode_steps) else np.repeat(starts, per_run))
-    token_times = ends[idx] if len(idx) else np.zeros(0)
+    # token j ≥ 1 of a run is decode step a + j - 1; token 0 is the run's first step
+    pos = np.repeat(a - 1 - run_off[:-1], per_run) + np.arange(run_off[-1])
+    idx = decode_steps[np.maximum(pos, 0)] if len(decode_steps) else np.zeros(run_off[-1], np.int64)
+    idx[run_off[:-1]] = starts
+    token_times = ends[idx]
     counts = np.bincount(np.asarray(owners, np.int64), weights=per_run, minlength=len(result.requests))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return records_from_requests(result.requests, token_times, offsets)

@@ -21,6 +21,25 @@ class StepCostModel(Protocol):
         `sum_context` tokens in their caches after the step. Must equal step_time of that shape
         exactly: the simulator takes many such steps at once."""
 
+    def decode_run(self, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+                   step_end: list[float]) -> tuple[int, float]:
+        """Take up to `k_max` decode steps from `clock`, appending each step's end time to `step_end`;
+        stop after the step that reaches `until`. Returns (steps taken, clock)."""
+
+
+def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+               step_end: list[float]) -> tuple[int, float]:
+    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
+    k = 0
+    while k < k_max:
+        clock += cost.decode_time(num_seqs, sum_context)
+        step_end.append(clock)
+        sum_context += num_seqs
+        k += 1
+        if clock >= until:
+            break
+    return k, clock
+
 
 class RooflineCostModel:
     """Per operator group, time = max(FLOPs / achieved peak, bytes / achieved bandwidth); summed, plus
@@ -62,3 +81,21 @@ class RooflineCostModel:
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         return self._time(num_seqs, num_seqs, num_seqs, sum_context, sum_context)
+
+    def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
+        # _time with its per-batch terms hoisted; the same float operations in the same order, and
+        # max(s*p, s*q) == s*max(p, q) exactly (rounding is monotonic), so results are bit-identical
+        b = num_seqs
+        linear = max(b * self.s_per_linear_token + b * self.s_per_logit_row,
+                     self.s_weights + b * self.s_per_act_token)
+        per_ctx = max(self.s_per_attn_pair, self.s_per_kv_token)
+        overhead, per_seq = self.step_overhead_s, b * self.per_seq_overhead_s
+        s, k, append = sum_context, 0, step_end.append
+        while k < k_max:
+            clock += linear + s * per_ctx + overhead + per_seq
+            append(clock)
+            s += b
+            k += 1
+            if clock >= until:
+                break
+        return k, clock

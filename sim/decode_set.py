@@ -2,7 +2,8 @@
 
 Every step of a decode batch adds one token to every member, so members' counters need not be
 touched per step: a member stores the step count at which its counters were last brought up to date,
-and two heaps say when something happens to it — it finishes, or it fills its last KV block. The
+and the set knows when something happens to it: it finishes (a heap), or it fills its last KV block
+(a calendar of steps: members step in lockstep, so a block is due every block_size steps). The
 simulator then pays per event, not per token; the executor syncs members after every step.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ class DecodeSet:
         self.members: dict[Request, None] = {}
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
-        self._blocks: list[tuple[int, int, Request]] = []
+        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
+        self._cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
     def __len__(self) -> int:
@@ -38,7 +40,7 @@ class DecodeSet:
         self.sum_computed += r.num_computed
         heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
         if block_capacity is not None and self.block_size:
-            heapq.heappush(self._blocks, (self.steps + block_capacity - r.num_computed, tag, r))
+            self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((tag, r))
 
     def sync(self, r: Request) -> None:
         d = self.steps - r.sync_step
@@ -74,22 +76,31 @@ class DecodeSet:
 
     def push_block_need(self, r: Request, block_capacity: int) -> None:
         """Record when a (synced) member next fills its blocks."""
-        heapq.heappush(self._blocks, (self.steps + block_capacity - r.num_computed, r.decode_tag, r))
+        self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((r.decode_tag, r))
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        heap = self._blocks
-        while heap and heap[0][0] <= upto:
-            step, tag, r = heap[0]
-            if r.decode_tag != tag:
-                heapq.heappop(heap)
-            elif not free_blocks:
-                heapq.heappop(heap)
-                return r
-            else:
-                r.block_table.append(free_blocks.pop())
-                heapq.heapreplace(heap, (step + self.block_size, tag, r))
+        due, bs = self._due, self.block_size
+        while self._cursor <= upto:
+            step = self._cursor
+            bucket = due.pop(step, None)
+            if bucket:
+                bucket.sort()
+                for i, (tag, r) in enumerate(bucket):
+                    if r.decode_tag != tag:
+                        continue
+                    if not free_blocks:
+                        if i + 1 < len(bucket):
+                            due[step] = bucket[i + 1:]
+                        return r
+                    r.block_table.append(free_blocks.pop())
+                    nxt = due.get(step + bs)
+                    if nxt is None:
+                        due[step + bs] = [(tag, r)]
+                    else:
+                        nxt.append((tag, r))
+            self._cursor += 1
         return None
 
     def block_horizon(self, k: int, num_free: int) -> int:

@@ -71,14 +71,7 @@ class Replica:
                 k_max = MAX_BULK_STEPS if horizon == math.inf else \
                     min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
                 k_max = sched.decode_horizon(max(k_max, 1))
-                clock, k = self.clock, 0
-                while k < k_max:  # stop at the step during which the next request arrives
-                    clock += cost.decode_time(b, s)
-                    self.step_end.append(clock)
-                    s += b
-                    k += 1
-                    if clock >= horizon:
-                        break
+                k, clock = cost.decode_run(b, s, self.clock, k_max, horizon, self.step_end)
                 self.step_decodes_all.extend([True] * k)
                 yield env.timeout(max(0.0, clock - env.now))
                 finished = sched.advance_decode(k)

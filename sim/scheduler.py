@@ -125,6 +125,8 @@ class Scheduler:
     @property
     def num_kv_tokens(self) -> int:
         """Tokens whose K/V is in the cache now."""
+        if not self.prefilling:
+            return self.decoding.sum_computed
         return self.decoding.sum_computed + sum(r.num_computed for r in self.prefilling)
 
     # -- one step -------------------------------------------------------------------------------
@@ -231,6 +233,8 @@ class Scheduler:
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
+        if not self.waiting:
+            return []
         cfg = self.cfg
         picks: list[tuple[Request, int]] = []
         free = self.kv.num_free - self.kv.watermark_blocks
