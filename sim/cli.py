@@ -35,7 +35,10 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     from sim.workload import generate_requests
 
     _, plan = load_scenario(path)
-    specs = generate_requests(plan.scenario.workload, plan.base_dir)
+    try:
+        specs = generate_requests(plan.scenario.workload, plan.base_dir)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
     console = Console(stderr=True)
     show = not quiet and console.is_terminal and len(specs) >= 2000
     if show:
