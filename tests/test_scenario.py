@@ -1,0 +1,56 @@
+"""Scenario resolution: catalogs, overrides, HF config.json, memory budget."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.errors import ConfigError
+from sim.hardware import HARDWARE_CATALOG
+from sim.models import MODEL_CATALOG
+from tests.helpers import plan_of, scenario
+
+SMOL_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+               "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+               "max_position_embeddings": 8192, "rope_theta": 100000, "tie_word_embeddings": True,
+               "torch_dtype": "bfloat16", "vocab_size": 49152}
+
+
+def test_model_from_hf_config_json_matches_catalog(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOL_CONFIG))
+    plan = plan_of(scenario(model={"hf_config": str(tmp_path / "config.json")}))
+    cat = MODEL_CATALOG["SmolLM2-135M"]
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size",
+                  "vocab_size", "tie_word_embeddings", "weight_dtype", "num_params", "kv_bytes_per_token"):
+        assert getattr(plan.model, field) == getattr(cat, field), field
+
+
+def test_overrides_on_a_catalog_base():
+    plan = plan_of(scenario(model={"base": "Llama-2-7B", "weight_dtype": "int4"},
+                            hardware={"base": "A100-80GB", "price_per_hour": 9.0}))
+    assert plan.model.weight_bytes < 0.3 * MODEL_CATALOG["Llama-2-7B"].weight_bytes
+    assert plan.hardware.price_per_hour == 9.0
+    assert plan.hardware.memory_bandwidth == HARDWARE_CATALOG["A100-80GB"].memory_bandwidth
+
+
+def test_kv_blocks_follow_the_memory_budget():
+    plan = plan_of(scenario(hardware="A100-80GB"))
+    model, hw = plan.model, plan.hardware
+    kv = hw.memory_bytes * 0.9 - model.weight_bytes - plan.activation_bytes
+    assert plan.num_blocks == int(kv // (16 * model.kv_bytes_per_token))
+    contiguous = plan_of(scenario(hardware="A100-80GB", kv_cache={"allocator": "contiguous"}))
+    assert contiguous.block_size == 4096 and contiguous.num_blocks == int(kv // (4096 * model.kv_bytes_per_token))
+
+
+@pytest.mark.parametrize("overrides, path", [
+    ({"model": "Llama-2-70B", "hardware": "L4"}, "hardware"),
+    ({"model": {"base": "Llama-2-7B", "num_kv_heads": 5}}, "model"),
+    ({"serving": {"max_num_batched_tokens": 1024}}, "serving.max_num_batched_tokens"),
+    ({"model": "GPT-5"}, "model"),
+    ({"hardware": "TPU-v9"}, "hardware"),
+])
+def test_impossible_configs_name_the_key(overrides, path):
+    with pytest.raises(ConfigError) as e:
+        plan_of(scenario(**overrides))
+    assert e.value.key_path == path
+    assert "\n" not in e.value.one_line()
