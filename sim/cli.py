@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from sim.errors import ConfigError
 
@@ -77,13 +77,14 @@ def models() -> None:
     """List the model catalog."""
     from sim.models import MODEL_CATALOG
 
-    t = Table("name", "params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+    t = Table("params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
               "max_len", "dtype", "KV/token")
+    t.columns.insert(0, Column("name", no_wrap=True))
     for m in MODEL_CATALOG.values():
         t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size), str(m.num_heads),
                   str(m.num_kv_heads), str(m.head_size), str(m.intermediate_size), str(m.vocab_size),
                   str(m.max_position_embeddings), m.weight_dtype, f"{m.kv_bytes_per_token / 1024:.0f} KiB")
-    Console().print(t)
+    _wide_console().print(t)
 
 
 @app.command()
@@ -91,12 +92,22 @@ def hardware() -> None:
     """List the hardware catalog."""
     from sim.hardware import HARDWARE_CATALOG
 
-    t = Table("name", "memory", "bandwidth", "bf16 dense", "int8/fp8", "interconnect", "$/hour")
+    t = Table(Column("name", no_wrap=True), "memory", "bandwidth", "bf16 dense", "int8/fp8", "interconnect", "$/hour")
     for h in HARDWARE_CATALOG.values():
         t.add_row(h.name, f"{h.memory_gib:.1f} GiB", f"{h.memory_bandwidth / 1e9:,.0f} GB/s",
-                  f"{h.flops('bf16') / 1e12:,.1f} TFLOP/s", f"{h.flops('int8') / 1e12:,.1f}",
+                  _flops(h.flops("bf16")), _flops(h.flops("int8")),
                   f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s", f"{h.price_per_hour:.2f}")
-    Console().print(t)
+    _wide_console().print(t)
+
+
+def _flops(x: float) -> str:
+    return f"{x / 1e12:,.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:,.0f} GFLOP/s"
+
+
+def _wide_console() -> Console:
+    """Tables piped to a file or grep keep their full width."""
+    c = Console()
+    return c if c.is_terminal else Console(width=200)
 
 
 def main() -> None:

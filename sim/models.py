@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator
 
 from sim.errors import ConfigError
 from sim.schema_base import StrictModel
@@ -34,11 +34,13 @@ class ModelSpec(StrictModel):
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
 
-    @model_validator(mode="after")
-    def _check_heads(self) -> "ModelSpec":
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        return self
+    @field_validator("num_kv_heads")
+    @classmethod
+    def _check_heads(cls, kv_heads: int, info: ValidationInfo) -> int:
+        heads = info.data.get("num_heads")
+        if heads and heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
+        return kv_heads
 
     @property
     def head_size(self) -> int:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (BaseModel, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError,
@@ -105,39 +106,83 @@ class Plan:
     num_swap_blocks: int
 
 
-def _loc_to_path(loc: tuple) -> str:
+def _loc_to_path(loc: list) -> str:
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
-def _allowed_keys(cls: type[BaseModel], loc: tuple) -> list[str]:
-    """The keys a model accepts at `loc` (for 'unknown key' messages)."""
-    for part in loc[:-1]:
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
-        ann = getattr(field, "annotation", None)
-        candidates = [ann, *getattr(ann, "__args__", ())]
-        nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if nxt is None:
-            break
-        cls = nxt
-    return list(cls.model_fields)
+def _members(ann) -> list | None:
+    """The alternatives of a union annotation (Annotated and Optional unwrapped), else None."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    if get_origin(ann) not in (Union, UnionType):
+        return None
+    out = []
+    for a in get_args(ann):
+        if a is not type(None):
+            out.extend(_members(a) or [a])
+    return out
+
+
+def _tag_member(members: list, part: str):
+    """The union member a pydantic location part names: a discriminator value or a type name."""
+    for m in members:
+        if isinstance(m, type) and issubclass(m, BaseModel):
+            for f in m.model_fields.values():
+                if get_origin(f.annotation) is Literal and part in get_args(f.annotation):
+                    return m
+    return None
+
+
+def _walk(cls: type[BaseModel], loc: tuple) -> tuple[list, object]:
+    """Follow a pydantic error location through the schema: the user's key path (union member names
+    and discriminator tags dropped) and the type found at its end."""
+    path: list = []
+    cur: object = cls
+    for part in loc:
+        members = _members(cur)
+        if members is not None:
+            cur = _tag_member(members, part) if isinstance(part, str) else None
+            if cur is not None or (isinstance(part, str) and not part.isidentifier()) or part in (
+                    "str", "int", "float", "bool", "list", "dict"):
+                continue
+        if isinstance(part, int):
+            path.append(part)
+            args = get_args(cur)
+            cur = args[0] if args else None
+        elif isinstance(cur, type) and issubclass(cur, BaseModel) and part in cur.model_fields:
+            path.append(part)
+            cur = cur.model_fields[part].annotation
+        else:
+            path.append(part)
+            cur = None
+    return path, cur
 
 
 def validation_error(e: ValidationError, cls: type[BaseModel], prefix: str = "") -> ConfigError:
     """Turn pydantic's report into one line: key path, what is wrong, what is allowed."""
     err = e.errors()[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "-" in p)))
-    path = ".".join(p for p in (prefix, _loc_to_path(loc)) if p)
+    path, _ = _walk(cls, err["loc"])
+    where = ".".join(p for p in (prefix, _loc_to_path(path)) if p)
     if err["type"] == "extra_forbidden":
-        return ConfigError(f"unknown key; allowed: {', '.join(_allowed_keys(cls, loc))}", path)
+        _, parent = _walk(cls, err["loc"][:-1])
+        members = _members(parent)
+        if members:
+            parent = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+        allowed = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+        if prefix in ("model", "hardware") and not path[:-1]:
+            allowed.append("base")
+        return ConfigError(f"unknown key; allowed: {', '.join(allowed)}", where)
     if err["type"] == "missing":
-        return ConfigError("required key is missing", path)
+        return ConfigError("required key is missing", where)
+    if err["type"] in ("string_type", "dict_type") and path in (["model"], ["hardware"]):
+        return ConfigError("expected a catalog name or a mapping of keys", where)
     got = err.get("input")
     got_txt = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
     msg = err["msg"].removeprefix("Value error, ")
-    return ConfigError(msg + got_txt, path)
+    return ConfigError(msg + got_txt, where)
 
 
 def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
@@ -190,6 +235,10 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
     block_bytes = block_size * model.kv_bytes_per_token
     num_blocks = kv.num_blocks or int(kv_bytes // block_bytes)
+    if num_blocks * block_bytes > kv_bytes:
+        raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
+                          f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
+                          f"{int(kv_bytes // block_bytes)}", "kv_cache.num_blocks")
     if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
         raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
@@ -203,6 +252,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
 
 def parse_scenario(data: Any) -> Scenario:
     """Validate a scenario dict (already parsed from YAML)."""
+    if data is None:
+        raise ConfigError("the scenario is empty; it needs at least model, hardware and workload")
     if not isinstance(data, dict):
         raise ConfigError(f"a scenario is a mapping of keys; got {type(data).__name__}")
     try:
@@ -220,6 +271,8 @@ def load_scenario(path: str | Path) -> tuple[Scenario, Plan]:
         return scenario, make_plan(scenario, path.parent)
     except FileNotFoundError:
         raise ConfigError("scenario file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the scenario ({type(e).__name__}: {e})", file=str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -376,7 +376,7 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         rows = np.flatnonzero((t >= tr.start_s) & (t < end))
         rows = rows[np.argsort(t[rows], kind="stable")][:tr.max_requests]
         if len(rows) == 0:
-            raise ConfigError(f"the window [{tr.start_s}, {tr.end_s}) s selects no requests "
+            raise ConfigError(f"the window [{tr.start_s}, {'end' if tr.end_s is None else tr.end_s}) s selects no requests "
                               f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", key)
         arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
         # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired

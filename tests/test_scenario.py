@@ -44,7 +44,7 @@ def test_kv_blocks_follow_the_memory_budget():
 
 @pytest.mark.parametrize("overrides, path", [
     ({"model": "Llama-2-70B", "hardware": "L4"}, "hardware"),
-    ({"model": {"base": "Llama-2-7B", "num_kv_heads": 5}}, "model"),
+    ({"model": {"base": "Llama-2-7B", "num_kv_heads": 5}}, "model.num_kv_heads"),
     ({"serving": {"max_num_batched_tokens": 1024}}, "serving.max_num_batched_tokens"),
     ({"model": "GPT-5"}, "model"),
     ({"hardware": "TPU-v9"}, "hardware"),
