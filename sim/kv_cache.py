@@ -19,7 +19,7 @@ class BlockAllocator:
         self.watermark_blocks = int(watermark * num_blocks)
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.num_swap_blocks = num_swap_blocks
-        self.num_free_swap_blocks = num_swap_blocks
+        self.free_host_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.peak_used = 0
 
     @property
@@ -65,21 +65,29 @@ class BlockAllocator:
         self.free_blocks.extend(reversed(req.block_table))
         req.block_table = []
 
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self.free_host_blocks)
+
     def can_swap_out(self, req: Request) -> bool:
-        return len(req.block_table) <= self.num_free_swap_blocks
+        return len(req.block_table) <= len(self.free_host_blocks)
 
-    def swap_out(self, req: Request) -> int:
-        """Move req's blocks to host memory; returns the number of blocks copied."""
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        """Move req's blocks to host memory; returns (device block, host block) copies to make before the
+        device blocks are written again (i.e. before the step's forward)."""
         n = len(req.block_table)
-        self.num_free_swap_blocks -= n
-        req.num_swapped_blocks = n
+        host = self.free_host_blocks[-n:][::-1] if n else []
+        del self.free_host_blocks[len(self.free_host_blocks) - n:]
+        pairs = list(zip(req.block_table, host))
+        req.host_block_table = host
         self.free(req)
-        return n
+        return pairs
 
-    def swap_in(self, req: Request, num_tokens: int) -> int:
-        """Bring a swapped request back with room for `num_tokens`; returns blocks copied to the device."""
-        n = req.num_swapped_blocks
-        self.num_free_swap_blocks += n
-        req.num_swapped_blocks = 0
+    def swap_in(self, req: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Bring a swapped request back with room for `num_tokens`; returns (host block, device block)
+        copies to make before the step's forward."""
         self.allocate(req, num_tokens)
-        return n
+        pairs = list(zip(req.host_block_table, req.block_table))
+        self.free_host_blocks.extend(reversed(req.host_block_table))
+        req.host_block_table = []
+        return pairs

@@ -29,8 +29,8 @@ class Request:
     num_computed: int = 0
     num_generated: int = 0
     block_table: list[int] = field(default_factory=list)
-    num_swapped_blocks: int = 0
-    swap_blocks: int = 0  # blocks copied to or from host memory in the current step
+    host_block_table: list[int] = field(default_factory=list)  # where its KV waits while swapped out
+    swap_pairs: list[tuple[int, int]] = field(default_factory=list)  # block copies of the current step
     num_preemptions: int = 0
     replica: int = 0
     reject_reason: str | None = None

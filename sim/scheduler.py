@@ -56,7 +56,10 @@ class ScheduledBatch:
     decode_only: bool = False  # nothing but decodes: the next steps repeat it until something changes
     preempted: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies, first
     padded: bool = False
+    padding: list[Request] = field(default_factory=list)  # static batching: finished rows still computed
 
     def __bool__(self) -> bool:
         return self.shape.num_seqs > 0
@@ -208,7 +211,7 @@ class Scheduler:
         self.prefilling.pop(req, None)
         if self.cfg.preemption == "swap" and req.num_generated and self.kv.can_swap_out(req):
             req.status = Status.SWAPPED
-            req.swap_blocks = self.kv.swap_out(req)
+            req.swap_pairs = self.kv.swap_out(req)
             self.swapped.append(req)
             return
         self.kv.free(req)
@@ -223,7 +226,7 @@ class Scheduler:
             if not self.kv.can_allocate(r, r.num_computed + 1):
                 break
             self.swapped.popleft()
-            r.swap_blocks = self.kv.swap_in(r, r.num_computed + 1)
+            r.swap_pairs = self.kv.swap_in(r, r.num_computed + 1)
             r.status = Status.RUNNING
             self.running[r] = None
             self.decoding.join(r, self._block_capacity(r))
@@ -275,13 +278,15 @@ class Scheduler:
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         b = len(self.decoding) if decodes else 0
         s = self.decoding.sum_computed + b if decodes else 0  # context after the step, decodes only
-        swap = (sum(r.swap_blocks for r in preempted if r.status is Status.SWAPPED)
-                + sum(r.swap_blocks for r in swapped_in)) if preempted or swapped_in else 0
-        shape = BatchShape(b + len(prefill), b + tokens, s + ctx, s + pairs, b + sampled, swap)
+        swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
+        swap_in = [p for r in swapped_in for p in r.swap_pairs]
+        shape = BatchShape(b + len(prefill), b + tokens, s + ctx, s + pairs, b + sampled,
+                           len(swap_out) + len(swap_in))
         decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling
         # the simulator never reads the decode rows: skip the O(batch) copy there
         rows = list(self.decoding.members) if decodes and self.eager else []
-        return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in)
+        return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, swap_out=swap_out,
+                              swap_in=swap_in)
 
     # -- after the step -------------------------------------------------------------------------
     def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = ()) -> tuple[list[Request], list[Request]]:
@@ -355,14 +360,15 @@ class Scheduler:
 
 
 class StaticScheduler(Scheduler):
-    """Static batching (HF `generate`): a padded batch of up to batch_size requests runs until its
-    longest request ends; finished rows keep computing padding and their memory stays reserved."""
+    """Static batching: a batch of up to batch_size requests runs until its longest request ends.
+    Prompts are prefilled unpadded (varlen), but finished rows keep computing a padding token every
+    step and keep their memory (each row reserves the batch's longest prompt + output up front)."""
 
     def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True):
         super().__init__(cfg, kv, eager)
-        self.decoding = DecodeSet(None)  # every row reserves its padded length up front
+        self.decoding = DecodeSet(None)  # rows reserve their memory up front
         self.rows = 0
-        self.padded_context = 0
+        self.sum_context = 0  # over all rows, padding rows included
 
     def _release_if_done(self) -> None:
         if self.running and not self.decoding:  # every row is done: release the batch
@@ -378,11 +384,14 @@ class StaticScheduler(Scheduler):
     def _schedule(self) -> ScheduledBatch:
         if not self.running:
             return self._form_batch()
-        self.padded_context += 1
-        b, c = self.rows, self.padded_context
-        shape = BatchShape(b, b, b * c, b * c, b)
-        rows = list(self.decoding.members) if self.eager else []
-        return ScheduledBatch(shape, rows, [], True, True, padded=True)
+        b = self.rows
+        self.sum_context += b
+        shape = BatchShape(b, b, self.sum_context, self.sum_context, b)
+        rows, padding = [], []
+        if self.eager:
+            rows = list(self.decoding.members)
+            padding = [r for r in self.running if r not in self.decoding]
+        return ScheduledBatch(shape, rows, [], True, True, padded=True, padding=padding)
 
     def _form_batch(self) -> ScheduledBatch:
         picks: list[Request] = []
@@ -402,11 +411,10 @@ class StaticScheduler(Scheduler):
             self.kv.allocate(r, max_prompt + max_out - 1)
             r.status = Status.RUNNING
             self.running[r] = None
-        b = self.rows = len(picks)
-        self.padded_context = max_prompt
-        pairs = b * (max_prompt * (max_prompt + 1) // 2)
-        shape = BatchShape(b, b * max_prompt, b * max_prompt, pairs, b)
-        return ScheduledBatch(shape, [], [(r, r.prompt_len) for r in picks], False, padded=True)
+        prefill = [(r, r.prompt_len) for r in picks]
+        tokens, ctx, pairs, sampled = _prefill_shape(prefill)
+        self.rows, self.sum_context = len(picks), ctx
+        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled), [], prefill, False, padded=True)
 
     def _finish(self, r: Request) -> Request:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
@@ -417,7 +425,7 @@ class StaticScheduler(Scheduler):
         return max(1, min(k_max, self.decoding.next_finish() - self.decoding.steps))
 
     def advance_decode(self, k: int) -> list[Request]:
-        self.padded_context += k - 1
+        self.sum_context += (k - 1) * self.rows
         finished = super().advance_decode(k)
         self._release_if_done()
         return finished

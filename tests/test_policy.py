@@ -191,11 +191,12 @@ def test_static_batch_pads_and_holds_rows_until_the_longest_ends():
     for r in (a, b, c):
         s.add(r)
     first = s.schedule()
-    assert first.shape.num_seqs == 2 and first.shape.num_new_tokens == 2 * 10  # padded to the longest prompt
+    assert first.shape.num_seqs == 2 and first.shape.num_new_tokens == 4 + 10  # prompts unpadded
     s.complete_step(first)
     for _ in range(5):  # b's remaining 5 tokens; a's row keeps computing padding after a finished
         bt = s.schedule()
-        assert bt.shape.num_seqs == 2 and bt.decode_only
+        assert bt.shape.num_seqs == 2 and bt.decode_only  # a finished row still computes padding
+        assert bt.shape.sum_context == 4 + 10 + 2 * (len(b.token_times) + b.num_generated)
         if a.status is Status.FINISHED and b.status is Status.RUNNING:
             assert len(a.block_table) > 0  # a's row holds its memory until the batch is released
         s.complete_step(bt)
