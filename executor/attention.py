@@ -1,0 +1,365 @@
+"""Attention over a paged KV cache for a flat, packed (varlen) batch of sequences.
+
+A step packs the new tokens of several sequences into one flat batch of T tokens. Each
+sequence contributes `query_len` new tokens (a whole prompt, a chunk of one, or 1 for a
+decode) whose K/V have already been written to the cache; its `context_len` counts every
+cached token after the step. A query at position p attends to cached positions 0..p.
+
+Every backend has one signature, `backend(q [T, H, D], k_cache, v_cache, meta, scale)
+-> [T, H, D]`, where the caches are one layer's block pools `[num_blocks, block_size,
+num_kv_heads, D]`. Sequences with a single query (decodes) are attended as one padded
+batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the packed batch (one entry per sequence, in token order).
+
+    query_lens: new tokens of each sequence in this step (1 for a decode).
+    context_lens: tokens of each sequence in the cache after this step (old + new).
+    block_tables: physical block ids of each sequence, in logical order.
+    slot_mapping: LongTensor[T], flat slot `block_id * block_size + offset` of each new token.
+    block_size: tokens per block (block_size = max_model_len gives a contiguous cache).
+    Derived index tensors are computed once per step and shared by all layers.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    block_size: int
+    _context_slots: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _check_sequences(self.query_lens, self.context_lens, self.block_tables, self.block_size)
+        if self.slot_mapping.numel() != sum(self.query_lens):
+            raise ValueError("slot_mapping needs one slot per new token")
+
+    @classmethod
+    def build(cls, query_lens, context_lens, block_tables, block_size, device=None) -> "AttentionMetadata":
+        """Build metadata, deriving the slot mapping from the block tables."""
+        _check_sequences(query_lens, context_lens, block_tables, block_size)
+        seq, pos = _token_positions(query_lens, context_lens, device)
+        slots = _padded_tables(block_tables, device)[seq, pos // block_size] * block_size + pos % block_size
+        return cls(list(query_lens), list(context_lens), [list(b) for b in block_tables], slots, block_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+    @functools.cached_property
+    def cu_query_lens(self) -> list[int]:
+        """Start offset of each sequence in the flat batch, plus the total at the end."""
+        return [0, *itertools.accumulate(self.query_lens)]
+
+    def positions(self) -> torch.Tensor:
+        """LongTensor[T]: the position of each new token within its sequence."""
+        return _token_positions(self.query_lens, self.context_lens, self.device)[1]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """LongTensor[num_seqs]: row of each sequence's last new token (where logits are needed)."""
+        return torch.tensor(self.cu_query_lens[1:], dtype=torch.long, device=self.device) - 1
+
+    @functools.cached_property
+    def decode_seqs(self) -> list[int]:
+        """Sequences with a single query this step; they are batched together."""
+        return [i for i, q in enumerate(self.query_lens) if q == 1]
+
+    @functools.cached_property
+    def prefill_seqs(self) -> list[int]:
+        return [i for i, q in enumerate(self.query_lens) if q > 1]
+
+    @functools.cached_property
+    def decode_token_index(self) -> torch.Tensor:
+        return torch.tensor([self.cu_query_lens[i] for i in self.decode_seqs], dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """LongTensor[B, max_blocks] of the decode sequences, padded with block 0 (masked by position)."""
+        return _padded_tables([self.block_tables[i] for i in self.decode_seqs], self.device)
+
+    @functools.cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        return torch.tensor([self.context_lens[i] for i in self.decode_seqs], dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def decode_slots(self) -> torch.Tensor:
+        """LongTensor[B, max_context]: cache slot of every context position of each decode sequence."""
+        width = max(self.context_lens[i] for i in self.decode_seqs)
+        pos = torch.arange(width, device=self.device)
+        return self.decode_block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def context_slots(self, seq: int) -> torch.Tensor:
+        """LongTensor[context_len]: cache slot of every context position of sequence `seq`."""
+        if seq not in self._context_slots:
+            pos = torch.arange(self.context_lens[seq], device=self.device)
+            table = torch.tensor(self.block_tables[seq], dtype=torch.long, device=self.device)
+            self._context_slots[seq] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self._context_slots[seq]
+
+    def query_positions(self, seq: int) -> torch.Tensor:
+        """LongTensor[query_len]: positions of sequence `seq`'s new tokens."""
+        c = self.context_lens[seq]
+        return torch.arange(c - self.query_lens[seq], c, device=self.device)
+
+
+# ---- shared helpers ---------------------------------------------------------------------
+
+
+def _check_sequences(query_lens, context_lens, block_tables, block_size) -> None:
+    n = len(query_lens)
+    if len(context_lens) != n or len(block_tables) != n:
+        raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+    for q, c, bt in zip(query_lens, context_lens, block_tables):
+        if not 1 <= q <= c:
+            raise ValueError(f"need 1 <= query_len <= context_len, got {q}, {c}")
+        if len(bt) * block_size < c:
+            raise ValueError(f"block table of {len(bt)} blocks cannot hold {c} tokens")
+
+
+def _token_positions(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, position) of every new token, vectorized over the batch."""
+    q = torch.tensor(query_lens, dtype=torch.long, device=device)
+    first = torch.tensor(context_lens, dtype=torch.long, device=device) - q
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q)
+    offset = torch.arange(seq.numel(), device=device) - (torch.cumsum(q, 0) - q)[seq]
+    return seq, first[seq] + offset
+
+
+def _padded_tables(block_tables, device) -> torch.Tensor:
+    """LongTensor[num_seqs, max_blocks], short tables padded with block 0."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Copy the K or V rows at `slots` (any shape) out of a block pool -> [*slots.shape, kvh, D]."""
+    return cache.view(-1, cache.shape[-2], cache.shape[-1])[slots]
+
+
+def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, L, H, D] -> [B, kvh, L*G, D]: the G query heads sharing a kv head become extra rows,
+    so GQA/MQA is a plain batched matmul against the unrepeated K/V."""
+    b, l, h, d = q.shape
+    g = h // num_kv_heads
+    return q.view(b, l, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, l * g, d)
+
+
+def _ungroup(o: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, kvh, L*G, D] -> [B, L, H, D], inverse of `_group`."""
+    b, kvh, rows, d = o.shape
+    return o.view(b, kvh, length, rows // length, d).permute(0, 2, 1, 3, 4).reshape(b, length, -1, d)
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.shape[1] % k_cache.shape[-2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[-2]} kv heads")
+
+
+def _per_group(q, meta, attend_prefill, attend_decodes) -> torch.Tensor:
+    """Run a backend's prefill path per multi-token sequence and its decode path once for all
+    single-token sequences, scattering results back into token order."""
+    out = torch.empty_like(q)
+    for i in meta.prefill_seqs:
+        s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
+        out[s:e] = attend_prefill(q[s:e], i)
+    if meta.decode_seqs:
+        idx = meta.decode_token_index
+        out[idx] = attend_decodes(q[idx])
+    return out
+
+
+# ---- naive --------------------------------------------------------------------------------
+
+
+def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
+    """Reference: per sequence, gather K/V, repeat kv heads, full masked score matrix, softmax."""
+    _check_heads(q, k_cache)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k_cache.shape[-2]
+    out = torch.empty_like(q)
+    for i in range(len(meta.query_lens)):
+        s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
+        slots = meta.context_slots(i)
+        k = _gather(k_cache, slots).repeat_interleave(group, dim=1)  # [S, H, D]
+        v = _gather(v_cache, slots).repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q[s:e].float(), k.float()) * scale
+        causal = torch.arange(slots.numel(), device=q.device)[None, :] <= meta.query_positions(i)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        out[s:e] = torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
+    return out
+
+
+# ---- sdpa ---------------------------------------------------------------------------------
+
+
+def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
+    """torch SDPA on gathered K/V: one call per prefill, one padded call for all decodes."""
+    _check_heads(q, k_cache)
+    kvh = k_cache.shape[-2]
+
+    def prefill(qs, i):
+        slots = meta.context_slots(i)
+        k = _gather(k_cache, slots).transpose(0, 1)  # [kvh, S, D]
+        v = _gather(v_cache, slots).transpose(0, 1)
+        qt = qs.transpose(0, 1)  # [H, L, D]
+        length, ctx = qs.shape[0], slots.numel()
+        if length == ctx:
+            o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Chunked prefill: causal mask aligned to the bottom-right (queries are the last L positions).
+            mask = torch.arange(ctx, device=q.device)[None, :] <= meta.query_positions(i)[:, None]
+            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    def decodes(qd):
+        slots = meta.decode_slots  # [B, S]
+        k = _gather(k_cache, slots).transpose(1, 2)  # [B, kvh, S, D]
+        v = _gather(v_cache, slots).transpose(1, 2)
+        valid = torch.arange(slots.shape[1], device=q.device)[None, :] < meta.decode_context_lens[:, None]
+        mask = valid[:, None, None, :]
+        o = F.scaled_dot_product_attention(_group(qd[:, None], kvh), k, v, attn_mask=mask, scale=scale)
+        return _ungroup(o, 1)[:, 0]
+
+    return _per_group(q, meta, prefill, decodes)
+
+
+# ---- online softmax (flash and paged) -------------------------------------------------------
+
+
+def _online_softmax(q, row_pos, key_tiles, scale):
+    """FlashAttention's running max / running sum over key tiles; never holds the full scores.
+
+    q: [B, kvh, R, D] grouped queries; row_pos: [B, R] position of each query row.
+    key_tiles: iterable of (k [B, kvh, t, D], v [B, kvh, t, D], key_pos [t]) starting at key 0,
+    so every row sees a finite max after the first tile and later fully-masked tiles add zero.
+    """
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row_max = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    row_sum = torch.zeros(q.shape[:-1], device=q.device)
+    qf = q.float()
+    for k, v, key_pos in key_tiles:
+        scores = qf @ k.float().transpose(-1, -2) * scale  # [B, kvh, R, t]
+        scores.masked_fill_((key_pos[None, :] > row_pos[:, :, None])[:, None], float("-inf"))
+        new_max = torch.maximum(row_max, scores.amax(dim=-1))
+        correction = torch.exp(row_max - new_max)
+        p = torch.exp(scores - new_max[..., None])
+        row_sum = row_sum * correction + p.sum(dim=-1)
+        acc = acc * correction[..., None] + p @ v.float()
+        row_max = new_max
+    return (acc / row_sum[..., None]).to(q.dtype)
+
+
+def flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None, tile_size: int = 128):
+    """Tiled FlashAttention in torch: query tiles x key tiles of `tile_size`, online softmax,
+    key tiles past a query tile's last position skipped (causal)."""
+    _check_heads(q, k_cache)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kvh = k_cache.shape[-2]
+    group = q.shape[1] // kvh
+
+    def tiles(k, v, stop):
+        for s in range(0, stop, tile_size):
+            e = min(s + tile_size, stop)
+            yield k[:, :, s:e], v[:, :, s:e], torch.arange(s, e, device=q.device)
+
+    def prefill(qs, i):
+        slots = meta.context_slots(i)
+        k = _gather(k_cache, slots).transpose(0, 1)[None]  # [1, kvh, S, D]
+        v = _gather(v_cache, slots).transpose(0, 1)[None]
+        pos = meta.query_positions(i)
+        out = torch.empty_like(qs)
+        for s in range(0, qs.shape[0], tile_size):
+            e = min(s + tile_size, qs.shape[0])
+            row_pos = pos[s:e].repeat_interleave(group)[None]
+            last = meta.context_lens[i] - qs.shape[0] + e  # causal: later keys are unseen by this query tile
+            o = _online_softmax(_group(qs[None, s:e], kvh), row_pos, tiles(k, v, last), scale)
+            out[s:e] = _ungroup(o, e - s)[0]
+        return out
+
+    def decodes(qd):
+        slots = meta.decode_slots
+        k = _gather(k_cache, slots).transpose(1, 2)  # [B, kvh, S, D]
+        v = _gather(v_cache, slots).transpose(1, 2)
+        row_pos = (meta.decode_context_lens - 1)[:, None].expand(-1, group)
+        return _ungroup(_online_softmax(_group(qd[:, None], kvh), row_pos, tiles(k, v, slots.shape[1]), scale), 1)[:, 0]
+
+    return _per_group(q, meta, prefill, decodes)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
+    """PagedAttention in torch: walk the block table, each block is a key tile of the online
+    softmax; no contiguous copy of a sequence's K/V is made. A prefill reads its blocks as
+    views of the pool; the decode batch loads block j of every sequence per tile."""
+    _check_heads(q, k_cache)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kvh, bs = k_cache.shape[-2], meta.block_size
+    group = q.shape[1] // kvh
+
+    def prefill(qs, i):
+        ctx = meta.context_lens[i]
+        table = meta.block_tables[i]
+
+        def blocks():
+            for j in range(math.ceil(ctx / bs)):
+                n = min(bs, ctx - j * bs)  # last block may be partly filled
+                k = k_cache[table[j], :n].transpose(0, 1)[None]  # view into the pool: [1, kvh, n, D]
+                v = v_cache[table[j], :n].transpose(0, 1)[None]
+                yield k, v, torch.arange(j * bs, j * bs + n, device=q.device)
+
+        row_pos = meta.query_positions(i).repeat_interleave(group)[None]
+        return _ungroup(_online_softmax(_group(qs[None], kvh), row_pos, blocks(), scale), qs.shape[0])[0]
+
+    def decodes(qd):
+        tables = meta.decode_block_tables  # [B, max_blocks]
+        ctx = meta.decode_context_lens
+        max_ctx = max(meta.context_lens[i] for i in meta.decode_seqs)
+
+        def blocks():
+            for j in range(math.ceil(max_ctx / bs)):
+                n = min(bs, max_ctx - j * bs)
+                # One block per sequence per tile, like a kernel loading block j of every sequence.
+                k = k_cache[tables[:, j], :n].transpose(1, 2)
+                v = v_cache[tables[:, j], :n].transpose(1, 2)
+                yield k, v, torch.arange(j * bs, j * bs + n, device=q.device)
+
+        row_pos = (ctx - 1)[:, None].expand(-1, group)
+        return _ungroup(_online_softmax(_group(qd[:, None], kvh), row_pos, blocks(), scale), 1)[:, 0]
+
+    return _per_group(q, meta, prefill, decodes)
+
+
+# ---- registry -----------------------------------------------------------------------------
+
+AttentionBackend = Callable[..., torch.Tensor]
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,
+    "paged": paged_attention,
+}
+
+
+def get_backend(name: str, **options) -> AttentionBackend:
+    """Return the backend called `name`, with `options` (e.g. flash's tile_size) bound."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+    fn = BACKENDS[name]
+    return functools.partial(fn, **options) if options else fn

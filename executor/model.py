@@ -1,0 +1,250 @@
+"""A llama-family decoder in plain torch with a serving-engine forward (nano-vllm style).
+
+`forward` takes the flat packed tokens of a step (prefill chunks and decodes mixed), writes
+their K/V into the paged cache and attends through it; `compute_logits` runs the LM head only
+on the rows the caller needs (a prefill needs just its last position).
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.attention import AttentionMetadata, get_backend
+from executor.kv_cache import KVCache
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and numerics of a llama-family model (names follow the serving literature)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or HF's {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, hf) -> "LlamaConfig":
+        """Read a transformers LlamaConfig (v4 rope_theta/rope_scaling or v5 rope_parameters)."""
+        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+            raise NotImplementedError("projection biases are not supported")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {hf.hidden_act!r} is not supported")
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        heads = hf.num_attention_heads
+        return cls(
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            intermediate_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=hf.max_position_embeddings,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_id=getattr(hf, "eos_token_id", None),
+        )
+
+    def to_hf(self):
+        """The equivalent transformers LlamaConfig (for reference comparisons)."""
+        from transformers import LlamaConfig as HFLlamaConfig
+
+        return HFLlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+        )
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim/2], with HF's "linear" or "llama3" scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, indexed by each token's position (rotate-half layout)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim/2], broadcastable over heads."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by the position angles (HF's rotate_half convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, backend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        kv_cache.write(self.layer_idx, meta.slot_mapping, k, v.view(t, self.num_kv_heads, self.head_dim))
+        k_pool, v_pool = kv_cache.layer(self.layer_idx)
+        o = backend(q, k_pool, v_pool, meta, scale=self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta, kv_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. `attn_backend` is a name from executor.attention ("naive", "sdpa",
+    "flash", "paged") or a backend callable; change it any time via the attribute."""
+
+    def __init__(self, config: LlamaConfig, attn_backend="sdpa"):
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCache) -> torch.Tensor:
+        """Run one step over T packed tokens; returns the final-normed hidden states [T, hidden]."""
+        backend = get_backend(self.attn_backend) if isinstance(self.attn_backend, str) else self.attn_backend
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_caches, backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] for the given hidden rows only."""
+        return self.lm_head(hidden_rows)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy a transformers LlamaForCausalLM state_dict in (fusing q/k/v and gate/up)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
+            self.norm.weight.copy_(sd["model.norm.weight"])
+            if not self.config.tie_word_embeddings:
+                self.lm_head.weight.copy_(sd["lm_head.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+                layer.self_attn.qkv_proj.weight.copy_(torch.cat(attn))
+                layer.self_attn.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+                mlp = [sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]
+                layer.mlp.gate_up_proj.weight.copy_(torch.cat(mlp))
+                layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's weights under transformers' LlamaForCausalLM names (q/k/v and gate/up split)."""
+        c = self.config
+        sd = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight,
+              "lm_head.weight": self.lm_head.weight}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            sizes = [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+            q, k, v = layer.self_attn.qkv_proj.weight.split(sizes)
+            gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+            sd.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                       p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                       p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                       p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                       p + "input_layernorm.weight": layer.input_layernorm.weight,
+                       p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+        return {k: v.detach().clone() for k, v in sd.items()}

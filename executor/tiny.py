@@ -1,0 +1,55 @@
+"""Tiny random-weight llama models for fast tests, and their transformers twins."""
+
+from __future__ import annotations
+
+import torch
+
+from executor.model import LlamaConfig, LlamaModel
+
+
+def tiny_config(num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 4,
+                head_dim: int | None = None, intermediate_size: int = 128, vocab_size: int = 256,
+                rope_theta: float = 10000.0, rope_scaling: dict | None = None, tie_word_embeddings: bool = False,
+                max_position_embeddings: int = 512, rms_norm_eps: float = 1e-5) -> LlamaConfig:
+    """A small LlamaConfig; set num_kv_heads < num_heads for GQA, 1 for MQA."""
+    return LlamaConfig(
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+        rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def llama3_rope_scaling(original_max_position_embeddings: int = 64, factor: float = 8.0) -> dict:
+    """A llama3-style rope_scaling dict, shrunk so tiny models exercise all three frequency bands."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original_max_position_embeddings}
+
+
+def tiny_model(seed: int = 0, config: LlamaConfig | None = None, attn_backend="sdpa", **config_overrides) -> LlamaModel:
+    """A LlamaModel with seeded random weights scaled so attention is far from uniform."""
+    config = config or tiny_config(**config_overrides)
+    model = LlamaModel(config, attn_backend=attn_backend)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2:
+                # Embeddings ~N(0,1); linear weights ~N(0, 1/fan_in) keep activations O(1).
+                std = 1.0 if name == "embed_tokens.weight" else p.shape[1] ** -0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def to_transformers(model: LlamaModel, attn_implementation: str = "eager"):
+    """A transformers LlamaForCausalLM (fp32, eval) holding exactly `model`'s weights."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(model.config.to_hf()).to(torch.float32)
+    hf.config._attn_implementation = attn_implementation
+    missing, unexpected = hf.load_state_dict(model.hf_state_dict(), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
+    return hf.eval()

