@@ -73,6 +73,55 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
 
 
 @app.command()
+def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
+          out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the report and the step trace"),
+          device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+          threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
+          quiet: bool = typer.Option(False, "--quiet", "-q"),
+          no_plots: bool = typer.Option(False, "--no-plots")) -> None:
+    """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
+    the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
+    try:
+        serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots)
+    except ConfigError as e:
+        _fail(e)
+
+
+def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
+                   quiet: bool = False, plots: bool = True) -> dict:
+    """Load, run on the executor, report. Returns report.json's content."""
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
+    import torch
+
+    from executor.serve import serve as run_executor, write_traces
+    from sim.report import build_report, print_summary, write_outputs
+    from sim.scenario import load_scenario
+    from sim.workload import generate_requests
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
+    _, plan = load_scenario(path)
+    try:
+        specs = generate_requests(plan.scenario.workload, plan.base_dir)
+        records, trace, engine, requests, wall = run_executor(plan, specs, device, threads)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    report = build_report(plan, records, [trace], wall, engine="executor",
+                          extra={"executor": {"device": device, "threads": torch.get_num_threads(),
+                                              "attention": plan.scenario.executor.attention,
+                                              "torch": torch.__version__}})
+    if out is not None:
+        write_outputs(out, report, records, [trace], plots=plots)
+        write_traces(out, engine, requests)
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
+    return report
+
+
+@app.command()
 def models() -> None:
     """List the model catalog."""
     from sim.models import MODEL_CATALOG

@@ -132,4 +132,4 @@ def print_summary(report: dict, console=None) -> None:
                   f"{kv['capacity_tokens']} tokens")
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
-                  + f"; simulated in {report['wall_time_s']:.2f} s")
+                  + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")

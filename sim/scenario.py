@@ -64,6 +64,19 @@ class CostModelConfig(StrictModel):
     per_seq_overhead_s: NonNegativeFloat = Field(2e-5, description="per sequence in the step (input prep, sampling)")
 
 
+class ExecutorConfig(StrictModel):
+    """How `infersim serve` runs the scenario on real hardware (the simulator ignores it)."""
+
+    attention: Literal["naive", "sdpa", "flash", "paged"] = "sdpa"
+    threads: PositiveInt | None = Field(None, description="torch CPU threads; default: all cores")
+    temperature: NonNegativeFloat = Field(0.0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int = 0
+    ignore_eos: bool = Field(True, description="generate exactly each request's output length")
+    max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
+
+
 class Scenario(StrictModel):
     """One deployment and its traffic: everything `infersim run` needs."""
 
@@ -79,6 +92,7 @@ class Scenario(StrictModel):
     workload: WorkloadConfig
     slo: SLOConfig = SLOConfig()
     cost_model: CostModelConfig = CostModelConfig()
+    executor: ExecutorConfig = ExecutorConfig()
 
     @model_validator(mode="after")
     def _check_static(self) -> "Scenario":

@@ -1,0 +1,19 @@
+"""Prompts of exactly the lengths a workload asks for, cut from real text shipped with the project."""
+from __future__ import annotations
+
+from importlib.resources import files
+
+CORPUS = "declaration_of_independence.txt"
+
+
+def corpus_ids(tokenizer) -> list[int]:
+    """The shipped text as token ids (no special tokens)."""
+    text = (files("executor") / "data" / CORPUS).read_text()
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_ids(corpus: list[int], length: int, request_id: int) -> list[int]:
+    """`length` consecutive ids of the corpus, read cyclically from a start that depends on the request."""
+    start = (request_id * 7919) % len(corpus)
+    reps = (start + length) // len(corpus) + 1
+    return (corpus * (reps + 1))[start:start + length]

