@@ -51,6 +51,9 @@ def load_transformers_model(path_or_dir, gguf_file: str | None = None):
     Cached per process: loading the SmolLM2 GGUF takes ~35-50 s on 2 CPU cores.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a serve run's output is the report, not GGUF conversion bars
 
     directory, gguf_file = _split_path(path_or_dir, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}

@@ -11,6 +11,7 @@ import numpy as np
 import simpy
 
 from sim.cost_model import RooflineCostModel, StepCostModel
+from sim.fitted_cost import load_profile
 from sim.kv_cache import BlockAllocator
 from sim.metrics import RequestRecords, records_from_requests
 from sim.replica import Replica
@@ -65,6 +66,8 @@ def make_policy(plan: Plan, eager: bool = True) -> Scheduler:
 
 def make_cost_model(plan: Plan) -> StepCostModel:
     c = plan.scenario.cost_model
+    if c.profile:
+        return load_profile(plan.base_dir / c.profile, plan.model)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
                              per_seq_overhead_s=c.per_seq_overhead_s,

@@ -55,13 +55,15 @@ class SLOConfig(StrictModel):
 
 
 class CostModelConfig(StrictModel):
-    """Roofline step-cost model: max(compute, memory) per operator group, plus overheads."""
+    """Step-cost model. Roofline: max(compute, memory) per operator group, plus overheads. With
+    `profile`, a model fitted to executor measurements (`infersim profile`) replaces the roofline."""
 
     type: Literal["roofline"] = "roofline"
     compute_efficiency: float = Field(0.6, gt=0, le=1, description="achieved / peak FLOP/s in matmuls")
     memory_efficiency: float = Field(0.8, gt=0, le=1, description="achieved / peak memory bandwidth")
     step_overhead_s: NonNegativeFloat = Field(2e-3, description="fixed cost of one engine step (scheduling, launch)")
     per_seq_overhead_s: NonNegativeFloat = Field(2e-5, description="per sequence in the step (input prep, sampling)")
+    profile: str | None = Field(None, description="a calibration profile JSON (relative to the scenario file)")
 
 
 class ExecutorConfig(StrictModel):
@@ -258,6 +260,9 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")
     swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) if kv.preemption == "swap" else 0
+    if scenario.cost_model.profile:
+        from sim.fitted_cost import load_profile  # checks the file now, so errors name the scenario
+        load_profile(base_dir / scenario.cost_model.profile, model)
     return Plan(scenario=scenario, model=model, hardware=hw, base_dir=base_dir, max_model_len=max_model_len,
                 max_num_batched_tokens=budget, prefill_chunk_size=min(sv.prefill_chunk_size or budget, budget),
                 weight_bytes=model.weight_bytes, activation_bytes=activation, kv_cache_bytes=kv_bytes,

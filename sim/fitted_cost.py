@@ -1,0 +1,102 @@
+"""A step-cost model fitted to executor measurements (same interface as the roofline model).
+
+time = c_step + c_token·new tokens + c_seq·sequences + c_sample·sampled rows
+       + c_pair·attention (query, key) pairs + c_kv·KV tokens read
+
+Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
+overhead), linear layers per token, per-sequence bookkeeping, the lm_head per sampled row, attention
+compute, and attention memory traffic. Fitted by non-negative least squares on relative error, so
+short decode steps weigh as much as long prefills.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sim.cost_model import decode_run
+from sim.errors import ConfigError
+from sim.scheduler import BatchShape
+
+FEATURES = ("step", "new_tokens", "seqs", "sampled", "attn_pairs", "kv_tokens")
+
+
+def features(shape: BatchShape) -> tuple[int, ...]:
+    return (1, shape.num_new_tokens, shape.num_seqs, shape.num_sampled, shape.attn_pairs, shape.sum_context)
+
+
+def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None) -> BatchShape:
+    """The aggregate shape of a step given per-sequence new tokens and context lengths (after the step)."""
+    pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
+    return BatchShape(len(new_tokens), sum(new_tokens), sum(context_lens), pairs,
+                      len(new_tokens) if sampled is None else sampled)
+
+
+@dataclass
+class FittedCostModel:
+    coefs: dict[str, float]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._c = tuple(float(self.coefs.get(f, 0.0)) for f in FEATURES)
+
+    def step_time(self, shape: BatchShape) -> float:
+        c0, ct, cs, csa, cp, ckv = self._c
+        return (c0 + ct * shape.num_new_tokens + cs * shape.num_seqs + csa * shape.num_sampled
+                + cp * shape.attn_pairs + ckv * shape.sum_context)
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        c0, ct, cs, csa, cp, ckv = self._c
+        return c0 + ct * num_seqs + cs * num_seqs + csa * num_seqs + cp * sum_context + ckv * sum_context
+
+    def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
+        return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
+
+    @classmethod
+    def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(dict(data["fit"]["coefs"]), data)
+        except FileNotFoundError:
+            raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path} is not an infersim profile ({type(e).__name__}: {e})", key_path) from None
+
+
+def load_profile(path: Path, model) -> FittedCostModel:
+    """A fitted model from a profile, checked to be for this model (its coefficients are model-specific)."""
+    cost = FittedCostModel.load(path)
+    m = cost.meta.get("model", {})
+    if m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers, model.hidden_size):
+        raise ConfigError(f"{path} was measured for {m.get('name')} ({m.get('num_layers')} layers, hidden "
+                          f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
+                          "cost_model.profile")
+    return cost
+
+
+def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) -> dict:
+    """Fit the coefficients (non-negative, relative-error least squares) on all but every
+    `holdout_every`-th sample; report MAPE and R² on the held-out ones and on everything."""
+    from scipy.optimize import nnls
+
+    x = np.array([features(s) for s in shapes], float)
+    y = np.asarray(times, float)
+    held = np.zeros(len(y), bool)
+    held[::holdout_every] = True
+    train = ~held if held.sum() < len(y) else held
+    scale = x[train].max(axis=0)
+    scale[scale == 0] = 1.0
+    a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
+    c, _ = nnls(a, np.ones(train.sum()))
+    c = c / scale
+
+    def score(mask):
+        pred = x[mask] @ c
+        mape = float(np.mean(np.abs(pred - y[mask]) / y[mask]))
+        ss = float(((y[mask] - y[mask].mean()) ** 2).sum())
+        r2 = 1 - float(((pred - y[mask]) ** 2).sum()) / ss if ss > 0 else 1.0
+        return {"mape": mape, "r2": r2, "n": int(mask.sum())}
+
+    return {"coefs": dict(zip(FEATURES, map(float, c))), "heldout": score(held), "all": score(np.ones(len(y), bool))}

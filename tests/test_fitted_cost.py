@@ -1,0 +1,70 @@
+"""The fitted step-cost model: recovers known coefficients, matches decode_time to step_time exactly,
+plugs into scenarios through cost_model.profile, and refuses a profile of another model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sim.errors import ConfigError
+from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
+from tests.helpers import plan_of, run, scenario
+
+TRUE = {"step": 0.03, "new_tokens": 4e-4, "seqs": 1e-3, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
+
+
+def synthetic(n=300, noise=0.02, seed=0):
+    rng = np.random.default_rng(seed)
+    truth = FittedCostModel(TRUE)
+    shapes, times = [], []
+    for _ in range(n):
+        if rng.random() < 0.5:  # decode batch
+            b = int(rng.integers(1, 32))
+            ctx = rng.integers(16, 1024, b).tolist()
+            shape = shape_of([1] * b, ctx)
+        else:  # prefill (maybe chunked)
+            n_new = int(rng.integers(8, 512))
+            shape = shape_of([n_new], [n_new + int(rng.integers(0, 512))])
+        shapes.append(shape)
+        times.append(truth.step_time(shape) * (1 + noise * rng.standard_normal()))
+    return shapes, times
+
+
+def test_fit_recovers_coefficients_and_reports_heldout_error():
+    shapes, times = synthetic()
+    result = fit(shapes, times)
+    for k in ("step", "new_tokens", "seqs", "kv_tokens"):
+        assert result["coefs"][k] == pytest.approx(TRUE[k], rel=0.2), k
+    assert result["heldout"]["mape"] < 0.03 and result["heldout"]["r2"] > 0.98
+    exact = fit(*synthetic(noise=0.0))
+    assert exact["heldout"]["mape"] < 1e-6
+
+
+def test_decode_time_equals_step_time_of_the_decode_shape():
+    m = FittedCostModel(TRUE)
+    for b, s in [(1, 17), (7, 3000), (64, 65536)]:
+        assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
+
+
+def write_profile(tmp_path, model="Llama-2-7B", layers=32, hidden=4096):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"model": {"name": model, "num_layers": layers, "hidden_size": hidden},
+                                "fit": {"coefs": TRUE}}))
+    return path
+
+
+def test_scenario_uses_a_profile_and_its_predictions_follow_it(tmp_path):
+    path = write_profile(tmp_path)
+    fitted, _, _ = run(scenario(cost_model={"profile": str(path)}))
+    roofline, _, _ = run(scenario())
+    assert fitted["tpot_s"]["p50"] != roofline["tpot_s"]["p50"]
+    assert fitted["tpot_s"]["p50"] > TRUE["step"]  # every decode step costs at least the fixed term
+
+
+def test_profile_of_another_model_is_refused(tmp_path):
+    path = write_profile(tmp_path, "SmolLM2-135M", 30, 576)
+    with pytest.raises(ConfigError) as e:
+        run(scenario(cost_model={"profile": str(path)}))
+    assert e.value.key_path == "cost_model.profile" and "SmolLM2" in e.value.message
+    assert set(FEATURES) == set(TRUE)
