@@ -90,8 +90,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
 def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
                    quiet: bool = False, plots: bool = True) -> dict:
     """Load, run on the executor, report. Returns report.json's content."""
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
+    _check_device(device)
     import torch
 
     from executor.serve import serve as run_executor, write_traces
@@ -99,8 +98,6 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     from sim.scenario import load_scenario
     from sim.workload import generate_requests
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
     _, plan = load_scenario(path)
     try:
         specs = generate_requests(plan.scenario.workload, plan.base_dir)
@@ -119,6 +116,93 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
         if out is not None:
             Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
     return report
+
+
+@app.command()
+def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+            model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
+            out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o"),
+            threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
+            quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)")) -> None:
+    """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
+    try:
+        _check_device(device)
+        import torch
+
+        from calibration.profile import profile as run_profile, write_profile
+        from executor.prompts import corpus_ids
+        from executor.weights import load_hf_model, smollm2_gguf_path
+        from sim.models import catalog_model, load_hf_config
+
+        if threads:
+            torch.set_num_threads(threads)
+        if model.lower() == "smollm2-135m":
+            net, _, tok = load_hf_model(smollm2_gguf_path())
+            spec = catalog_model("SmolLM2-135M").model_copy(update={"weight_dtype": "fp32"})
+        else:
+            net, _, tok = load_hf_model(Path(model))
+            spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
+        net = net.to(device)
+        corpus = corpus_ids(tok) if tok is not None else list(range(3, 1000))
+        prof = run_profile(net, corpus, device, spec.model_dump(), quick=quick)
+        write_profile(out, prof)
+        f = prof["fit"]
+        Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "
+                        f"{f['heldout']['mape'] * 100:.1f}%, R² {f['heldout']['r2']:.4f}; wrote {out}")
+    except (ConfigError, FileNotFoundError) as e:
+        _fail(e if isinstance(e, ConfigError) else ConfigError(str(e), "--model"))
+
+
+@app.command()
+def validate(scenario: Path = typer.Argument(..., help="scenario YAML with a model that has real weights"),
+             out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for validation.json and the CDF plot"),
+             device: str = typer.Option("cpu", "--device"),
+             profile_path: Optional[Path] = typer.Option(None, "--profile",
+                                                         help="default: calibration/profiles/DEVICE.json"),
+             threads: Optional[int] = typer.Option(None, "--threads"),
+             repeat: bool = typer.Option(False, "--repeat", help="run the executor twice and report its noise")) -> None:
+    """Run a scenario on the executor and in the simulator; print real vs sim and the % error per metric."""
+    try:
+        _check_device(device)
+        from calibration.validate import PROFILES, validate as run_validate
+        from sim.scenario import load_scenario
+
+        _, plan = load_scenario(scenario)
+        prof = profile_path or PROFILES / f"{device}.json"
+        if not prof.exists():
+            raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+        try:
+            result = run_validate(plan, prof, device, threads, repeat, out)
+        except ConfigError as e:
+            raise e.with_file(str(scenario)) from None
+        t = Table("metric", "real", "sim", "error %", *(["real #2", "noise %"] if repeat else []))
+        for name, row in result["metrics"].items():
+            cells = [_num(row["real"]), _num(row["sim"]), _pct(row["error_pct"])]
+            if repeat:
+                cells += [_num(row["real2"]), _pct(row["noise_pct"])]
+            t.add_row(name, *cells)
+        Console().print(f"[bold]{result['scenario']}[/] on {device}: simulated with {prof}")
+        Console().print(t)
+    except ConfigError as e:
+        _fail(e)
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.1f}"
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
 
 
 @app.command()

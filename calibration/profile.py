@@ -1,0 +1,115 @@
+"""`infersim profile`: time engine steps of many shapes on the executor and fit the step-cost model.
+
+The sweep runs small offline workloads through the real engine (scheduler, KV allocator, model,
+sampling: everything a served step pays for): lone prefills of many lengths, decode batches of many
+sizes at several context lengths, and chunked steps mixing decodes with prompt chunks. Every step's
+batch shape and wall time is a sample; the fit and its held-out error go into the profile with the
+device's measured memory bandwidth and matmul rate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from executor.engine import Engine, SamplingParams
+from executor.kv_cache import KVCache
+from executor.prompts import prompt_ids
+from sim.fitted_cost import fit, shape_of
+from sim.kv_cache import BlockAllocator
+from sim.request import Request
+from sim.scheduler import SchedulerConfig, make_scheduler
+
+
+def measure_device(device: str) -> dict:
+    """Achieved matmul rate (fp32, 1024³) and memory bandwidth (copying 256 MiB) on this device."""
+    def timed(fn, reps):
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t)
+
+    n = 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    mm = timed(lambda: a @ b, 10)
+    x = torch.empty(64 * 2**20, device=device)
+    y = torch.empty_like(x)
+    cp = timed(lambda: y.copy_(x), 5)
+    return {"matmul_flops": 2 * n**3 / mm, "memory_bandwidth": 2 * x.numel() * 4 / cp}
+
+
+def device_info(device: str) -> dict:
+    info = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
+    cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
+    sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
+    kv = KVCache.for_model(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
+    return Engine(model, sched, kv, SamplingParams())
+
+
+def _run(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
+    for i, (p, o) in enumerate(work):
+        engine.add(Request(i, 0.0, p, o), prompt_ids(corpus, p, i))
+    while engine.scheduler.has_work():
+        engine.step()
+    return [r.to_json() for r in engine.records]
+
+
+def sweep(model, corpus: list[int], device: str, quick: bool = False) -> list[dict]:
+    """Step records (shape + time) covering prefills, decode batches and chunked mixes."""
+    samples: list[dict] = []
+    prompt_lens = [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536]
+    for p in prompt_lens:  # lone prefills (and one decode each)
+        e = _engine(model, device, max_num_seqs=1)
+        samples += _run(e, corpus, [(p, 2)] * (2 if quick else 3))
+    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    contexts = [64, 512] if quick else [32, 256, 768]
+    for b in batches:  # decode batches: one batched prefill, then decode steps at growing contexts
+        for c in contexts:
+            e = _engine(model, device, max_num_seqs=b)
+            samples += _run(e, corpus, [(c, 6 if quick else 10)] * b)
+    for chunk in ([128] if quick else [64, 256]):  # chunked prefill: decodes mixed with prompt chunks
+        e = _engine(model, device, max_num_seqs=16, enable_chunked_prefill=True, max_num_batched_tokens=chunk,
+                    prefill_chunk_size=chunk)
+        samples += _run(e, corpus, [(32, 24)] * 6 + [(600, 4)] * 2 + [(32, 24)] * 4)
+    return samples
+
+
+def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False) -> dict:
+    """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
+    _run(_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
+    t0 = time.perf_counter()
+    samples = sweep(model, corpus, device, quick)
+    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled")) for s in samples]
+    times = [s["end_s"] - s["start_s"] for s in samples]
+    return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
+            "sweep_s": time.perf_counter() - t0, "fit": fit(shapes, times),
+            "samples": [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"],
+                         "num_sampled": sh.num_sampled, "time_s": t} for s, sh, t in zip(samples, shapes, times)]}
+
+
+def write_profile(path: Path, prof: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1) + "\n")
