@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from executor.engine import Engine, SamplingParams
 from executor.kv_cache import KVCache
 from executor.prompts import prompt_ids
+from executor.serve import check_device
+from sim.errors import ConfigError
 from sim.fitted_cost import fit, shape_of
 from sim.kv_cache import BlockAllocator
 from sim.request import Request
@@ -113,3 +116,31 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
 def write_profile(path: Path, prof: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=1) + "\n")
+
+
+def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool) -> dict:
+    """`infersim profile`: load the model, sweep, fit, write and summarize the profile."""
+    from executor.prompts import corpus_ids
+    from executor.weights import load_hf_model, smollm2_gguf_path
+    from sim.models import catalog_model, load_hf_config
+
+    check_device(device)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if model.lower() == "smollm2-135m":
+            net, _, tok = load_hf_model(smollm2_gguf_path())
+            spec = catalog_model("SmolLM2-135M").model_copy(update={"weight_dtype": "fp32"})
+        else:
+            net, _, tok = load_hf_model(Path(model))
+            spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
+    except (FileNotFoundError, OSError) as e:
+        raise ConfigError(f"cannot load {model}: {e}", "--model") from None
+    net = net.to(device)
+    corpus = corpus_ids(tok) if tok is not None else list(range(3, 1000))
+    prof = profile(net, corpus, device, spec.model_dump(), quick=quick)
+    write_profile(out, prof)
+    f = prof["fit"]
+    Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "
+                    f"{f['heldout']['mape'] * 100:.1f}%, R² {f['heldout']['r2']:.4f}; wrote {out}")
+    return prof

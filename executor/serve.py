@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from executor.engine import Engine, SamplingParams
 from executor.kv_cache import KVCache
@@ -16,9 +17,10 @@ from executor.prompts import corpus_ids, prompt_ids
 from sim.cluster import ReplicaTrace, make_policy
 from sim.errors import ConfigError
 from sim.metrics import records_from_requests
+from sim.report import build_report, print_summary, write_outputs
 from sim.request import Request
-from sim.scenario import Plan
-from sim.workload import RequestSpec
+from sim.scenario import Plan, load_scenario
+from sim.workload import RequestSpec, generate_requests
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -141,3 +143,35 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     requests = replay(engine, specs, corpus)
     wall = time.perf_counter() - t0
     return records_from_requests(requests), trace_of(engine), engine, requests, wall
+
+
+def check_device(device: str) -> None:
+    """cpu, or cuda where one is present; anything else is a one-line error."""
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
+
+
+def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
+                   quiet: bool = False, plots: bool = True) -> dict:
+    """Load, run on the executor, report. Returns report.json's content."""
+    check_device(device)
+    _, plan = load_scenario(path)
+    try:
+        specs = generate_requests(plan.scenario.workload, plan.base_dir)
+        records, trace, engine, requests, wall = serve(plan, specs, device, threads)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    report = build_report(plan, records, [trace], wall, engine="executor",
+                          extra={"executor": {"device": device, "threads": torch.get_num_threads(),
+                                              "attention": plan.scenario.executor.attention,
+                                              "torch": torch.__version__}})
+    if out is not None:
+        write_outputs(out, report, records, [trace], plots=plots)
+        write_traces(out, engine, requests)
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
+    return report

@@ -82,40 +82,11 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
     try:
+        from executor.serve import serve_scenario
+
         serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots)
     except ConfigError as e:
         _fail(e)
-
-
-def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
-                   quiet: bool = False, plots: bool = True) -> dict:
-    """Load, run on the executor, report. Returns report.json's content."""
-    _check_device(device)
-    import torch
-
-    from executor.serve import serve as run_executor, write_traces
-    from sim.report import build_report, print_summary, write_outputs
-    from sim.scenario import load_scenario
-    from sim.workload import generate_requests
-
-    _, plan = load_scenario(path)
-    try:
-        specs = generate_requests(plan.scenario.workload, plan.base_dir)
-        records, trace, engine, requests, wall = run_executor(plan, specs, device, threads)
-    except ConfigError as e:
-        raise e.with_file(str(path)) from None
-    report = build_report(plan, records, [trace], wall, engine="executor",
-                          extra={"executor": {"device": device, "threads": torch.get_num_threads(),
-                                              "attention": plan.scenario.executor.attention,
-                                              "torch": torch.__version__}})
-    if out is not None:
-        write_outputs(out, report, records, [trace], plots=plots)
-        write_traces(out, engine, requests)
-    if not quiet:
-        print_summary(report, Console())
-        if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
-    return report
 
 
 @app.command()
@@ -126,31 +97,11 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)")) -> None:
     """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
     try:
-        _check_device(device)
-        import torch
+        from calibration.profile import profile_command
 
-        from calibration.profile import profile as run_profile, write_profile
-        from executor.prompts import corpus_ids
-        from executor.weights import load_hf_model, smollm2_gguf_path
-        from sim.models import catalog_model, load_hf_config
-
-        if threads:
-            torch.set_num_threads(threads)
-        if model.lower() == "smollm2-135m":
-            net, _, tok = load_hf_model(smollm2_gguf_path())
-            spec = catalog_model("SmolLM2-135M").model_copy(update={"weight_dtype": "fp32"})
-        else:
-            net, _, tok = load_hf_model(Path(model))
-            spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
-        net = net.to(device)
-        corpus = corpus_ids(tok) if tok is not None else list(range(3, 1000))
-        prof = run_profile(net, corpus, device, spec.model_dump(), quick=quick)
-        write_profile(out, prof)
-        f = prof["fit"]
-        Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "
-                        f"{f['heldout']['mape'] * 100:.1f}%, R² {f['heldout']['r2']:.4f}; wrote {out}")
-    except (ConfigError, FileNotFoundError) as e:
-        _fail(e if isinstance(e, ConfigError) else ConfigError(str(e), "--model"))
+        profile_command(device, model, out, threads, quick)
+    except ConfigError as e:
+        _fail(e)
 
 
 @app.command()
@@ -163,8 +114,10 @@ def validate(scenario: Path = typer.Argument(..., help="scenario YAML with a mod
              repeat: bool = typer.Option(False, "--repeat", help="run the executor twice and report its noise")) -> None:
     """Run a scenario on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
-        _check_device(device)
         from calibration.validate import PROFILES, validate as run_validate
+        from executor.serve import check_device
+
+        check_device(device)
         from sim.scenario import load_scenario
 
         _, plan = load_scenario(scenario)
@@ -193,16 +146,6 @@ def _num(x) -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else f"{x:+.1f}"
-
-
-def _check_device(device: str) -> None:
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
 
 
 @app.command()

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from executor.tiny import tiny_model, to_transformers
-from sim.cli import serve_scenario
+from executor.serve import serve_scenario
 
 
 @pytest.fixture(scope="module")
