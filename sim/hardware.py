@@ -1,6 +1,9 @@
 """Accelerators: the catalog and explicit specs (peak rates, memory, links, price)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from sim.errors import ConfigError
@@ -47,12 +50,26 @@ HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
     _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 900e9, 3.79, host_bw=50e9),
     _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6),
     _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 32e9, 1.49, link_latency=10e-6),
-    # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; `infersim profile`
-    # measures and replaces them.
+    # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
+    # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
     HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
                  peak_flops={"fp32": 115e9, "fp16": 30e9, "bf16": 30e9},
                  interconnect_bandwidth=9e9, host_bandwidth=9e9, price_per_hour=0.1),
 ]}
+
+
+def _measured_cpu(spec: HardwareSpec) -> HardwareSpec:
+    """The `cpu` entry with the matmul rate and bandwidth `infersim profile` measured, if a profile exists."""
+    path = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cpu.json"
+    try:
+        measured = json.loads(path.read_text())["measured"]
+    except (OSError, ValueError, KeyError):
+        return spec
+    flops = dict(spec.peak_flops, fp32=measured["matmul_flops"])
+    return spec.model_copy(update={"peak_flops": flops, "memory_bandwidth": measured["memory_bandwidth"]})
+
+
+HARDWARE_CATALOG["cpu"] = _measured_cpu(HARDWARE_CATALOG["cpu"])
 
 
 def catalog_hardware(name: str, key_path: str = "hardware") -> HardwareSpec:
