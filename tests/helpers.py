@@ -38,3 +38,30 @@ def run(data: dict, bulk: bool = True):
     rec = sim_records(result)
     report = build_report(plan, rec, result.replicas, wall_time_s=0.0)
     return report, result, rec
+
+
+def tiny_checkpoint(folder, seed: int, max_position_embeddings: int = 512):
+    """A tiny random-weight llama saved as a HF checkpoint folder (for `model: {hf_config: folder}`)."""
+    from executor.tiny import tiny_model, to_transformers
+
+    to_transformers(tiny_model(seed=seed, num_kv_heads=2, vocab_size=1000,
+                               max_position_embeddings=max_position_embeddings)).save_pretrained(folder)
+    return folder
+
+
+def write_tiny_scenario(tmp_path, checkpoint, **over):
+    """A small executor scenario on a tiny checkpoint; `over` merges into its sections."""
+    import yaml
+
+    sc = {"name": "tiny-serve", "model": {"hf_config": str(checkpoint)}, "hardware": "cpu",
+          "serving": {"max_num_seqs": 8, "max_model_len": 256, "max_num_batched_tokens": 256},
+          "kv_cache": {"num_blocks": 64, "block_size": 8},
+          "workload": {"seed": 2, "arrival": {"process": "poisson", "rate": 40.0}, "num_requests": 24,
+                       "prompt_len": {"dist": "uniform", "min": 4, "max": 60},
+                       "output_len": {"dist": "uniform", "min": 2, "max": 30}},
+          "executor": {"threads": 1}}
+    for k, v in over.items():
+        sc[k] = {**sc.get(k, {}), **v} if isinstance(v, dict) else v
+    path = tmp_path / f"{sc['name']}.yaml"
+    path.write_text(yaml.safe_dump(sc))
+    return path

@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
-from executor.tiny import tiny_model, to_transformers
 from sim.cli import app
+from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    to_transformers(tiny_model(seed=1, num_kv_heads=2, vocab_size=1000, max_position_embeddings=4096)).save_pretrained(folder)
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=1, max_position_embeddings=4096)
 
 
 def test_profile_then_validate(tmp_path, checkpoint):
@@ -31,15 +28,10 @@ def test_profile_then_validate(tmp_path, checkpoint):
     kinds = {(len(s["new_tokens"]) > 1, max(s["new_tokens"]) > 1) for s in data["samples"]}
     assert kinds >= {(False, True), (True, False), (True, True)}  # prefills, decode batches, mixed steps
 
-    sc = {"name": "tiny-validate", "model": {"hf_config": str(checkpoint)}, "hardware": "cpu",
-          "serving": {"max_num_seqs": 8, "max_model_len": 512, "max_num_batched_tokens": 512},
-          "kv_cache": {"num_blocks": 128, "block_size": 16},
-          "workload": {"seed": 3, "arrival": {"process": "poisson", "rate": 30.0}, "num_requests": 20,
-                       "prompt_len": {"dist": "uniform", "min": 8, "max": 100},
-                       "output_len": {"dist": "uniform", "min": 4, "max": 30}},
-          "executor": {"threads": 1}}
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(sc))
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-validate",
+                               serving={"max_model_len": 512, "max_num_batched_tokens": 512},
+                               kv_cache={"num_blocks": 128, "block_size": 16},
+                               workload={"seed": 3, "num_requests": 20})
     out = tmp_path / "val"
     r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat"])
     assert r.exit_code == 0, r.output

@@ -5,37 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
-from executor.tiny import tiny_model, to_transformers
 from executor.serve import serve_scenario
+from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    to_transformers(tiny_model(seed=5, num_kv_heads=2, vocab_size=1000, max_position_embeddings=512)).save_pretrained(folder)
-    return folder
-
-
-def write_scenario(tmp_path, checkpoint, **over):
-    sc = {"name": "tiny-serve", "model": {"hf_config": str(checkpoint)}, "hardware": "cpu",
-          "serving": {"max_num_seqs": 8, "max_model_len": 256, "max_num_batched_tokens": 256},
-          "kv_cache": {"num_blocks": 64, "block_size": 8},
-          "workload": {"seed": 2, "arrival": {"process": "poisson", "rate": 40.0}, "num_requests": 24,
-                       "prompt_len": {"dist": "uniform", "min": 4, "max": 60},
-                       "output_len": {"dist": "uniform", "min": 2, "max": 30}},
-          "executor": {"threads": 1}}
-    for k, v in over.items():
-        sc[k] = {**sc.get(k, {}), **v} if isinstance(v, dict) else v
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(sc))
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
 
 
 def test_serve_writes_the_shared_report_and_the_step_trace(tmp_path, checkpoint):
     out = tmp_path / "out"
-    report = serve_scenario(write_scenario(tmp_path, checkpoint), out, quiet=True, plots=False)
+    report = serve_scenario(write_tiny_scenario(tmp_path, checkpoint), out, quiet=True, plots=False)
     rq = report["requests"]
     assert report["engine"] == "executor" and rq["arrived"] == 24 == rq["completed"] + rq["rejected"]
     assert rq["completed"] == 24
@@ -52,7 +34,7 @@ def test_serve_writes_the_shared_report_and_the_step_trace(tmp_path, checkpoint)
 
 
 def test_too_small_kv_cache_preempts_and_loses_nothing(tmp_path, checkpoint):
-    path = write_scenario(tmp_path, checkpoint, kv_cache={"num_blocks": 14, "block_size": 8},
+    path = write_tiny_scenario(tmp_path, checkpoint, kv_cache={"num_blocks": 14, "block_size": 8},
                           serving={"max_model_len": 96})
     report = serve_scenario(path, None, quiet=True, plots=False)
     rq = report["requests"]
