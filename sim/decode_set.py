@@ -86,22 +86,31 @@ class DecodeSet:
             step = self._cursor
             bucket = due.pop(step, None)
             if bucket:
-                bucket.sort()
-                for i, (tag, r) in enumerate(bucket):
+                if len(bucket) > 1:
+                    bucket.sort()
+                granted = []
+                for i, entry in enumerate(bucket):
+                    tag, r = entry
                     if r.decode_tag != tag:
                         continue
                     if not free_blocks:
                         if i + 1 < len(bucket):
                             due[step] = bucket[i + 1:]
+                        self._reschedule(step + bs, granted)
                         return r
                     r.block_table.append(free_blocks.pop())
-                    nxt = due.get(step + bs)
-                    if nxt is None:
-                        due[step + bs] = [(tag, r)]
-                    else:
-                        nxt.append((tag, r))
+                    granted.append(entry)
+                self._reschedule(step + bs, granted)
             self._cursor += 1
         return None
+
+    def _reschedule(self, step: int, entries: list) -> None:
+        if entries:
+            nxt = self._due.get(step)
+            if nxt is None:
+                self._due[step] = entries
+            else:
+                nxt.extend(entries)
 
     def block_horizon(self, k: int, num_free: int) -> int:
         """Largest k' ≤ k such that the blocks members need during steps 2..k' fit in `num_free`."""
