@@ -105,6 +105,30 @@ class AttentionMetadata:
         pos = torch.arange(width, device=self.device)
         return self.decode_block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
+    @functools.cached_property
+    def decode_buckets(self) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The decode sequences in groups of similar context length, each attended as one padded batch:
+        (rows into the decode batch or None for all of them in order, block tables [b, max_blocks] padded
+        with block 0, context lens,
+        key mask [b, 1, 1, max_blocks * block_size] or None when no key is padding)."""
+        lens = [self.context_lens[i] for i in self.decode_seqs]
+        order = sorted(range(len(lens)), key=lambda j: -lens[j])
+        groups = _buckets([lens[j] for j in order], self.block_size)
+        if len(groups) == 1:
+            order = list(range(len(lens)))  # one bucket: keep the batch order, no gather/scatter of rows
+        out = []
+        for start, end in groups:
+            members = order[start:end]
+            tables = _padded_tables([self.block_tables[self.decode_seqs[j]] for j in members], self.device)
+            ctx = torch.tensor([lens[j] for j in members], dtype=torch.long, device=self.device)
+            width = tables.shape[1] * self.block_size
+            mask = None
+            if any(lens[j] != width for j in members):
+                mask = (torch.arange(width, device=self.device)[None, :] < ctx[:, None])[:, None, None, :]
+            rows = None if len(groups) == 1 else torch.tensor(members, dtype=torch.long, device=self.device)
+            out.append((rows, tables, ctx, mask))
+        return out
+
     def context_slots(self, seq: int) -> torch.Tensor:
         """LongTensor[context_len]: cache slot of every context position of sequence `seq`."""
         if seq not in self._context_slots:
@@ -131,6 +155,29 @@ def _check_sequences(query_lens, context_lens, block_tables, block_size) -> None
             raise ValueError(f"need 1 <= query_len <= context_len, got {q}, {c}")
         if len(bt) * block_size < c:
             raise ValueError(f"block table of {len(bt)} blocks cannot hold {c} tokens")
+
+
+# A bucket costs about as much fixed work as attending this many padded keys more per sequence.
+BUCKET_OVERHEAD_TOKENS = 512
+
+
+def _buckets(lens_desc: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split context lengths (sorted descending) into contiguous groups minimising the padded keys a
+    bucket-per-call attention reads, Σ (size · widest, in whole blocks) + BUCKET_OVERHEAD_TOKENS per call."""
+    n = len(lens_desc)
+    width = [-(-c // block_size) * block_size for c in lens_desc]
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # group i..j-1, widest is lens_desc[i]
+            c = best[i] + BUCKET_OVERHEAD_TOKENS + (j - i) * width[i]
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append((cut[j], j))
+        j = cut[j]
+    return groups[::-1]
 
 
 def _token_positions(query_lens, context_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +227,12 @@ def _per_group(q, meta, attend_prefill, attend_decodes) -> torch.Tensor:
         s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
         out[s:e] = attend_prefill(q[s:e], i)
     if meta.decode_seqs:
-        idx = meta.decode_token_index
-        out[idx] = attend_decodes(q[idx])
+        b = len(meta.decode_seqs)
+        if meta.decode_seqs[-1] == b - 1:  # the decodes lead the batch (the engine's order): a slice
+            out[:b] = attend_decodes(q[:b])
+        else:
+            idx = meta.decode_token_index
+            out[idx] = attend_decodes(q[idx])
     return out
 
 
@@ -210,32 +261,49 @@ def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
 
 
 def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
-    """torch SDPA on gathered K/V: one call per prefill, one padded call for all decodes."""
+    """torch SDPA on gathered K/V: one call per prefill, one padded call per bucket of decodes of similar
+    context length (padding every decode to the longest context wastes the gather and the attention).
+
+    Inputs are 4-D with the kv heads repeated: that is what takes torch's fused (flash) CPU kernel;
+    `enable_gqa` or 3-D inputs fall back to the math path, which builds the whole score matrix."""
     _check_heads(q, k_cache)
     kvh = k_cache.shape[-2]
+    group = q.shape[1] // kvh
 
     def prefill(qs, i):
         slots = meta.context_slots(i)
-        k = _gather(k_cache, slots).transpose(0, 1)  # [kvh, S, D]
-        v = _gather(v_cache, slots).transpose(0, 1)
-        qt = qs.transpose(0, 1)  # [H, L, D]
+        k = _gather(k_cache, slots)  # [S, kvh, D]
+        v = _gather(v_cache, slots)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        qt, k, v = qs[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)  # [1, H, L|S, D]
         length, ctx = qs.shape[0], slots.numel()
         if length == ctx:
-            o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale)
         else:
             # Chunked prefill: causal mask aligned to the bottom-right (queries are the last L positions).
             mask = torch.arange(ctx, device=q.device)[None, :] <= meta.query_positions(i)[:, None]
-            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
+        return o[0].transpose(0, 1)
 
     def decodes(qd):
-        slots = meta.decode_slots  # [B, S]
-        k = _gather(k_cache, slots).transpose(1, 2)  # [B, kvh, S, D]
-        v = _gather(v_cache, slots).transpose(1, 2)
-        valid = torch.arange(slots.shape[1], device=q.device)[None, :] < meta.decode_context_lens[:, None]
-        mask = valid[:, None, None, :]
-        o = F.scaled_dot_product_attention(_group(qd[:, None], kvh), k, v, attn_mask=mask, scale=scale)
-        return _ungroup(o, 1)[:, 0]
+        buckets = meta.decode_buckets
+        out = torch.empty_like(qd) if len(buckets) > 1 else None
+        for rows, tables, lens, mask in buckets:
+            b, width = tables.shape[0], tables.shape[1] * meta.block_size
+            # whole blocks of every sequence (k/v: [b, kvh, S, D]), padded to the bucket's widest table; the
+            # blocks are rows of a 2-D view, so index_select copies each with one memcpy (on the 4-D pool
+            # it dispatches a copy per block, ~10x slower)
+            flat = tables.view(-1)
+            k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, width, kvh, -1).transpose(1, 2)
+            v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, width, kvh, -1).transpose(1, 2)
+            qb = qd if rows is None else qd[rows]
+            qg = qb.view(b, kvh, group, -1)  # the G query heads sharing a kv head are G query rows
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(b, -1, qd.shape[-1])
+            if out is None:
+                return o
+            out[rows] = o
+        return out
 
     return _per_group(q, meta, prefill, decodes)
 

@@ -139,13 +139,15 @@ class Engine:
         tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache)
-
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx == r.num_tokens]
         sampled: list[Request] = [rows[i][0] for i in sampling_rows]
+        if batch.padding:  # static batching: padding rows compute in full, as the policy models it
+            hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache)
+            hidden = hidden[[meta.cu_query_lens[i + 1] - 1 for i in sampling_rows]]
+        else:  # the model's last layer and the LM head run only for the rows that sample
+            hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache, last_of=sampling_rows)
         if sampled:
-            last = torch.tensor([meta.cu_query_lens[i + 1] - 1 for i in sampling_rows], device=self.device)
-            next_ids = sample(self.model.compute_logits(hidden[last]), self.sampling, self.generator).tolist()
+            next_ids = sample(self.model.compute_logits(hidden), self.sampling, self.generator).tolist()
         end = self.now()
         stopped = set()
         for r, tok in (zip(sampled, next_ids) if sampled else ()):

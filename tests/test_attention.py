@@ -156,3 +156,28 @@ def test_kv_cache_write_read_and_layouts():
     meta = AttentionMetadata.build([6], [6], [[1]], block_size=32)
     flat.write(2, meta.slot_mapping, k, v)
     torch.testing.assert_close(flat.read(2, [1], 6)[0], k.bfloat16())
+
+
+@pytest.mark.parametrize("overhead", [0, 10**9])
+def test_sdpa_decode_buckets_match_reference(monkeypatch, overhead):
+    """Decodes of very different context lengths, attended in several padded buckets (overhead 0) or one."""
+    from executor import attention
+
+    monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
+    query_lens, context_lens = [1] * 7 + [5], [3, 70, 9, 33, 1, 70, 17, 5]
+    q, kp, vp, meta, logical = make_batch(query_lens, context_lens, 6, 2, block_size=4, seed=11)
+    buckets = meta.decode_buckets
+    assert (len(buckets) > 1) == (overhead == 0)
+    assert sorted(i for rows, *_ in buckets for i in (rows.tolist() if rows is not None else range(7))) == list(range(7))
+    assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL
+
+
+def test_buckets_minimise_padded_keys():
+    from executor.attention import BUCKET_OVERHEAD_TOKENS, _buckets
+
+    assert _buckets([], 16) == []
+    assert _buckets([40, 39, 38], 16) == [(0, 3)]  # same width: one call
+    lens = [4000, 3990, 20, 18, 17, 3]
+    groups = _buckets(lens, 16)
+    assert groups == [(0, 2), (2, 6)]  # the long pair apart from the short rest
+    assert BUCKET_OVERHEAD_TOKENS > 0

