@@ -30,11 +30,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Most tokens one request can ever hold."""
-        return self.block_size if self.contiguous else self.num_blocks * self.block_size
-
     def note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self.free_blocks))
 

@@ -100,7 +100,3 @@ class Replica:
                     self.on_finish(r)
             kv = sched.kv
             self.samples.append((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
-
-
-def no_more_arrivals() -> float:
-    return math.inf

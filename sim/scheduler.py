@@ -3,7 +3,7 @@
 The simulator's replica and the executor's engine call the same objects; only the clock differs.
 Continuous batching follows vLLM (FCFS, prefill-first, recompute/swap preemption from the tail,
 optional chunked prefill with a per-step token budget) with TGI's waiting_served_ratio gate;
-static batching follows HF `generate` (padded batch that runs until its longest request ends).
+static batching keeps a batch until its longest request ends, finished rows computing padding.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ class ScheduledBatch:
     swapped_in: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies, first
-    padded: bool = False
     padding: list[Request] = field(default_factory=list)  # static batching: finished rows still computed
 
     def __bool__(self) -> bool:
@@ -391,7 +390,7 @@ class StaticScheduler(Scheduler):
         if self.eager:
             rows = list(self.decoding.members)
             padding = [r for r in self.running if r not in self.decoding]
-        return ScheduledBatch(shape, rows, [], True, True, padded=True, padding=padding)
+        return ScheduledBatch(shape, rows, [], True, True, padding=padding)
 
     def _form_batch(self) -> ScheduledBatch:
         picks: list[Request] = []
@@ -414,7 +413,7 @@ class StaticScheduler(Scheduler):
         prefill = [(r, r.prompt_len) for r in picks]
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         self.rows, self.sum_context = len(picks), ctx
-        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled), [], prefill, False, padded=True)
+        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled), [], prefill, False)
 
     def _finish(self, r: Request) -> Request:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
