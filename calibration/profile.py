@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -80,23 +81,52 @@ def _run(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list
     return [r.to_json() for r in engine.records]
 
 
-def sweep(model, corpus: list[int], device: str, quick: bool = False) -> list[dict]:
-    """Step records (shape + time) covering prefills, decode batches and chunked mixes."""
-    samples: list[dict] = []
-    prompt_lens = [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536]
-    for p in prompt_lens:  # lone prefills (and one decode each)
-        e = _engine(model, device, max_num_seqs=1)
-        samples += _run(e, corpus, [(p, 2)] * (2 if quick else 3))
-    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-    contexts = [64, 512] if quick else [32, 256, 768]
-    for b in batches:  # decode batches: one batched prefill, then decode steps at growing contexts
-        for c in contexts:
-            e = _engine(model, device, max_num_seqs=b)
-            samples += _run(e, corpus, [(c, 6 if quick else 10)] * b)
-    for chunk in ([128] if quick else [64, 256]):  # chunked prefill: decodes mixed with prompt chunks
-        e = _engine(model, device, max_num_seqs=16, enable_chunked_prefill=True, max_num_batched_tokens=chunk,
-                    prefill_chunk_size=chunk)
-        samples += _run(e, corpus, [(32, 24)] * 6 + [(600, 4)] * 2 + [(32, 24)] * 4)
+def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
+    """(engine settings, requests as (prompt, output) all queued at t=0) covering the step shapes serving
+    meets: lone prefills of many lengths; decode batches of many sizes whose sequences have different
+    context lengths (as in serving: a batch of equal contexts attends ~10% faster); continuous batching
+    where new prompts join running decodes; and chunked steps mixing decodes with prompt chunks."""
+    rng = random.Random(0)
+
+    def spread(n, c):  # n prompts of lengths spread around c
+        return [max(8, int(c * rng.uniform(0.5, 1.5))) for _ in range(n)]
+
+    runs = []
+    for p in ([16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 512, 768, 1024, 1536]):
+        runs.append(({"max_num_seqs": 1}, [(p, 2)]))
+    decode = [(1, 64), (4, 512), (16, 128)] if quick else \
+        [(1, 32), (1, 512), (1, 1024), (2, 256), (4, 32), (4, 512), (8, 128), (8, 512), (12, 256), (16, 32),
+         (16, 320), (24, 96), (32, 32), (32, 160)]
+    for b, c in decode:
+        runs.append(({"max_num_seqs": b}, [(p, 6 if quick else 8) for p in spread(b, c)]))
+    for b in ([4] if quick else [4, 8, 16]):  # continuous batching: a new prompt joins as a request ends
+        runs.append(({"max_num_seqs": b}, [(rng.randint(32, 320), rng.randint(4, 24)) for _ in range(3 * b)]))
+    for chunk in ([128] if quick else [64, 256]):
+        runs.append(({"max_num_seqs": 16, "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
+                      "prefill_chunk_size": chunk}, [(32, 24)] * 6 + [(600, 4)] * 2 + [(32, 24)] * 4))
+    return runs
+
+
+def sweep(model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3) -> list[dict]:
+    """One step record per distinct step of the sweep, its time the median over `repeats` runs.
+
+    Every workload runs `repeats` times, interleaved (all workloads once, then again) so slow drift
+    of the machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has
+    the same shape."""
+    runs = workloads(quick)
+    results: list[list[list[dict]]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for (cfg, work), out in zip(runs, results):
+            out.append(_run(_engine(model, device, **cfg), corpus, work))
+    samples = []
+    for reps in results:
+        for steps in zip(*reps):
+            if any(s["new_tokens"] != steps[0]["new_tokens"] for s in steps):
+                raise RuntimeError("a profiling workload scheduled differently between repeats")
+            rec = dict(steps[0])
+            rec["time_s"] = statistics.median(s["end_s"] - s["start_s"] for s in steps)
+            rec["repeat_times_s"] = [s["end_s"] - s["start_s"] for s in steps]
+            samples.append(rec)
     return samples
 
 
@@ -106,11 +136,12 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
     t0 = time.perf_counter()
     samples = sweep(model, corpus, device, quick)
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled")) for s in samples]
-    times = [s["end_s"] - s["start_s"] for s in samples]
+    times = [s["time_s"] for s in samples]
     return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
             "sweep_s": time.perf_counter() - t0, "fit": fit(shapes, times),
             "samples": [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"],
-                         "num_sampled": sh.num_sampled, "time_s": t} for s, sh, t in zip(samples, shapes, times)]}
+                         "num_sampled": sh.num_sampled, "time_s": t, "repeat_times_s": s["repeat_times_s"]}
+                        for s, sh, t in zip(samples, shapes, times)]}
 
 
 def write_profile(path: Path, prof: dict) -> None:

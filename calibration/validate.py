@@ -1,5 +1,5 @@
 """`infersim validate`: run a scenario on the executor and in the simulator (with the device's
-profile) and report, per metric, real vs simulated and the signed error; plus real-vs-real noise."""
+profile) and report, per metric, real vs simulated and the signed error; plus the real-vs-real spread."""
 from __future__ import annotations
 
 import json
@@ -30,16 +30,18 @@ def pick(metrics: dict, section: str, key: str) -> float | None:
     return metrics[section][key]
 
 
-def compare(real: dict, sim: dict, real2: dict | None = None) -> dict:
-    """Per metric: real, sim, signed % error of sim vs real, and the real-vs-real spread if measured twice."""
+def compare(reals: list[dict], sim: dict) -> dict:
+    """Per metric: real (the mean over the executor runs), sim, the signed % error of sim vs real, and with
+    two or more runs each run's value and the real-vs-real spread ((max - min) / mean, in %)."""
     out = {}
     for name, section, key in METRICS:
-        r, s = pick(real, section, key), pick(sim, section, key)
+        values = [pick(m, section, key) for m in reals]
+        s = pick(sim, section, key)
+        r = None if any(v is None for v in values) else float(np.mean(values))
         row = {"real": r, "sim": s, "error_pct": None if not r or s is None else 100 * (s - r) / r}
-        if real2 is not None:
-            r2 = pick(real2, section, key)
-            row["real2"] = r2
-            row["noise_pct"] = None if not r or r2 is None else 100 * (r2 - r) / r
+        if len(reals) > 1:
+            row["real_runs"] = values
+            row["spread_pct"] = None if not r else 100 * (max(values) - min(values)) / r
         out[name] = row
     return out
 
@@ -65,26 +67,56 @@ def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> Non
     plt.close(fig)
 
 
-def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, repeat: bool = False,
-             out: Path | None = None) -> dict:
-    """Run real (once, or twice for the noise) and simulated; returns validation.json's content."""
+def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
+             out: Path | None = None, loaded=None) -> dict:
+    """Run the executor `runs` times (two or more also measure its run-to-run noise) and the simulator;
+    returns validation.json's content.
+    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load."""
     from executor.serve import load_model, serve
 
     specs = generate_requests(plan.scenario.workload, plan.base_dir)
     slo = plan.scenario.slo
-    loaded = load_model(plan, device)
-    runs = []
-    for _ in range(2 if repeat else 1):
-        records, *_ = serve(plan, specs, device, threads, loaded=loaded)
-        runs.append(records)
+    loaded = loaded or load_model(plan, device)
+    real = [serve(plan, specs, device, threads, loaded=loaded)[0] for _ in range(max(1, runs))]
     sim_plan = with_profile(plan, profile)
     sim_rec = sim_records(simulate(sim_plan, specs))
-    metrics = [compute_metrics(r, slo.ttft_s, slo.tpot_s, slo.quantile) for r in runs]
+    metrics = [compute_metrics(r, slo.ttft_s, slo.tpot_s, slo.quantile) for r in real]
     sim_m = compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
-    result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile),
-              "requests": metrics[0]["requests"], "metrics": compare(metrics[0], sim_m, metrics[1] if repeat else None)}
+    result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(real),
+              "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m)}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
-        write_cdf_plot(out / "latency_cdf_sim_vs_real.png", runs[0], sim_rec)
+        write_cdf_plot(out / "latency_cdf_sim_vs_real.png", real[0], sim_rec)
     return result
+
+
+HEADLINE = ("ttft_p50", "tpot_p50", "throughput_out_tok_s")
+
+
+def summarize(results: list[dict]) -> dict:
+    """Across scenarios: worst and median |error| of each metric (the issue's targets are on HEADLINE)."""
+    out = {}
+    for name, *_ in METRICS:
+        errs = [abs(r["metrics"][name]["error_pct"]) for r in results if r["metrics"][name]["error_pct"] is not None]
+        spread = [r["metrics"][name]["spread_pct"] for r in results
+                 if r["metrics"][name].get("spread_pct") is not None]
+        out[name] = {"max_abs_error_pct": max(errs) if errs else None,
+                     "median_abs_error_pct": float(np.median(errs)) if errs else None,
+                     "median_spread_pct": float(np.median(spread)) if spread else None}
+    return out
+
+
+def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
+    """One row per scenario and metric: real, sim, error (and the real-vs-real spread where measured)."""
+    noise = any("spread_pct" in r["metrics"][metrics[0]] for r in results)
+    lines = ["| scenario | metric | real | sim | error | " + ("real-vs-real spread |" if noise else ""),
+             "|---|---|---:|---:|---:|" + ("---:|" if noise else "")]
+    for r in results:
+        for m in metrics:
+            row = r["metrics"][m]
+            cells = [r["scenario"], m, f"{row['real']:.4g}", f"{row['sim']:.4g}", f"{row['error_pct']:+.1f}%"]
+            if noise:
+                cells.append(f"{row['spread_pct']:.1f}%" if row.get("spread_pct") is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -106,11 +106,12 @@ class AttentionMetadata:
         return self.decode_block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
     @functools.cached_property
-    def decode_buckets(self) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def decode_buckets(self) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, int]]:
         """The decode sequences in groups of similar context length, each attended as one padded batch:
         (rows into the decode batch or None for all of them in order, block tables [b, max_blocks] padded
-        with block 0, context lens,
-        key mask [b, 1, 1, max_blocks * block_size] or None when no key is padding)."""
+        with block 0, context lens, key mask [b, 1, 1, width] or None when no key is padding, width: keys
+        attended, the widest context rounded up to KEY_ALIGN — a contiguous cache's one big block is
+        not read past it)."""
         lens = [self.context_lens[i] for i in self.decode_seqs]
         order = sorted(range(len(lens)), key=lambda j: -lens[j])
         groups = _buckets([lens[j] for j in order], self.block_size)
@@ -121,12 +122,12 @@ class AttentionMetadata:
             members = order[start:end]
             tables = _padded_tables([self.block_tables[self.decode_seqs[j]] for j in members], self.device)
             ctx = torch.tensor([lens[j] for j in members], dtype=torch.long, device=self.device)
-            width = tables.shape[1] * self.block_size
+            width = _key_width(max(lens[j] for j in members), self.block_size, tables.shape[1])
             mask = None
             if any(lens[j] != width for j in members):
                 mask = (torch.arange(width, device=self.device)[None, :] < ctx[:, None])[:, None, None, :]
             rows = None if len(groups) == 1 else torch.tensor(members, dtype=torch.long, device=self.device)
-            out.append((rows, tables, ctx, mask))
+            out.append((rows, tables, ctx, mask, width))
         return out
 
     def context_slots(self, seq: int) -> torch.Tensor:
@@ -159,13 +160,23 @@ def _check_sequences(query_lens, context_lens, block_tables, block_size) -> None
 
 # A bucket costs about as much fixed work as attending this many padded keys more per sequence.
 BUCKET_OVERHEAD_TOKENS = 512
+# Decode keys are padded to a multiple of this (or of the block size, if smaller).
+KEY_ALIGN = 16
+
+
+def _key_width(max_len: int, block_size: int, num_blocks: int) -> int:
+    """Keys a padded decode batch attends: its longest context rounded up to the alignment, at most
+    its blocks' capacity."""
+    align = min(KEY_ALIGN, block_size)
+    return min(num_blocks * block_size, -(-max_len // align) * align)
 
 
 def _buckets(lens_desc: list[int], block_size: int) -> list[tuple[int, int]]:
     """Split context lengths (sorted descending) into contiguous groups minimising the padded keys a
-    bucket-per-call attention reads, Σ (size · widest, in whole blocks) + BUCKET_OVERHEAD_TOKENS per call."""
+    bucket-per-call attention reads, Σ (size · widest, aligned) + BUCKET_OVERHEAD_TOKENS per call."""
     n = len(lens_desc)
-    width = [-(-c // block_size) * block_size for c in lens_desc]
+    align = min(KEY_ALIGN, block_size)
+    width = [-(-c // align) * align for c in lens_desc]
     best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
@@ -289,14 +300,20 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
     def decodes(qd):
         buckets = meta.decode_buckets
         out = torch.empty_like(qd) if len(buckets) > 1 else None
-        for rows, tables, lens, mask in buckets:
-            b, width = tables.shape[0], tables.shape[1] * meta.block_size
-            # whole blocks of every sequence (k/v: [b, kvh, S, D]), padded to the bucket's widest table; the
-            # blocks are rows of a 2-D view, so index_select copies each with one memcpy (on the 4-D pool
-            # it dispatches a copy per block, ~10x slower)
-            flat = tables.view(-1)
-            k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, width, kvh, -1).transpose(1, 2)
-            v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, width, kvh, -1).transpose(1, 2)
+        for rows, tables, lens, mask, width in buckets:
+            b = tables.shape[0]
+            if tables.shape[1] == 1:  # one block per sequence (a contiguous cache): read only `width` keys of it
+                k = k_cache[:, :width].index_select(0, tables[:, 0]).transpose(1, 2)
+                v = v_cache[:, :width].index_select(0, tables[:, 0]).transpose(1, 2)
+            else:
+                # whole blocks of every sequence (k/v: [b, kvh, S, D]), padded to the bucket's widest table; the
+                # blocks are rows of a 2-D view, so index_select copies each with one memcpy (on the 4-D pool
+                # it dispatches a copy per block, ~10x slower)
+                flat = tables.view(-1)
+                full = tables.shape[1] * meta.block_size
+                k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+                v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
             qb = qd if rows is None else qd[rows]
             qg = qb.view(b, kvh, group, -1)  # the G query heads sharing a kv head are G query rows
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(b, -1, qd.shape[-1])

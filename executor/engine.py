@@ -58,6 +58,7 @@ class StepRecord:
     num_prefill: int
     num_decode: int
     num_padding: int
+    num_sampled: int  # rows that produced a token (a partial prompt chunk does not)
     kv_blocks_used: int
     preempted: list[int]
     swapped_blocks: int
@@ -164,7 +165,7 @@ class Engine:
         record = StepRecord(
             step=len(self.records), start_s=start, end_s=end, new_tokens=query_lens, context_lens=context_lens,
             num_prefill=len(batch.prefill), num_decode=len(batch.decode), num_padding=len(batch.padding),
-            kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
+            num_sampled=len(sampled), kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
             swapped_blocks=len(batch.swap_out) + len(batch.swap_in))
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))

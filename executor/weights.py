@@ -8,7 +8,11 @@ layout and copies straight into ours.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,11 +48,39 @@ def _split_path(path_or_dir, gguf_file):
     return path, gguf_file
 
 
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the dequantized safetensors copy of a GGUF file lives: $INFERSIM_CACHE_DIR (default
+    ~/.cache/infersim), keyed by the file's name, size and mtime and the transformers version."""
+    import transformers
+
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode())
+    root = Path(os.environ.get("INFERSIM_CACHE_DIR") or Path.home() / ".cache" / "infersim")
+    return root / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def _cache_gguf(model, tokenizer, target: Path) -> None:
+    """Save a GGUF-loaded model (and tokenizer) as safetensors, atomically; a failure only costs speed."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    except OSError:
+        return  # no writable cache: every load converts the GGUF again
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError:  # e.g. another process cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @functools.lru_cache(maxsize=2)
 def load_transformers_model(path_or_dir, gguf_file: str | None = None):
     """(transformers model in fp32, eval mode; tokenizer or None if the directory has none).
 
-    Cached per process: loading the SmolLM2 GGUF takes ~35-50 s on 2 CPU cores.
+    A GGUF file is dequantized once (~35-50 s on 2 CPU cores: transformers parses it tensor by tensor)
+    and kept as safetensors under gguf_cache_dir(); later loads take a few seconds. Cached per process too.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -56,11 +88,16 @@ def load_transformers_model(path_or_dir, gguf_file: str | None = None):
     hf_logging.disable_progress_bar()  # a serve run's output is the report, not GGUF conversion bars
 
     directory, gguf_file = _split_path(path_or_dir, gguf_file)
+    cached = gguf_cache_dir(directory / gguf_file) if gguf_file else None
+    if cached is not None and (cached / "config.json").is_file():
+        directory, gguf_file = cached, None
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, local_files_only=True, **kwargs)
     tokenizer = None
     if gguf_file or any((directory / f).exists() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    if gguf_file and cached is not None:
+        _cache_gguf(model, tokenizer, cached)
     return model.eval(), tokenizer
 
 

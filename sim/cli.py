@@ -1,10 +1,11 @@
 """`infersim`: run scenarios, list the catalogs. Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import json
 import sys
 from importlib.resources import files
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -105,39 +106,83 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
 
 
 @app.command()
-def validate(scenario: Path = typer.Argument(..., help="scenario YAML with a model that has real weights"),
-             out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for validation.json and the CDF plot"),
+def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (or folders of them) with a model "
+                                                               "that has real weights"),
+             out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for validation.json and the CDF plot "
+                                                "(one subfolder per scenario when there are several)"),
              device: str = typer.Option("cpu", "--device"),
              profile_path: Optional[Path] = typer.Option(None, "--profile",
                                                          help="default: calibration/profiles/DEVICE.json"),
              threads: Optional[int] = typer.Option(None, "--threads"),
-             repeat: bool = typer.Option(False, "--repeat", help="run the executor twice and report its noise")) -> None:
-    """Run a scenario on the executor and in the simulator; print real vs sim and the % error per metric."""
+             repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
+                                        "and two or more report the real-vs-real spread")) -> None:
+    """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
-        from calibration.validate import PROFILES, validate as run_validate
-        from executor.serve import check_device
-
-        check_device(device)
+        from calibration.validate import PROFILES, markdown_table, summarize, validate as run_validate
+        from executor.serve import check_device, load_model
         from sim.scenario import load_scenario
 
-        _, plan = load_scenario(scenario)
+        check_device(device)
+        paths = _scenario_files(scenarios)
+        plans = [(path, load_scenario(path)[1]) for path in paths]
         prof = profile_path or PROFILES / f"{device}.json"
         if not prof.exists():
             raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-        try:
-            result = run_validate(plan, prof, device, threads, repeat, out)
-        except ConfigError as e:
-            raise e.with_file(str(scenario)) from None
-        t = Table("metric", "real", "sim", "error %", *(["real #2", "noise %"] if repeat else []))
-        for name, row in result["metrics"].items():
-            cells = [_num(row["real"]), _num(row["sim"]), _pct(row["error_pct"])]
-            if repeat:
-                cells += [_num(row["real2"]), _pct(row["noise_pct"])]
-            t.add_row(name, *cells)
-        Console().print(f"[bold]{result['scenario']}[/] on {device}: simulated with {prof}")
-        Console().print(t)
+        loaded, loaded_key, results = None, None, []
+        for path, plan in plans:
+            key = (plan.model.name, plan.model.num_layers, plan.model.hidden_size, str(plan.scenario.model))
+            try:
+                if key != loaded_key:  # scenarios on the same weights share one load
+                    loaded, loaded_key = load_model(plan, device), key
+                folder = None if out is None else (out if len(plans) == 1 else out / path.stem)
+                result = run_validate(plan, prof, device, threads, repeat, folder, loaded=loaded)
+            except ConfigError as e:
+                raise e.with_file(str(path)) from None
+            results.append(result)
+            _print_validation(result, device, prof, repeat)
+        if len(results) > 1:
+            summary = summarize(results)
+            t = Table("metric", "max |error| %", "median |error| %", *(["median spread %"] if repeat > 1 else []))
+            for name, row in summary.items():
+                t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
+                          *([_num(row["median_spread_pct"])] if repeat > 1 else []))
+            Console().print(f"[bold]{len(results)} scenarios[/]")
+            Console().print(t)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "summary.json").write_text(json.dumps({"profile": str(prof), "device": device,
+                                                              "summary": summary, "scenarios": results}, indent=2) + "\n")
+                (out / "table.md").write_text(markdown_table(results))
+                Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
     except ConfigError as e:
         _fail(e)
+
+
+def _scenario_files(paths: list[Path]) -> list[Path]:
+    """The YAML files named, with each folder expanded to its *.yaml (sorted)."""
+    files = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(p.glob("*.yaml"))
+            if not found:
+                raise ConfigError(f"{p} holds no *.yaml scenarios", "SCENARIO")
+            files += found
+        else:
+            files.append(p)
+    return files
+
+
+def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> None:
+    spread = repeat > 1
+    t = Table("metric", "real", "sim", "error %", *(["runs", "spread %"] if spread else []))
+    for name, row in result["metrics"].items():
+        cells = [_num(row["real"]), _num(row["sim"]), _pct(row["error_pct"])]
+        if spread:
+            cells += [" ".join(_num(v) for v in row["real_runs"]), _num(row["spread_pct"])]
+        t.add_row(name, *cells)
+    real = "real (mean of %d executor runs)" % repeat if spread else "real"
+    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}")
+    Console().print(t)
 
 
 def _num(x) -> str:

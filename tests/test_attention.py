@@ -181,3 +181,15 @@ def test_buckets_minimise_padded_keys():
     groups = _buckets(lens, 16)
     assert groups == [(0, 2), (2, 6)]  # the long pair apart from the short rest
     assert BUCKET_OVERHEAD_TOKENS > 0
+
+
+def test_sdpa_decode_reads_a_contiguous_reservation_only_up_to_the_context():
+    """A contiguous cache (one max_model_len block per sequence, mostly empty) attends the same as the
+    dense reference: the keys past each context are garbage and must never count."""
+    query_lens, context_lens = [1, 1, 1, 4], [3, 40, 17, 9]
+    q, kp, vp, meta, logical = make_batch(query_lens, context_lens, 6, 2, block_size=0, seed=5, contiguous=True)
+    garbage = torch.randn(kp.shape[0], 3 * kp.shape[1], *kp.shape[2:]) * 100
+    kp, vp = torch.cat([kp, garbage], 1), torch.cat([vp, garbage], 1)  # a 160-token reservation each
+    meta = AttentionMetadata.build(query_lens, context_lens, meta.block_tables, kp.shape[1])
+    assert [w for *_, w in meta.decode_buckets] == [48]  # the longest context, aligned: not 160
+    assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL

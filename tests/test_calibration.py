@@ -33,13 +33,13 @@ def test_profile_then_validate(tmp_path, checkpoint):
                                kv_cache={"num_blocks": 128, "block_size": 16},
                                workload={"seed": 3, "num_requests": 20})
     out = tmp_path / "val"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat"])
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2"])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 20
     for name in ("ttft_p50", "tpot_p50", "throughput_out_tok_s", "itl_p50", "e2e_p50"):
         row = v["metrics"][name]
-        assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None and row["noise_pct"] is not None
+        assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None and row["spread_pct"] is not None
     assert (out / "latency_cdf_sim_vs_real.png").exists()
 
 
