@@ -107,17 +107,32 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
     return runs
 
 
-def sweep(model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3) -> list[dict]:
-    """One step record per distinct step of the sweep, its time the median over `repeats` runs.
+# A fixed handful of steps (one 800-token prefill, nine 4-sequence decodes), timed with the sweep and
+# again by `infersim validate`: the ratio is how much slower or faster the machine runs now.
+PROBE = ({"max_num_seqs": 4}, [(200, 10)] * 4)
+
+
+def probe_time(model, corpus: list[int], device: str) -> float:
+    """Seconds the PROBE's steps take on this machine now."""
+    cfg, work = PROBE
+    return sum(r["end_s"] - r["start_s"] for r in _run(_engine(model, device, **cfg), corpus, work))
+
+
+def sweep(model, corpus: list[int], device: str, quick: bool = False,
+          repeats: int = 3) -> tuple[list[dict], list[float]]:
+    """(one step record per distinct step of the sweep, its time the median over `repeats` runs;
+    the PROBE's time in each repeat).
 
     Every workload runs `repeats` times, interleaved (all workloads once, then again) so slow drift
     of the machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has
     the same shape."""
     runs = workloads(quick)
     results: list[list[list[dict]]] = [[] for _ in runs]
+    probes = []
     for _ in range(repeats):
         for (cfg, work), out in zip(runs, results):
             out.append(_run(_engine(model, device, **cfg), corpus, work))
+        probes.append(probe_time(model, corpus, device))
     samples = []
     for reps in results:
         for steps in zip(*reps):
@@ -127,18 +142,19 @@ def sweep(model, corpus: list[int], device: str, quick: bool = False, repeats: i
             rec["time_s"] = statistics.median(s["end_s"] - s["start_s"] for s in steps)
             rec["repeat_times_s"] = [s["end_s"] - s["start_s"] for s in steps]
             samples.append(rec)
-    return samples
+    return samples, probes
 
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
     _run(_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
     t0 = time.perf_counter()
-    samples = sweep(model, corpus, device, quick)
+    samples, probes = sweep(model, corpus, device, quick)
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled")) for s in samples]
     times = [s["time_s"] for s in samples]
     return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
             "sweep_s": time.perf_counter() - t0, "fit": fit(shapes, times),
+            "probe": {"workload": PROBE, "times_s": probes, "time_s": statistics.median(probes)},
             "samples": [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"],
                          "num_sampled": sh.num_sampled, "time_s": t, "repeat_times_s": s["repeat_times_s"]}
                         for s, sh, t in zip(samples, shapes, times)]}

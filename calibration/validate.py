@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.cluster import sim_records, simulate
+from sim.cluster import make_cost_model, sim_records, simulate
 from sim.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.scenario import Plan, make_plan
 from sim.workload import generate_requests
@@ -19,11 +19,27 @@ METRICS = [("ttft_p50", "ttft_s", "p50"), ("ttft_p90", "ttft_s", "p90"), ("tpot_
 PROFILES = Path(__file__).parent / "profiles"
 
 
-def with_profile(plan: Plan, profile: Path) -> Plan:
-    """The same plan, predicted with a fitted profile instead of its own cost model."""
+def with_profile(plan: Plan, profile: Path, scale: float = 1.0) -> Plan:
+    """The same plan, predicted with a fitted profile (its step times × `scale`) instead of its own cost model."""
     sc = plan.scenario
-    sc = sc.model_copy(update={"cost_model": sc.cost_model.model_copy(update={"profile": str(profile.resolve())})})
-    return make_plan(sc, plan.base_dir)
+    cost = sc.cost_model.model_copy(update={"profile": str(profile.resolve()), "profile_scale": scale})
+    return make_plan(sc.model_copy(update={"cost_model": cost}), plan.base_dir)
+
+
+def machine_speed(loaded, profile: Path, device: str, repeats: int = 3) -> dict | None:
+    """How much slower (>1) or faster the machine runs now than when the profile was measured: the
+    profile's probe steps timed again (median of `repeats`) over the time stored in the profile.
+    None if the profile has no probe. Shared machines drift by 10-20% over an hour."""
+    from calibration.profile import PROBE, probe_time
+    from executor.prompts import corpus_ids
+
+    stored = json.loads(Path(profile).read_text()).get("probe")
+    if not stored or [list(x) for x in stored["workload"][1]] != [list(x) for x in PROBE[1]]:
+        return None
+    corpus = corpus_ids(loaded.tokenizer) if loaded.tokenizer is not None else list(range(3, 1000))
+    now = [probe_time(loaded.model, corpus, device) for _ in range(repeats)]
+    return {"probe_now_s": now, "probe_profile_s": stored["time_s"],
+            "factor": float(np.median(now)) / stored["time_s"]}
 
 
 def pick(metrics: dict, section: str, key: str) -> float | None:
@@ -68,27 +84,56 @@ def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> Non
 
 
 def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
-             out: Path | None = None, loaded=None) -> dict:
+             out: Path | None = None, loaded=None, probe: bool = False) -> dict:
     """Run the executor `runs` times (two or more also measure its run-to-run noise) and the simulator;
     returns validation.json's content.
-    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load."""
-    from executor.serve import load_model, serve
+    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load.
+    `probe`: first time the profile's probe steps and scale the profile by the machine's speed now (the
+    simulator still sees nothing of the scenario's real run)."""
+    import torch
+
+    from executor.serve import load_model, serve, write_traces
 
     specs = generate_requests(plan.scenario.workload, plan.base_dir)
     slo = plan.scenario.slo
     loaded = loaded or load_model(plan, device)
-    real = [serve(plan, specs, device, threads, loaded=loaded)[0] for _ in range(max(1, runs))]
-    sim_plan = with_profile(plan, profile)
+    if threads or plan.scenario.executor.threads:
+        torch.set_num_threads(threads or plan.scenario.executor.threads)
+    speed = machine_speed(loaded, profile, device) if probe else None
+    sim_plan = with_profile(plan, profile, speed["factor"] if speed else 1.0)
+    real, step_ratios = [], []
+    for i in range(max(1, runs)):
+        records, _, engine, requests, _ = serve(plan, specs, device, threads, loaded=loaded)
+        real.append(records)
+        step_ratios.append(step_time_ratio(engine.records, make_cost_model(sim_plan)))
+        if out is not None:  # the executor's step trace, to compare step by step with the cost model
+            write_traces(out / f"run{i + 1}", engine, requests)
     sim_rec = sim_records(simulate(sim_plan, specs))
     metrics = [compute_metrics(r, slo.ttft_s, slo.tpot_s, slo.quantile) for r in real]
     sim_m = compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
     result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(real),
-              "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m)}
+              "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
+              "machine_speed": speed, "step_time_ratio": step_ratios}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
         write_cdf_plot(out / "latency_cdf_sim_vs_real.png", real[0], sim_rec)
     return result
+
+
+def step_time_ratio(records, cost) -> dict:
+    """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
+    model), over all steps and split by kind. Near 1 with a large metric error points at the policy or the
+    replay; far from 1, at the cost model or at the machine running faster or slower than when profiled."""
+    from sim.fitted_cost import shape_of
+
+    sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
+    for r in records:
+        pred = cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled))
+        for kind in ("all", "with_prompt" if r.num_prefill else "decode_only"):
+            sums[kind][0] += r.end_s - r.start_s
+            sums[kind][1] += pred
+    return {k: (real / pred if pred else None) for k, (real, pred) in sums.items()}
 
 
 HEADLINE = ("ttft_p50", "tpot_p50", "throughput_out_tok_s")
@@ -108,15 +153,26 @@ def summarize(results: list[dict]) -> dict:
 
 
 def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
-    """One row per scenario and metric: real, sim, error (and the real-vs-real spread where measured)."""
-    noise = any("spread_pct" in r["metrics"][metrics[0]] for r in results)
-    lines = ["| scenario | metric | real | sim | error | " + ("real-vs-real spread |" if noise else ""),
-             "|---|---|---:|---:|---:|" + ("---:|" if noise else "")]
+    """One row per scenario and metric: real, sim, error, the real-vs-real spread where measured; on each
+    scenario's first row its executor steps' measured / predicted time (mean over runs) and, with --probe,
+    the machine-speed factor the profile was scaled by."""
+    spread = any("spread_pct" in r["metrics"][metrics[0]] for r in results)
+    probe = any(r.get("machine_speed") for r in results)
+    head = ["scenario", "steps real/pred", *(["speed ×"] if probe else []), "metric", "real", "sim", "error",
+            *(["real-vs-real spread"] if spread else [])]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + ("---:|" if probe else "") + "---|---:|---:|---:|"
+             + ("---:|" if spread else "")]
     for r in results:
-        for m in metrics:
+        ratios = [x["all"] for x in r.get("step_time_ratio", []) if x.get("all")]
+        for i, m in enumerate(metrics):
             row = r["metrics"][m]
-            cells = [r["scenario"], m, f"{row['real']:.4g}", f"{row['sim']:.4g}", f"{row['error_pct']:+.1f}%"]
-            if noise:
+            first = i == 0
+            cells = [r["scenario"] if first else "", f"{np.mean(ratios):.3f}" if first and ratios else ""]
+            if probe:
+                speed = r.get("machine_speed")
+                cells.append(f"{speed['factor']:.3f}" if first and speed else "")
+            cells += [m, f"{row['real']:.4g}", f"{row['sim']:.4g}", f"{row['error_pct']:+.1f}%"]
+            if spread:
                 cells.append(f"{row['spread_pct']:.1f}%" if row.get("spread_pct") is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

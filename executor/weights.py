@@ -7,6 +7,7 @@ layout and copies straight into ours.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -60,18 +61,26 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 
 
 def _cache_gguf(model, tokenizer, target: Path) -> None:
-    """Save a GGUF-loaded model (and tokenizer) as safetensors, atomically; a failure only costs speed."""
+    """Save a GGUF-loaded model (and tokenizer) as safetensors, atomically; a failure only costs speed.
+    transformers will not save a model it loaded from GGUF, so the weights go into a plain copy."""
+    from transformers import AutoModelForCausalLM
+
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     except OSError:
         return  # no writable cache: every load converts the GGUF again
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         tmp.rename(target)
-    except OSError:  # e.g. another process cached it first
+    except Exception:  # best effort (e.g. another process cached it first): the model is loaded either way
         shutil.rmtree(tmp, ignore_errors=True)
 
 

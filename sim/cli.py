@@ -115,7 +115,10 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                          help="default: calibration/profiles/DEVICE.json"),
              threads: Optional[int] = typer.Option(None, "--threads"),
              repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
-                                        "and two or more report the real-vs-real spread")) -> None:
+                                        "and two or more report the real-vs-real spread"),
+             probe: bool = typer.Option(False, "--probe/--no-probe", help="time the profile's probe steps first and "
+                                        "scale the profile by how much slower/faster the machine runs now "
+                                        "(a steady machine: on a noisy one the probe's own spread is ~25%)")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
         from calibration.validate import PROFILES, markdown_table, summarize, validate as run_validate
@@ -135,7 +138,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                 if key != loaded_key:  # scenarios on the same weights share one load
                     loaded, loaded_key = load_model(plan, device), key
                 folder = None if out is None else (out if len(plans) == 1 else out / path.stem)
-                result = run_validate(plan, prof, device, threads, repeat, folder, loaded=loaded)
+                result = run_validate(plan, prof, device, threads, repeat, folder, loaded=loaded, probe=probe)
             except ConfigError as e:
                 raise e.with_file(str(path)) from None
             results.append(result)
@@ -181,7 +184,9 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
             cells += [" ".join(_num(v) for v in row["real_runs"]), _num(row["spread_pct"])]
         t.add_row(name, *cells)
     real = "real (mean of %d executor runs)" % repeat if spread else "real"
-    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}")
+    speed = result.get("machine_speed")
+    scale = f" × {speed['factor']:.3f} (machine speed now vs when profiled)" if speed else ""
+    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}{scale}")
     Console().print(t)
 
 

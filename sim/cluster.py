@@ -67,7 +67,7 @@ def make_policy(plan: Plan, eager: bool = True) -> Scheduler:
 def make_cost_model(plan: Plan) -> StepCostModel:
     c = plan.scenario.cost_model
     if c.profile:
-        return load_profile(plan.base_dir / c.profile, plan.model)
+        return load_profile(plan.base_dir / c.profile, plan.model).scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
                              per_seq_overhead_s=c.per_seq_overhead_s,

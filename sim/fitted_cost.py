@@ -54,6 +54,12 @@ class FittedCostModel:
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
 
+    def scaled(self, factor: float) -> "FittedCostModel":
+        """Every step `factor` times as long (the same machine running slower or faster than when profiled)."""
+        if factor == 1.0:
+            return self
+        return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor})
+
     @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
         try:

@@ -33,13 +33,19 @@ def test_profile_then_validate(tmp_path, checkpoint):
                                kv_cache={"num_blocks": 128, "block_size": 16},
                                workload={"seed": 3, "num_requests": 20})
     out = tmp_path / "val"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2"])
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2",
+                               "--probe"])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
-    assert v["requests"]["completed"] == 20
+    assert v["requests"]["completed"] == 20 and v["runs"] == 2
+    assert v["machine_speed"]["factor"] > 0 and len(v["machine_speed"]["probe_now_s"]) == 3
+    assert data["probe"]["time_s"] > 0 and len(data["probe"]["times_s"]) == 3  # one per sweep repeat
+    assert all(r["all"] > 0 for r in v["step_time_ratio"])
+    assert (out / "run1" / "steps.jsonl").exists() and (out / "run2" / "requests.jsonl").exists()
     for name in ("ttft_p50", "tpot_p50", "throughput_out_tok_s", "itl_p50", "e2e_p50"):
         row = v["metrics"][name]
-        assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None and row["spread_pct"] is not None
+        assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None and row["spread_pct"] >= 0
+        assert row["real"] == pytest.approx(sum(row["real_runs"]) / 2)
     assert (out / "latency_cdf_sim_vs_real.png").exists()
 
 
@@ -48,3 +54,27 @@ def test_validate_without_a_profile_says_how_to_make_one(tmp_path):
     path.write_text("model: SmolLM2-135M\nhardware: cpu\nworkload: {trace: {path: builtin:azure_conv}}\n")
     r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(tmp_path / "none.json")])
     assert r.exit_code == 2 and "infersim profile" in r.output
+
+
+def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint):
+    """A folder expands to its scenarios (one model load), each gets its own subfolder, and the summary and
+    markdown table cover them all."""
+    prof = tmp_path / "tiny.json"
+    r = CliRunner().invoke(app, ["profile", "--model", str(checkpoint), "--out", str(prof), "--quick",
+                                 "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "scenarios"
+    folder.mkdir()
+    for name, rate in (("tiny-a", 20.0), ("tiny-b", 60.0)):
+        write_tiny_scenario(folder, checkpoint, name=name,
+                            workload={"num_requests": 10, "arrival": {"process": "poisson", "rate": rate}})
+    out = tmp_path / "val"
+    r = CliRunner().invoke(app, ["validate", str(folder), "--profile", str(prof), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "tiny-a" / "validation.json").exists() and (out / "tiny-b" / "validation.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["scenario"] for s in summary["scenarios"]] == ["tiny-a", "tiny-b"]
+    row = summary["summary"]["tpot_p50"]
+    assert row["max_abs_error_pct"] >= row["median_abs_error_pct"] >= 0
+    table = (out / "table.md").read_text()
+    assert table.count("| tiny-a |") == 1 and "tpot_p50" in table

@@ -207,6 +207,31 @@ def test_smollm2_matches_transformers():
     assert len(ours) == 16 and ours == theirs
 
 
+@pytest.mark.slow
+def test_gguf_is_cached_as_safetensors_with_the_same_weights(tmp_path, monkeypatch):
+    """The first load dequantizes the GGUF and keeps a safetensors copy; the next load reads that copy
+    (seconds instead of ~45 s) and gets bit-identical weights and the same tokenizer."""
+    from executor.weights import gguf_cache_dir, load_transformers_model, smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("INFERSIM_CACHE_DIR", str(tmp_path))
+    load_transformers_model.cache_clear()
+    try:
+        converted, tok = load_transformers_model(str(path.parent), path.name)
+        assert (gguf_cache_dir(path) / "model.safetensors").is_file()
+        load_transformers_model.cache_clear()
+        cached, tok2 = load_transformers_model(str(path.parent), path.name)
+    finally:
+        load_transformers_model.cache_clear()
+    a, b = converted.state_dict(), cached.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    text = "The robot counted 17 stars."
+    assert tok(text).input_ids == tok2(text).input_ids and tok.eos_token_id == tok2.eos_token_id
+
+
 def test_load_hf_model_from_safetensors_dir(tmp_path):
     from executor.weights import load_hf_model
 

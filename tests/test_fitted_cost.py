@@ -68,3 +68,17 @@ def test_profile_of_another_model_is_refused(tmp_path):
         run(scenario(cost_model={"profile": str(path)}))
     assert e.value.key_path == "cost_model.profile" and "SmolLM2" in e.value.message
     assert set(FEATURES) == set(TRUE)
+
+
+def test_profile_scale_stretches_every_step(tmp_path):
+    """cost_model.profile_scale: the same machine running k times slower takes k times as long per step;
+    with arrivals far apart (no queueing) every latency scales by k."""
+    path = write_profile(tmp_path)
+    work = {"arrival": {"process": "constant", "rate": 0.05}, "num_requests": 4,
+            "prompt_len": {"dist": "fixed", "value": 64}, "output_len": {"dist": "fixed", "value": 8}}
+    base, _, _ = run(scenario(cost_model={"profile": str(path)}, workload=work))
+    slow, _, _ = run(scenario(cost_model={"profile": str(path), "profile_scale": 1.25}, workload=work))
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert slow[key]["p50"] == pytest.approx(1.25 * base[key]["p50"], rel=1e-9)
+    assert FittedCostModel(TRUE).scaled(2.0).step_time(shape_of([5], [9])) == \
+        pytest.approx(2 * FittedCostModel(TRUE).step_time(shape_of([5], [9])))
