@@ -145,11 +145,11 @@ def sweep(model, corpus: list[int], device: str, quick: bool = False,
     return samples, probes
 
 
-def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False) -> dict:
+def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
     _run(_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
     t0 = time.perf_counter()
-    samples, probes = sweep(model, corpus, device, quick)
+    samples, probes = sweep(model, corpus, device, quick, repeats)
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled")) for s in samples]
     times = [s["time_s"] for s in samples]
     return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
@@ -165,7 +165,7 @@ def write_profile(path: Path, prof: dict) -> None:
     path.write_text(json.dumps(prof, indent=1) + "\n")
 
 
-def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool) -> dict:
+def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int = 3) -> dict:
     """`infersim profile`: load the model, sweep, fit, write and summarize the profile."""
     from executor.prompts import corpus_ids
     from executor.weights import load_hf_model, smollm2_gguf_path
@@ -185,7 +185,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
         raise ConfigError(f"cannot load {model}: {e}", "--model") from None
     net = net.to(device)
     corpus = corpus_ids(tok) if tok is not None else list(range(3, 1000))
-    prof = profile(net, corpus, device, spec.model_dump(), quick=quick)
+    prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats)
     write_profile(out, prof)
     f = prof["fit"]
     Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "

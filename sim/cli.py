@@ -95,12 +95,14 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
             out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o"),
             threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
-            quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)")) -> None:
+            quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
+            repeats: int = typer.Option(3, "--repeats", min=1, help="runs of each workload; a step's time is "
+                                        "the median over them")) -> None:
     """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
     try:
         from calibration.profile import profile_command
 
-        profile_command(device, model, out, threads, quick)
+        profile_command(device, model, out, threads, quick, repeats)
     except ConfigError as e:
         _fail(e)
 

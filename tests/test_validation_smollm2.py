@@ -1,8 +1,8 @@
-"""One small validation end to end on the real SmolLM2-135M: the executor serves a scenario online (twice),
-the simulator predicts it with the shipped CPU profile, and the errors stay inside the target bound.
+"""One small validation end to end on the real SmolLM2-135M: profile this machine (the quick sweep), serve a
+scenario online on the executor (twice), predict it with that profile, and the errors stay inside the bound.
 
-The profile (calibration/profiles/cpu.json) was measured on the 2-core CPU machines these tests run on; on
-other hardware re-profile (`infersim profile`) before trusting this bound."""
+Profiling here rather than using the shipped calibration/profiles/cpu.json keeps the test about the method:
+these shared VMs drift 10-20% in speed within an hour (README), and CI may run on another CPU."""
 from __future__ import annotations
 
 import json
@@ -15,11 +15,9 @@ from sim.cli import app
 
 pytestmark = pytest.mark.slow
 
-# The issue's target is 5% on all three. Throughput holds it; TPOT and TTFT p50 get the spread this shared
-# 2-core VM shows between two back-to-back executor runs of one scenario (median ~10% TPOT and ~15% TTFT over
-# the validation scenarios, up to ~38%; README), so this catches a broken cost model, policy or replay
-# (those missed by 20-80% before they were fixed), not the machine's own drift.
-BOUNDS = {"throughput_out_tok_s": 5.0, "tpot_p50": 20.0, "ttft_p50": 25.0}
+# The issue's target is 5%; TTFT p50 also carries the executor's own run-to-run spread (a single prefill
+# plus the step it waits for, per request), so it gets 10%.
+BOUNDS = {"throughput_out_tok_s": 5.0, "tpot_p50": 5.0, "ttft_p50": 10.0}
 
 SCENARIO = {
     "name": "ci-validation",
@@ -41,10 +39,15 @@ def test_small_validation_within_bound(tmp_path):
         smollm2_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+    prof = tmp_path / "cpu.json"
+    r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "2",
+                                 "--out", str(prof)])
+    assert r.exit_code == 0, r.output
     path = tmp_path / "ci.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))
     out = tmp_path / "val"
-    r = CliRunner().invoke(app, ["validate", str(path), "--device", "cpu", "--repeat", "2", "--out", str(out)])
+    r = CliRunner().invoke(app, ["validate", str(path), "--device", "cpu", "--profile", str(prof), "--repeat", "2",
+                                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 16 and v["runs"] == 2
