@@ -1,0 +1,43 @@
+"""Speculative decoding in expectation: how many tokens a verify step yields and what it buys.
+
+A drafter proposes γ tokens; the target model checks them in one forward pass of γ + 1 positions per
+sequence and keeps the longest accepted prefix plus one token of its own. With each draft token accepted
+independently with probability α (Leviathan et al., 2023, "Fast Inference from Transformers via
+Speculative Decoding"), the tokens per verify step are a truncated geometric sum. These are the numbers the
+simulator's speculative policy charges per step; the executor measures α.
+"""
+from __future__ import annotations
+
+
+def _check(alpha: float, gamma: int) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"acceptance rate alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"draft length gamma must be >= 0, got {gamma}")
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """E[tokens emitted by one verify step] = (1 − α^(γ+1)) / (1 − α): accepted drafts plus the target's
+    own token (γ + 1 when every draft is accepted)."""
+    _check(alpha, gamma)
+    if alpha == 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_accepted_drafts(alpha: float, gamma: int) -> float:
+    """E[draft tokens accepted per verify step] (the mean accepted length the executor reports)."""
+    return expected_tokens_per_step(alpha, gamma) - 1.0
+
+
+def walltime_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al.'s expected wall-time improvement over plain decoding when one drafter step costs
+    `cost_ratio` (c) target steps and a verify step costs one: (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    if cost_ratio < 0:
+        raise ValueError(f"cost ratio c must be >= 0, got {cost_ratio}")
+    return expected_tokens_per_step(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+def best_draft_length(alpha: float, cost_ratio: float, max_gamma: int = 16) -> int:
+    """The γ in 0..max_gamma with the largest walltime_speedup (γ = 0 is plain decoding)."""
+    return max(range(max_gamma + 1), key=lambda g: (walltime_speedup(alpha, g, cost_ratio), -g))
