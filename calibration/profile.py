@@ -184,7 +184,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     except (FileNotFoundError, OSError) as e:
         raise ConfigError(f"cannot load {model}: {e}", "--model") from None
     net = net.to(device)
-    corpus = corpus_ids(tok) if tok is not None else list(range(3, 1000))
+    corpus = corpus_ids(tok)
     prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats)
     write_profile(out, prof)
     f = prof["fit"]

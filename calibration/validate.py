@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.cluster import make_cost_model, sim_records, simulate
+from sim.fitted_cost import shape_of
 from sim.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.scenario import Plan, make_plan
 from sim.workload import generate_requests
@@ -36,8 +37,7 @@ def machine_speed(loaded, profile: Path, device: str, repeats: int = 3) -> dict 
     stored = json.loads(Path(profile).read_text()).get("probe")
     if not stored or [list(x) for x in stored["workload"][1]] != [list(x) for x in PROBE[1]]:
         return None
-    corpus = corpus_ids(loaded.tokenizer) if loaded.tokenizer is not None else list(range(3, 1000))
-    now = [probe_time(loaded.model, corpus, device) for _ in range(repeats)]
+    now = [probe_time(loaded.model, corpus_ids(loaded.tokenizer), device) for _ in range(repeats)]
     return {"probe_now_s": now, "probe_profile_s": stored["time_s"],
             "factor": float(np.median(now)) / stored["time_s"]}
 
@@ -90,22 +90,20 @@ def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None
     `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load.
     `probe`: first time the profile's probe steps and scale the profile by the machine's speed now (the
     simulator still sees nothing of the scenario's real run)."""
-    import torch
-
-    from executor.serve import load_model, serve, write_traces
+    from executor.serve import load_model, serve, set_threads, write_traces
 
     specs = generate_requests(plan.scenario.workload, plan.base_dir)
     slo = plan.scenario.slo
     loaded = loaded or load_model(plan, device)
-    if threads or plan.scenario.executor.threads:
-        torch.set_num_threads(threads or plan.scenario.executor.threads)
+    set_threads(plan, threads)  # before the probe, which times steps too
     speed = machine_speed(loaded, profile, device) if probe else None
     sim_plan = with_profile(plan, profile, speed["factor"] if speed else 1.0)
+    cost = make_cost_model(sim_plan)
     real, step_ratios = [], []
     for i in range(max(1, runs)):
         records, _, engine, requests, _ = serve(plan, specs, device, threads, loaded=loaded)
         real.append(records)
-        step_ratios.append(step_time_ratio(engine.records, make_cost_model(sim_plan)))
+        step_ratios.append(step_time_ratio(engine.records, cost))
         if out is not None:  # the executor's step trace, to compare step by step with the cost model
             write_traces(out / f"run{i + 1}", engine, requests)
     sim_rec = sim_records(simulate(sim_plan, specs))
@@ -125,8 +123,6 @@ def step_time_ratio(records, cost) -> dict:
     """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
     model), over all steps and split by kind. Near 1 with a large metric error points at the policy or the
     replay; far from 1, at the cost model or at the machine running faster or slower than when profiled."""
-    from sim.fitted_cost import shape_of
-
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
         pred = cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled))
@@ -160,8 +156,8 @@ def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
     probe = any(r.get("machine_speed") for r in results)
     head = ["scenario", "steps real/pred", *(["speed ×"] if probe else []), "metric", "real", "sim", "error",
             *(["real-vs-real spread"] if spread else [])]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + ("---:|" if probe else "") + "---|---:|---:|---:|"
-             + ("---:|" if spread else "")]
+    align = ["---" if h in ("scenario", "metric") else "---:" for h in head]  # text left, numbers right
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for r in results:
         ratios = [x["all"] for x in r.get("step_time_ratio", []) if x.get("all")]
         for i, m in enumerate(metrics):

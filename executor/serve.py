@@ -132,17 +132,22 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests)."""
     if plan.scenario.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
-    threads = threads or plan.scenario.executor.threads
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(plan, threads)
     loaded = loaded or load_model(plan, device)
     engine = build_engine(plan, loaded, device)
-    corpus = corpus_ids(loaded.tokenizer) if loaded.tokenizer is not None else list(range(3, 1000))
+    corpus = corpus_ids(loaded.tokenizer)
     warm_up(engine, corpus)
     t0 = time.perf_counter()
     requests = replay(engine, specs, corpus)
     wall = time.perf_counter() - t0
     return records_from_requests(requests), trace_of(engine), engine, requests, wall
+
+
+def set_threads(plan: Plan, threads: int | None = None) -> None:
+    """torch's CPU threads: `threads`, else the scenario's executor.threads, else left as they are."""
+    threads = threads or plan.scenario.executor.threads
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def check_device(device: str) -> None:

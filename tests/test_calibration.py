@@ -16,11 +16,19 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=1, max_position_embeddings=4096)
 
 
-def test_profile_then_validate(tmp_path, checkpoint):
-    runner = CliRunner()
-    prof = tmp_path / "tiny.json"
-    r = runner.invoke(app, ["profile", "--model", str(checkpoint), "--out", str(prof), "--quick", "--threads", "1"])
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, checkpoint):
+    """`infersim profile --quick` of the tiny checkpoint, made once for the tests here."""
+    prof = tmp_path_factory.mktemp("profile") / "tiny.json"
+    r = CliRunner().invoke(app, ["profile", "--model", str(checkpoint), "--out", str(prof), "--quick",
+                                 "--threads", "1"])
     assert r.exit_code == 0, r.output
+    return prof
+
+
+def test_profile_then_validate(tmp_path, checkpoint, profile):
+    runner = CliRunner()
+    prof = profile
     data = json.loads(prof.read_text())
     assert data["model"]["num_layers"] == 2 and data["host"]["threads"] == 1
     assert data["measured"]["matmul_flops"] > 0 and data["measured"]["memory_bandwidth"] > 0
@@ -56,13 +64,10 @@ def test_validate_without_a_profile_says_how_to_make_one(tmp_path):
     assert r.exit_code == 2 and "infersim profile" in r.output
 
 
-def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint):
+def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint, profile):
     """A folder expands to its scenarios (one model load), each gets its own subfolder, and the summary and
     markdown table cover them all."""
-    prof = tmp_path / "tiny.json"
-    r = CliRunner().invoke(app, ["profile", "--model", str(checkpoint), "--out", str(prof), "--quick",
-                                 "--threads", "1"])
-    assert r.exit_code == 0, r.output
+    prof = profile
     folder = tmp_path / "scenarios"
     folder.mkdir()
     for name, rate in (("tiny-a", 20.0), ("tiny-b", 60.0)):
