@@ -150,13 +150,14 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
     _run(_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
     t0 = time.perf_counter()
     samples, probes = sweep(model, corpus, device, quick, repeats)
-    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled")) for s in samples]
+    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill"))
+              for s in samples]
     times = [s["time_s"] for s in samples]
     return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
             "sweep_s": time.perf_counter() - t0, "fit": fit(shapes, times),
             "probe": {"workload": PROBE, "times_s": probes, "time_s": statistics.median(probes)},
             "samples": [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"],
-                         "num_sampled": sh.num_sampled, "time_s": t, "repeat_times_s": s["repeat_times_s"]}
+                         "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill, "time_s": t, "repeat_times_s": s["repeat_times_s"]}
                         for s, sh, t in zip(samples, shapes, times)]}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.cluster import make_cost_model, sim_records, simulate
+from sim.errors import ConfigError
 from sim.fitted_cost import shape_of
 from sim.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.scenario import Plan, make_plan
@@ -83,35 +84,47 @@ def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> Non
     plt.close(fig)
 
 
-def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
-             out: Path | None = None, loaded=None, probe: bool = False) -> dict:
-    """Run the executor `runs` times (two or more also measure its run-to-run noise) and the simulator;
-    returns validation.json's content.
-    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load.
-    `probe`: first time the profile's probe steps and scale the profile by the machine's speed now (the
-    simulator still sees nothing of the scenario's real run)."""
-    from executor.serve import load_model, serve, set_threads, write_traces
+def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: Path | None = None):
+    """One executor run of the plan's workload: (report-ready records, its step records as dicts); with
+    `out`, also its step and request traces (steps.jsonl, requests.jsonl) there."""
+    from executor.serve import serve, write_traces
 
+    records, _, engine, requests, _ = serve(plan, specs, device, threads, loaded=loaded)
+    if out is not None:
+        write_traces(out, engine, requests)
+    return records, [r.to_json() for r in engine.records]
+
+
+def read_run(folder: Path):
+    """A recorded executor run (the traces `run_real` wrote) as (records, step records)."""
+    from sim.metrics import records_from_requests
+    from sim.request import Request, Status
+
+    requests = []
+    for line in (folder / "requests.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        requests.append(Request(d["id"], d["arrival_s"], d["prompt_len"], d["max_tokens"], status=Status(d["status"]),
+                                num_preemptions=d["preemptions"], reject_reason=d["reject_reason"],
+                                token_times=d["token_times"]))
+    steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
+    return records_from_requests(requests), steps
+
+
+def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path | None = None,
+          speed: dict | None = None) -> dict:
+    """Simulate the plan with the profile (× the probe's factor, if any) and compare with the executor `runs`
+    ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot)."""
     specs = generate_requests(plan.scenario.workload, plan.base_dir)
     slo = plan.scenario.slo
-    loaded = loaded or load_model(plan, device)
-    set_threads(plan, threads)  # before the probe, which times steps too
-    speed = machine_speed(loaded, profile, device) if probe else None
     sim_plan = with_profile(plan, profile, speed["factor"] if speed else 1.0)
     cost = make_cost_model(sim_plan)
-    real, step_ratios = [], []
-    for i in range(max(1, runs)):
-        records, _, engine, requests, _ = serve(plan, specs, device, threads, loaded=loaded)
-        real.append(records)
-        step_ratios.append(step_time_ratio(engine.records, cost))
-        if out is not None:  # the executor's step trace, to compare step by step with the cost model
-            write_traces(out / f"run{i + 1}", engine, requests)
     sim_rec = sim_records(simulate(sim_plan, specs))
+    real = [records for records, _ in runs]
     metrics = [compute_metrics(r, slo.ttft_s, slo.tpot_s, slo.quantile) for r in real]
     sim_m = compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
     result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(real),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
-              "machine_speed": speed, "step_time_ratio": step_ratios}
+              "machine_speed": speed, "step_time_ratio": [step_time_ratio(steps, cost) for _, steps in runs]}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -119,15 +132,62 @@ def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None
     return result
 
 
-def step_time_ratio(records, cost) -> dict:
+def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
+             out: Path | None = None, loaded=None, probe: bool = False) -> dict:
+    """One scenario: run the executor `runs` times (two or more also measure its run-to-run noise) and the
+    simulator; returns validation.json's content.
+    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load.
+    `probe`: first time the profile's probe steps and scale the profile by the machine's speed now (the
+    simulator still sees nothing of the scenario's real run)."""
+    return validate_many([(plan, out)], profile, device, threads, runs, (lambda _: loaded) if loaded else None,
+                         probe)[0]
+
+
+def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
+                  load=None, probe: bool = False, real_from: list | None = None) -> list[dict]:
+    """Validate several scenarios ((plan, output folder or None) each). Their executor runs interleave —
+    every scenario once, then every scenario again — so the machine's slow drift spreads over all of them
+    instead of landing on the last ones. `load(plan)`: the model for a plan (None: load it here).
+    `real_from`: per plan, a folder of recorded runs (run1/, run2/, ...) to score instead of running."""
+    from executor.serve import load_model, set_threads
+
+    if load is None:
+        models: dict = {}
+
+        def load(plan):  # once per plan, not per run
+            if id(plan) not in models:
+                models[id(plan)] = load_model(plan, device)
+            return models[id(plan)]
+    recorded = [[read_run(f) for f in sorted(folder.glob("run*"), key=lambda f: int(f.name[3:]))]
+                for folder in real_from] if real_from else None
+    if recorded is not None:
+        for (plan, _), folder, got in zip(plans, real_from, recorded):
+            if not got:
+                raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
+        return [score(plan, profile, got, device, out) for (plan, out), got in zip(plans, recorded)]
+    speeds: list[dict | None] = [None] * len(plans)
+    results: list[list] = [[] for _ in plans]
+    for i in range(max(1, runs)):
+        for k, (plan, out) in enumerate(plans):
+            loaded = load(plan)
+            specs = generate_requests(plan.scenario.workload, plan.base_dir)
+            set_threads(plan, threads)  # before the probe, which times steps too
+            if probe and i == 0:
+                speeds[k] = machine_speed(loaded, profile, device)
+            results[k].append(run_real(plan, specs, device, threads, loaded,
+                                       None if out is None else out / f"run{i + 1}"))
+    return [score(plan, profile, got, device, out, speed) for (plan, out), got, speed in zip(plans, results, speeds)]
+
+
+def step_time_ratio(records: list[dict], cost) -> dict:
     """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
     model), over all steps and split by kind. Near 1 with a large metric error points at the policy or the
     replay; far from 1, at the cost model or at the machine running faster or slower than when profiled."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
-        pred = cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled))
-        for kind in ("all", "with_prompt" if r.num_prefill else "decode_only"):
-            sums[kind][0] += r.end_s - r.start_s
+        pred = cost.step_time(shape_of(r["new_tokens"], r["context_lens"], r["num_sampled"], r["num_prefill"]))
+        for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
+            sums[kind][0] += r["end_s"] - r["start_s"]
             sums[kind][1] += pred
     return {k: (real / pred if pred else None) for k, (real, pred) in sums.items()}
 

@@ -120,10 +120,13 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                         "and two or more report the real-vs-real spread"),
              probe: bool = typer.Option(False, "--probe/--no-probe", help="time the profile's probe steps first and "
                                         "scale the profile by how much slower/faster the machine runs now "
-                                        "(a steady machine: on a noisy one the probe's own spread is ~25%)")) -> None:
+                                        "(a steady machine: on a noisy one the probe's own spread is ~25%)"),
+             real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
+                                                      "by an earlier `validate --out DIR` (DIR) instead of running "
+                                                      "them: e.g. to compare a new profile on the same runs")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
-        from calibration.validate import PROFILES, markdown_table, summarize, validate as run_validate
+        from calibration.validate import PROFILES, markdown_table, summarize, validate_many
         from executor.serve import check_device, load_model
         from sim.scenario import load_scenario
 
@@ -133,24 +136,32 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         prof = profile_path or PROFILES / f"{device}.json"
         if not prof.exists():
             raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-        loaded, loaded_key, results = None, None, []
-        for path, plan in plans:
+        folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
+        recorded = None
+        if real_from is not None:
+            recorded = [real_from if len(plans) == 1 else real_from / path.stem for path, _ in plans]
+        models: dict = {}  # scenarios on the same weights share one load
+
+        def load(plan):
             key = (plan.model.name, plan.model.num_layers, plan.model.hidden_size, str(plan.scenario.model))
-            try:
-                if key != loaded_key:  # scenarios on the same weights share one load
-                    loaded, loaded_key = load_model(plan, device), key
-                folder = None if out is None else (out if len(plans) == 1 else out / path.stem)
-                result = run_validate(plan, prof, device, threads, repeat, folder, loaded=loaded, probe=probe)
-            except ConfigError as e:
-                raise e.with_file(str(path)) from None
-            results.append(result)
-            _print_validation(result, device, prof, repeat)
+            if key not in models:
+                try:
+                    models[key] = load_model(plan, device)
+                except ConfigError as e:
+                    raise e.with_file(str(next(p for p, pl in plans if pl is plan))) from None
+            return models[key]
+
+        results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
+                                repeat, load, probe=probe, real_from=recorded)
+        for result in results:
+            _print_validation(result, device, prof, result["runs"])
+        spread = any(r["runs"] > 1 for r in results)
         if len(results) > 1:
             summary = summarize(results)
-            t = Table("metric", "max |error| %", "median |error| %", *(["median spread %"] if repeat > 1 else []))
+            t = Table("metric", "max |error| %", "median |error| %", *(["median spread %"] if spread else []))
             for name, row in summary.items():
                 t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
-                          *([_num(row["median_spread_pct"])] if repeat > 1 else []))
+                          *([_num(row["median_spread_pct"])] if spread else []))
             Console().print(f"[bold]{len(results)} scenarios[/]")
             Console().print(t)
             if out is not None:

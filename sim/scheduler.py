@@ -40,6 +40,7 @@ class BatchShape:
     attn_pairs: int  # (query, key) pairs attention computes, causal within each prompt
     num_sampled: int  # sequences whose logits are computed (a prompt chunk that ends mid-prompt has none)
     swap_blocks: int = 0
+    num_prefill: int = 0  # sequences computing a prompt chunk (the rest of num_seqs decode one token)
 
 
 @dataclass(slots=True)
@@ -280,7 +281,7 @@ class Scheduler:
         swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
         swap_in = [p for r in swapped_in for p in r.swap_pairs]
         shape = BatchShape(b + len(prefill), b + tokens, s + ctx, s + pairs, b + sampled,
-                           len(swap_out) + len(swap_in))
+                           len(swap_out) + len(swap_in), len(prefill))
         decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling
         # the simulator never reads the decode rows: skip the O(batch) copy there
         rows = list(self.decoding.members) if decodes and self.eager else []
@@ -413,7 +414,8 @@ class StaticScheduler(Scheduler):
         prefill = [(r, r.prompt_len) for r in picks]
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         self.rows, self.sum_context = len(picks), ctx
-        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled), [], prefill, False)
+        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled, num_prefill=len(picks)), [], prefill,
+                              False)
 
     def _finish(self, r: Request) -> Request:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"

@@ -56,6 +56,20 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
         assert row["real"] == pytest.approx(sum(row["real_runs"]) / 2)
     assert (out / "latency_cdf_sim_vs_real.png").exists()
 
+    # the recorded runs re-scored without running: the same real values, the same prediction
+    again = tmp_path / "again"
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(out), "--out", str(again)])
+    assert r.exit_code == 0, r.output
+    w = json.loads((again / "validation.json").read_text())
+    factor = v["machine_speed"]["factor"]  # v's profile was probe-scaled, w's is not
+    assert w["runs"] == 2 and w["machine_speed"] is None
+    for a, b in zip(w["step_time_ratio"], v["step_time_ratio"]):
+        assert a["all"] == pytest.approx(b["all"] * factor, rel=1e-9)
+    for name, row in w["metrics"].items():
+        assert row["real_runs"] == pytest.approx(v["metrics"][name]["real_runs"], rel=1e-12), name
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(tmp_path)])
+    assert r.exit_code == 2 and "no recorded runs" in r.output
+
 
 def test_validate_without_a_profile_says_how_to_make_one(tmp_path):
     path = tmp_path / "s.yaml"

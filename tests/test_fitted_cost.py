@@ -11,21 +11,21 @@ from sim.errors import ConfigError
 from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import plan_of, run, scenario
 
-TRUE = {"step": 0.03, "new_tokens": 4e-4, "seqs": 1e-3, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
+TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
+        "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
 
 
-def synthetic(n=300, noise=0.02, seed=0):
+def synthetic(n=400, noise=0.02, seed=0):
     rng = np.random.default_rng(seed)
     truth = FittedCostModel(TRUE)
     shapes, times = [], []
     for _ in range(n):
-        if rng.random() < 0.5:  # decode batch
-            b = int(rng.integers(1, 32))
-            ctx = rng.integers(16, 1024, b).tolist()
-            shape = shape_of([1] * b, ctx)
-        else:  # prefill (maybe chunked)
-            n_new = int(rng.integers(8, 512))
-            shape = shape_of([n_new], [n_new + int(rng.integers(0, 512))])
+        kind = rng.random()
+        b = int(rng.integers(1, 32)) if kind < 0.66 else 0  # decode rows
+        p = int(rng.integers(1, 4)) if kind > 0.33 else 0  # prompt chunks (1-3), alone or with decodes
+        new = [1] * b + rng.integers(8, 512, p).tolist()
+        ctx = rng.integers(16, 1024, b).tolist() + [n + int(rng.integers(0, 512)) for n in new[b:]]
+        shape = shape_of(new, ctx, sampled=b + int(rng.integers(0, p + 1)))  # some chunks end mid-prompt
         shapes.append(shape)
         times.append(truth.step_time(shape) * (1 + noise * rng.standard_normal()))
     return shapes, times
@@ -34,8 +34,12 @@ def synthetic(n=300, noise=0.02, seed=0):
 def test_fit_recovers_coefficients_and_reports_heldout_error():
     shapes, times = synthetic()
     result = fit(shapes, times)
-    for k in ("step", "new_tokens", "seqs", "kv_tokens"):
-        assert result["coefs"][k] == pytest.approx(TRUE[k], rel=0.2), k
+    c = result["coefs"]
+    for k in ("step", "new_tokens", "prefill_seqs", "has_prefill", "kv_tokens"):
+        assert c[k] == pytest.approx(TRUE[k], rel=0.2), k
+    # a decode row's three per-row terms are told apart only by the few chunks that do not sample: check the sum
+    row = ("new_tokens", "decode_seqs", "sampled")
+    assert sum(c[k] for k in row) == pytest.approx(sum(TRUE[k] for k in row), rel=0.1)
     assert result["heldout"]["mape"] < 0.03 and result["heldout"]["r2"] > 0.98
     exact = fit(*synthetic(noise=0.0))
     assert exact["heldout"]["mape"] < 1e-6
@@ -45,6 +49,17 @@ def test_decode_time_equals_step_time_of_the_decode_shape():
     m = FittedCostModel(TRUE)
     for b, s in [(1, 17), (7, 3000), (64, 65536)]:
         assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
+
+
+def test_a_profile_of_the_older_form_predicts_as_it_did():
+    """Profiles fitted before the decode/prefill split had one `seqs` term for every sequence."""
+    old = {"step": 0.03, "new_tokens": 4e-4, "seqs": 1e-3, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
+    m = FittedCostModel(old)
+    for new, ctx in [([1] * 5, [40] * 5), ([1, 1, 300], [20, 30, 300])]:
+        shape = shape_of(new, ctx)
+        want = (old["step"] + old["new_tokens"] * sum(new) + old["seqs"] * len(new) + old["sampled"] * len(new)
+                + old["attn_pairs"] * shape.attn_pairs + old["kv_tokens"] * sum(ctx))
+        assert m.step_time(shape) == pytest.approx(want, rel=1e-12)
 
 
 def write_profile(tmp_path, model="Llama-2-7B", layers=32, hidden=4096):
