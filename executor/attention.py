@@ -8,7 +8,8 @@ cached token after the step. A query at position p attends to cached positions 0
 Every backend has one signature, `backend(q [T, H, D], k_cache, v_cache, meta, scale)
 -> [T, H, D]`, where the caches are one layer's block pools `[num_blocks, block_size,
 num_kv_heads, D]`. Sequences with a single query (decodes) are attended as one padded
-batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work.
+batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work. The sdpa
+backend also batches short multi-token rows (speculative verify rows: a last token and its drafts).
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ class AttentionMetadata:
         return [i for i, q in enumerate(self.query_lens) if q > 1]
 
     @functools.cached_property
+    def verify_groups(self) -> list[tuple[int, list[int]]]:
+        """Multi-token sequences short enough to attend batched (speculative verify rows), grouped by
+        query length: (query length, sequences)."""
+        groups: dict[int, list[int]] = {}
+        for i, q in enumerate(self.query_lens):
+            if 1 < q <= VERIFY_MAX_TOKENS:
+                groups.setdefault(q, []).append(i)
+        return sorted(groups.items())
+
+    @functools.cached_property
     def decode_token_index(self) -> torch.Tensor:
         return torch.tensor([self.cu_query_lens[i] for i in self.decode_seqs], dtype=torch.long, device=self.device)
 
@@ -112,7 +123,11 @@ class AttentionMetadata:
         with block 0, context lens, key mask [b, 1, 1, width] or None when no key is padding, width: keys
         attended, the widest context rounded up to KEY_ALIGN — a contiguous cache's one big block is
         not read past it)."""
-        lens = [self.context_lens[i] for i in self.decode_seqs]
+        return self.buckets_of(self.decode_seqs)
+
+    def buckets_of(self, seqs: list[int]):
+        """decode_buckets for any sequences (rows index into `seqs`); the mask is built for one query."""
+        lens = [self.context_lens[i] for i in seqs]
         order = sorted(range(len(lens)), key=lambda j: -lens[j])
         groups = _buckets([lens[j] for j in order], self.block_size)
         if len(groups) == 1:
@@ -120,7 +135,7 @@ class AttentionMetadata:
         out = []
         for start, end in groups:
             members = order[start:end]
-            tables = _padded_tables([self.block_tables[self.decode_seqs[j]] for j in members], self.device)
+            tables = _padded_tables([self.block_tables[seqs[j]] for j in members], self.device)
             ctx = torch.tensor([lens[j] for j in members], dtype=torch.long, device=self.device)
             width = _key_width(max(lens[j] for j in members), self.block_size, tables.shape[1])
             mask = None
@@ -158,6 +173,9 @@ def _check_sequences(query_lens, context_lens, block_tables, block_size) -> None
             raise ValueError(f"block table of {len(bt)} blocks cannot hold {c} tokens")
 
 
+# Multi-token rows up to this long attend batched, like decodes (speculative verify rows); longer ones are
+# prompts, attended one at a time.
+VERIFY_MAX_TOKENS = 16
 # A bucket costs about as much fixed work as attending this many padded keys more per sequence.
 BUCKET_OVERHEAD_TOKENS = 512
 # Decode keys are padded to a multiple of this (or of the block size, if smaller).
@@ -230,11 +248,20 @@ def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[-2]} kv heads")
 
 
-def _per_group(q, meta, attend_prefill, attend_decodes) -> torch.Tensor:
+def _per_group(q, meta, attend_prefill, attend_decodes, attend_verifies=None) -> torch.Tensor:
     """Run a backend's prefill path per multi-token sequence and its decode path once for all
-    single-token sequences, scattering results back into token order."""
+    single-token sequences, scattering results back into token order. With `attend_verifies`, short
+    multi-token sequences go to it instead, one call per query length."""
     out = torch.empty_like(q)
+    batched = set()
+    if attend_verifies is not None:
+        for n, seqs in meta.verify_groups:
+            idx = torch.tensor([meta.cu_query_lens[i] + t for i in seqs for t in range(n)], device=q.device)
+            out[idx] = attend_verifies(q[idx], n, seqs)
+            batched.update(seqs)
     for i in meta.prefill_seqs:
+        if i in batched:
+            continue
         s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
         out[s:e] = attend_prefill(q[s:e], i)
     if meta.decode_seqs:
@@ -297,23 +324,49 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
         return o[0].transpose(0, 1)
 
+    def gather(tables, width):
+        """K and V [b, kvh, width, D] of the sequences whose block tables are `tables` [b, blocks]."""
+        b = tables.shape[0]
+        if tables.shape[1] == 1:  # one block per sequence (a contiguous cache): read only `width` keys of it
+            k = k_cache[:, :width].index_select(0, tables[:, 0])
+            v = v_cache[:, :width].index_select(0, tables[:, 0])
+        else:
+            # whole blocks of every sequence, padded to the bucket's widest table; the blocks are rows of a
+            # 2-D view, so index_select copies each with one memcpy (on the 4-D pool it dispatches a copy per
+            # block, ~10x slower)
+            flat = tables.view(-1)
+            full = tables.shape[1] * meta.block_size
+            k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+            v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def verifies(qv, n, seqs):
+        """Rows of n queries each ([b·n, H, D], sequence-major): the G query heads sharing a kv head and the
+        n positions become n·G query rows of one SDPA call per bucket, under a causal mask aligned to the
+        end of each context."""
+        out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
+        qs = qv.view(len(seqs), n, kvh, group, -1)
+        for rows, tables, lens, _, width in meta.buckets_of(seqs):
+            b = tables.shape[0]
+            k, v = gather(tables, width)
+            qb = qs if rows is None else qs[rows]
+            qg = qb.permute(0, 2, 1, 3, 4).reshape(b, kvh, n * group, -1)
+            last = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]  # each query's position
+            mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
+            mask = mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+            o = o.view(b, kvh, n, group, -1).permute(0, 2, 1, 3, 4).reshape(b, n, -1, qv.shape[-1])
+            if rows is None:
+                return o.reshape(qv.shape)
+            out[rows] = o
+        return out.view(qv.shape)
+
     def decodes(qd):
         buckets = meta.decode_buckets
         out = torch.empty_like(qd) if len(buckets) > 1 else None
         for rows, tables, lens, mask, width in buckets:
             b = tables.shape[0]
-            if tables.shape[1] == 1:  # one block per sequence (a contiguous cache): read only `width` keys of it
-                k = k_cache[:, :width].index_select(0, tables[:, 0]).transpose(1, 2)
-                v = v_cache[:, :width].index_select(0, tables[:, 0]).transpose(1, 2)
-            else:
-                # whole blocks of every sequence (k/v: [b, kvh, S, D]), padded to the bucket's widest table; the
-                # blocks are rows of a 2-D view, so index_select copies each with one memcpy (on the 4-D pool
-                # it dispatches a copy per block, ~10x slower)
-                flat = tables.view(-1)
-                full = tables.shape[1] * meta.block_size
-                k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
-                v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            k, v = gather(tables, width)
             qb = qd if rows is None else qd[rows]
             qg = qb.view(b, kvh, group, -1)  # the G query heads sharing a kv head are G query rows
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(b, -1, qd.shape[-1])
@@ -322,7 +375,7 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             out[rows] = o
         return out
 
-    return _per_group(q, meta, prefill, decodes)
+    return _per_group(q, meta, prefill, decodes, verifies)
 
 
 # ---- online softmax (flash and paged) -------------------------------------------------------

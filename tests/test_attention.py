@@ -193,3 +193,18 @@ def test_sdpa_decode_reads_a_contiguous_reservation_only_up_to_the_context():
     meta = AttentionMetadata.build(query_lens, context_lens, meta.block_tables, kp.shape[1])
     assert [w for *_, w in meta.decode_buckets] == [48]  # the longest context, aligned: not 160
     assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL
+
+
+@pytest.mark.parametrize("overhead", [0, 10**9])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_sdpa_batches_speculative_verify_rows(monkeypatch, overhead, num_heads, num_kv_heads):
+    """Short multi-token rows (a last token and its drafts) of two query lengths, mixed with decodes and a
+    long prefill, contexts far apart (several buckets with overhead 0): batched, they match the reference."""
+    from executor import attention
+
+    monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
+    query_lens = [1, 1, 5, 5, 5, 3, 3, 20]
+    context_lens = [9, 64, 70, 6, 33, 12, 90, 41]
+    q, kp, vp, meta, logical = make_batch(query_lens, context_lens, num_heads, num_kv_heads, block_size=4, seed=13)
+    assert meta.verify_groups == [(3, [5, 6]), (5, [2, 3, 4])]
+    assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL
