@@ -23,6 +23,7 @@ from executor.engine import Engine, SamplingParams
 from executor.kv_cache import KVCache
 from executor.prompts import prompt_ids
 from executor.serve import check_device
+from executor.speculative import RandomDrafter
 from sim.errors import ConfigError
 from sim.fitted_cost import fit, shape_of
 from sim.kv_cache import BlockAllocator
@@ -70,7 +71,9 @@ def _engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
     cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
     kv = KVCache.for_model(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
-    return Engine(model, sched, kv, SamplingParams())
+    # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat
+    drafter = RandomDrafter(model.config.vocab_size) if cfg.get("num_speculative_tokens") else None
+    return Engine(model, sched, kv, SamplingParams(), drafter=drafter)
 
 
 def _run(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
@@ -104,6 +107,9 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
     for chunk in ([128] if quick else [64, 256]):
         runs.append(({"max_num_seqs": 16, "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
                       "prefill_chunk_size": chunk}, [(32, 24)] * 6 + [(600, 4)] * 2 + [(32, 24)] * 4))
+    # speculative verify steps: every decode row carries γ drafts, all of whose positions need logits
+    for b, gamma in ([(1, 4), (4, 4)] if quick else [(1, 2), (1, 5), (1, 8), (4, 3), (4, 6), (12, 4), (16, 2)]):
+        runs.append(({"max_num_seqs": b, "num_speculative_tokens": gamma}, [(p, 6) for p in spread(b, 160)]))
     return runs
 
 

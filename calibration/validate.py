@@ -105,30 +105,60 @@ def read_run(folder: Path):
         d = json.loads(line)
         requests.append(Request(d["id"], d["arrival_s"], d["prompt_len"], d["max_tokens"], status=Status(d["status"]),
                                 num_preemptions=d["preemptions"], reject_reason=d["reject_reason"],
-                                token_times=d["token_times"]))
+                                token_times=d["token_times"], num_drafted=d.get("num_drafted", 0),
+                                num_accepted=d.get("num_accepted", 0), num_verify_steps=d.get("num_verify_steps", 0),
+                                num_rejections=d.get("num_rejections", 0)))
     steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
     return records_from_requests(requests), steps
 
 
-def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path | None = None,
-          speed: dict | None = None) -> dict:
-    """Simulate the plan with the profile (× the probe's factor, if any) and compare with the executor `runs`
-    ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot)."""
+def plain_of(plan: Plan) -> Plan:
+    """The same scenario without speculative decoding: the baseline its speedup is measured against."""
+    return make_plan(plan.scenario.model_copy(update={"speculative": None}), plan.base_dir)
+
+
+def _sim_and_real(plan: Plan, profile: Path, runs: list, speed: dict | None):
     specs = generate_requests(plan.scenario.workload, plan.base_dir)
     slo = plan.scenario.slo
     sim_plan = with_profile(plan, profile, speed["factor"] if speed else 1.0)
-    cost = make_cost_model(sim_plan)
     sim_rec = sim_records(simulate(sim_plan, specs))
-    real = [records for records, _ in runs]
-    metrics = [compute_metrics(r, slo.ttft_s, slo.tpot_s, slo.quantile) for r in real]
-    sim_m = compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
-    result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(real),
+    real = [compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile) for records, _ in runs]
+    return sim_plan, sim_rec, real, compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
+
+
+def speedup(spec_real: list[dict], spec_sim: dict, plain_real: list[dict], plain_sim: dict) -> dict:
+    """Speculative decoding's gain over the plain baseline, real (means over runs) and simulated: TPOT p50
+    and output throughput ratios, and α as measured vs as the simulator was given it."""
+    def ratio(section, key, invert):
+        r = [np.mean([m[section][key] for m in ms]) for ms in (plain_real, spec_real)]
+        s = [plain_sim[section][key], spec_sim[section][key]]
+        real, sim = (r[0] / r[1], s[0] / s[1]) if invert else (r[1] / r[0], s[1] / s[0])
+        return {"real": float(real), "sim": float(sim), "error_pct": 100 * (sim - real) / real}
+
+    return {"tpot_p50_speedup": ratio("tpot_s", "p50", True),
+            "throughput_speedup": ratio("throughput", "output_tokens_per_s", False),
+            "alpha_real": float(np.mean([m["speculative"]["alpha"] for m in spec_real])),
+            "alpha_sim": spec_sim["speculative"]["alpha"],
+            "plain": compare(plain_real, plain_sim)}
+
+
+def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path | None = None,
+          speed: dict | None = None, plain_runs: list | None = None) -> dict:
+    """Simulate the plan with the profile (× the probe's factor, if any) and compare with the executor `runs`
+    ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot).
+    `plain_runs`: for a speculative scenario, runs without speculation, to validate the speedup too."""
+    sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, speed)
+    cost = make_cost_model(sim_plan)
+    result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "machine_speed": speed, "step_time_ratio": [step_time_ratio(steps, cost) for _, steps in runs]}
+    if plain_runs:
+        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, speed)
+        result["speculative"] = speedup(metrics, sim_m, plain_real, plain_sim)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
-        write_cdf_plot(out / "latency_cdf_sim_vs_real.png", real[0], sim_rec)
+        write_cdf_plot(out / "latency_cdf_sim_vs_real.png", runs[0][0], sim_rec)
     return result
 
 
@@ -158,25 +188,36 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             if id(plan) not in models:
                 models[id(plan)] = load_model(plan, device)
             return models[id(plan)]
-    recorded = [[read_run(f) for f in sorted(folder.glob("run*"), key=lambda f: int(f.name[3:]))]
-                for folder in real_from] if real_from else None
-    if recorded is not None:
-        for (plan, _), folder, got in zip(plans, real_from, recorded):
-            if not got:
-                raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
-        return [score(plan, profile, got, device, out) for (plan, out), got in zip(plans, recorded)]
-    speeds: list[dict | None] = [None] * len(plans)
-    results: list[list] = [[] for _ in plans]
-    for i in range(max(1, runs)):
-        for k, (plan, out) in enumerate(plans):
-            loaded = load(plan)
-            specs = generate_requests(plan.scenario.workload, plan.base_dir)
-            set_threads(plan, threads)  # before the probe, which times steps too
-            if probe and i == 0:
-                speeds[k] = machine_speed(loaded, profile, device)
-            results[k].append(run_real(plan, specs, device, threads, loaded,
-                                       None if out is None else out / f"run{i + 1}"))
-    return [score(plan, profile, got, device, out, speed) for (plan, out), got, speed in zip(plans, results, speeds)]
+    # a speculative scenario also runs without speculation (in <out>/plain/): its speedup is validated too
+    jobs = [(plan, out) for plan, out in plans]
+    for plan, out in plans:
+        if plan.scenario.speculative:
+            jobs.append((plain_of(plan), None if out is None else out / "plain"))
+
+    def recorded_runs(folder: Path) -> list:
+        got = [read_run(f) for f in sorted(folder.glob("run*"), key=lambda f: int(f.name[3:]))]
+        if not got:
+            raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
+        return got
+
+    speeds: list[dict | None] = [None] * len(jobs)
+    if real_from:
+        folders = list(real_from) + [f / "plain" for (plan, _), f in zip(plans, real_from) if plan.scenario.speculative]
+        results = [recorded_runs(f) for f in folders]
+    else:
+        results = [[] for _ in jobs]
+        for i in range(max(1, runs)):
+            for k, (plan, out) in enumerate(jobs):
+                loaded = load(plan)
+                specs = generate_requests(plan.scenario.workload, plan.base_dir)
+                set_threads(plan, threads)  # before the probe, which times steps too
+                if probe and i == 0:
+                    speeds[k] = machine_speed(loaded, profile, device)
+                results[k].append(run_real(plan, specs, device, threads, loaded,
+                                           None if out is None else out / f"run{i + 1}"))
+    plain_runs = iter(results[len(plans):])
+    return [score(plan, profile, got, device, out, speed, next(plain_runs) if plan.scenario.speculative else None)
+            for (plan, out), got, speed in zip(plans, results, speeds)]
 
 
 def step_time_ratio(records: list[dict], cost) -> dict:
@@ -187,7 +228,7 @@ def step_time_ratio(records: list[dict], cost) -> dict:
     for r in records:
         pred = cost.step_time(shape_of(r["new_tokens"], r["context_lens"], r["num_sampled"], r["num_prefill"]))
         for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
-            sums[kind][0] += r["end_s"] - r["start_s"]
+            sums[kind][0] += r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
             sums[kind][1] += pred
     return {k: (real / pred if pred else None) for k, (real, pred) in sums.items()}
 
@@ -230,5 +271,10 @@ def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
             cells += [m, f"{row['real']:.4g}", f"{row['sim']:.4g}", f"{row['error_pct']:+.1f}%"]
             if spread:
                 cells.append(f"{row['spread_pct']:.1f}%" if row.get("spread_pct") is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        for name in ("tpot_p50_speedup", "throughput_speedup") if r.get("speculative") else ():
+            row = r["speculative"][name]
+            cells = ["", "", *([""] if probe else []), name, f"{row['real']:.3g}", f"{row['sim']:.3g}",
+                     f"{row['error_pct']:+.1f}%", *(["-"] if spread else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -14,36 +14,10 @@ import torch
 from executor.attention import AttentionMetadata
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
+from executor.sampling import SamplingParams, sample
+from executor.speculative import verify
 from sim.request import Request
 from sim.scheduler import Scheduler
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 is greedy; otherwise top-k / top-p sampling from a seeded generator."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    ignore_eos: bool = True  # a workload's output length is the number of tokens to generate
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row of `logits` [N, vocab]."""
-    if params.temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @dataclass
@@ -58,10 +32,13 @@ class StepRecord:
     num_prefill: int
     num_decode: int
     num_padding: int
-    num_sampled: int  # rows that produced a token (a partial prompt chunk does not)
+    num_sampled: int  # logit rows computed: one per row that produced a token, all of a verify row's
     kv_blocks_used: int
     preempted: list[int]
     swapped_blocks: int
+    num_drafted: int = 0  # speculative decoding: drafts verified this step, and how many were accepted
+    num_accepted: int = 0
+    draft_s: float = 0.0  # of the step's time, spent proposing drafts
 
     def to_json(self) -> dict:
         return self.__dict__
@@ -77,12 +54,14 @@ class Engine:
     sampling: SamplingParams = SamplingParams()
     eos_token_id: int | None = None
     host_cache: KVCache | None = None  # swap space, on the host
+    drafter: object | None = None  # speculative decoding: proposes drafts (executor.speculative)
     t0: float = field(default_factory=time.perf_counter)
     tokens: dict[Request, list[int]] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
     # (time, running, KV blocks used, KV tokens stored, waiting) after each step, as the simulator samples
     samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     _padding_ctx: dict[Request, int] = field(default_factory=dict)
+    drafts: dict[Request, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.device = self.kv_cache.device
@@ -105,6 +84,28 @@ class Engine:
     def output_ids(self, req: Request) -> list[int]:
         return self.tokens[req][req.prompt_len:]
 
+    def _propose(self) -> None:
+        """Drafts for every decoding request, before scheduling (which reserves their KV slots and may
+        cut them to the step's budget)."""
+        k = self.scheduler.cfg.num_speculative_tokens
+        for r in self.scheduler.decoding.members:
+            d = self.drafter.propose(self.tokens[r], min(k, r.remaining_tokens - 1))
+            self.drafts[r] = d
+            r.num_draft = len(d)
+
+    def _emit(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[Request, list[int]]:
+        """Tokens per sampling row: `spans` (request, first logit row, rows); one row samples, several
+        verify the request's drafts."""
+        out: dict[Request, list[int]] = {}
+        single = [(r, start) for r, start, n in spans if n == 1]
+        if single:
+            picked = sample(logits[[start for _, start in single]], self.sampling, self.generator).tolist()
+            out.update((r, [tok]) for (r, _), tok in zip(single, picked))
+        for r, start, n in spans:
+            if n > 1:
+                out[r] = verify(logits[start:start + n], self.drafts[r][:n - 1], self.sampling, self.generator)
+        return out
+
     def _swap(self, batch) -> None:
         """Block copies for swapped requests, made before the forward reuses the device blocks."""
         if not (batch.swap_out or batch.swap_in):
@@ -123,6 +124,9 @@ class Engine:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
         sched = self.scheduler
+        if self.drafter is not None:
+            self._propose()
+        draft_s = self.now() - start
         batch = sched.schedule()
         if not batch:
             return None
@@ -132,7 +136,8 @@ class Engine:
             self._padding_ctx[r] = self._padding_ctx.get(r, r.num_computed) + 1
         ids: list[int] = []
         for r, n, ctx in rows:
-            ids.extend(self.tokens[r][ctx - n:ctx])
+            seq = self.tokens[r]  # a verify row: its last token, then its drafts
+            ids.extend(seq[ctx - n:ctx] if ctx <= len(seq) else seq[ctx - n:] + self.drafts[r][:ctx - len(seq)])
         for r in batch.padding:
             ids.append(self.tokens[r][-1])
         query_lens = [n for _, n, _ in rows] + [1] * len(batch.padding)
@@ -140,33 +145,47 @@ class Engine:
         tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx == r.num_tokens]
-        sampled: list[Request] = [rows[i][0] for i in sampling_rows]
-        if batch.padding:  # static batching: padding rows compute in full, as the policy models it
+        num_decode = len(batch.decode)
+        sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
+        # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
+        counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
+        if batch.padding or any(c > 1 for c in counts):  # every position's hidden state, then pick
             hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache)
-            hidden = hidden[[meta.cu_query_lens[i + 1] - 1 for i in sampling_rows]]
+            hidden = hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(sampling_rows, counts)
+                             for j in range(c)]]
         else:  # the model's last layer and the LM head run only for the rows that sample
             hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache, last_of=sampling_rows)
-        if sampled:
-            next_ids = sample(self.model.compute_logits(hidden), self.sampling, self.generator).tolist()
+        spans, first = [], 0
+        for i, c in zip(sampling_rows, counts):
+            spans.append((rows[i][0], first, c))
+            first += c
+        emitted = self._emit(self.model.compute_logits(hidden), spans) if spans else {}
         end = self.now()
-        stopped = set()
-        for r, tok in (zip(sampled, next_ids) if sampled else ()):
-            self.tokens[r].append(tok)
-            r.token_times.append(end)
+        stopped, accepted = set(), {}
+        drafted = num_accepted = 0
+        for r, toks in emitted.items():
+            if not self.sampling.ignore_eos and self.eos_token_id in toks:
+                toks = toks[:toks.index(self.eos_token_id) + 1]
+                stopped.add(r)
+            self.tokens[r].extend(toks)
+            r.token_times.extend([end] * len(toks))
             if r.first_token_s is None:
                 r.first_token_s = end
-            if not self.sampling.ignore_eos and tok == self.eos_token_id:
-                stopped.add(r)
-        _, finished = sched.complete_step(batch, stopped)
+            if r.num_draft:
+                accepted[r] = len(toks) - 1
+                drafted += r.num_draft
+                num_accepted += len(toks) - 1
+        _, finished = sched.complete_step(batch, stopped, accepted)
         for r in finished:
             r.finish_s = end
+            self.drafts.pop(r, None)
         kv = sched.kv
         record = StepRecord(
             step=len(self.records), start_s=start, end_s=end, new_tokens=query_lens, context_lens=context_lens,
             num_prefill=len(batch.prefill), num_decode=len(batch.decode), num_padding=len(batch.padding),
-            num_sampled=len(sampled), kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
-            swapped_blocks=len(batch.swap_out) + len(batch.swap_in))
+            num_sampled=sum(counts), kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
+            swapped_blocks=len(batch.swap_out) + len(batch.swap_in), num_drafted=drafted, num_accepted=num_accepted,
+            draft_s=draft_s)
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
         return record

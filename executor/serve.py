@@ -14,6 +14,7 @@ from executor.engine import Engine, SamplingParams
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
 from executor.prompts import corpus_ids, prompt_ids
+from executor.speculative import PromptLookup
 from sim.cluster import ReplicaTrace, make_policy
 from sim.errors import ConfigError
 from sim.metrics import records_from_requests
@@ -72,7 +73,16 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
     kv = KVCache.for_model(cfg, plan.num_blocks, plan.block_size, dtype, device)
     host = KVCache.for_model(cfg, plan.num_swap_blocks, plan.block_size, dtype, "cpu") if plan.num_swap_blocks else None
     sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
-    return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host)
+    return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host,
+                  drafter=make_drafter(plan))
+
+
+def make_drafter(plan: Plan):
+    """The scenario's drafter for speculative decoding, or None."""
+    spec = plan.scenario.speculative
+    if spec is None:
+        return None
+    return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
 
 
 def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
@@ -124,6 +134,8 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
                                 "max_tokens": r.max_tokens, "status": r.status.value, "reject_reason": r.reject_reason,
                                 "finish_reason": r.finish_reason, "preemptions": r.num_preemptions,
                                 "first_token_s": r.first_token_s, "finish_s": r.finish_s,
+                                "num_drafted": r.num_drafted, "num_accepted": r.num_accepted,
+                                "num_verify_steps": r.num_verify_steps, "num_rejections": r.num_rejections,
                                 "token_times": r.token_times}) + "\n")
 
 

@@ -148,7 +148,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                 try:
                     models[key] = load_model(plan, device)
                 except ConfigError as e:
-                    raise e.with_file(str(next(p for p, pl in plans if pl is plan))) from None
+                    raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
             return models[key]
 
         results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
@@ -196,6 +196,12 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
         if spread:
             cells += [" ".join(_num(v) for v in row["real_runs"]), _num(row["spread_pct"])]
         t.add_row(name, *cells)
+    spec = result.get("speculative")
+    for name in ("tpot_p50_speedup", "throughput_speedup") if spec else ():
+        row = spec[name]
+        t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]), *(["", ""] if spread else []))
+    if spec:
+        t.add_row("alpha", _num(spec["alpha_real"]), _num(spec["alpha_sim"]), "", *(["", ""] if spread else []))
     real = "real (mean of %d executor runs)" % repeat if spread else "real"
     speed = result.get("machine_speed")
     scale = f" × {speed['factor']:.3f} (machine speed now vs when profiled)" if speed else ""

@@ -11,6 +11,7 @@ import numpy as np
 import simpy
 
 from sim.cost_model import RooflineCostModel, StepCostModel
+from sim.errors import ConfigError
 from sim.fitted_cost import load_profile
 from sim.kv_cache import BlockAllocator
 from sim.metrics import RequestRecords, records_from_requests
@@ -19,6 +20,7 @@ from sim.request import Request
 from sim.router import make_router
 from sim.scenario import Plan
 from sim.scheduler import Scheduler, SchedulerConfig, make_scheduler
+from sim.speculative import SpeculationModel
 from sim.workload import RequestSpec, generate_requests
 
 
@@ -50,7 +52,8 @@ def scheduler_config(plan: Plan) -> SchedulerConfig:
         batching=sv.batching, max_num_seqs=sv.max_num_seqs, max_num_batched_tokens=plan.max_num_batched_tokens,
         enable_chunked_prefill=sv.enable_chunked_prefill, prefill_chunk_size=plan.prefill_chunk_size,
         waiting_served_ratio=sv.waiting_served_ratio, max_waiting_tokens=sv.max_waiting_tokens,
-        max_model_len=plan.max_model_len, preemption=plan.scenario.kv_cache.preemption, batch_size=sv.batch_size)
+        max_model_len=plan.max_model_len, preemption=plan.scenario.kv_cache.preemption, batch_size=sv.batch_size,
+        num_speculative_tokens=plan.scenario.speculative.num_speculative_tokens if plan.scenario.speculative else 0)
 
 
 def make_allocator(plan: Plan) -> BlockAllocator:
@@ -74,6 +77,18 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              block_bytes=plan.block_size * plan.model.kv_bytes_per_token)
 
 
+def speculation_model(plan: Plan, replica: int) -> SpeculationModel | None:
+    """The simulator's drafter for one replica (its own seeded acceptance draws), or None."""
+    spec = plan.scenario.speculative
+    if spec is None:
+        return None
+    if spec.acceptance_rate is None:
+        raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
+                          "`infersim serve` of the scenario measures it)", "speculative.acceptance_rate")
+    return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate, spec.proposal_rate,
+                            spec.draft_s_per_seq, seed=plan.scenario.workload.seed * 1000 + replica)
+
+
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
              progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate the plan's workload (or `specs`) until every request has completed or been rejected."""
@@ -89,7 +104,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
         if progress:
             progress(done[0])
 
-    replicas = [Replica(env, i, make_policy(plan, eager=not bulk), cost, lambda: pending[0], bulk=bulk, on_finish=on_finish)
+    replicas = [Replica(env, i, make_policy(plan, eager=not bulk), cost, lambda: pending[0], bulk=bulk,
+                        on_finish=on_finish, speculation=speculation_model(plan, i))
                 for i in range(plan.scenario.replicas)]
     router = make_router(plan.scenario.router)
     requests: list[Request] = []
@@ -124,8 +140,11 @@ def sim_records(result: RunResult) -> RequestRecords:
     """Rebuild every token's time from the replicas' step tables and each request's runs of steps.
 
     A run (first, last) holds the token of its first step (a prefill, or a swap-in) and then one token
-    for every step in (first, last] that decoded all running requests.
+    for every step in (first, last] that decoded all running requests. With speculative decoding a step
+    yields a varying number of tokens per request: the replicas keep each token's time on the request.
     """
+    if any(r.token_times for r in result.requests):
+        return records_from_requests(result.requests)
     step_offset = np.cumsum([0] + [len(t.step_end) for t in result.replicas])
     ends = np.concatenate([np.asarray(t.step_end, float) for t in result.replicas] + [np.zeros(0)])
     mask = np.concatenate([np.asarray(t.step_decodes_all, bool) for t in result.replicas] + [np.zeros(0, bool)])

@@ -38,7 +38,8 @@ def features(shape: BatchShape) -> tuple[int, ...]:
 def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
              num_prefill: int | None = None) -> BatchShape:
     """The aggregate shape of a step given per-sequence new tokens and context lengths (after the step).
-    `num_prefill`: sequences computing a prompt chunk; if unknown, those with more than one new token."""
+    `num_prefill`: sequences computing a prompt chunk (the executor's trace records it); if unknown, those
+    with more than one new token."""
     pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
     if num_prefill is None:
         num_prefill = sum(1 for n in new_tokens if n > 1)

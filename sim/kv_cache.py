@@ -56,6 +56,13 @@ class BlockAllocator:
     def append_block(self, req: Request) -> None:
         req.block_table.append(self.free_blocks.pop())
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the blocks past those `num_tokens` tokens need (speculative slots of rejected drafts)."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_table) > keep:
+            self.free_blocks.extend(reversed(req.block_table[keep:]))
+            del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         self.free_blocks.extend(reversed(req.block_table))
         req.block_table = []

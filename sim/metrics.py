@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.request import Request, Status
+from sim.speculative import estimate_alpha
 
 
 @dataclass
@@ -27,6 +28,8 @@ class RequestRecords:
     num_preemptions: np.ndarray
     token_times: np.ndarray
     offsets: np.ndarray
+    # speculative decoding, per request: drafts verified, accepted, verify steps, steps ending at a rejection
+    speculation: np.ndarray | None = None
 
     @property
     def first_token_s(self) -> np.ndarray:
@@ -60,6 +63,8 @@ def records_from_requests(requests: list[Request], token_times: np.ndarray | Non
         num_preemptions=np.array([r.num_preemptions for r in requests], dtype=np.int64),
         token_times=token_times,
         offsets=offsets,
+        speculation=np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections)
+                              for r in requests], dtype=np.int64).reshape(-1, 4),
     )
 
 
@@ -128,7 +133,7 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
     ttft_q, tpot_q = q(lat["ttft"]), q(lat["tpot"])
     slo_met = (ttft_slo_s is None or (ttft_q is not None and ttft_q <= ttft_slo_s)) and \
               (tpot_slo_s is None or tpot_q is None or tpot_q <= tpot_slo_s) and bool(done.any())
-    return {
+    out = {
         "requests": {"arrived": n, "completed": int(done.sum()), "rejected": int(n - done.sum()),
                      "rejected_by_reason": reasons},
         "duration_s": duration,
@@ -143,3 +148,20 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
         "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s, "quantile": slo_quantile,
                 "ttft_at_quantile_s": ttft_q, "tpot_at_quantile_s": tpot_q, "met": bool(slo_met)},
     }
+    if rec.speculation is not None and rec.speculation[:, 0].sum() > 0:
+        out["speculative"] = speculation_summary(rec.speculation, rec.output_len)
+    return out
+
+
+def speculation_summary(spec: np.ndarray, output_len: np.ndarray) -> dict:
+    """report.json's speculative section from per-request (drafted, accepted, verify steps, rejections) and
+    output lengths: α (the simulator's acceptance_rate) and the share of decode steps that had drafts (its
+    proposal_rate; prompt lookup finds no match in the others)."""
+    drafted, accepted, steps, rejections = (int(x) for x in spec.sum(axis=0))
+    # every decode step yields one token plus its accepted drafts; the first token comes from the prefill
+    decode_steps = int(np.maximum(output_len - 1 - spec[:, 1], 0).sum())
+    return {"drafted": drafted, "accepted": accepted, "verify_steps": steps,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "alpha": estimate_alpha(accepted, rejections),
+            "mean_accepted_length": accepted / steps if steps else None,
+            "proposal_rate": steps / decode_steps if decode_steps else None}

@@ -19,12 +19,13 @@ class Replica:
 
     Token times are not stored per token: each request keeps runs of steps (first step, last step)
     and the replica keeps each step's end time and whether the step decoded every running request,
-    from which metrics rebuild every token's time.
+    from which metrics rebuild every token's time. With speculative decoding, where a step yields each
+    request its own number of tokens, every token's time is kept on its request instead.
     """
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
                  next_arrival: Callable[[], float], bulk: bool = True,
-                 on_finish: Callable[[Request], None] | None = None):
+                 on_finish: Callable[[Request], None] | None = None, speculation=None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -32,6 +33,7 @@ class Replica:
         self.next_arrival = next_arrival
         self.bulk = bulk
         self.on_finish = on_finish
+        self.speculation = speculation  # sim.speculative.SpeculationModel: drafts and their acceptance
         self.clock = 0.0
         self.step_end: list[float] = []
         self.step_decodes_all: list[bool] = []
@@ -53,8 +55,9 @@ class Replica:
         return accepted
 
     def run(self):
-        sched, cost, env = self.scheduler, self.cost, self.env
+        sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
         while True:
+            draft_s = spec.propose(sched.decoding.members) if spec and sched.has_work() else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
                 if sched.has_work():  # an empty engine can always take the head of its queue
@@ -77,7 +80,7 @@ class Replica:
                 finished = sched.advance_decode(k)
             else:
                 k = 1
-                clock = self.clock + cost.step_time(batch.shape)
+                clock = self.clock + draft_s + cost.step_time(batch.shape)
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 for r in batch.preempted:
@@ -85,7 +88,14 @@ class Replica:
                         r.runs.append((r.run_start, step - 1))
                         r.run_start = -1
                 yield env.timeout(max(0.0, clock - env.now))
-                started, finished = sched.complete_step(batch)
+                if spec:
+                    stepped = batch.decode + [r for r, _ in batch.prefill]
+                    before = [r.num_generated for r in stepped]
+                    started, finished = sched.complete_step(batch, accepted=spec.accept(batch.decode))
+                    for r, n in zip(stepped, before):
+                        r.token_times.extend([clock] * (r.num_generated - n))
+                else:
+                    started, finished = sched.complete_step(batch)
                 for r in started:
                     r.run_start = step
                     if r.first_token_s is None:

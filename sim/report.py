@@ -80,12 +80,14 @@ def write_requests_csv(path: Path, rec: RequestRecords) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "status", "reject_reason",
-                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions"])
+                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted"])
+        spec = rec.speculation if rec.speculation is not None else np.zeros((len(rec.id), 4), np.int64)
         for i in range(len(rec.id)):
             w.writerow([int(rec.id[i]), int(rec.replica[i]), f"{rec.arrival_s[i]:.6f}", int(rec.prompt_len[i]),
                         int(rec.output_len[i]), "completed" if rec.completed[i] else "rejected",
                         rec.reject_reason[i], num(first[i]), num(finish[i]), num(lat["ttft"][i]),
-                        num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i])])
+                        num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i]), int(spec[i, 0]),
+                        int(spec[i, 1])])
 
 
 def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas: list, plots: bool = True) -> None:

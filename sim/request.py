@@ -42,6 +42,12 @@ class Request:
     run_start: int = -1
     sync_step: int = 0
     decode_tag: int = -1
+    # speculative decoding: drafts proposed for the next step, and totals over the request's life
+    num_draft: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0  # steps that verified at least one draft
+    num_rejections: int = 0  # of those, the steps where a draft was rejected (the rest accepted all)
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,30 @@ class ExecutorConfig(StrictModel):
     max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
 
 
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding (vLLM's speculative_config): each step a drafter proposes up to
+    num_speculative_tokens tokens for every decoding request and the target model checks them all in
+    that step, keeping the accepted prefix plus one token of its own."""
+
+    method: Literal["ngram"] = Field("ngram", description="ngram: prompt lookup, drafts copied from the prompt "
+                                                          "and the text so far")
+    num_speculative_tokens: PositiveInt = Field(5, description="γ: most drafts verified per request per step")
+    prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest n-gram matched")
+    prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
+    acceptance_rate: float | None = Field(None, ge=0, le=1, description="simulator: α, the chance each draft is "
+                                          "accepted (`infersim serve` measures it); required to simulate")
+    proposal_rate: float = Field(1.0, ge=0, le=1, description="simulator: fraction of steps a request gets "
+                                 "drafts (prompt lookup finds no match in the rest)")
+    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: drafting time per request per step "
+                                              "(ngram: a search in the request's tokens)")
+
+    @model_validator(mode="after")
+    def _check_ngram(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
 class Scenario(StrictModel):
     """One deployment and its traffic: everything `infersim run` needs."""
 
@@ -97,11 +121,14 @@ class Scenario(StrictModel):
     slo: SLOConfig = SLOConfig()
     cost_model: CostModelConfig = CostModelConfig()
     executor: ExecutorConfig = ExecutorConfig()
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _check_static(self) -> "Scenario":
         if self.serving.batching == "static" and self.serving.enable_chunked_prefill:
             raise ValueError("serving.enable_chunked_prefill needs batching: continuous")
+        if self.serving.batching == "static" and self.speculative:
+            raise ValueError("speculative decoding needs batching: continuous")
         return self
 
 

@@ -4,6 +4,10 @@ The simulator's replica and the executor's engine call the same objects; only th
 Continuous batching follows vLLM (FCFS, prefill-first, recompute/swap preemption from the tail,
 optional chunked prefill with a per-step token budget) with TGI's waiting_served_ratio gate;
 static batching keeps a batch until its longest request ends, finished rows computing padding.
+Speculative decoding (num_speculative_tokens > 0): a decoding request's row carries its last token and
+the drafts proposed for it (request.num_draft, set by the drafter before the step); the step reserves KV
+for all of them, and afterwards the caller says how many drafts were accepted; the slots of rejected
+ones are given back.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     preemption: str = "recompute"
     batch_size: int = 8
+    num_speculative_tokens: int = 0  # most drafts a row verifies per step (0: no speculative decoding)
 
 
 @dataclass(slots=True)
@@ -40,7 +45,7 @@ class BatchShape:
     attn_pairs: int  # (query, key) pairs attention computes, causal within each prompt
     num_sampled: int  # sequences whose logits are computed (a prompt chunk that ends mid-prompt has none)
     swap_blocks: int = 0
-    num_prefill: int = 0  # sequences computing a prompt chunk (the rest of num_seqs decode one token)
+    num_prefill: int = 0  # rows computing a prompt chunk; the rest decode (one token, or a verify row's few)
 
 
 @dataclass(slots=True)
@@ -65,13 +70,14 @@ class ScheduledBatch:
         return self.shape.num_seqs > 0
 
     def rows(self) -> list[tuple[Request, int, int]]:
-        """(request, new tokens, context length after the step) per real sequence, decodes first.
-        The counters of decode rows must be current (the scheduler's `sync_all`)."""
-        return [(r, 1, r.num_computed + 1) for r in self.decode] + \
+        """(request, new tokens, context length after the step) per real sequence, decodes first (a
+        decode row: its last token and its drafts). The counters of decode rows must be current."""
+        return [(r, 1 + r.num_draft, r.num_computed + 1 + r.num_draft) for r in self.decode] + \
                [(r, n, r.num_computed + n) for r, n in self.prefill]
 
 
 def _prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
+    """(new tokens, context after, attention pairs, sampled rows) of prompt chunks."""
     tokens = ctx = pairs = sampled = 0
     for r, n in prefill:
         c = r.num_computed + n
@@ -80,6 +86,19 @@ def _prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, i
         pairs += n * (c - n) + n * (n + 1) // 2  # each new token attends to everything before it
         sampled += c == r.num_tokens
     return tokens, ctx, pairs, sampled
+
+
+def _verify_shape(rows) -> tuple[int, int, int, int]:
+    """_prefill_shape of speculative decode rows: each computes its last token and its drafts, and
+    every one of those positions needs logits (to check the draft after it)."""
+    tokens = ctx = pairs = 0
+    for r in rows:
+        n = 1 + r.num_draft
+        c = r.num_computed + n
+        tokens += n
+        ctx += c
+        pairs += n * (c - n) + n * (n + 1) // 2
+    return tokens, ctx, pairs, tokens
 
 
 class Scheduler:
@@ -97,7 +116,9 @@ class Scheduler:
         self.running: dict[Request, None] = {}  # admission order: preemption takes from the end
         self.prefilling: dict[Request, None] = {}  # running, prompt not fully computed (chunked)
         self.swapped: deque[Request] = deque()
-        self.decoding = DecodeSet(None if kv.contiguous else kv.block_size)
+        self.speculative = cfg.num_speculative_tokens > 0
+        # speculative rows advance by different amounts: no lockstep block calendar, blocks reserved per step
+        self.decoding = DecodeSet(None if kv.contiguous or self.speculative else kv.block_size)
         self.steps_since_admission = 0
         self.num_preemptions = 0
 
@@ -142,8 +163,8 @@ class Scheduler:
     def _schedule(self) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
         if self.cfg.enable_chunked_prefill:
-            preempted = self._grow_decodes()
-            budget -= len(self.decoding)
+            preempted = self._grow_decodes(budget)
+            budget -= self._decode_tokens()
             prefill = self._continue_prefills(budget, preempted)
             budget -= sum(n for _, n in prefill)
             swapped_in = [] if preempted else self._swap_in(budget)
@@ -156,14 +177,22 @@ class Scheduler:
             if admitted:
                 self.steps_since_admission = 0
                 return self._batch(admitted, False, [], [])
-        preempted = self._grow_decodes()
-        swapped_in = [] if preempted else self._swap_in(budget - len(self.decoding))
+        preempted = self._grow_decodes(budget)
+        swapped_in = [] if preempted else self._swap_in(budget - self._decode_tokens())
         self.steps_since_admission += 1
         return self._batch([], True, preempted, swapped_in)
 
-    def _grow_decodes(self) -> list[Request]:
+    def _decode_tokens(self) -> int:
+        """Tokens the decode rows compute this step."""
+        if not self.speculative:
+            return len(self.decoding)
+        return sum(1 + r.num_draft for r in self.decoding.members)
+
+    def _grow_decodes(self, budget: int) -> list[Request]:
         """Give a new block to every decoding request that fills its last one this step; when none is
         free, preempt from the end of the running order (possibly the request itself)."""
+        if self.speculative:
+            return self._reserve_verify_slots(budget)
         preempted: list[Request] = []
         dec, free = self.decoding, self.kv.free_blocks
         while (r := dec.grant_blocks(dec.steps, free)) is not None:
@@ -178,6 +207,29 @@ class Scheduler:
                     self.kv.append_block(r)
                     dec.push_block_need(r, len(r.block_table) * self.kv.block_size)
                     break
+        return preempted
+
+    def _reserve_verify_slots(self, budget: int) -> list[Request]:
+        """Speculative decoding: KV slots for each decoding request's last token and its drafts (drafts
+        are cut to its remaining output, max_model_len and the step's token budget); short of blocks,
+        preempt from the end of the running order (possibly the request itself)."""
+        preempted: list[Request] = []
+        budget -= len(self.decoding)  # every row computes at least its last token
+        for r in list(self.decoding.members):
+            if r not in self.decoding:
+                continue  # preempted for an earlier row
+            r.num_draft = max(0, min(r.num_draft, self.cfg.num_speculative_tokens, r.remaining_tokens - 1,
+                                     self.cfg.max_model_len - r.num_tokens, budget))
+            budget -= r.num_draft
+            need = r.num_computed + 1 + r.num_draft
+            while not self.kv.can_allocate(r, need):
+                victim = next(reversed(self.running))
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            else:
+                self.kv.allocate(r, need)
         return preempted
 
     def _continue_prefills(self, budget: int, preempted: list[Request]) -> list[tuple[Request, int]]:
@@ -205,6 +257,7 @@ class Scheduler:
         """Take `req` off the device: swap its blocks to host memory, or free them to recompute later."""
         req.num_preemptions += 1
         self.num_preemptions += 1
+        req.num_draft = 0
         if req in self.decoding:
             self.decoding.leave(req)
         del self.running[req]
@@ -277,26 +330,37 @@ class Scheduler:
     def _batch(self, prefill, decodes, preempted, swapped_in) -> ScheduledBatch:
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         b = len(self.decoding) if decodes else 0
-        s = self.decoding.sum_computed + b if decodes else 0  # context after the step, decodes only
+        if decodes and self.speculative:
+            d_tokens, d_ctx, d_pairs, d_sampled = _verify_shape(self.decoding.members)
+        else:  # one token each, attending to its whole context
+            d_tokens = d_sampled = b
+            d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
         swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
         swap_in = [p for r in swapped_in for p in r.swap_pairs]
-        shape = BatchShape(b + len(prefill), b + tokens, s + ctx, s + pairs, b + sampled,
+        shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
                            len(swap_out) + len(swap_in), len(prefill))
-        decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling
-        # the simulator never reads the decode rows: skip the O(batch) copy there
-        rows = list(self.decoding.members) if decodes and self.eager else []
+        decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling \
+            and not self.speculative  # speculative rows advance unevenly: no run of identical steps
+        # the simulator never reads plain decode rows: skip the O(batch) copy there
+        rows = list(self.decoding.members) if decodes and (self.eager or self.speculative) else []
         return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, swap_out=swap_out,
                               swap_in=swap_in)
 
     # -- after the step -------------------------------------------------------------------------
-    def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = ()) -> tuple[list[Request], list[Request]]:
+    def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = (),
+                      accepted: dict[Request, int] | None = None) -> tuple[list[Request], list[Request]]:
         """Account for a finished step. Returns (requests that got their first token of a run — prompt
-        done or swapped in —, requests that finished). Every decode row got one token.
+        done or swapped in —, requests that finished). Every decode row got one token, plus, with
+        speculative decoding, its `accepted` drafts (none if absent).
         `stopped`: requests the executor saw emit EOS this step."""
         dec = self.decoding
-        if batch.decodes:
-            dec.advance(1)
         started, finished = list(batch.swapped_in), []
+        if batch.decodes and self.speculative:
+            for r in self._advance_verified(batch.decode, accepted or {}):
+                dec.leave(r)
+                finished.append(self._finish(r))
+        elif batch.decodes:
+            dec.advance(1)
         for r, n in batch.prefill:
             r.num_computed += n
             if r.num_computed < r.num_tokens:
@@ -317,6 +381,28 @@ class Scheduler:
         if self.eager:
             self.sync_all()
         return started, finished
+
+    def _advance_verified(self, rows: list[Request], accepted: dict[Request, int]) -> list[Request]:
+        """Speculative rows: each got its accepted drafts plus one token; the KV of rejected drafts is
+        dropped (their blocks freed). Returns the rows that reached max_tokens."""
+        done = []
+        dec = self.decoding
+        for r in rows:
+            a = min(accepted.get(r, 0), r.num_draft)
+            if r.num_draft:
+                r.num_verify_steps += 1
+                r.num_drafted += r.num_draft
+                r.num_accepted += a
+                r.num_rejections += a < r.num_draft
+            n = 1 + a
+            r.num_computed += n
+            r.num_generated += n
+            dec.sum_computed += n
+            r.num_draft = 0
+            self.kv.trim(r, r.num_computed + 1)  # the next step's last token still needs its slot
+            if r.num_generated >= r.max_tokens:
+                done.append(r)
+        return done
 
     def _finish(self, r: Request) -> Request:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
@@ -376,8 +462,8 @@ class StaticScheduler(Scheduler):
                 self.kv.free(r)
             self.running = {}
 
-    def complete_step(self, batch, stopped=()):
-        out = super().complete_step(batch, stopped)
+    def complete_step(self, batch, stopped=(), accepted=None):
+        out = super().complete_step(batch, stopped, accepted)
         self._release_if_done()
         return out
 

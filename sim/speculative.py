@@ -8,6 +8,10 @@ simulator's speculative policy charges per step; the executor measures α.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
+
 
 def _check(alpha: float, gamma: int) -> None:
     if not 0.0 <= alpha <= 1.0:
@@ -41,3 +45,48 @@ def walltime_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
 def best_draft_length(alpha: float, cost_ratio: float, max_gamma: int = 16) -> int:
     """The γ in 0..max_gamma with the largest walltime_speedup (γ = 0 is plain decoding)."""
     return max(range(max_gamma + 1), key=lambda g: (walltime_speedup(alpha, g, cost_ratio), -g))
+
+
+def estimate_alpha(accepted: int, rejections: int) -> float | None:
+    """Maximum-likelihood α from verify steps: `accepted` drafts in all, `rejections` steps that ended at a
+    rejected draft (a step accepting j of γ drafts has likelihood α^j (1 − α), or α^γ if it accepted all)."""
+    if accepted + rejections == 0:
+        return None
+    return accepted / (accepted + rejections)
+
+
+@dataclass
+class SpeculationModel:
+    """The simulator's drafter: each step every decoding request gets γ drafts (or, with probability
+    1 − proposal_rate, none), each accepted independently with probability α up to the first rejection.
+    Seeded: the same scenario draws the same acceptances."""
+
+    num_speculative_tokens: int
+    acceptance_rate: float
+    proposal_rate: float = 1.0
+    draft_s_per_seq: float = 0.0
+    seed: int = 0
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        _check(self.acceptance_rate, self.num_speculative_tokens)
+        self.rng = np.random.default_rng(self.seed)
+
+    def propose(self, requests) -> float:
+        """Set each request's num_draft for the next step; returns the drafting time."""
+        gamma, rate = self.num_speculative_tokens, self.proposal_rate
+        n = 0
+        for r in requests:
+            r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
+            n += 1
+        return n * self.draft_s_per_seq
+
+    def accept(self, rows) -> dict:
+        """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""
+        alpha, out = self.acceptance_rate, {}
+        for r in rows:
+            d = r.num_draft
+            if d:
+                # trials up to the first rejection, less the rejected one; α = 1 never rejects
+                out[r] = d if alpha >= 1.0 else min(d, int(self.rng.geometric(1.0 - alpha)) - 1)
+        return out

@@ -46,3 +46,65 @@ def test_bad_inputs_are_refused():
         expected_tokens_per_step(0.5, -1)
     with pytest.raises(ValueError, match="cost ratio"):
         walltime_speedup(0.5, 3, -0.1)
+
+
+# ---- the simulator's speculative policy --------------------------------------------------------
+
+def _spec_scenario(rate, alpha=None, gamma=5, max_num_seqs=64, n=120):
+    from tests.helpers import scenario
+
+    sc = scenario(serving={"max_num_seqs": max_num_seqs},
+                  workload={"seed": 4, "arrival": {"process": "poisson", "rate": rate}, "num_requests": n,
+                            "prompt_len": {"dist": "uniform", "min": 64, "max": 512},
+                            "output_len": {"dist": "uniform", "min": 64, "max": 256}})
+    if alpha is not None:
+        sc["speculative"] = {"num_speculative_tokens": gamma, "acceptance_rate": alpha}
+    return sc
+
+
+def test_simulated_verify_steps_yield_the_expected_tokens():
+    """α = 0.8, γ = 5: the simulated requests get 3.69 tokens per verify step on average, and every one of
+    them completes with exactly its output length."""
+    from tests.helpers import run
+
+    report, _, rec = run(_spec_scenario(0.5, alpha=0.8))
+    spec = report["speculative"]
+    assert report["requests"]["completed"] == 120
+    assert (rec.output_len == rec.output_len).all() and rec.output_len.sum() > 0
+    # γ is cut near the end of each output, so per step slightly fewer than the uncut expectation
+    assert 1 + spec["mean_accepted_length"] == pytest.approx(expected_tokens_per_step(0.8, 5), rel=0.06)
+    assert spec["alpha"] == pytest.approx(0.8, abs=0.02)
+    again, _, _ = run(_spec_scenario(0.5, alpha=0.8))
+    assert again["tpot_s"] == report["tpot_s"] and again["speculative"] == spec  # same seed, same result
+
+
+def test_speculation_helps_at_low_load_and_hurts_at_high_load():
+    """Llama-2-7B on an A100 (roofline): a lone decode step is memory-bound, so verifying 6 tokens costs
+    about what decoding 1 does and TPOT drops; at high load the batch is compute-bound, every draft costs
+    compute, and with α = 0.5 speculation lowers throughput — the crossover the policy must show."""
+    from tests.helpers import run
+
+    def tpot_and_throughput(rate, alpha):
+        report, _, _ = run(_spec_scenario(rate, alpha=alpha, max_num_seqs=256, n=400))
+        return report["tpot_s"]["p50"], report["throughput"]["output_tokens_per_s"]
+
+    low_plain, low_spec = tpot_and_throughput(0.2, None), tpot_and_throughput(0.2, 0.5)
+    assert low_spec[0] < 0.7 * low_plain[0]
+    high_plain, high_spec = tpot_and_throughput(60.0, None), tpot_and_throughput(60.0, 0.5)
+    assert high_spec[1] < 0.95 * high_plain[1]
+
+
+def test_speculation_needs_an_acceptance_rate_to_simulate_and_continuous_batching():
+    from sim.errors import ConfigError
+    from tests.helpers import plan_of, run
+
+    sc = _spec_scenario(1.0, alpha=0.7)
+    del sc["speculative"]["acceptance_rate"]
+    with pytest.raises(ConfigError) as e:
+        run(sc)
+    assert e.value.key_path == "speculative.acceptance_rate"
+    bad = _spec_scenario(1.0, alpha=0.7)
+    bad["serving"]["batching"] = "static"
+    with pytest.raises(ConfigError) as e:
+        plan_of(bad)
+    assert "continuous" in e.value.message

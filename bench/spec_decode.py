@@ -1,0 +1,159 @@
+"""Speculative decoding on the real executor (issue 5): each drafter against plain decoding, side by side.
+
+SmolLM2-135M-Instruct, fp32, greedy, 2 threads, every request stopping at EOS or `--max-new` tokens.
+Two prompt sets, each through the model's chat template:
+  - input-grounded: rewrite a paragraph of the shipped text (the Declaration of Independence) — the answer
+    copies much of its input, which is where prompt lookup pays off;
+  - open chat: questions whose answers are not in the prompt.
+Two loads: batch 1 (requests one after another) and continuous batching (all submitted at once,
+max_num_seqs = --batch). For each drafter and setting it runs plain decoding and speculative decoding
+interleaved (plain, spec, plain, spec ... `--repeats` times; the medians are compared) and prints α (the
+per-draft acceptance, maximum likelihood), the mean accepted length per verify step, output tokens/s of
+both, the speedup, and whether the outputs are token for token those of plain greedy decoding.
+
+Drafters: prompt lookup (ngram). The distilled draft model and Medusa heads are not built yet.
+Usage: python bench/spec_decode.py [--quick] [--gamma 8] [--batch 8]
+Ends with `name: value` headline lines.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from importlib.resources import files
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from executor.engine import Engine, SamplingParams  # noqa: E402
+from executor.kv_cache import KVCache  # noqa: E402
+from executor.prompts import CORPUS  # noqa: E402
+from executor.speculative import PromptLookup  # noqa: E402
+from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
+from sim.kv_cache import BlockAllocator  # noqa: E402
+from sim.metrics import speculation_summary  # noqa: E402
+from sim.request import Request  # noqa: E402
+from sim.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+THREADS = 2
+CHAT_QUESTIONS = [
+    "What are three good habits for staying healthy?",
+    "Explain what a black hole is to a child.",
+    "Give me some ideas for a birthday party.",
+    "Why is the sky blue?",
+    "How do I make a cup of tea?",
+    "What should I pack for a weekend camping trip?",
+    "Write a short poem about the ocean.",
+    "What is the difference between weather and climate?",
+]
+
+
+def paragraphs(n: int) -> list[str]:
+    """n passages of the shipped text, 40-90 words each (cut at sentence ends)."""
+    text = (files("executor") / "data" / CORPUS).read_text()
+    sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.split()) > 4]
+    out, cur = [], []
+    for s in sentences:
+        cur.append(s)
+        if sum(len(x.split()) for x in cur) >= 40:
+            out.append(" ".join(cur))
+            cur = []
+        if len(out) == n:
+            break
+    return [p if len(p.split()) <= 90 else " ".join(p.split()[:90]) for p in out]
+
+
+def task_prompts(tok, task: str, n: int) -> list[list[int]]:
+    if task == "grounded":
+        texts = [f"Rewrite the following text in modern English, keeping its meaning:\n\n{p}" for p in paragraphs(n)]
+    else:
+        texts = (CHAT_QUESTIONS * (n // len(CHAT_QUESTIONS) + 1))[:n]
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    return [tok(c, add_special_tokens=False).input_ids for c in chats]
+
+
+def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[float, list[list[int]], dict | None]:
+    """Run the prompts (one at a time if max_num_seqs is 1, else all at once); (seconds, outputs, speculation)."""
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=2048,
+                          num_speculative_tokens=gamma if drafter else 0)
+    kv = KVCache.for_model(model.config, 1024, 16)
+    engine = Engine(model, make_scheduler(cfg, BlockAllocator(1024, 16)), kv,
+                    SamplingParams(ignore_eos=False), eos_token_id=eos, drafter=drafter)
+    reqs = [Request(i, 0.0, len(p), max_new) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    if max_num_seqs == 1:
+        for r, p in zip(reqs, prompts):
+            engine.add(r, p)
+            while engine.scheduler.has_work():
+                engine.step()
+    else:
+        for r, p in zip(reqs, prompts):
+            engine.add(r, p)
+        while engine.scheduler.has_work():
+            engine.step()
+    wall = time.perf_counter() - t0
+    spec = np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections) for r in reqs])
+    outputs = [engine.output_ids(r) for r in reqs]
+    return wall, outputs, speculation_summary(spec, np.array([len(o) for o in outputs])) if drafter else None
+
+
+def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dict:
+    plain_t, spec_t = [], []
+    for _ in range(repeats):
+        t, plain_out, _ = serve(model, prompts, max_new, batch, None, 0, eos)
+        plain_t.append(t)
+        t, spec_out, spec = serve(model, prompts, max_new, batch, drafter, gamma, eos)
+        spec_t.append(t)
+    tokens = sum(len(o) for o in plain_out)
+    plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
+    return {"tokens": tokens, "plain_tok_s": tokens / plain_s, "spec_tok_s": sum(len(o) for o in spec_out) / spec_s,
+            "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "alpha": spec["alpha"],
+            "mean_accepted": spec["mean_accepted_length"], "acceptance": spec["acceptance_rate"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
+    ap.add_argument("--gamma", type=int, default=8, help="most drafts per verify step")
+    ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
+    ap.add_argument("--max-new", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    n_prompts = 2 if args.quick else 8
+    max_new = args.max_new or (48 if args.quick else 160)
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    model, _, tok = load_hf_model(smollm2_gguf_path())
+    eos = tok.eos_token_id
+    drafters = {"prompt_lookup": PromptLookup(max_ngram=3, min_ngram=1)}
+    serve(model, task_prompts(tok, "chat", 1), 8, 1, None, 0, eos)  # warm-up
+    rows = []
+    print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma}, up to {max_new} new tokens, "
+          f"median of {repeats} interleaved runs")
+    print(f"{'drafter':14s} {'task':9s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
+          f"{'spec tok/s':>10s} {'speedup':>7s} identical")
+    for name, drafter in drafters.items():
+        for task in ("grounded", "chat"):
+            prompts = task_prompts(tok, task, n_prompts)
+            for load, batch in (("batch1", 1), (f"cb{args.batch}", args.batch)):
+                r = compare(model, prompts, max_new, batch, drafter, args.gamma, eos, repeats)
+                rows.append((name, task, load, r))
+                print(f"{name:14s} {task:9s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
+                      f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}")
+    print("not built yet: distilled draft model, Medusa heads")
+    for name, task, load, r in rows:
+        key = f"{name}_{task}_{load}"
+        print(f"{key}_speedup: {r['speedup']:.2f}")
+        print(f"{key}_alpha: {r['alpha'] or 0:.3f}")
+    print(f"outputs_identical: {all(r['identical'] for *_, r in rows)}")
+
+
+if __name__ == "__main__":
+    main()

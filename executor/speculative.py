@@ -1,0 +1,89 @@
+"""Speculative decoding in the executor: drafters propose, the target model verifies in one step.
+
+A drafter looks at a request's tokens and proposes up to k next tokens. The engine puts the request's
+last token and its drafts in one row of the next step (the scheduler reserves their KV slots), computes
+logits at every one of those positions, and `verify` keeps the longest accepted prefix plus one token
+of the target's own. Greedy verification accepts a draft iff it is the target's argmax, so the output is
+token for token that of plain greedy decoding. Sampled verification is rejection sampling (Leviathan et
+al., 2023; Chen et al., 2023): accept draft x with probability min(1, p(x)/q(x)), else sample from
+norm(max(0, p − q)); the emitted tokens are distributed exactly as sampling from the target alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from executor.sampling import SamplingParams, target_probs
+
+
+class PromptLookup:
+    """Prompt lookup decoding (transformers' `prompt_lookup_num_tokens`, vLLM's ngram drafter): find the
+    request's last n tokens earlier in its prompt or output, longest n first, and propose what followed
+    that match. Costs no model call; it pays off where the output copies the input (summaries, rewrites,
+    code edits, extraction)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k draft tokens continuing `token_ids` (none when no n-gram matches)."""
+        if k <= 0 or len(token_ids) < self.min_ngram + 1:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            # windows that start early enough to have a continuation, i.e. all but the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # the most recent match: nearest context, likeliest continuation
+                return ids[start:start + k].tolist()
+        return []
+
+
+class RandomDrafter:
+    """Proposes k uniformly random tokens: almost all rejected. Calibration uses it to time verify steps
+    of every draft length without depending on how well a real drafter matches the text."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return self.rng.integers(0, self.vocab_size, k).tolist() if k > 0 else []
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           generator: torch.Generator | None, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """The tokens a verify row emits: its accepted drafts, then the target's token at the first rejected
+    position (or after the last draft, if all were accepted).
+
+    logits: [len(drafts) + 1, vocab], row i is the target's prediction after draft i − 1.
+    draft_probs: [len(drafts), vocab], the drafter's distribution at each draft; None for a deterministic
+    drafter (prompt lookup: q is a point mass on its draft)."""
+    if params.temperature <= 0:
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, x in enumerate(drafts):
+            if x != target[i]:
+                break
+            out.append(x)
+        return out + [target[len(out)]]
+    p = target_probs(logits, params)
+    out = []
+    for i, x in enumerate(drafts):
+        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if q_x > 0 and u * q_x < float(p[i, x]):  # accept with probability min(1, p(x) / q(x))
+            out.append(x)
+            continue
+        if draft_probs is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - draft_probs[i]).clamp_(min=0.0)
+        total = float(residual.sum())
+        row = residual / total if total > 0 else p[i]  # p == q: nothing left to correct, sample p
+        return out + [int(torch.multinomial(row, 1, generator=generator))]
+    return out + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]

@@ -1,0 +1,186 @@
+"""Speculative decoding in the executor (tiny random-weight model): greedy verification gives exactly the
+plain greedy output under continuous batching, chunked prefill and preemption; rejected drafts give
+their KV blocks back; sampled verification keeps the target distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from executor.sampling import SamplingParams, target_probs
+from executor.speculative import PromptLookup, RandomDrafter, verify
+from executor.tiny import tiny_model, to_transformers
+from sim.request import Request, Status
+from tests.test_engine import make_engine, prompts, serve_all
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, num_kv_heads=2, num_layers=2, vocab_size=256, max_position_embeddings=512)
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation with one token in `corrupt_every` replaced: drafts are
+    accepted up to the corrupted one, so every accepted length from 0 to k occurs."""
+
+    def __init__(self, reference: dict[tuple, list[int]], corrupt_every: int = 3, seed: int = 0):
+        self.reference, self.corrupt_every = reference, corrupt_every
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for prompt, out in self.reference.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = list(out[done:done + k])
+                if drafts and self.rng.random() < 1 - 1 / self.corrupt_every:
+                    j = int(self.rng.integers(len(drafts)))
+                    drafts[j] = (drafts[j] + 1) % 256
+                return drafts
+        return []
+
+
+class GreedyRollout:
+    """Drafts the target's own greedy continuation of the context (a perfect greedy drafter; under
+    sampling it is accepted as often as the argmax is drawn)."""
+
+    def __init__(self, model):
+        self.hf = to_transformers(model)
+        self.cache: dict[tuple, list[int]] = {}
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        key = (tuple(token_ids), k)
+        if key not in self.cache:
+            out = self.hf.generate(torch.tensor([token_ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None) if k > 0 else torch.tensor([token_ids])
+            self.cache[key] = out[0, len(token_ids):].tolist()
+        return self.cache[key]
+
+
+def run(model, work, drafter=None, **cfg):
+    engine = make_engine(model, **cfg)
+    engine.drafter = drafter
+    reqs = serve_all(engine, work)
+    return engine, reqs
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    work = [(p, 24) for p in prompts(6)]
+    engine, reqs = run(model, work)
+    return work, {tuple(p): engine.output_ids(r) for (p, _), r in zip(work, reqs)}
+
+
+POLICIES = [
+    {"num_speculative_tokens": 4},
+    {"num_speculative_tokens": 6, "enable_chunked_prefill": True, "max_num_batched_tokens": 24,
+     "prefill_chunk_size": 8},
+    {"num_speculative_tokens": 3, "max_num_seqs": 3},
+]
+
+
+@pytest.mark.parametrize("cfg", POLICIES)
+@pytest.mark.parametrize("drafter", ["oracle", "lookup", "random"])
+def test_greedy_speculation_gives_the_plain_greedy_output(model, plain, cfg, drafter):
+    work, want = plain
+    d = {"oracle": OracleDrafter(want), "lookup": PromptLookup(3, 1), "random": RandomDrafter(256)}[drafter]
+    engine, reqs = run(model, work, d, **cfg)
+    for (p, _), r in zip(work, reqs):
+        assert engine.output_ids(r) == want[tuple(p)], (drafter, r.id)
+        assert r.status is Status.FINISHED and r.num_generated == 24
+        assert r.num_accepted <= r.num_drafted and r.num_rejections <= r.num_verify_steps
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.num_blocks  # rejected drafts' blocks came back
+    steps = engine.records
+    assert sum(s.num_drafted for s in steps) == sum(r.num_drafted for r in reqs)
+    assert sum(s.num_accepted for s in steps) == sum(r.num_accepted for r in reqs)
+    if drafter == "oracle":  # accepted drafts save steps
+        assert sum(r.num_accepted for r in reqs) > 20
+        plain_steps = len(run(model, work, **{k: v for k, v in cfg.items() if k != "num_speculative_tokens"})[0].records)
+        assert len(steps) < plain_steps
+
+
+def test_speculation_under_preemption_keeps_every_request_and_the_output(model, plain):
+    """A KV budget too small for every request's drafts: requests are preempted and recomputed; each still
+    ends completed with the plain greedy output."""
+    work, want = plain
+    engine, reqs = run(model, work, OracleDrafter(want), num_blocks=24, num_speculative_tokens=5)
+    assert engine.scheduler.num_preemptions > 0
+    assert all(r.status is Status.FINISHED for r in reqs)
+    for (p, _), r in zip(work, reqs):
+        assert engine.output_ids(r) == want[tuple(p)]
+    assert engine.scheduler.kv.num_free == 24
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+    d = PromptLookup(max_ngram=3, min_ngram=1)
+    ids = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
+    assert d.propose(ids, 2) == [2, 3]  # "5 6 7" last seen before "2 3"
+    assert d.propose([1, 2, 3, 4], 3) == []  # the suffix "4" occurs nowhere before
+    assert d.propose([4, 1, 2, 4], 5) == [1, 2, 4]  # a 1-gram match; the continuation runs to the end
+    assert d.propose([1, 2, 1], 0) == []
+
+
+def _chi2_p(counts, probs):
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+    keep = probs * counts.sum() >= 5  # pool rare tokens so the test's approximation holds
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(with_q):
+    """Each emitted token, first and second, is distributed as the target's (point-mass drafts as prompt
+    lookup makes them, and drafts drawn from a draft distribution q)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 8, 6000
+    logits = torch.randn(3, vocab, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0, seed=0)
+    p = target_probs(logits, params).numpy()
+    q = torch.softmax(torch.randn(2, vocab, generator=g), -1)
+    first, second = np.zeros(vocab), np.zeros(vocab)
+    for _ in range(n):
+        if with_q:
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+            out = verify(logits, drafts, params, g, draft_probs=q)
+        else:
+            drafts = [2, 5]
+            out = verify(logits, drafts, params, g)
+        first[out[0]] += 1
+        if len(out) > 1 and out[0] == drafts[0]:  # second position, given the first draft was accepted
+            second[out[1]] += 1
+    assert _chi2_p(first, p[0]) > 1e-3
+    assert _chi2_p(second, p[1]) > 1e-3
+
+
+def test_sampled_speculation_on_a_model_matches_plain_sampling(model):
+    """End to end on the tiny model: many requests of one prompt, sampled. The second and third output
+    tokens come from verify steps (a draft accepted or corrected, then a bonus token); each has the same
+    distribution as with plain sampling (two-sample chi-square)."""
+    prompt = prompts(1)[0]
+    params = SamplingParams(temperature=0.25, seed=7)  # peaked enough that drafts get accepted
+
+    def outputs(drafter, seed):
+        engine = make_engine(model, num_blocks=512, max_num_seqs=64, max_num_batched_tokens=2048,
+                             num_speculative_tokens=2 if drafter else 0)
+        engine.sampling, engine.drafter = params, drafter
+        engine.generator = torch.Generator().manual_seed(seed)
+        reqs = [Request(i, 0.0, len(prompt), 4) for i in range(500)]
+        for r in reqs:
+            engine.add(r, prompt)
+        while engine.scheduler.has_work():
+            engine.step()
+        return [engine.output_ids(r) for r in reqs], reqs
+
+    spec, reqs = outputs(GreedyRollout(model), 11)
+    plain, _ = outputs(None, 5)
+    assert sum(r.num_accepted for r in reqs) > 50 and sum(r.num_rejections for r in reqs) > 50
+    for pos in (1, 2):
+        tokens = sorted({o[pos] for o in spec + plain})
+        table = np.array([[sum(1 for o in outs if o[pos] == t) for t in tokens] for outs in (spec, plain)])
+        table = table[:, table.sum(0) >= 10]
+        assert chi2_contingency(table).pvalue > 1e-3, pos
