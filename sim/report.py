@@ -132,6 +132,11 @@ def print_summary(report: dict, console=None) -> None:
     console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
                   f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
                   f"{kv['capacity_tokens']} tokens")
+    spec = report.get("speculative")
+    if spec:
+        console.print(f"speculative: {spec['accepted']}/{spec['drafted']} drafts accepted, α {spec['alpha']:.3f}, "
+                      f"{spec['mean_accepted_length']:.2f} accepted per verify step, drafts on "
+                      f"{(spec['proposal_rate'] or 0) * 100:.0f}% of decode steps")
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")

@@ -97,3 +97,24 @@ def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint, p
     assert row["max_abs_error_pct"] >= row["median_abs_error_pct"] >= 0
     table = (out / "table.md").read_text()
     assert table.count("| tiny-a |") == 1 and "tpot_p50" in table
+
+
+def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoint, profile):
+    """A speculative scenario is also served without speculation; validation.json has the real and simulated
+    TPOT and throughput speedups and α measured vs given, and the re-score finds the plain runs again."""
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-spec",
+                               speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                            "acceptance_rate": 0.3},
+                               workload={"num_requests": 10, "output_len": {"dist": "uniform", "min": 8, "max": 30}})
+    out = tmp_path / "val"
+    r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    v = json.loads((out / "validation.json").read_text())
+    spec = v["speculative"]
+    for name in ("tpot_p50_speedup", "throughput_speedup"):
+        assert spec[name]["real"] > 0 and spec[name]["sim"] > 0 and spec[name]["error_pct"] is not None
+    assert spec["alpha_sim"] == pytest.approx(0.3, abs=0.15) and 0 <= spec["alpha_real"] <= 1
+    assert spec["plain"]["tpot_p50"]["real"] > 0
+    assert (out / "plain" / "run1" / "steps.jsonl").exists()
+    again = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--real-from", str(out)])
+    assert again.exit_code == 0 and "tpot_p50_speedup" in again.output

@@ -62,15 +62,24 @@ def _spec_scenario(rate, alpha=None, gamma=5, max_num_seqs=64, n=120):
     return sc
 
 
+def _requested_lengths(sc) -> dict:
+    from sim.workload import generate_requests
+    from tests.helpers import plan_of
+
+    plan = plan_of(sc)
+    return {s.id: s.output_len for s in generate_requests(plan.scenario.workload, plan.base_dir)}
+
+
 def test_simulated_verify_steps_yield_the_expected_tokens():
     """α = 0.8, γ = 5: the simulated requests get 3.69 tokens per verify step on average, and every one of
     them completes with exactly its output length."""
     from tests.helpers import run
 
-    report, _, rec = run(_spec_scenario(0.5, alpha=0.8))
+    sc = _spec_scenario(0.5, alpha=0.8)
+    report, _, rec = run(sc)
     spec = report["speculative"]
     assert report["requests"]["completed"] == 120
-    assert (rec.output_len == rec.output_len).all() and rec.output_len.sum() > 0
+    assert _requested_lengths(sc) == dict(zip(rec.id.tolist(), rec.output_len.tolist()))
     # γ is cut near the end of each output, so per step slightly fewer than the uncut expectation
     assert 1 + spec["mean_accepted_length"] == pytest.approx(expected_tokens_per_step(0.8, 5), rel=0.06)
     assert spec["alpha"] == pytest.approx(0.8, abs=0.02)
@@ -108,3 +117,16 @@ def test_speculation_needs_an_acceptance_rate_to_simulate_and_continuous_batchin
     with pytest.raises(ConfigError) as e:
         plan_of(bad)
     assert "continuous" in e.value.message
+
+
+def test_simulated_speculation_under_a_small_kv_cache_keeps_every_request():
+    """Drafts need KV slots too: with a cache too small for the load, requests are preempted and recomputed,
+    and every one still ends completed with its full output."""
+    from tests.helpers import run
+
+    sc = _spec_scenario(8.0, alpha=0.8, max_num_seqs=64, n=80)
+    sc["kv_cache"] = {"num_blocks": 300}
+    report, _, rec = run(sc)
+    assert report["kv_cache"]["preemptions"] > 0
+    assert report["requests"]["completed"] == 80 and report["requests"]["rejected"] == 0
+    assert _requested_lengths(sc) == dict(zip(rec.id.tolist(), rec.output_len.tolist()))
