@@ -221,16 +221,20 @@ class Scheduler:
             r.num_draft = max(0, min(r.num_draft, self.cfg.num_speculative_tokens, r.remaining_tokens - 1,
                                      self.cfg.max_model_len - r.num_tokens, budget))
             budget -= r.num_draft
-            need = r.num_computed + 1 + r.num_draft
-            while not self.kv.can_allocate(r, need):
-                victim = next(reversed(self.running))
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is r:
-                    break
-            else:
-                self.kv.allocate(r, need)
+            self._make_room(r, r.num_computed + 1 + r.num_draft, self.running, preempted)
         return preempted
+
+    def _make_room(self, r: Request, num_tokens: int, pool: dict, preempted: list[Request]) -> bool:
+        """Allocate KV for `num_tokens` of r's tokens, preempting from the end of `pool` (possibly r itself)
+        while blocks are short. False if r was preempted."""
+        while not self.kv.can_allocate(r, num_tokens):
+            victim = next(reversed(pool))
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is r:
+                return False
+        self.kv.allocate(r, num_tokens)
+        return True
 
     def _continue_prefills(self, budget: int, preempted: list[Request]) -> list[tuple[Request, int]]:
         """Next chunks of partly computed prompts; short of blocks, the newest prefill is preempted."""
@@ -241,14 +245,7 @@ class Scheduler:
             n = min(r.num_uncomputed, self.cfg.prefill_chunk_size, budget)
             if n <= 0:
                 break
-            while not self.kv.can_allocate(r, r.num_computed + n):
-                victim = next(reversed(self.prefilling))
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is r:
-                    break
-            else:
-                self.kv.allocate(r, r.num_computed + n)
+            if self._make_room(r, r.num_computed + n, self.prefilling, preempted):
                 out.append((r, n))
                 budget -= n
         return out

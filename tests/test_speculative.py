@@ -125,7 +125,7 @@ def test_simulated_speculation_under_a_small_kv_cache_keeps_every_request():
     from tests.helpers import run
 
     sc = _spec_scenario(8.0, alpha=0.8, max_num_seqs=64, n=80)
-    sc["kv_cache"] = {"num_blocks": 300}
+    sc["kv_cache"] = {"num_blocks": 100}
     report, _, rec = run(sc)
     assert report["kv_cache"]["preemptions"] > 0
     assert report["requests"]["completed"] == 80 and report["requests"]["rejected"] == 0
