@@ -47,13 +47,14 @@ class RunResult:
 
 
 def scheduler_config(plan: Plan) -> SchedulerConfig:
-    sv = plan.scenario.serving
+    sv, spec = plan.scenario.serving, plan.scenario.speculative
     return SchedulerConfig(
         batching=sv.batching, max_num_seqs=sv.max_num_seqs, max_num_batched_tokens=plan.max_num_batched_tokens,
         enable_chunked_prefill=sv.enable_chunked_prefill, prefill_chunk_size=plan.prefill_chunk_size,
         waiting_served_ratio=sv.waiting_served_ratio, max_waiting_tokens=sv.max_waiting_tokens,
         max_model_len=plan.max_model_len, preemption=plan.scenario.kv_cache.preemption, batch_size=sv.batch_size,
-        num_speculative_tokens=plan.scenario.speculative.num_speculative_tokens if plan.scenario.speculative else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
 
 
 def make_allocator(plan: Plan) -> BlockAllocator:

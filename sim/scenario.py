@@ -91,6 +91,9 @@ class SpeculativeConfig(StrictModel):
     num_speculative_tokens: PositiveInt = Field(5, description="γ: most drafts verified per request per step")
     prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest n-gram matched")
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
+    disable_by_batch_size: PositiveInt | None = Field(None, description="no drafts while more than this many "
+                                                      "requests decode (vLLM's speculative_disable_by_batch_size): "
+                                                      "a big batch is compute-bound, drafts cost more than they save")
     acceptance_rate: float | None = Field(None, ge=0, le=1, description="simulator: α, the chance each draft is "
                                           "accepted (`infersim serve` measures it); required to simulate")
     proposal_rate: float = Field(1.0, ge=0, le=1, description="simulator: fraction of steps a request gets "

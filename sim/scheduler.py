@@ -33,6 +33,7 @@ class SchedulerConfig:
     preemption: str = "recompute"
     batch_size: int = 8
     num_speculative_tokens: int = 0  # most drafts a row verifies per step (0: no speculative decoding)
+    speculative_disable_by_batch_size: int | None = None  # vLLM: no drafts while more requests decode
 
 
 @dataclass(slots=True)
@@ -215,6 +216,9 @@ class Scheduler:
         preempt from the end of the running order (possibly the request itself)."""
         preempted: list[Request] = []
         budget -= len(self.decoding)  # every row computes at least its last token
+        off = self.cfg.speculative_disable_by_batch_size
+        if off is not None and len(self.decoding) > off:
+            budget = 0  # a big batch is compute-bound: drafts would cost more than they save
         for r in list(self.decoding.members):
             if r not in self.decoding:
                 continue  # preempted for an earlier row

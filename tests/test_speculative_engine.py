@@ -101,6 +101,16 @@ def test_greedy_speculation_gives_the_plain_greedy_output(model, plain, cfg, dra
         assert len(steps) < plain_steps
 
 
+def test_no_drafts_while_the_batch_is_bigger_than_disable_by_batch_size(model, plain):
+    work, want = plain
+    engine, reqs = run(model, work, OracleDrafter(want), num_speculative_tokens=4,
+                       speculative_disable_by_batch_size=2)
+    assert all(s.num_drafted == 0 for s in engine.records if s.num_decode > 2)
+    assert any(s.num_drafted > 0 for s in engine.records)
+    for (p, _), r in zip(work, reqs):
+        assert engine.output_ids(r) == want[tuple(p)]
+
+
 def test_speculation_under_preemption_keeps_every_request_and_the_output(model, plain):
     """A KV budget too small for every request's drafts: requests are preempted and recomputed; each still
     ends completed with the plain greedy output."""
