@@ -188,11 +188,18 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             if id(plan) not in models:
                 models[id(plan)] = load_model(plan, device)
             return models[id(plan)]
-    # a speculative scenario also runs without speculation (in <out>/plain/): its speedup is validated too
-    jobs = [(plan, out) for plan, out in plans]
-    for plan, out in plans:
+    # a speculative scenario also runs without speculation (in <out>/plain/), right after it so that both see
+    # the machine in the same state: their ratio is the speedup validated
+    jobs, main, plain = [], [], []
+    for k, (plan, out) in enumerate(plans):
+        main.append(len(jobs))
+        jobs.append((plan, out, real_from[k] if real_from else None))
         if plan.scenario.speculative:
-            jobs.append((plain_of(plan), None if out is None else out / "plain"))
+            plain.append(len(jobs))
+            jobs.append((plain_of(plan), None if out is None else out / "plain",
+                         real_from[k] / "plain" if real_from else None))
+        else:
+            plain.append(None)
 
     def recorded_runs(folder: Path) -> list:
         got = [read_run(f) for f in sorted(folder.glob("run*"), key=lambda f: int(f.name[3:]))]
@@ -202,12 +209,11 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
 
     speeds: list[dict | None] = [None] * len(jobs)
     if real_from:
-        folders = list(real_from) + [f / "plain" for (plan, _), f in zip(plans, real_from) if plan.scenario.speculative]
-        results = [recorded_runs(f) for f in folders]
+        results = [recorded_runs(folder) for _, _, folder in jobs]
     else:
         results = [[] for _ in jobs]
         for i in range(max(1, runs)):
-            for k, (plan, out) in enumerate(jobs):
+            for k, (plan, out, _) in enumerate(jobs):
                 loaded = load(plan)
                 specs = generate_requests(plan.scenario.workload, plan.base_dir)
                 set_threads(plan, threads)  # before the probe, which times steps too
@@ -215,9 +221,8 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                     speeds[k] = machine_speed(loaded, profile, device)
                 results[k].append(run_real(plan, specs, device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
-    plain_runs = iter(results[len(plans):])
-    return [score(plan, profile, got, device, out, speed, next(plain_runs) if plan.scenario.speculative else None)
-            for (plan, out), got, speed in zip(plans, results, speeds)]
+    return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])
+            for (plan, out), m, p in zip(plans, main, plain)]
 
 
 def step_time_ratio(records: list[dict], cost) -> dict:
