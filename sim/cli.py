@@ -42,14 +42,17 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         raise e.with_file(str(path)) from None
     console = Console(stderr=True)
     show = not quiet and console.is_terminal and len(specs) >= 2000
-    if show:
-        from rich.progress import Progress
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("simulating", total=len(specs))
-            step = max(1, len(specs) // 100)
-            result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
-    else:
-        result = simulate(plan, specs)
+    try:
+        if show:
+            from rich.progress import Progress
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("simulating", total=len(specs))
+                step = max(1, len(specs) // 100)
+                result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
+        else:
+            result = simulate(plan, specs)
+    except ConfigError as e:  # e.g. a setting only the simulator needs
+        raise e.with_file(str(path)) from None
     records = sim_records(result)
     report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
     if out is not None:
@@ -128,6 +131,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
     try:
         from calibration.validate import PROFILES, markdown_table, summarize, validate_many
         from executor.serve import check_device, load_model
+        from sim.cluster import speculation_model
         from sim.scenario import load_scenario
 
         check_device(device)
@@ -136,6 +140,11 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         prof = profile_path or PROFILES / f"{device}.json"
         if not prof.exists():
             raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+        for path, plan in plans:  # what the simulator needs, checked before any executor run
+            try:
+                speculation_model(plan, 0)
+            except ConfigError as e:
+                raise e.with_file(str(path)) from None
         folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
         recorded = None
         if real_from is not None:

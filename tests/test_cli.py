@@ -206,3 +206,18 @@ def test_hardware_lists_the_catalog():
     result = invoke("hardware")
     assert result.exit_code == 0
     assert "A100-80GB" in result.stdout and "H200" in result.stdout
+
+
+def test_a_speculative_scenario_without_an_acceptance_rate_is_one_line_exit_2(tmp_path):
+    """The simulator needs α; `run` and `validate` say so with the file and key path (validate before any
+    executor run)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text("model: SmolLM2-135M\nhardware: cpu\nspeculative: {num_speculative_tokens: 4}\n"
+                    "workload: {num_requests: 5, arrival: {process: poisson, rate: 1},\n"
+                    "  prompt_len: {dist: fixed, value: 32}, output_len: {dist: fixed, value: 8}}\n")
+    for args in (["run", str(path)], ["validate", str(path), "--profile", str(tmp_path / "p.json")]):
+        if args[0] == "validate":
+            (tmp_path / "p.json").write_text("{}")
+        r = invoke(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert f"{path}: speculative.acceptance_rate" in r.output and "Traceback" not in r.output
