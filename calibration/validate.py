@@ -173,21 +173,30 @@ def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None
                          probe)[0]
 
 
+def model_loader(device: str):
+    """load(plan) -> the executor's model for the plan, loaded once per distinct model: scenarios (and
+    their runs) on the same weights share one load."""
+    from executor.serve import load_model
+
+    models: dict = {}
+
+    def load(plan: Plan):
+        key = (plan.model.name, plan.model.num_layers, plan.model.hidden_size, str(plan.scenario.model))
+        if key not in models:
+            models[key] = load_model(plan, device)
+        return models[key]
+    return load
+
+
 def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
                   load=None, probe: bool = False, real_from: list | None = None) -> list[dict]:
     """Validate several scenarios ((plan, output folder or None) each). Their executor runs interleave —
     every scenario once, then every scenario again — so the machine's slow drift spreads over all of them
     instead of landing on the last ones. `load(plan)`: the model for a plan (None: load it here).
     `real_from`: per plan, a folder of recorded runs (run1/, run2/, ...) to score instead of running."""
-    from executor.serve import load_model, set_threads
+    from executor.serve import set_threads
 
-    if load is None:
-        models: dict = {}
-
-        def load(plan):  # once per plan, not per run
-            if id(plan) not in models:
-                models[id(plan)] = load_model(plan, device)
-            return models[id(plan)]
+    load = load or model_loader(device)
     # a speculative scenario also runs without speculation (in <out>/plain/), right after it so that both see
     # the machine in the same state: their ratio is the speedup validated
     jobs, main, plain = [], [], []
@@ -212,14 +221,14 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
         results = [recorded_runs(folder) for _, _, folder in jobs]
     else:
         results = [[] for _ in jobs]
+        specs = [generate_requests(plan.scenario.workload, plan.base_dir) for plan, _, _ in jobs]
         for i in range(max(1, runs)):
             for k, (plan, out, _) in enumerate(jobs):
                 loaded = load(plan)
-                specs = generate_requests(plan.scenario.workload, plan.base_dir)
                 set_threads(plan, threads)  # before the probe, which times steps too
                 if probe and i == 0:
                     speeds[k] = machine_speed(loaded, profile, device)
-                results[k].append(run_real(plan, specs, device, threads, loaded,
+                results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
     return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]

@@ -87,11 +87,11 @@ class Engine:
     def _propose(self) -> None:
         """Drafts for every decoding request, before scheduling (which reserves their KV slots and may
         cut them to the step's budget)."""
-        cfg, members = self.scheduler.cfg, self.scheduler.decoding.members
-        if cfg.speculative_disable_by_batch_size is not None and len(members) > cfg.speculative_disable_by_batch_size:
+        sched = self.scheduler
+        if not sched.drafting:
             return  # the scheduler would cut every draft: do not spend time making them
-        k = cfg.num_speculative_tokens
-        for r in members:
+        k = sched.cfg.num_speculative_tokens
+        for r in sched.decoding.members:
             d = self.drafter.propose(self.tokens[r], min(k, r.remaining_tokens - 1))
             self.drafts[r] = d
             r.num_draft = len(d)

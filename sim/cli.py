@@ -129,8 +129,8 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "them: e.g. to compare a new profile on the same runs")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
-        from calibration.validate import PROFILES, markdown_table, summarize, validate_many
-        from executor.serve import check_device, load_model
+        from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
+        from executor.serve import check_device
         from sim.cluster import speculation_model
         from sim.scenario import load_scenario
 
@@ -149,16 +149,13 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         recorded = None
         if real_from is not None:
             recorded = [real_from if len(plans) == 1 else real_from / path.stem for path, _ in plans]
-        models: dict = {}  # scenarios on the same weights share one load
+        shared = model_loader(device)
 
-        def load(plan):
-            key = (plan.model.name, plan.model.num_layers, plan.model.hidden_size, str(plan.scenario.model))
-            if key not in models:
-                try:
-                    models[key] = load_model(plan, device)
-                except ConfigError as e:
-                    raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
-            return models[key]
+        def load(plan):  # a model that will not load is reported against its scenario file
+            try:
+                return shared(plan)
+            except ConfigError as e:
+                raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
 
         results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
                                 repeat, load, probe=probe, real_from=recorded)

@@ -57,7 +57,7 @@ class Replica:
     def run(self):
         sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
         while True:
-            draft_s = spec.propose(sched.decoding.members) if spec and sched.has_work() else 0.0
+            draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
                 if sched.has_work():  # an empty engine can always take the head of its queue

@@ -90,15 +90,9 @@ def _prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, i
 
 
 def _verify_shape(rows) -> tuple[int, int, int, int]:
-    """_prefill_shape of speculative decode rows: each computes its last token and its drafts, and
+    """_prefill_shape of speculative decode rows (each computes its last token and its drafts), except that
     every one of those positions needs logits (to check the draft after it)."""
-    tokens = ctx = pairs = 0
-    for r in rows:
-        n = 1 + r.num_draft
-        c = r.num_computed + n
-        tokens += n
-        ctx += c
-        pairs += n * (c - n) + n * (n + 1) // 2
+    tokens, ctx, pairs, _ = _prefill_shape([(r, 1 + r.num_draft) for r in rows])
     return tokens, ctx, pairs, tokens
 
 
@@ -183,6 +177,14 @@ class Scheduler:
         self.steps_since_admission += 1
         return self._batch([], True, preempted, swapped_in)
 
+    @property
+    def drafting(self) -> bool:
+        """Whether decode rows take drafts this step: speculative decoding is on and the batch is not above
+        speculative_disable_by_batch_size (a big batch is compute-bound: drafts would cost more than they
+        save). Drafters ask before proposing; the scheduler cuts drafts when it is False."""
+        off = self.cfg.speculative_disable_by_batch_size
+        return self.speculative and (off is None or len(self.decoding) <= off)
+
     def _decode_tokens(self) -> int:
         """Tokens the decode rows compute this step."""
         if not self.speculative:
@@ -215,10 +217,8 @@ class Scheduler:
         are cut to its remaining output, max_model_len and the step's token budget); short of blocks,
         preempt from the end of the running order (possibly the request itself)."""
         preempted: list[Request] = []
-        budget -= len(self.decoding)  # every row computes at least its last token
-        off = self.cfg.speculative_disable_by_batch_size
-        if off is not None and len(self.decoding) > off:
-            budget = 0  # a big batch is compute-bound: drafts would cost more than they save
+        # every row computes its last token; what is left of the budget (nothing, when not drafting) is for drafts
+        budget = budget - len(self.decoding) if self.drafting else 0
         for r in list(self.decoding.members):
             if r not in self.decoding:
                 continue  # preempted for an earlier row
