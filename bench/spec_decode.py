@@ -11,8 +11,10 @@ interleaved (plain, spec, plain, spec ... `--repeats` times; the medians are com
 per-draft acceptance, maximum likelihood), the mean accepted length per verify step, output tokens/s of
 both, the speedup, and whether the outputs are token for token those of plain greedy decoding.
 
-Drafters: prompt lookup (ngram). The distilled draft model and Medusa heads are not built yet.
-Usage: python bench/spec_decode.py [--quick] [--gamma 8] [--batch 8]
+Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) and Medusa heads with their
+candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
+saw these prompts (their training prompts exclude paragraphs 0-5 and these questions).
+Usage: python bench/spec_decode.py [--quick] [--gamma 8] [--draft-gamma 3] [--batch 8] [--draft DIR]
 Ends with `name: value` headline lines.
 """
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import os
 import statistics
 import time
-from importlib.resources import files
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,7 +31,11 @@ import torch  # noqa: E402
 
 from executor.engine import Engine, SamplingParams  # noqa: E402
 from executor.kv_cache import KVCache  # noqa: E402
-from executor.prompts import CORPUS  # noqa: E402
+from executor.prompts import paragraphs  # noqa: E402
+from executor.distill import default_draft_dir  # noqa: E402
+from executor.distill import default_medusa_dir  # noqa: E402
+from executor.draft_model import DraftModelDrafter, load_draft  # noqa: E402
+from executor.medusa import MedusaDrafter, load_medusa  # noqa: E402
 from executor.speculative import PromptLookup  # noqa: E402
 from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
 from sim.kv_cache import BlockAllocator  # noqa: E402
@@ -51,21 +56,6 @@ CHAT_QUESTIONS = [
     "Write a short poem about the ocean.",
     "What is the difference between weather and climate?",
 ]
-
-
-def paragraphs(n: int) -> list[str]:
-    """n passages of the shipped text, 40-90 words each (cut at sentence ends)."""
-    text = (files("executor") / "data" / CORPUS).read_text()
-    sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.split()) > 4]
-    out, cur = [], []
-    for s in sentences:
-        cur.append(s)
-        if sum(len(x.split()) for x in cur) >= 40:
-            out.append(" ".join(cur))
-            cur = []
-        if len(out) == n:
-            break
-    return [p if len(p.split()) <= 90 else " ".join(p.split()[:90]) for p in out]
 
 
 def task_prompts(tok, task: str, n: int) -> list[list[int]]:
@@ -104,11 +94,12 @@ def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[f
 
 
 def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dict:
+    """`drafter`: makes a fresh drafter for each run."""
     plain_t, spec_t = [], []
     for _ in range(repeats):
         t, plain_out, _ = serve(model, prompts, max_new, batch, None, 0, eos)
         plain_t.append(t)
-        t, spec_out, spec = serve(model, prompts, max_new, batch, drafter, gamma, eos)
+        t, spec_out, spec = serve(model, prompts, max_new, batch, drafter(), gamma, eos)  # a fresh drafter
         spec_t.append(t)
     tokens = sum(len(o) for o in plain_out)
     plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
@@ -122,6 +113,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
     ap.add_argument("--gamma", type=int, default=4, help="most drafts per verify step (on this CPU a verify row of "
                     "5 tokens costs ~1.3x a decode row, one of 9 ~1.65x)")
+    ap.add_argument("--draft-gamma", type=int, default=3, help="γ of the draft model (each draft costs a pass)")
+    ap.add_argument("--draft", type=str, default=None, help="draft model folder (default: infersim distill's)")
+    ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
+    ap.add_argument("--only", choices=["prompt_lookup", "draft_model", "medusa"], default=None)
     ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -133,22 +128,39 @@ def main() -> None:
 
     model, _, tok = load_hf_model(smollm2_gguf_path())
     eos = tok.eos_token_id
-    drafters = {"prompt_lookup": PromptLookup(max_ngram=3, min_ngram=1)}
+    drafters = {"prompt_lookup": (lambda: PromptLookup(max_ngram=3, min_ngram=1), args.gamma)}
+    draft_dir = args.draft or default_draft_dir()
+    try:
+        draft = load_draft(draft_dir, model)
+        drafters["draft_model"] = (lambda: DraftModelDrafter(draft), args.draft_gamma)
+        print(f"draft model {draft_dir}: {draft.config.num_layers} layers, vocabulary {len(draft.vocab)}")
+    except FileNotFoundError:
+        print(f"no draft model in {draft_dir} (make one with `infersim distill`): its rows are skipped")
+    medusa_dir = args.medusa or default_medusa_dir()
+    try:
+        heads = load_medusa(medusa_dir, model)
+        tree = [tuple(p) for p in heads.meta["tree"]]
+        drafters["medusa"] = (lambda: MedusaDrafter(heads, tree), len(tree))
+        print(f"Medusa {medusa_dir}: {heads.num_heads} heads, tree of {len(tree)} nodes")
+    except FileNotFoundError:
+        print(f"no Medusa heads in {medusa_dir} (train them with `infersim train-medusa`): their rows are skipped")
+    if args.only:
+        drafters = {k: v for k, v in drafters.items() if k == args.only}
     serve(model, task_prompts(tok, "chat", 1), 8, 1, None, 0, eos)  # warm-up
     rows = []
-    print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma}, up to {max_new} new tokens, "
+    print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma} (lookup) / {args.draft_gamma} (draft model), "
+          f"up to {max_new} new tokens, "
           f"median of {repeats} interleaved runs")
     print(f"{'drafter':14s} {'task':9s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
           f"{'spec tok/s':>10s} {'speedup':>7s} identical")
-    for name, drafter in drafters.items():
+    for name, (make, gamma) in drafters.items():
         for task in ("grounded", "chat"):
             prompts = task_prompts(tok, task, n_prompts)
             for load, batch in (("batch1", 1), (f"cb{args.batch}", args.batch)):
-                r = compare(model, prompts, max_new, batch, drafter, args.gamma, eos, repeats)
+                r = compare(model, prompts, max_new, batch, make, gamma, eos, repeats)
                 rows.append((name, task, load, r))
                 print(f"{name:14s} {task:9s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
                       f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}")
-    print("not built yet: distilled draft model, Medusa heads")
     for name, task, load, r in rows:
         key = f"{name}_{task}_{load}"
         print(f"{key}_speedup: {r['speedup']:.2f}")

@@ -41,6 +41,9 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
     block_size: int
+    # speculative candidate trees: sequence -> [q, q] bool, which of its new tokens each one attends to
+    # (itself and its ancestors) instead of all earlier ones; the engine sets them
+    trees: dict = field(default_factory=dict, repr=False, compare=False)
     _context_slots: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -158,6 +161,15 @@ class AttentionMetadata:
         c = self.context_lens[seq]
         return torch.arange(c - self.query_lens[seq], c, device=self.device)
 
+    def visible(self, seq: int, width: int | None = None) -> torch.Tensor:
+        """Bool [query_len, width] (default width: the context): which cached keys each new token of `seq`
+        attends to — causal, or within a candidate tree only its ancestors."""
+        c, n = self.context_lens[seq], self.query_lens[seq]
+        mask = torch.arange(width or c, device=self.device)[None, :] <= self.query_positions(seq)[:, None]
+        if seq in self.trees:
+            mask[:, c - n:c] = self.trees[seq].to(self.device)
+        return mask
+
 
 # ---- shared helpers ---------------------------------------------------------------------
 
@@ -243,6 +255,11 @@ def _ungroup(o: torch.Tensor, length: int) -> torch.Tensor:
     return o.view(b, kvh, length, rows // length, d).permute(0, 2, 1, 3, 4).reshape(b, length, -1, d)
 
 
+def _no_trees(meta: AttentionMetadata, name: str) -> None:
+    if meta.trees:
+        raise NotImplementedError(f"the {name} backend has no tree attention; Medusa verifies with sdpa or naive")
+
+
 def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if q.shape[1] % k_cache.shape[-2]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[-2]} kv heads")
@@ -289,8 +306,7 @@ def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
         k = _gather(k_cache, slots).repeat_interleave(group, dim=1)  # [S, H, D]
         v = _gather(v_cache, slots).repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", q[s:e].float(), k.float()) * scale
-        causal = torch.arange(slots.numel(), device=q.device)[None, :] <= meta.query_positions(i)[:, None]
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~meta.visible(i), float("-inf")).softmax(dim=-1)
         out[s:e] = torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
     return out
 
@@ -316,12 +332,11 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qt, k, v = qs[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)  # [1, H, L|S, D]
         length, ctx = qs.shape[0], slots.numel()
-        if length == ctx:
+        if length == ctx and i not in meta.trees:
             o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale)
         else:
             # Chunked prefill: causal mask aligned to the bottom-right (queries are the last L positions).
-            mask = torch.arange(ctx, device=q.device)[None, :] <= meta.query_positions(i)[:, None]
-            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=meta.visible(i), scale=scale)
         return o[0].transpose(0, 1)
 
     def gather(tables, width):
@@ -353,6 +368,9 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             qg = qb.permute(0, 2, 1, 3, 4).reshape(b, kvh, n * group, -1)
             last = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]  # each query's position
             mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
+            for j, m in enumerate(range(b) if rows is None else rows.tolist()):
+                if seqs[m] in meta.trees:  # a candidate tree: each node sees the context and its ancestors
+                    mask[j] = meta.visible(seqs[m], width)
             mask = mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
             o = o.view(b, kvh, n, group, -1).permute(0, 2, 1, 3, 4).reshape(b, n, -1, qv.shape[-1])
@@ -408,6 +426,7 @@ def flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
     """Tiled FlashAttention in torch: query tiles x key tiles of `tile_size`, online softmax,
     key tiles past a query tile's last position skipped (causal)."""
     _check_heads(q, k_cache)
+    _no_trees(meta, "flash")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kvh = k_cache.shape[-2]
     group = q.shape[1] // kvh
@@ -446,6 +465,7 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
     softmax; no contiguous copy of a sequence's K/V is made. A prefill reads its blocks as
     views of the pool; the decode batch loads block j of every sequence per tile."""
     _check_heads(q, k_cache)
+    _no_trees(meta, "paged")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kvh, bs = k_cache.shape[-2], meta.block_size
     group = q.shape[1] // kvh

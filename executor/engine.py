@@ -15,7 +15,7 @@ from executor.attention import AttentionMetadata
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams, sample
-from executor.speculative import verify
+from executor.speculative import tree_depths, tree_mask, verify, verify_tree
 from sim.request import Request
 from sim.scheduler import Scheduler
 
@@ -62,6 +62,7 @@ class Engine:
     samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     _padding_ctx: dict[Request, int] = field(default_factory=dict)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
+    draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
 
     def __post_init__(self):
         self.device = self.kv_cache.device
@@ -91,23 +92,45 @@ class Engine:
         if not sched.drafting:
             return  # the scheduler would cut every draft: do not spend time making them
         k = sched.cfg.num_speculative_tokens
-        for r in sched.decoding.members:
-            d = self.drafter.propose(self.tokens[r], min(k, r.remaining_tokens - 1))
-            self.drafts[r] = d
+        members = list(sched.decoding.members)
+        proposals = self.drafter.propose_batch([(r, self.tokens[r], min(k, r.remaining_tokens - 1)) for r in members])
+        for r, (d, q) in zip(members, proposals):
+            self.drafts[r], self.draft_probs[r] = d, q
             r.num_draft = len(d)
 
-    def _emit(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[Request, list[int]]:
+    def _emit(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]
+              ) -> tuple[dict[Request, list[int]], dict[Request, list[int]]]:
         """Tokens per sampling row: `spans` (request, first logit row, rows); one row samples, several
-        verify the request's drafts."""
+        verify the request's drafts. Also, for candidate-tree rows, the accepted nodes."""
         out: dict[Request, list[int]] = {}
+        paths: dict[Request, list[int]] = {}
         single = [(r, start) for r, start, n in spans if n == 1]
         if single:
             picked = sample(logits[[start for _, start in single]], self.sampling, self.generator).tolist()
             out.update((r, [tok]) for (r, _), tok in zip(single, picked))
+        parents = getattr(self.drafter, "tree_parents", None)
         for r, start, n in spans:
-            if n > 1:
-                out[r] = verify(logits[start:start + n], self.drafts[r][:n - 1], self.sampling, self.generator)
-        return out
+            if n > 1 and parents is not None:
+                out[r], paths[r] = verify_tree(logits[start:start + n], self.drafts[r][:n - 1], parents[:n - 1],
+                                               self.sampling, self.generator)
+            elif n > 1:
+                q = self.draft_probs.get(r)
+                out[r] = verify(logits[start:start + n], self.drafts[r][:n - 1], self.sampling, self.generator,
+                                None if q is None else q[:n - 1])
+        return out, paths
+
+    def _compact(self, r: Request, base: int, path: list[int]) -> None:
+        """Move the K/V of a tree's accepted nodes to the positions right after its root (base), where the
+        sequence continues; the other nodes' slots are given back by the scheduler."""
+        src = [base + j for j in path]
+        dst = [base + 1 + i for i in range(len(path))]
+        if src == dst:
+            return
+        bs, table = self.kv_cache.block_size, r.block_table
+        slot = lambda pos: table[pos // bs] * bs + pos % bs  # noqa: E731
+        data = self.kv_cache.data
+        flat = data.view(data.shape[0], 2, -1, *data.shape[-2:])
+        flat[:, :, [slot(p) for p in dst]] = flat[:, :, [slot(p) for p in src]]
 
     def _swap(self, batch) -> None:
         """Block copies for swapped requests, made before the forward reuses the device blocks."""
@@ -147,22 +170,33 @@ class Engine:
         context_lens = [c for _, _, c in rows] + [self._padding_ctx[r] for r in batch.padding]
         tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
+        positions = meta.positions()
+        parents = getattr(self.drafter, "tree_parents", None)
+        if parents is not None:  # candidate trees: node positions are root + depth, attention follows the tree
+            for i, (r, n, ctx) in enumerate(rows[:len(batch.decode)]):
+                if n > 1:
+                    meta.trees[i] = tree_mask(parents[:n - 1])
+                    start = meta.cu_query_lens[i]
+                    positions[start:start + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         num_decode = len(batch.decode)
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
         if batch.padding or any(c > 1 for c in counts):  # every position's hidden state, then pick
-            hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache)
             hidden = hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(sampling_rows, counts)
                              for j in range(c)]]
         else:  # the model's last layer and the LM head run only for the rows that sample
-            hidden = self.model(input_ids, meta.positions(), meta, self.kv_cache, last_of=sampling_rows)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, last_of=sampling_rows)
         spans, first = [], 0
         for i, c in zip(sampling_rows, counts):
             spans.append((rows[i][0], first, c))
             first += c
-        emitted = self._emit(self.model.compute_logits(hidden), spans) if spans else {}
+        emitted, paths = self._emit(self.model.compute_logits(hidden), spans) if spans else ({}, {})
+        for r, path in paths.items():
+            n = r.num_draft + 1
+            self._compact(r, next(ctx for row, _, ctx in rows if row is r) - n, path)
         end = self.now()
         stopped, accepted = set(), {}
         drafted = num_accepted = 0
@@ -179,9 +213,15 @@ class Engine:
                 drafted += r.num_draft
                 num_accepted += len(toks) - 1
         _, finished = sched.complete_step(batch, stopped, accepted)
+        if hasattr(self.drafter, "observe"):  # Medusa: the hidden state behind each request's newest token
+            for r, first, _ in spans:
+                if r in emitted and r not in stopped:
+                    k = paths[r][-1] if paths.get(r) else (len(emitted[r]) - 1 if r.num_draft else 0)
+                    self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
         for r in finished:
             r.finish_s = end
             self.drafts.pop(r, None)
+            self.draft_probs.pop(r, None)
         kv = sched.kv
         record = StepRecord(
             step=len(self.records), start_s=start, end_s=end, new_tokens=query_lens, context_lens=context_lens,

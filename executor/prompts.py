@@ -20,3 +20,18 @@ def prompt_ids(corpus: list[int], length: int, request_id: int) -> list[int]:
     start = (request_id * 7919) % len(corpus)
     reps = (start + length) // len(corpus) + 1
     return (corpus * (reps + 1))[start:start + length]
+
+
+def paragraphs(n: int | None = None) -> list[str]:
+    """Passages of the shipped text, 40-90 words each (cut at sentence ends); the first n, or all."""
+    text = (files("executor") / "data" / CORPUS).read_text()
+    sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.split()) > 4]
+    out, cur = [], []
+    for s in sentences:
+        cur.append(s)
+        if sum(len(x.split()) for x in cur) >= 40:
+            out.append(" ".join(cur))
+            cur = []
+        if len(out) == n:
+            break
+    return [p if len(p.split()) <= 90 else " ".join(p.split()[:90]) for p in out]

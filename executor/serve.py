@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 
@@ -74,15 +75,75 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
     host = KVCache.for_model(cfg, plan.num_swap_blocks, plan.block_size, dtype, "cpu") if plan.num_swap_blocks else None
     sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
     return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host,
-                  drafter=make_drafter(plan))
+                  drafter=make_drafter(plan, loaded.model, sampling))
 
 
-def make_drafter(plan: Plan):
+def draft_dir(plan: Plan) -> Path:
+    """The folder of a draft_model scenario's draft; a one-line error if there is none."""
+    from executor.distill import default_draft_dir
+
+    name = plan.scenario.speculative.draft_model
+    folder = default_draft_dir() if name is None else (plan.base_dir / Path(name).expanduser())
+    if not (folder / "draft.json").is_file():
+        raise ConfigError(f"no draft model in {folder}; make one with `infersim distill --out {folder}`",
+                          "speculative.draft_model")
+    return folder
+
+
+def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
     """The scenario's drafter for speculative decoding, or None."""
     spec = plan.scenario.speculative
     if spec is None:
         return None
+    if spec.method == "draft_model":
+        from executor.draft_model import DraftModelDrafter, load_draft
+
+        try:
+            draft = load_draft(draft_dir(plan), target)
+        except ValueError as e:
+            raise ConfigError(str(e), "speculative.draft_model") from None
+        return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4))
+    if spec.method == "medusa":
+        from executor.medusa import MedusaDrafter, load_medusa
+
+        try:
+            heads = load_medusa(medusa_dir(plan), target)
+        except ValueError as e:
+            raise ConfigError(str(e), "speculative.medusa_heads") from None
+        depth = max(len(p) for p in spec.medusa_tree)
+        if depth > heads.num_heads:
+            raise ConfigError(f"medusa_tree is {depth} deep but the heads in {medusa_dir(plan)} are "
+                              f"{heads.num_heads}", "speculative.medusa_tree")
+        return MedusaDrafter(heads, [tuple(p) for p in spec.medusa_tree])
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+
+def medusa_dir(plan: Plan) -> Path:
+    """The folder of a medusa scenario's heads; a one-line error if there are none."""
+    from executor.distill import default_medusa_dir
+
+    name = plan.scenario.speculative.medusa_heads
+    folder = default_medusa_dir() if name is None else (plan.base_dir / Path(name).expanduser())
+    if not (folder / "medusa.json").is_file():
+        raise ConfigError(f"no Medusa heads in {folder}; train them with `infersim train-medusa --out {folder}`",
+                          "speculative.medusa_heads")
+    return folder
+
+
+def draft_cost(records: list) -> dict:
+    """Drafting time per step as the simulator charges it, fitted by least squares over the steps that
+    drafted: draft_s ≈ draft_s_per_step + draft_s_per_seq × decoding requests."""
+    pts = [(r.num_decode, r.draft_s) for r in records if r.num_drafted > 0]
+    if len(pts) < 2:
+        return {}
+    n, t = np.array(pts, dtype=float).T
+    if np.ptp(n) == 0:
+        return {"draft_s_per_step": 0.0, "draft_s_per_seq": float(t.mean() / n[0])}
+    slope, intercept = np.polyfit(n, t, 1)
+    if intercept < 0 or slope < 0:  # a fit below zero is noise: put it all on the other term
+        return {"draft_s_per_step": 0.0, "draft_s_per_seq": float(t.sum() / n.sum())} if intercept < 0 else \
+            {"draft_s_per_step": float(t.mean()), "draft_s_per_seq": 0.0}
+    return {"draft_s_per_step": float(intercept), "draft_s_per_seq": float(slope)}
 
 
 def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
@@ -184,6 +245,10 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
                           extra={"executor": {"device": device, "threads": torch.get_num_threads(),
                                               "attention": plan.scenario.executor.attention,
                                               "torch": torch.__version__}})
+    if "speculative" in report:
+        report["speculative"].update(draft_cost(engine.records))
+        if hasattr(engine.drafter, "rank_probs"):
+            report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
     if out is not None:
         write_outputs(out, report, records, [trace], plots=plots)
         write_traces(out, engine, requests)

@@ -16,7 +16,19 @@ import torch
 from executor.sampling import SamplingParams, target_probs
 
 
-class PromptLookup:
+class Drafter:
+    """What the engine asks of a drafter: `propose_batch`, drafts for every decoding request at once. One
+    that drafts each sequence on its own only defines `propose(token_ids, k)`."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, items: list[tuple[object, list[int], int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(drafts, q) per (request, its tokens so far, most drafts); q None: each draft is a point mass."""
+        return [(self.propose(tokens, k), None) for _, tokens, k in items]
+
+
+class PromptLookup(Drafter):
     """Prompt lookup decoding (transformers' `prompt_lookup_num_tokens`, vLLM's ngram drafter): find the
     request's last n tokens earlier in its prompt or output, longest n first, and propose what followed
     that match. Costs no model call; it pays off where the output copies the input (summaries, rewrites,
@@ -42,7 +54,7 @@ class PromptLookup:
         return []
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     """Proposes k uniformly random tokens: almost all rejected. Calibration uses it to time verify steps
     of every draft length without depending on how well a real drafter matches the text."""
 
@@ -87,3 +99,64 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         row = residual / total if total > 0 else p[i]  # p == q: nothing left to correct, sample p
         return out + [int(torch.multinomial(row, 1, generator=generator))]
     return out + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n + 1, n + 1] bool, row i true at i and its ancestors: what each node of a candidate tree attends to
+    within its row (node 0 is the root; parents[j] is node j + 1's parent)."""
+    n = len(parents) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    for j, p in enumerate(parents, start=1):
+        mask[j] |= mask[p]
+    return mask
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node of a candidate tree, the root's (0) first."""
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    return depth
+
+
+def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """(emitted tokens, accepted nodes) of a candidate-tree verify row. logits [n + 1, vocab]: row i is the
+    target's prediction after node i (0 is the root); tokens[j], parents[j]: node j + 1's token and parent.
+
+    Greedy: follow the child whose token is the target's argmax, then emit the argmax at the last node.
+    Sampled (SpecInfer's multi-candidate rule for deterministic drafts): at a node, try its children in
+    order, accepting child x with probability p(x) under the target's distribution with the children tried
+    before removed and renormalised; if none is accepted, sample from what remains. Each emitted token is
+    distributed as sampling from the target alone."""
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(parents, start=1):
+        children.setdefault(p, []).append(j)
+    node, path, out = 0, [], []
+    greedy = params.temperature <= 0
+    while True:
+        kids = children.get(node, [])
+        if greedy:
+            target = int(logits[node].argmax())
+            nxt = next((c for c in kids if tokens[c - 1] == target), None)
+            if nxt is None:
+                return out + [target], path
+        else:
+            p = target_probs(logits[node:node + 1], params)[0]
+            nxt = None
+            for c in kids:
+                x = tokens[c - 1]
+                if float(torch.rand((), generator=generator, device=p.device)) < float(p[x]):
+                    nxt = c
+                    break
+                p = p.clone()
+                p[x] = 0.0
+                total = float(p.sum())
+                if total <= 0:
+                    break
+                p = p / total
+            if nxt is None:
+                return out + [int(torch.multinomial(p, 1, generator=generator))], path
+        path.append(nxt)
+        out.append(tokens[nxt - 1])
+        node = nxt

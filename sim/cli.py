@@ -111,6 +111,43 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
 
 
 @app.command()
+def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the draft model (default: "
+                                               "~/.cache/infersim/drafts/smollm2-135m)"),
+            layers: str = typer.Option("0,1", "--layers", help="teacher layers the student starts from, comma-separated"),
+            vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the draft can propose"),
+            minutes: float = typer.Option(10.0, "--train-minutes", min=0.0, help="training time budget"),
+            max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
+            threads: Optional[int] = typer.Option(None, "--threads")) -> None:
+    """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
+    try:
+        picked = [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
+    from executor.distill import distill_command
+
+    try:
+        distill_command(out, picked, vocab_size, minutes, max_new, threads)
+    except ValueError as e:
+        _fail(ConfigError(str(e), "--layers"))
+
+
+@app.command("train-medusa")
+def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the heads (default: the "
+                                                    "ones shipped in executor/data/medusa-smollm2-135m)"),
+                 num_heads: int = typer.Option(3, "--heads", min=1, max=8, help="K: head d guesses d + 1 tokens on"),
+                 vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the heads can propose"),
+                 minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, help="training time budget"),
+                 max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
+                 threads: Optional[int] = typer.Option(None, "--threads"),
+                 profile: Optional[Path] = typer.Option(Path("calibration/profiles/cpu.json"), "--profile",
+                                                        help="fitted profile that prices each tree size")) -> None:
+    """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
+    from executor.distill import train_medusa_command
+
+    train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
+
+
+@app.command()
 def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (or folders of them) with a model "
                                                                "that has real weights"),
              out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for validation.json and the CDF plot "
@@ -130,7 +167,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
         from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
-        from executor.serve import check_device
+        from executor.serve import check_device, draft_dir, medusa_dir
         from sim.cluster import speculation_model
         from sim.scenario import load_scenario
 
@@ -140,9 +177,14 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         prof = profile_path or PROFILES / f"{device}.json"
         if not prof.exists():
             raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-        for path, plan in plans:  # what the simulator needs, checked before any executor run
+        for path, plan in plans:  # what the simulator and the drafter need, checked before any executor run
             try:
                 speculation_model(plan, 0)
+                method = plan.scenario.speculative.method if plan.scenario.speculative else None
+                if real_from is None and method == "draft_model":
+                    draft_dir(plan)
+                if real_from is None and method == "medusa":
+                    medusa_dir(plan)
             except ConfigError as e:
                 raise e.with_file(str(path)) from None
         folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]

@@ -53,7 +53,7 @@ def scheduler_config(plan: Plan) -> SchedulerConfig:
         enable_chunked_prefill=sv.enable_chunked_prefill, prefill_chunk_size=plan.prefill_chunk_size,
         waiting_served_ratio=sv.waiting_served_ratio, max_waiting_tokens=sv.max_waiting_tokens,
         max_model_len=plan.max_model_len, preemption=plan.scenario.kv_cache.preemption, batch_size=sv.batch_size,
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        num_speculative_tokens=spec.num_draft_tokens if spec else 0,
         speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
 
 
@@ -83,11 +83,19 @@ def speculation_model(plan: Plan, replica: int) -> SpeculationModel | None:
     spec = plan.scenario.speculative
     if spec is None:
         return None
+    seed = plan.scenario.workload.seed * 1000 + replica
+    if spec.method == "medusa":
+        if spec.medusa_rank_probs is None:
+            raise ConfigError("required to simulate Medusa (per depth, the chance of each candidate rank; "
+                              "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
+        return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, spec.draft_s_per_seq,
+                                spec.draft_s_per_step, seed, [tuple(p) for p in spec.medusa_tree],
+                                spec.medusa_rank_probs)
     if spec.acceptance_rate is None:
         raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
                           "`infersim serve` of the scenario measures it)", "speculative.acceptance_rate")
     return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate, spec.proposal_rate,
-                            spec.draft_s_per_seq, seed=plan.scenario.workload.seed * 1000 + replica)
+                            spec.draft_s_per_seq, spec.draft_s_per_step, seed)
 
 
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,

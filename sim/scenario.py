@@ -7,13 +7,14 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError,
+from pydantic import (BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
                       model_validator)
 
 from sim.errors import ConfigError
 from sim.hardware import HardwareSpec, catalog_hardware
 from sim.models import ModelSpec, catalog_model, load_hf_config
 from sim.schema_base import StrictModel
+from sim.speculative import check_tree
 from sim.workload import WorkloadConfig
 
 
@@ -81,16 +82,32 @@ class ExecutorConfig(StrictModel):
     max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
 
 
+MEDUSA_TOPK = 10  # candidates per Medusa head (executor.medusa.TOPK)
+
+
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (vLLM's speculative_config): each step a drafter proposes up to
     num_speculative_tokens tokens for every decoding request and the target model checks them all in
     that step, keeping the accepted prefix plus one token of its own."""
 
-    method: Literal["ngram"] = Field("ngram", description="ngram: prompt lookup, drafts copied from the prompt "
-                                                          "and the text so far")
+    method: Literal["ngram", "draft_model", "medusa"] = Field(
+        "ngram", description="ngram: prompt lookup, drafts copied from the prompt and the text so far; "
+                             "draft_model: a small model distilled from the target (`infersim distill`); "
+                             "medusa: heads on the target's last hidden state, a candidate tree verified with "
+                             "tree attention (`infersim train-medusa`)")
     num_speculative_tokens: PositiveInt = Field(5, description="γ: most drafts verified per request per step")
     prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest n-gram matched")
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
+    draft_model: str | None = Field(None, description="draft_model: folder written by `infersim distill` (relative "
+                                    "to the scenario; default ~/.cache/infersim/drafts/smollm2-135m)")
+    medusa_heads: str | None = Field(None, description="medusa: folder written by `infersim train-medusa` "
+                                     "(relative to the scenario; default: the heads shipped for SmolLM2-135M)")
+    medusa_tree: list[list[NonNegativeInt]] | None = Field(
+        None, description="medusa: the candidate tree, each node the path of candidate ranks from the root, "
+                          "parents first, e.g. [[0], [1], [0, 0]]; verify rows have 1 + its nodes tokens")
+    medusa_rank_probs: list[list[NonNegativeFloat]] | None = Field(
+        None, description="simulator, medusa: per depth, the chance the token that follows has each candidate "
+                          "rank, the last entry none of them (`infersim serve` measures it); required to simulate")
     disable_by_batch_size: PositiveInt | None = Field(None, description="no drafts while more than this many "
                                                       "requests decode (vLLM's speculative_disable_by_batch_size): "
                                                       "a big batch is compute-bound, drafts cost more than they save")
@@ -98,14 +115,30 @@ class SpeculativeConfig(StrictModel):
                                           "accepted (`infersim serve` measures it); required to simulate")
     proposal_rate: float = Field(1.0, ge=0, le=1, description="simulator: fraction of steps a request gets "
                                  "drafts (prompt lookup finds no match in the rest)")
+    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: drafting time of a step that drafts, "
+                                               "whatever its batch (draft_model: the fixed cost of its γ forward "
+                                               "passes; `infersim serve` measures it)")
     draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: drafting time per request per step "
-                                              "(ngram: a search in the request's tokens)")
+                                              "(ngram: a search in the request's tokens; draft_model: its share "
+                                              "of the γ forward passes; `infersim serve` measures it)")
 
     @model_validator(mode="after")
     def _check_ngram(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.method == "medusa":
+            if not self.medusa_tree:
+                raise ValueError("method medusa needs medusa_tree (e.g. [[0], [1], [0, 0]])")
+            depth = max(len(p) for p in self.medusa_tree)
+            check_tree([tuple(p) for p in self.medusa_tree], depth, MEDUSA_TOPK)
+            if self.medusa_rank_probs is not None and len(self.medusa_rank_probs) < depth:
+                raise ValueError(f"medusa_rank_probs needs a row per tree depth ({depth})")
         return self
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens a verify row carries at most: γ, or a Medusa tree's nodes."""
+        return len(self.medusa_tree) if self.method == "medusa" else self.num_speculative_tokens
 
 
 class Scenario(StrictModel):
@@ -132,6 +165,8 @@ class Scenario(StrictModel):
             raise ValueError("serving.enable_chunked_prefill needs batching: continuous")
         if self.serving.batching == "static" and self.speculative:
             raise ValueError("speculative decoding needs batching: continuous")
+        if self.speculative and self.speculative.method == "medusa" and self.executor.attention not in ("sdpa", "naive"):
+            raise ValueError("Medusa's tree attention runs on executor.attention sdpa or naive")
         return self
 
 

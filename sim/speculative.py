@@ -55,38 +55,98 @@ def estimate_alpha(accepted: int, rejections: int) -> float | None:
     return accepted / (accepted + rejections)
 
 
+def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
+    """A Medusa candidate tree: non-empty paths of candidate ranks, each one's parent listed before it."""
+    seen: set = {()}
+    for p in tree:
+        if not p or len(p) > num_heads or any(not 0 <= r < topk for r in p):
+            raise ValueError(f"tree node {list(p)}: a path of 1..{num_heads} ranks, each in 0..{topk - 1}")
+        if p[:-1] not in seen or p in seen:
+            raise ValueError(f"tree node {list(p)}: its parent must come before it, and each node once")
+        seen.add(p)
+
+
+def tree_expected_tokens(tree: list[tuple[int, ...]], rank_probs: list[list[float]]) -> float:
+    """E[tokens per verify step] for a Medusa tree: 1 (the target's own token) + Σ over nodes of the chance
+    that every rank on its path is the one that follows (rank_probs[d][r]: depth d's token has rank r among
+    head d's candidates, given the earlier depths were accepted)."""
+    total = 1.0
+    for p in tree:
+        prob = 1.0
+        for d, r in enumerate(p):
+            prob *= rank_probs[d][r] if d < len(rank_probs) else 0.0
+        total += prob
+    return total
+
+
+def best_tree(rank_probs: list[list[float]], size: int, topk: int) -> list[tuple[int, ...]]:
+    """The `size` nodes with the largest chance of being accepted (Medusa's tree construction); a child is
+    never likelier than its parent, so the set is a tree. Parents come first."""
+    frontier = [((r,), rank_probs[0][r]) for r in range(min(topk, len(rank_probs[0]) - 1))]
+    tree: list[tuple[int, ...]] = []
+    while frontier and len(tree) < size:
+        frontier.sort(key=lambda x: (-x[1], len(x[0]), x[0]))
+        node, prob = frontier.pop(0)
+        tree.append(node)
+        d = len(node)
+        if d < len(rank_probs):
+            frontier += [(node + (r,), prob * rank_probs[d][r]) for r in range(min(topk, len(rank_probs[d]) - 1))]
+    return sorted(tree, key=lambda p: (len(p), p))
+
+
 @dataclass
 class SpeculationModel:
     """The simulator's drafter: each step every decoding request gets γ drafts (or, with probability
     1 − proposal_rate, none), each accepted independently with probability α up to the first rejection.
+    Drafting costs draft_s_per_step + draft_s_per_seq × requests (measured by `infersim serve`).
     Seeded: the same scenario draws the same acceptances."""
 
     num_speculative_tokens: int
     acceptance_rate: float
     proposal_rate: float = 1.0
     draft_s_per_seq: float = 0.0
+    draft_s_per_step: float = 0.0
     seed: int = 0
+    tree: list[tuple[int, ...]] | None = None  # Medusa: the candidate tree (num_speculative_tokens = its nodes)
+    rank_probs: list[list[float]] | None = None  # Medusa: per depth, the chance of each candidate rank (+ miss)
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
-        _check(self.acceptance_rate, self.num_speculative_tokens)
+        if self.tree is None:
+            _check(self.acceptance_rate, self.num_speculative_tokens)
+        else:
+            self.num_speculative_tokens = len(self.tree)
+            self.rank_probs = [list(np.asarray(p, float) / np.sum(p)) for p in self.rank_probs]
         self.rng = np.random.default_rng(self.seed)
 
     def propose(self, requests) -> float:
-        """Set each request's num_draft for the next step; returns the drafting time."""
+        """Set each request's num_draft for the next step; returns the drafting time (a draft model's passes
+        run for the whole batch at once: a fixed part per step and a part per request)."""
         gamma, rate = self.num_speculative_tokens, self.proposal_rate
         n = 0
         for r in requests:
             r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
             n += 1
-        return n * self.draft_s_per_seq
+        return n * self.draft_s_per_seq + (self.draft_s_per_step if n else 0.0)
 
     def accept(self, rows) -> dict:
         """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""
         alpha, out = self.acceptance_rate, {}
         for r in rows:
             d = r.num_draft
-            if d:
+            if d and self.tree is not None:
+                out[r] = self._walk(set(self.tree[:d]))
+            elif d:
                 # trials up to the first rejection, less the rejected one; α = 1 never rejects
                 out[r] = d if alpha >= 1.0 else min(d, int(self.rng.geometric(1.0 - alpha)) - 1)
         return out
+
+    def _walk(self, nodes: set) -> int:
+        """Medusa: draw the rank of each depth's true token among its head's candidates; the step accepts
+        depths while that path is a node of the (possibly cut) tree."""
+        path: tuple[int, ...] = ()
+        for probs in self.rank_probs:
+            path += (int(self.rng.choice(len(probs), p=probs)),)
+            if path not in nodes:
+                return len(path) - 1
+        return len(path)

@@ -50,3 +50,53 @@ def test_serve_refuses_a_model_without_weights(tmp_path):
     with pytest.raises(ConfigError) as e:
         serve_scenario(path, None, quiet=True)
     assert e.value.key_path == "model" and "real weights" in e.value.message
+
+
+def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, checkpoint):
+    """method: draft_model serves through a draft saved like `infersim distill` saves one; the report has
+    α and the measured drafting cost the simulator takes (draft_s_per_step, draft_s_per_seq)."""
+    from executor.draft_model import make_student
+    from executor.weights import load_hf_model
+
+    target, _, _ = load_hf_model(checkpoint)
+    make_student(target, [1], list(range(0, 1000, 2))).save(tmp_path / "draft", {"teacher": "tiny"})
+    path = write_tiny_scenario(tmp_path, checkpoint, speculative={
+        "method": "draft_model", "draft_model": str(tmp_path / "draft"), "num_speculative_tokens": 3})
+    report = serve_scenario(path, None, quiet=True, plots=False)
+    assert report["requests"]["completed"] == 24
+    spec = report["speculative"]
+    assert spec["drafted"] > 0 and 0 <= spec["alpha"] <= 1
+    assert spec["draft_s_per_step"] >= 0 and spec["draft_s_per_seq"] >= 0
+    assert spec["draft_s_per_step"] + spec["draft_s_per_seq"] > 0
+
+    missing = write_tiny_scenario(tmp_path, checkpoint, name="no-draft", speculative={
+        "method": "draft_model", "draft_model": "nowhere", "num_speculative_tokens": 3})
+    from sim.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        serve_scenario(missing, None, quiet=True)
+    assert e.value.key_path == "speculative.draft_model" and "infersim distill" in e.value.message
+
+
+def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, checkpoint):
+    """method: medusa serves with tree verification through heads saved like `infersim train-medusa` saves
+    them; the report has the measured rank probabilities the simulator takes (medusa_rank_probs)."""
+    from executor.medusa import MedusaHeads
+    from executor.weights import load_hf_model
+
+    target, _, _ = load_hf_model(checkpoint)
+    MedusaHeads(target, 2, list(range(1000))).save(tmp_path / "heads", {})
+    tree = [[0], [1], [0, 0], [1, 0]]
+    path = write_tiny_scenario(tmp_path, checkpoint, speculative={
+        "method": "medusa", "medusa_heads": str(tmp_path / "heads"), "medusa_tree": tree})
+    report = serve_scenario(path, None, quiet=True, plots=False)
+    assert report["requests"]["completed"] == 24
+    spec = report["speculative"]
+    assert spec["drafted"] > 0 and len(spec["medusa_rank_probs"]) == 2
+    assert abs(sum(spec["medusa_rank_probs"][0]) - 1) < 1e-9
+
+    deep = write_tiny_scenario(tmp_path, checkpoint, name="too-deep", speculative={
+        "method": "medusa", "medusa_heads": str(tmp_path / "heads"), "medusa_tree": [[0], [0, 0], [0, 0, 0]]})
+    from sim.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        serve_scenario(deep, None, quiet=True)
+    assert e.value.key_path == "speculative.medusa_tree"

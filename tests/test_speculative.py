@@ -108,6 +108,20 @@ def test_speculation_helps_at_low_load_and_hurts_at_high_load():
     assert gated > high_spec[1] and gated > 0.97 * high_plain[1]
 
 
+def test_drafting_cost_lengthens_every_verify_step():
+    """A draft model's time (draft_s_per_step + draft_s_per_seq × requests, as `infersim serve` measures
+    it) is charged before each drafting step: at low load, where a lone request decodes, TPOT grows by
+    about that much per verify step over the tokens that step yields."""
+    from tests.helpers import run
+
+    sc = _spec_scenario(0.05, alpha=0.8, gamma=4, n=30)
+    free = run(sc)[0]
+    sc["speculative"].update(draft_s_per_step=0.004, draft_s_per_seq=0.001)
+    paid = run(sc)[0]
+    per_token = 0.005 / expected_tokens_per_step(0.8, 4)
+    assert paid["tpot_s"]["p50"] - free["tpot_s"]["p50"] == pytest.approx(per_token, rel=0.25)
+
+
 def test_speculation_needs_an_acceptance_rate_to_simulate_and_continuous_batching():
     from sim.errors import ConfigError
     from tests.helpers import plan_of, run

@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from executor.sampling import SamplingParams, target_probs
-from executor.speculative import PromptLookup, RandomDrafter, verify
+from executor.draft_model import DraftModelDrafter, load_draft, make_student
+from executor.speculative import Drafter, PromptLookup, RandomDrafter, verify
 from executor.tiny import tiny_model, to_transformers
 from sim.request import Request, Status
 from tests.test_engine import make_engine, prompts, serve_all
@@ -22,7 +23,7 @@ def model():
     return tiny_model(seed=3, num_kv_heads=2, num_layers=2, vocab_size=256, max_position_embeddings=512)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the true greedy continuation with one token in `corrupt_every` replaced: drafts are
     accepted up to the corrupted one, so every accepted length from 0 to k occurs."""
 
@@ -42,7 +43,7 @@ class OracleDrafter:
         return []
 
 
-class GreedyRollout:
+class GreedyRollout(Drafter):
     """Drafts the target's own greedy continuation of the context (a perfect greedy drafter; under
     sampling it is accepted as often as the argmax is drawn)."""
 
@@ -81,11 +82,18 @@ POLICIES = [
 ]
 
 
+def draft_drafter(model, sampling=SamplingParams()):
+    """A 1-layer draft model from the tiny target (its layer 1, a 200-token vocabulary), 2-block pool that
+    has to grow."""
+    return DraftModelDrafter(make_student(model, [1], list(range(200))), sampling, block_size=4, num_blocks=2)
+
+
 @pytest.mark.parametrize("cfg", POLICIES)
-@pytest.mark.parametrize("drafter", ["oracle", "lookup", "random"])
+@pytest.mark.parametrize("drafter", ["oracle", "lookup", "random", "draft_model"])
 def test_greedy_speculation_gives_the_plain_greedy_output(model, plain, cfg, drafter):
     work, want = plain
-    d = {"oracle": OracleDrafter(want), "lookup": PromptLookup(3, 1), "random": RandomDrafter(256)}[drafter]
+    d = {"oracle": lambda: OracleDrafter(want), "lookup": lambda: PromptLookup(3, 1),
+         "random": lambda: RandomDrafter(256), "draft_model": lambda: draft_drafter(model)}[drafter]()
     engine, reqs = run(model, work, d, **cfg)
     for (p, _), r in zip(work, reqs):
         assert engine.output_ids(r) == want[tuple(p)], (drafter, r.id)
@@ -121,6 +129,35 @@ def test_speculation_under_preemption_keeps_every_request_and_the_output(model, 
     for (p, _), r in zip(work, reqs):
         assert engine.output_ids(r) == want[tuple(p)]
     assert engine.scheduler.kv.num_free == 24
+
+
+def test_draft_model_cache_gives_the_drafts_of_a_fresh_forward(model):
+    """The drafter keeps each request's K/V between steps (accepted drafts stay, rejected ones are
+    overwritten): its drafts equal those of a drafter that sees the whole sequence for the first time."""
+    kept, rng = draft_drafter(model), np.random.default_rng(0)
+    seqs = {i: list(p) for i, p in enumerate(prompts(3))}
+    for _ in range(6):
+        out = kept.propose_batch([(i, s, 3) for i, s in seqs.items()])
+        for (i, s), (drafts, q) in zip(seqs.items(), out):
+            assert q is None and len(drafts) == 3 and all(t < 200 for t in drafts)
+            assert drafts == draft_drafter(model).propose(s, 3)
+            keep = int(rng.integers(0, 4))  # as verification would: some drafts accepted, then another token
+            s.extend(drafts[:keep] + [int(rng.integers(0, 256))])
+    kept.propose_batch([(0, seqs[0], 2)])  # requests no longer listed are forgotten, their blocks freed
+    assert set(kept.seqs) == {0}
+    assert len(kept.free) + len(kept.seqs[0].blocks) == kept.kv.num_blocks
+
+
+def test_draft_model_saves_and_loads(model, tmp_path):
+    d = make_student(model, [0, 1], [5, 9, 200, 3])
+    d.save(tmp_path, {"teacher": "tiny"})
+    back = load_draft(tmp_path, model)
+    assert back.vocab.tolist() == [5, 9, 200, 3] and back.meta["teacher"] == "tiny"
+    assert back.model.embed_tokens is model.embed_tokens  # the target's embedding, shared
+    for k, v in d.trainable_state_dict().items():
+        assert torch.equal(v, back.trainable_state_dict()[k]), k
+    with pytest.raises(FileNotFoundError, match="infersim distill"):
+        load_draft(tmp_path / "none", model)
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
@@ -167,10 +204,12 @@ def test_rejection_sampling_keeps_the_target_distribution(with_q):
     assert _chi2_p(second, p[1]) > 1e-3
 
 
-def test_sampled_speculation_on_a_model_matches_plain_sampling(model):
+@pytest.mark.parametrize("drafter", ["rollout", "draft_model"])
+def test_sampled_speculation_on_a_model_matches_plain_sampling(model, drafter):
     """End to end on the tiny model: many requests of one prompt, sampled. The second and third output
     tokens come from verify steps (a draft accepted or corrected, then a bonus token); each has the same
-    distribution as with plain sampling (two-sample chi-square)."""
+    distribution as with plain sampling (two-sample chi-square). Drafts are point masses (the target's own
+    greedy rollout) or sampled from a draft model's q, which verification then uses."""
     prompt = prompts(1)[0]
     params = SamplingParams(temperature=0.25, seed=7)  # peaked enough that drafts get accepted
 
@@ -186,7 +225,8 @@ def test_sampled_speculation_on_a_model_matches_plain_sampling(model):
             engine.step()
         return [engine.output_ids(r) for r in reqs], reqs
 
-    spec, reqs = outputs(GreedyRollout(model), 11)
+    d = GreedyRollout(model) if drafter == "rollout" else draft_drafter(model, params)
+    spec, reqs = outputs(d, 11)
     plain, _ = outputs(None, 5)
     assert sum(r.num_accepted for r in reqs) > 50 and sum(r.num_rejections for r in reqs) > 50
     for pos in (1, 2):
