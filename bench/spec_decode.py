@@ -15,6 +15,7 @@ Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) 
 candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
 saw these prompts (their training prompts exclude paragraphs 0-5 and these questions).
 Usage: python bench/spec_decode.py [--quick] [--gamma 8] [--draft-gamma 3] [--batch 8] [--draft DIR]
+       [--medusa DIR] [--only prompt_lookup draft_model medusa]
 Ends with `name: value` headline lines.
 """
 from __future__ import annotations
@@ -116,7 +117,8 @@ def main() -> None:
     ap.add_argument("--draft-gamma", type=int, default=3, help="γ of the draft model (each draft costs a pass)")
     ap.add_argument("--draft", type=str, default=None, help="draft model folder (default: infersim distill's)")
     ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
-    ap.add_argument("--only", choices=["prompt_lookup", "draft_model", "medusa"], default=None)
+    ap.add_argument("--only", nargs="+", choices=["prompt_lookup", "draft_model", "medusa"], default=None,
+                    help="drafters to run (default: all)")
     ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -145,7 +147,7 @@ def main() -> None:
     except FileNotFoundError:
         print(f"no Medusa heads in {medusa_dir} (train them with `infersim train-medusa`): their rows are skipped")
     if args.only:
-        drafters = {k: v for k, v in drafters.items() if k == args.only}
+        drafters = {k: v for k, v in drafters.items() if k in args.only}
     serve(model, task_prompts(tok, "chat", 1), 8, 1, None, 0, eos)  # warm-up
     rows = []
     print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma} (lookup) / {args.draft_gamma} (draft model), "

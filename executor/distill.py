@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from executor.draft_model import DraftModel, check_layers, make_student
 from executor.medusa import TOPK, MedusaHeads
 from executor.engine import Engine
+from executor.sampling import SamplingParams
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel, apply_rope
 from executor.prompts import corpus_ids, paragraphs, prompt_ids
@@ -65,6 +66,17 @@ QUESTIONS = [
     "Write a thank-you note to a teacher.", "What are renewable energy sources?", "How do I make a paper airplane?",
     "Why do leaves change color in the fall?",
 ]
+TOPICS = [
+    "the moon", "volcanoes", "coffee", "bicycles", "the internet", "dinosaurs", "chess", "the ocean", "music",
+    "friendship", "recycling", "electric cars", "the Roman Empire", "gardening", "honeybees", "rain forests",
+    "the human brain", "soccer", "space travel", "cooking pasta", "public libraries", "smartphones", "deserts",
+    "the printing press", "birds", "exercise", "mountains", "trains", "photography", "chocolate", "robots",
+    "the French Revolution", "solar power", "penguins", "museums", "time management", "rivers", "painting",
+    "the immune system", "pirates", "bread", "lighthouses", "the stock market", "whales", "winter", "maps",
+    "kindness", "clocks",
+]
+TEMPLATES = ["Tell me about {}.", "Write a short paragraph about {}.", "What are three interesting facts about {}?",
+             "Explain {} to a ten-year-old."]
 
 
 @dataclass
@@ -80,25 +92,36 @@ class DistillData:
         return max(0, self.prompt_lens[i] - 1) if self.prompt_lens else 0
 
 
-def training_prompts(tokenizer, corpus: list[int]) -> list[list[int]]:
-    """Chat prompts (rewrite / summarize / explain paragraphs 6+ of the shipped text, general questions) and
-    raw windows of the text (what the validation scenarios replay), as token ids."""
-    texts = [f"{ins}\n\n{p}" for p in paragraphs()[HELD_OUT_PARAGRAPHS:] for ins in INSTRUCTIONS] + QUESTIONS
+def training_prompts(tokenizer, corpus: list[int]) -> tuple[list[list[int]], list[str]]:
+    """Chat prompts (rewrite / summarize / explain paragraphs 6+ of the shipped text, general questions, a
+    few requests on each of many topics) and raw windows of the text (what the validation scenarios replay),
+    as token ids; and each one's group (its paragraph, topic, ...), which held-out splits keep together."""
+    texts, groups = [], []
+    for k, p in enumerate(paragraphs()[HELD_OUT_PARAGRAPHS:]):
+        texts += [f"{ins}\n\n{p}" for ins in INSTRUCTIONS]
+        groups += [f"paragraph {k}"] * len(INSTRUCTIONS)
+    texts += QUESTIONS
+    groups += [f"question {j}" for j in range(len(QUESTIONS))]
+    for topic in TOPICS:
+        texts += [t.format(topic) for t in TEMPLATES]
+        groups += [f"topic {topic}"] * len(TEMPLATES)
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                            tokenize=False) for t in texts]
     ids = [tokenizer(c, add_special_tokens=False).input_ids for c in chats]
-    return ids + [prompt_ids(corpus, 64 + 32 * (i % 6), 1000 + i) for i in range(24)]
+    windows = [prompt_ids(corpus, 64 + 32 * (i % 6), 1000 + i) for i in range(24)]
+    return ids + windows, groups + [f"window {i}" for i in range(24)]
 
 
 def generate(model: LlamaModel, prompts: list[list[int]], max_new: int, eos: int | None,
-             batch: int = 16) -> list[list[int]]:
-    """The teacher's greedy answers (stopping at EOS or max_new), served by the executor in batches."""
+             batch: int = 48) -> list[list[int]]:
+    """The teacher's greedy answers (stopping at EOS or max_new), served by the executor with continuous
+    batching."""
     cfg = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=2048)
     longest = max(len(p) for p in prompts) + max_new
     num_blocks = batch * -(-longest // 16) + 16
     engine = Engine(model, make_scheduler(cfg, BlockAllocator(num_blocks, 16)),
                     KVCache.for_model(model.config, num_blocks, 16), eos_token_id=eos)
-    engine.sampling = type(engine.sampling)(ignore_eos=eos is None)
+    engine.sampling = SamplingParams(ignore_eos=eos is None)
     reqs = [Request(i, 0.0, len(p), max_new) for i, p in enumerate(prompts)]
     for r, p in zip(reqs, prompts):
         engine.add(r, p)
@@ -209,9 +232,10 @@ def agreement(student: DraftModel, data: DistillData, idx: list[int]) -> float:
 
 def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx: list[int], minutes: float,
           batch: int = 8, seq_len: int = 256, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None,
-          prompt_weight: float = 0.2, log=print) -> dict:
+          prompt_weight: float = 0.2, eval_every: int = 25, log=print) -> dict:
     """AdamW on every student weight but the shared embedding, cosine-decayed over the time budget (or over
-    max_steps)."""
+    max_steps). Every `eval_every` steps the held-out KL is measured and the best weights are kept: with a few
+    tens of thousands of answer tokens the student starts to memorise them well before the budget ends."""
     col = _vocab_columns(student.vocab, student.config.vocab_size)
     params = [p for n, p in student.model.named_parameters() if not n.startswith("embed_tokens")]
     student.model.embed_tokens.weight.requires_grad_(False)
@@ -220,8 +244,13 @@ def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     held = _batch(data, held_idx, col, seq_len, prompt_weight=0.0)  # scored where drafting happens
-    with torch.no_grad():
-        loss_before = distill_loss(student, *held).item()
+
+    def held_loss() -> float:
+        with torch.no_grad():
+            return distill_loss(student, *held).item()
+
+    loss_before = best = held_loss()
+    best_state, best_step = {k: v.clone() for k, v in student.trainable_state_dict().items()}, 0
     before = agreement(student, data, held_idx)
     log(f"held-out: loss {loss_before:.3f}, agreement with the teacher's argmax {before:.3f} before training")
     t0, step, budget = time.perf_counter(), 0, minutes * 60
@@ -230,7 +259,6 @@ def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx
         return step / max_steps if max_steps else (time.perf_counter() - t0) / budget if budget else 1.0
 
     while (done := progress()) < 1.0:
-        elapsed = time.perf_counter() - t0
         for g in opt.param_groups:
             g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done))
         pick = torch.randint(len(train_idx), (batch,), generator=gen).tolist()
@@ -240,33 +268,45 @@ def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step % 25 == 0:
-            log(f"step {step}: loss {loss.item():.3f} ({elapsed / 60:.1f} min)")
+        if step % eval_every == 0:
+            h = held_loss()
+            if h < best:
+                best, best_state, best_step = h, {k: v.clone() for k, v in student.trainable_state_dict().items()}, step
+            log(f"step {step}: loss {loss.item():.3f}, held-out {h:.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
+    student.model.load_state_dict(best_state, strict=False)
     for p in params:
         p.requires_grad_(False)
     student.eval()
-    with torch.no_grad():
-        loss_after = distill_loss(student, *held).item()
     after = agreement(student, data, held_idx)
-    log(f"held-out after {step} steps: loss {loss_after:.3f}, agreement {after:.3f}")
-    return {"steps": step, "train_minutes": (time.perf_counter() - t0) / 60, "agreement_before": before,
-            "agreement_after": after, "heldout_loss_before": loss_before, "heldout_loss_after": loss_after}
+    log(f"held-out after {step} steps (best at step {best_step}): loss {best:.3f}, agreement {after:.3f}")
+    return {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
+            "agreement_before": before, "agreement_after": after, "heldout_loss_before": loss_before,
+            "heldout_loss_after": best}
+
+
+def held_out(groups: list) -> list[int]:
+    """Indices of the sequences in every 8th group (a paragraph's or a topic's prompts are all on one side:
+    their answers share too much to test generalisation)."""
+    held = set(list(dict.fromkeys(groups))[::8])
+    return [i for i, g in enumerate(groups) if g in held]
 
 
 def distill(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, layers: list[int], vocab_size: int,
             minutes: float, max_new: int = 128, max_steps: int | None = None, answers: list[list[int]] | None = None,
-            log=print) -> tuple[DraftModel, dict]:
+            groups: list | None = None, log=print) -> tuple[DraftModel, dict]:
     """The whole recipe on given prompts: generate (unless `answers` are given), teacher targets, vocabulary,
-    student, training."""
+    student, training. `groups`: each prompt's group for the held-out split (default: its own)."""
     check_layers(teacher, layers)
     t0 = time.perf_counter()
     answers = answers if answers is not None else generate(teacher, prompts, max_new, eos)
-    sequences = [p + a for p, a in zip(prompts, answers) if len(p + a) > 1]
+    groups = groups or list(range(len(prompts)))
+    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 1]
+    sequences = [p + a for p, a, _ in kept]
     data = teacher_targets(teacher, sequences)
-    data.prompt_lens = [len(p) for p, a in zip(prompts, answers) if len(p + a) > 1]
+    data.prompt_lens = [len(p) for p, _, _ in kept]
     vocab = draft_vocab(data, vocab_size, [eos])
     student = make_student(teacher, layers, vocab)
-    held = list(range(0, len(sequences), 8))
+    held = held_out([g for _, _, g in kept])
     held_set = set(held)
     record = train(student, data, [i for i in range(len(sequences)) if i not in held_set], held, minutes,
                    max_steps=max_steps, log=log)
@@ -276,18 +316,20 @@ def distill(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, laye
     return student, record
 
 
-def _medusa_examples(data: DistillData, idx: list[int], num_heads: int):
-    """Positions t of the sequences `idx` with a target for every head: (hidden [N, hidden], per head d the
-    teacher's top-k at t + d + 1 — head d guesses the token d + 1 places after the next)."""
+def _medusa_examples(data: DistillData, idx: list[int], num_heads: int, answers_only: bool = False):
+    """Positions t of the sequences `idx` with a target for every head (only inside answers, or anywhere):
+    (hidden [N, hidden], per head d the teacher's top-k at t + d + 1 — head d guesses the token d + 1 places
+    after the next)."""
     xs, ids, ps = [], [[] for _ in range(num_heads)], [[] for _ in range(num_heads)]
     for i in idx:
+        a = data.answer_start(i) if answers_only else 0
         n = data.top_ids[i].shape[0] - num_heads
-        if n <= 0:
+        if n <= a:
             continue
-        xs.append(data.hidden[i][:n])
+        xs.append(data.hidden[i][a:n])
         for d in range(num_heads):
-            ids[d].append(data.top_ids[i][d + 1:d + 1 + n])
-            ps[d].append(data.top_probs[i][d + 1:d + 1 + n])
+            ids[d].append(data.top_ids[i][a + d + 1:d + 1 + n])
+            ps[d].append(data.top_probs[i][a + d + 1:d + 1 + n])
     return torch.cat(xs), torch.stack([torch.cat(x) for x in ids]), torch.stack([torch.cat(x) for x in ps])
 
 
@@ -303,15 +345,16 @@ def medusa_rank_probs(heads: MedusaHeads, x: torch.Tensor, top_ids: torch.Tensor
 
 def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: list[int], minutes: float,
                  max_steps: int | None = None, batch: int = 512, lr: float = 1e-3, seed: int = 0,
-                 log=print) -> tuple[MedusaHeads, dict]:
+                 held: list[int] | None = None, log=print) -> tuple[MedusaHeads, dict]:
     """Medusa-1: the target frozen, each head's residual block trained with a KL loss to the target's own
-    distribution d + 1 tokens further on (cosine-decayed AdamW over the time budget or max_steps)."""
+    distribution d + 1 tokens further on (cosine-decayed AdamW over the time budget or max_steps). `held`:
+    sequences kept out of training, where the heads are scored inside answers (default: every 8th)."""
     heads = MedusaHeads(target, num_heads, vocab)
     col = _vocab_columns(heads.vocab, target.config.vocab_size)
-    held = list(range(0, len(data.sequences), 8))
+    held = held if held is not None else list(range(0, len(data.sequences), 8))
     held_set = set(held)
     x, t_ids, t_p = _medusa_examples(data, [i for i in range(len(data.sequences)) if i not in held_set], num_heads)
-    hx, h_ids, h_p = _medusa_examples(data, held, num_heads)
+    hx, h_ids, h_p = _medusa_examples(data, held, num_heads, answers_only=True)
     cols, probs = _soft(t_ids, t_p, col)
     h_cols, h_probs = _soft(h_ids, h_p, col)
 
@@ -319,8 +362,12 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
         logp = torch.log_softmax(heads(xb), dim=-1)  # [K, B, V']
         return (pb * (pb.clamp(min=1e-12).log() - logp.gather(-1, cb))).sum(-1).mean(-1)  # KL per head
 
-    with torch.no_grad():
-        before = loss_of(hx, h_cols, h_probs).tolist()
+    def held_loss() -> list[float]:
+        with torch.no_grad():
+            return loss_of(hx, h_cols, h_probs).tolist()
+
+    before = best = held_loss()
+    best_state, best_step = {k: v.clone() for k, v in heads.blocks.state_dict().items()}, 0
     opt = torch.optim.AdamW(heads.blocks.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     t0, step, budget = time.perf_counter(), 0, minutes * 60
@@ -333,16 +380,19 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
         loss.backward()
         opt.step()
         step += 1
-        if step % 100 == 0:
-            log(f"step {step}: loss {loss.item():.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
+        if step % 100 == 0:  # keep the best heads on held-out answers (they overfit a small corpus too)
+            h = held_loss()
+            if sum(h) < sum(best):
+                best, best_state, best_step = h, {k: v.clone() for k, v in heads.blocks.state_dict().items()}, step
+            log(f"step {step}: loss {loss.item():.3f}, held-out {sum(h):.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
+    heads.blocks.load_state_dict(best_state)
     heads.eval()
-    with torch.no_grad():
-        after = loss_of(hx, h_cols, h_probs).tolist()
     ranks = medusa_rank_probs(heads, hx, h_ids)
-    log("held-out KL per head " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(before, after))
+    log("held-out KL per head " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(before, best))
         + "; top-1 accuracy per head " + ", ".join(f"{r[0]:.3f}" for r in ranks))
-    return heads, {"steps": step, "train_minutes": (time.perf_counter() - t0) / 60, "train_positions": x.shape[0],
-                   "heldout_kl_before": before, "heldout_kl_after": after, "heldout_rank_probs": ranks}
+    return heads, {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
+                   "train_positions": x.shape[0], "heldout_kl_before": before, "heldout_kl_after": best,
+                   "heldout_rank_probs": ranks}
 
 
 def cached_answers(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, max_new: int,
@@ -381,10 +431,12 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
         torch.set_num_threads(threads)
     out = out or default_draft_dir()
     teacher, hf_config, tok = load_smollm2()
+    check_layers(teacher, layers)  # before minutes of generation
     eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
-    prompts = training_prompts(tok, corpus_ids(tok))
+    prompts, groups = training_prompts(tok, corpus_ids(tok))
     answers = cached_answers(teacher, prompts, eos, max_new)
-    student, record = distill(teacher, prompts, eos, layers, vocab_size, minutes, max_new, answers=answers)
+    student, record = distill(teacher, prompts, eos, layers, vocab_size, minutes, max_new, answers=answers,
+                              groups=groups)
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
                    "made": time.strftime("%Y-%m-%d %H:%M")})
     student.save(out, record)
@@ -432,12 +484,14 @@ def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minu
     out = out or default_medusa_dir()
     target, hf_config, tok = load_smollm2()
     eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
-    prompts = training_prompts(tok, corpus_ids(tok))
+    prompts, groups = training_prompts(tok, corpus_ids(tok))
     answers = cached_answers(target, prompts, eos, max_new)
     t0 = time.perf_counter()
-    data = teacher_targets(target, [p + a for p, a in zip(prompts, answers) if len(p + a) > 1], keep_hidden=True)
+    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 1]
+    data = teacher_targets(target, [p + a for p, a, _ in kept], keep_hidden=True)
+    data.prompt_lens = [len(p) for p, _, _ in kept]
     vocab = draft_vocab(data, vocab_size, [eos])
-    heads, record = train_medusa(target, data, num_heads, vocab, minutes)
+    heads, record = train_medusa(target, data, num_heads, vocab, minutes, held=held_out([g for _, _, g in kept]))
     tree, table = choose_tree(record["heldout_rank_probs"], profile)
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
                    "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60,

@@ -176,8 +176,8 @@ class Engine:
             for i, (r, n, ctx) in enumerate(rows[:len(batch.decode)]):
                 if n > 1:
                     meta.trees[i] = tree_mask(parents[:n - 1])
-                    start = meta.cu_query_lens[i]
-                    positions[start:start + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
+                    first = meta.cu_query_lens[i]
+                    positions[first:first + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         num_decode = len(batch.decode)
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
@@ -212,12 +212,12 @@ class Engine:
                 accepted[r] = len(toks) - 1
                 drafted += r.num_draft
                 num_accepted += len(toks) - 1
-        _, finished = sched.complete_step(batch, stopped, accepted)
         if hasattr(self.drafter, "observe"):  # Medusa: the hidden state behind each request's newest token
-            for r, first, _ in spans:
-                if r in emitted and r not in stopped:
-                    k = paths[r][-1] if paths.get(r) else (len(emitted[r]) - 1 if r.num_draft else 0)
+            for r, first, n in spans:
+                if r not in stopped:  # the row that produced it: the last accepted node, or the only row
+                    k = paths[r][-1] if paths.get(r) else (len(emitted[r]) - 1 if n > 1 and r not in paths else 0)
                     self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
+        _, finished = sched.complete_step(batch, stopped, accepted)
         for r in finished:
             r.finish_s = end
             self.drafts.pop(r, None)

@@ -45,8 +45,10 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.linear(hidden + F.silu(b(hidden)), self.head) for b in self.blocks])
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits [K', B, vocab'] of the first K' = num_heads heads (default all)."""
+        blocks = self.blocks[:num_heads] if num_heads else self.blocks
+        return torch.stack([F.linear(hidden + F.silu(b(hidden)), self.head) for b in blocks])
 
     def save(self, folder: Path, meta: dict) -> None:
         """medusa.safetensors (the residual blocks, fp16) and medusa.json (vocabulary, tree, measurements)."""
@@ -104,7 +106,8 @@ class MedusaDrafter(Drafter):
         check_tree(self.tree, self.heads.num_heads, TOPK)
         index = {p: i + 1 for i, p in enumerate(self.tree)}
         self.tree_parents = [index.get(p[:-1], 0) for p in self.tree]
-        self.rank_counts = [[0] * (TOPK + 1) for _ in range(self.heads.num_heads)]  # last: not in the top-k
+        self.depth = max(len(p) for p in self.tree)  # heads deeper than the tree are not run
+        self.rank_counts = [[0] * (TOPK + 1) for _ in range(self.depth)]  # last: not in the top-k
 
     def observe(self, key, hidden_row: torch.Tensor, num_tokens: int) -> None:
         """The final hidden state of the position that produced the request's last token (its `num_tokens`-th)."""
@@ -144,11 +147,11 @@ class MedusaDrafter(Drafter):
                 ready.append(i)
         if not ready:
             return out
-        logits = self.heads(torch.stack([self.hidden[items[i][0]][0] for i in ready]))  # [K, B, V']
-        top = self.heads.vocab[logits.topk(TOPK, dim=-1).indices].tolist()  # [K][B][TOPK]
+        logits = self.heads(torch.stack([self.hidden[items[i][0]][0] for i in ready]), self.depth)  # [K', B, V']
+        top = self.heads.vocab[logits.topk(TOPK, dim=-1).indices].tolist()  # [K'][B][TOPK]
         for b, i in enumerate(ready):
             key, tokens, k = items[i]
-            cands = [top[d][b] for d in range(self.heads.num_heads)]
+            cands = [top[d][b] for d in range(self.depth)]
             self.pending[key] = _Pending(len(tokens), cands)
             out[i] = ([cands[len(p) - 1][p[-1]] for p in self.tree[:k]], None)
         return out

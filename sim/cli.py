@@ -139,10 +139,13 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
                  minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, help="training time budget"),
                  max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
                  threads: Optional[int] = typer.Option(None, "--threads"),
-                 profile: Optional[Path] = typer.Option(Path("calibration/profiles/cpu.json"), "--profile",
-                                                        help="fitted profile that prices each tree size")) -> None:
+                 profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
+                                                        "tree size (default: calibration/profiles/cpu.json)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
+    from calibration.validate import PROFILES
     from executor.distill import train_medusa_command
+
+    profile = profile or PROFILES / "cpu.json"
 
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
 

@@ -66,6 +66,14 @@ def test_scenario_simulates(path, tmp_path):
     assert not any((tmp_path / p).exists() for p in PLOTS)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios" / "validation").glob("*.yaml")), ids=lambda p: p.stem)
+def test_validation_scenario_simulates(path):
+    """Every validation scenario parses and simulates (the executor half runs in `infersim validate`)."""
+    report = run_scenario(path, out=None, quiet=True, plots=False)
+    rq = report["requests"]
+    assert rq["arrived"] == rq["completed"] + rq["rejected"] and rq["completed"] > 0
+
+
 def test_static_vs_continuous_pair_share_the_workload(tmp_path):
     static, cont = (run_scenario(ROOT / "scenarios" / f"static_vs_continuous_{k}.yaml", out=None, quiet=True,
                                  plots=False) for k in ("static", "continuous"))
@@ -221,3 +229,12 @@ def test_a_speculative_scenario_without_an_acceptance_rate_is_one_line_exit_2(tm
         r = invoke(*args)
         assert r.exit_code == 2, (args, r.output)
         assert f"{path}: speculative.acceptance_rate" in r.output and "Traceback" not in r.output
+
+
+def test_distill_with_bad_layers_is_one_line_exit_2(tmp_path):
+    """Checked against the target before any generation or training."""
+    for layers in ("0,99", "a,b"):
+        r = invoke("distill", "--layers", layers, "--out", str(tmp_path / "d"))
+        assert r.exit_code == 2, r.output
+        assert "--layers" in r.output and "Traceback" not in r.output
+        assert not (tmp_path / "d").exists()
