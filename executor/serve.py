@@ -78,15 +78,21 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
                   drafter=make_drafter(plan, loaded.model, sampling))
 
 
-def draft_dir(plan: Plan) -> Path:
-    """The folder of a draft_model scenario's draft; a one-line error if there is none."""
-    from executor.distill import default_draft_dir
+def drafter_dir(plan: Plan) -> Path:
+    """The folder of a draft_model scenario's draft or a medusa scenario's heads (the scenario's, relative to
+    it, or the default); a one-line error if there is none."""
+    from executor.distill import default_draft_dir, default_medusa_dir
 
-    name = plan.scenario.speculative.draft_model
-    folder = default_draft_dir() if name is None else (plan.base_dir / Path(name).expanduser())
-    if not (folder / "draft.json").is_file():
-        raise ConfigError(f"no draft model in {folder}; make one with `infersim distill --out {folder}`",
-                          "speculative.draft_model")
+    spec = plan.scenario.speculative
+    if spec.method == "medusa":
+        name, default, meta, key, cmd = (spec.medusa_heads, default_medusa_dir(), "medusa.json",
+                                         "speculative.medusa_heads", "train Medusa heads with `infersim train-medusa")
+    else:
+        name, default, meta, key, cmd = (spec.draft_model, default_draft_dir(), "draft.json",
+                                         "speculative.draft_model", "make a draft model with `infersim distill")
+    folder = default if name is None else (plan.base_dir / Path(name).expanduser())
+    if not (folder / meta).is_file():
+        raise ConfigError(f"nothing in {folder}; {cmd} --out {folder}`", key)
     return folder
 
 
@@ -99,7 +105,7 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
         from executor.draft_model import DraftModelDrafter, load_draft
 
         try:
-            draft = load_draft(draft_dir(plan), target)
+            draft = load_draft(drafter_dir(plan), target)
         except ValueError as e:
             raise ConfigError(str(e), "speculative.draft_model") from None
         return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4))
@@ -107,27 +113,15 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
         from executor.medusa import MedusaDrafter, load_medusa
 
         try:
-            heads = load_medusa(medusa_dir(plan), target)
+            heads = load_medusa(drafter_dir(plan), target)
         except ValueError as e:
             raise ConfigError(str(e), "speculative.medusa_heads") from None
         depth = max(len(p) for p in spec.medusa_tree)
         if depth > heads.num_heads:
-            raise ConfigError(f"medusa_tree is {depth} deep but the heads in {medusa_dir(plan)} are "
+            raise ConfigError(f"medusa_tree is {depth} deep but the heads in {drafter_dir(plan)} are "
                               f"{heads.num_heads}", "speculative.medusa_tree")
         return MedusaDrafter(heads, [tuple(p) for p in spec.medusa_tree])
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
-
-
-def medusa_dir(plan: Plan) -> Path:
-    """The folder of a medusa scenario's heads; a one-line error if there are none."""
-    from executor.distill import default_medusa_dir
-
-    name = plan.scenario.speculative.medusa_heads
-    folder = default_medusa_dir() if name is None else (plan.base_dir / Path(name).expanduser())
-    if not (folder / "medusa.json").is_file():
-        raise ConfigError(f"no Medusa heads in {folder}; train them with `infersim train-medusa --out {folder}`",
-                          "speculative.medusa_heads")
-    return folder
 
 
 def draft_cost(records: list) -> dict:

@@ -170,7 +170,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
         from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
-        from executor.serve import check_device, draft_dir, medusa_dir
+        from executor.serve import check_device, drafter_dir
         from sim.cluster import speculation_model
         from sim.scenario import load_scenario
 
@@ -184,10 +184,8 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
             try:
                 speculation_model(plan, 0)
                 method = plan.scenario.speculative.method if plan.scenario.speculative else None
-                if real_from is None and method == "draft_model":
-                    draft_dir(plan)
-                if real_from is None and method == "medusa":
-                    medusa_dir(plan)
+                if real_from is None and method in ("draft_model", "medusa"):
+                    drafter_dir(plan)
             except ConfigError as e:
                 raise e.with_file(str(path)) from None
         folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
