@@ -230,6 +230,18 @@ def agreement(student: DraftModel, data: DistillData, idx: list[int]) -> float:
     return hit / max(total, 1)
 
 
+def _cosine_steps(opt: torch.optim.Optimizer, lr: float, minutes: float, max_steps: int | None):
+    """Step numbers 1, 2, ... until max_steps (if given) or `minutes` have passed, setting the optimizer's
+    learning rate to `lr` cosine-decayed over that run before each."""
+    t0, step = time.perf_counter(), 0
+    while (done := step / max_steps if max_steps else
+           (time.perf_counter() - t0) / (minutes * 60) if minutes else 1.0) < 1.0:
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done))
+        step += 1
+        yield step
+
+
 def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx: list[int], minutes: float,
           batch: int = 8, seq_len: int = 256, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None,
           prompt_weight: float = 0.2, eval_every: int = 25, log=print) -> dict:
@@ -253,21 +265,14 @@ def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx
     best_state, best_step = {k: v.clone() for k, v in student.trainable_state_dict().items()}, 0
     before = agreement(student, data, held_idx)
     log(f"held-out: loss {loss_before:.3f}, agreement with the teacher's argmax {before:.3f} before training")
-    t0, step, budget = time.perf_counter(), 0, minutes * 60
-
-    def progress() -> float:
-        return step / max_steps if max_steps else (time.perf_counter() - t0) / budget if budget else 1.0
-
-    while (done := progress()) < 1.0:
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done))
+    t0, step = time.perf_counter(), 0
+    for step in _cosine_steps(opt, lr, minutes, max_steps):
         pick = torch.randint(len(train_idx), (batch,), generator=gen).tolist()
         loss = distill_loss(student, *_batch(data, [train_idx[i] for i in pick], col, seq_len, prompt_weight))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        step += 1
         if step % eval_every == 0:
             h = held_loss()
             if h < best:
@@ -370,16 +375,13 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
     best_state, best_step = {k: v.clone() for k, v in heads.blocks.state_dict().items()}, 0
     opt = torch.optim.AdamW(heads.blocks.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    t0, step, budget = time.perf_counter(), 0, minutes * 60
-    while (done := step / max_steps if max_steps else (time.perf_counter() - t0) / budget if budget else 1.0) < 1.0:
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done))
+    t0, step = time.perf_counter(), 0
+    for step in _cosine_steps(opt, lr, minutes, max_steps):
         pick = torch.randint(x.shape[0], (batch,), generator=gen)
         loss = loss_of(x[pick], cols[:, pick], probs[:, pick]).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        step += 1
         if step % 100 == 0:  # keep the best heads on held-out answers (they overfit a small corpus too)
             h = held_loss()
             if sum(h) < sum(best):

@@ -12,7 +12,6 @@ target verifies, the accepted drafts' K/V stay valid and the rejected ones are o
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,10 +20,11 @@ import torch
 from executor.attention import AttentionMetadata
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel, Linear
+from executor.weights import load_trained, save_trained
 from executor.sampling import SamplingParams, target_probs
 from executor.speculative import Drafter
 
-WEIGHTS, META = "draft.safetensors", "draft.json"
+NAME = "draft"  # draft.safetensors, draft.json
 
 
 def make_student(teacher: LlamaModel, layers: list[int], vocab: list[int]) -> "DraftModel":
@@ -70,28 +70,17 @@ class DraftModel(torch.nn.Module):
 
     def save(self, folder: Path, meta: dict) -> None:
         """Write draft.safetensors and draft.json (vocab, layers, training record) into `folder`."""
-        from safetensors.torch import save_file
-
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(self.trainable_state_dict(), str(folder / WEIGHTS))
-        meta = {**meta, "num_layers": self.config.num_layers, "vocab": self.vocab.tolist()}
-        (folder / META).write_text(json.dumps(meta))
+        meta = {**meta, "num_layers": self.config.num_layers, "hidden_size": self.config.hidden_size,
+                "vocab": self.vocab.tolist()}
+        save_trained(folder, NAME, self.trainable_state_dict(), meta)
         self.meta = meta
 
 
 def load_draft(folder: Path, teacher: LlamaModel) -> DraftModel:
     """A draft saved by `infersim distill`, attached to the teacher it was distilled from."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
-        raise FileNotFoundError(f"no draft model in {folder} (make one with `infersim distill --out {folder}`)")
-    meta = json.loads((folder / META).read_text())
-    if meta.get("hidden_size", teacher.config.hidden_size) != teacher.config.hidden_size:
-        raise ValueError(f"draft in {folder} was distilled for hidden size {meta['hidden_size']}, "
-                         f"the target has {teacher.config.hidden_size}")
+    meta, tensors = load_trained(folder, NAME, teacher.config.hidden_size, "make one with `infersim distill")
     draft = DraftModel(teacher, meta["num_layers"], meta["vocab"])
-    missing, unexpected = draft.model.load_state_dict(load_file(str(folder / WEIGHTS)), strict=False)
+    missing, unexpected = draft.model.load_state_dict(tensors, strict=False)
     if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
         raise ValueError(f"draft weights in {folder} do not fit: missing {missing}, unexpected {unexpected}")
     draft.meta = meta

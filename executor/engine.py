@@ -195,8 +195,7 @@ class Engine:
             first += c
         emitted, paths = self._emit(self.model.compute_logits(hidden), spans) if spans else ({}, {})
         for r, path in paths.items():
-            n = r.num_draft + 1
-            self._compact(r, next(ctx for row, _, ctx in rows if row is r) - n, path)
+            self._compact(r, r.num_computed, path)  # the root's position: the scheduler has not advanced r yet
         end = self.now()
         stopped, accepted = set(), {}
         drafted = num_accepted = 0
@@ -213,9 +212,9 @@ class Engine:
                 drafted += r.num_draft
                 num_accepted += len(toks) - 1
         if hasattr(self.drafter, "observe"):  # Medusa: the hidden state behind each request's newest token
-            for r, first, n in spans:
-                if r not in stopped:  # the row that produced it: the last accepted node, or the only row
-                    k = paths[r][-1] if paths.get(r) else (len(emitted[r]) - 1 if n > 1 and r not in paths else 0)
+            for r, first, _ in spans:
+                if r not in stopped:  # the row that produced it: a tree's last accepted node, else the last kept
+                    k = (paths[r] or [0])[-1] if r in paths else len(emitted[r]) - 1
                     self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
         _, finished = sched.complete_step(batch, stopped, accepted)
         for r in finished:

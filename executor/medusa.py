@@ -10,7 +10,6 @@ Only the residual blocks are trained and saved (~0.7 MB per head in fp16).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +19,11 @@ from torch import nn
 
 from executor.model import LlamaModel
 from executor.speculative import Drafter
+from executor.weights import load_trained, save_trained
 from sim.scenario import MEDUSA_TOPK as TOPK  # candidates kept per head: the widest a tree may branch
 from sim.speculative import check_tree
 
-WEIGHTS, META = "medusa.safetensors", "medusa.json"
+NAME = "medusa"  # medusa.safetensors, medusa.json
 
 
 class MedusaHeads(nn.Module):
@@ -52,29 +52,16 @@ class MedusaHeads(nn.Module):
 
     def save(self, folder: Path, meta: dict) -> None:
         """medusa.safetensors (the residual blocks, fp16) and medusa.json (vocabulary, tree, measurements)."""
-        from safetensors.torch import save_file
-
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().half().contiguous() for k, v in self.blocks.state_dict().items()},
-                  str(folder / WEIGHTS))
         meta = {**meta, "num_heads": self.num_heads, "hidden_size": self.head.shape[1], "vocab": self.vocab.tolist()}
-        (folder / META).write_text(json.dumps(meta))
+        save_trained(folder, NAME, {k: v.half() for k, v in self.blocks.state_dict().items()}, meta)
         self.meta = meta
 
 
 def load_medusa(folder: Path, target: LlamaModel) -> MedusaHeads:
     """Heads saved by `infersim train-medusa`, on the target they were trained for."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
-        raise FileNotFoundError(f"no Medusa heads in {folder} (train them with `infersim train-medusa --out {folder}`)")
-    meta = json.loads((folder / META).read_text())
-    if meta["hidden_size"] != target.config.hidden_size:
-        raise ValueError(f"Medusa heads in {folder} are for hidden size {meta['hidden_size']}, "
-                         f"the target has {target.config.hidden_size}")
+    meta, tensors = load_trained(folder, NAME, target.config.hidden_size, "train them with `infersim train-medusa")
     heads = MedusaHeads(target, meta["num_heads"], meta["vocab"])
-    heads.blocks.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS)).items()})
+    heads.blocks.load_state_dict({k: v.float() for k, v in tensors.items()})
     heads.meta = meta
     return heads.to(target.lm_head.weight.device).eval()
 

@@ -116,11 +116,11 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
             heads = load_medusa(drafter_dir(plan), target)
         except ValueError as e:
             raise ConfigError(str(e), "speculative.medusa_heads") from None
-        depth = max(len(p) for p in spec.medusa_tree)
-        if depth > heads.num_heads:
-            raise ConfigError(f"medusa_tree is {depth} deep but the heads in {drafter_dir(plan)} are "
-                              f"{heads.num_heads}", "speculative.medusa_tree")
-        return MedusaDrafter(heads, [tuple(p) for p in spec.medusa_tree])
+        try:  # the tree must fit these heads: no deeper than there are heads
+            return MedusaDrafter(heads, [tuple(p) for p in spec.medusa_tree])
+        except ValueError as e:
+            raise ConfigError(f"{e} (the heads in {drafter_dir(plan)} are {heads.num_heads})",
+                              "speculative.medusa_tree") from None
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
 
 

