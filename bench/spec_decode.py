@@ -1,21 +1,26 @@
 """Speculative decoding on the real executor (issue 5): each drafter against plain decoding, side by side.
 
 SmolLM2-135M-Instruct, fp32, greedy, 2 threads, every request stopping at EOS or `--max-new` tokens.
-Two prompt sets, each through the model's chat template:
-  - input-grounded: rewrite a paragraph of the shipped text (the Declaration of Independence) — the answer
-    copies much of its input, which is where prompt lookup pays off;
+Three prompt sets, each through the model's chat template:
+  - repeat: repeat a paragraph of the shipped text (the Declaration of Independence) word for word — the
+    task on which transformers' prompt lookup was measured at 3.8x on a reference machine;
+  - rewrite: rewrite such a paragraph in modern English — input-grounded, but the model paraphrases;
   - open chat: questions whose answers are not in the prompt.
 Two loads: batch 1 (requests one after another) and continuous batching (all submitted at once,
 max_num_seqs = --batch). For each drafter and setting it runs plain decoding and speculative decoding
 interleaved (plain, spec, plain, spec ... `--repeats` times; the medians are compared) and prints α (the
 per-draft acceptance, maximum likelihood), the mean accepted length per verify step, output tokens/s of
 both, the speedup, and whether the outputs are token for token those of plain greedy decoding.
+Prompt lookup at batch 1 is also run through transformers (`generate` plain and with
+`prompt_lookup_num_tokens` = γ, interleaved the same way) on the same prompts, so both engines' speedups
+are measured side by side on this machine.
 
 Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) and Medusa heads with their
 candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
 saw these prompts (their training prompts exclude paragraphs 0-5 and these questions).
-Usage: python bench/spec_decode.py [--quick] [--gamma 8] [--draft-gamma 3] [--batch 8] [--draft DIR]
-       [--medusa DIR] [--only prompt_lookup draft_model medusa]
+Usage: python bench/spec_decode.py [--quick] [--gamma 10] [--gamma-cb 4] [--draft-gamma 3] [--batch 8]
+       [--draft DIR] [--medusa DIR] [--only prompt_lookup draft_model medusa] [--tasks repeat rewrite chat]
+       [--no-hf]
 Ends with `name: value` headline lines.
 """
 from __future__ import annotations
@@ -59,9 +64,13 @@ CHAT_QUESTIONS = [
 ]
 
 
+TASKS = {"repeat": "Repeat the following text exactly, word for word:\n\n{p}",
+         "rewrite": "Rewrite the following text in modern English, keeping its meaning:\n\n{p}"}
+
+
 def task_prompts(tok, task: str, n: int) -> list[list[int]]:
-    if task == "grounded":
-        texts = [f"Rewrite the following text in modern English, keeping its meaning:\n\n{p}" for p in paragraphs(n)]
+    if task in TASKS:
+        texts = [TASKS[task].format(p=p) for p in paragraphs(n)]
     else:
         texts = (CHAT_QUESTIONS * (n // len(CHAT_QUESTIONS) + 1))[:n]
     chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
@@ -106,19 +115,46 @@ def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dic
     plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
     return {"tokens": tokens, "plain_tok_s": tokens / plain_s, "spec_tok_s": sum(len(o) for o in spec_out) / spec_s,
             "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "alpha": spec["alpha"],
-            "mean_accepted": spec["mean_accepted_length"], "acceptance": spec["acceptance_rate"]}
+            "mean_accepted": spec["mean_accepted_length"], "acceptance": spec["acceptance_rate"], "plain_outputs": plain_out}
+
+
+def compare_hf(hf, prompts, max_new, gamma, repeats, ours_plain) -> dict:
+    """transformers' prompt lookup against its own plain `generate`, one request at a time (interleaved,
+    medians), on the same prompts; also whether its plain greedy output equals infersim's."""
+    def run(lookup):
+        t, outs = time.perf_counter(), []
+        for p in prompts:
+            kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+            out = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, **kw)
+            outs.append(out[0, len(p):].tolist())
+        return time.perf_counter() - t, outs
+    plain_t, spec_t = [], []
+    for _ in range(repeats):
+        t, plain_out = run(0)
+        plain_t.append(t)
+        t, spec_out = run(gamma)
+        spec_t.append(t)
+    tokens = sum(len(o) for o in plain_out)
+    plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
+    return {"plain_tok_s": tokens / plain_s, "spec_tok_s": sum(len(o) for o in spec_out) / spec_s,
+            "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "same_as_infersim": plain_out == ours_plain}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
-    ap.add_argument("--gamma", type=int, default=4, help="most drafts per verify step (on this CPU a verify row of "
-                    "5 tokens costs ~1.3x a decode row, one of 9 ~1.65x)")
+    ap.add_argument("--gamma", type=int, default=10, help="prompt lookup: most drafts per verify step at batch 1 "
+                    "(transformers' prompt_lookup_num_tokens is 10 in its docs)")
+    ap.add_argument("--gamma-cb", type=int, default=4, help="prompt lookup: most drafts per verify step under the "
+                    "continuous-batching load (on this CPU a verify row of 5 tokens costs ~1.3x a decode row at batch 1, "
+                    "~1.6x in a batch of 8)")
     ap.add_argument("--draft-gamma", type=int, default=3, help="γ of the draft model (each draft costs a pass)")
     ap.add_argument("--draft", type=str, default=None, help="draft model folder (default: infersim distill's)")
     ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
     ap.add_argument("--only", nargs="+", choices=["prompt_lookup", "draft_model", "medusa"], default=None,
                     help="drafters to run (default: all)")
+    ap.add_argument("--tasks", nargs="+", choices=["repeat", "rewrite", "chat"], default=["repeat", "rewrite", "chat"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
     ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -130,11 +166,12 @@ def main() -> None:
 
     model, _, tok = load_hf_model(smollm2_gguf_path())
     eos = tok.eos_token_id
-    drafters = {"prompt_lookup": (lambda: PromptLookup(max_ngram=3, min_ngram=1), args.gamma)}
+    # (make a fresh drafter, γ at batch 1, γ under load)
+    drafters = {"prompt_lookup": (lambda: PromptLookup(max_ngram=3, min_ngram=1), args.gamma, args.gamma_cb)}
     draft_dir = args.draft or default_draft_dir()
     try:
         draft = load_draft(draft_dir, model)
-        drafters["draft_model"] = (lambda: DraftModelDrafter(draft), args.draft_gamma)
+        drafters["draft_model"] = (lambda: DraftModelDrafter(draft), args.draft_gamma, args.draft_gamma)
         print(f"draft model {draft_dir}: {draft.config.num_layers} layers, vocabulary {len(draft.vocab)}")
     except FileNotFoundError:
         print(f"no draft model in {draft_dir} (make one with `infersim distill`): its rows are skipped")
@@ -142,31 +179,46 @@ def main() -> None:
     try:
         heads = load_medusa(medusa_dir, model)
         tree = [tuple(p) for p in heads.meta["tree"]]
-        drafters["medusa"] = (lambda: MedusaDrafter(heads, tree), len(tree))
+        drafters["medusa"] = (lambda: MedusaDrafter(heads, tree), len(tree), len(tree))
         print(f"Medusa {medusa_dir}: {heads.num_heads} heads, tree of {len(tree)} nodes")
     except FileNotFoundError:
         print(f"no Medusa heads in {medusa_dir} (train them with `infersim train-medusa`): their rows are skipped")
     if args.only:
         drafters = {k: v for k, v in drafters.items() if k in args.only}
+    hf = None
+    if "prompt_lookup" in drafters and not args.no_hf:
+        from executor.weights import load_transformers_model
+
+        path = smollm2_gguf_path()
+        hf, _ = load_transformers_model(str(path.parent), path.name)
     serve(model, task_prompts(tok, "chat", 1), 8, 1, None, 0, eos)  # warm-up
     rows = []
-    print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma} (lookup) / {args.draft_gamma} (draft model), "
+    print(f"SmolLM2-135M fp32, greedy, {THREADS} threads, γ ≤ {args.gamma} (lookup, batch 1) / {args.gamma_cb} (lookup, "
+          f"cb{args.batch}) / {args.draft_gamma} (draft model), "
           f"up to {max_new} new tokens, "
           f"median of {repeats} interleaved runs")
     print(f"{'drafter':14s} {'task':9s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
           f"{'spec tok/s':>10s} {'speedup':>7s} identical")
-    for name, (make, gamma) in drafters.items():
-        for task in ("grounded", "chat"):
+    for name, (make, gamma, gamma_cb) in drafters.items():
+        for task in args.tasks:
             prompts = task_prompts(tok, task, n_prompts)
-            for load, batch in (("batch1", 1), (f"cb{args.batch}", args.batch)):
-                r = compare(model, prompts, max_new, batch, make, gamma, eos, repeats)
+            for load, batch, g in (("batch1", 1, gamma), (f"cb{args.batch}", args.batch, gamma_cb)):
+                r = compare(model, prompts, max_new, batch, make, g, eos, repeats)
                 rows.append((name, task, load, r))
                 print(f"{name:14s} {task:9s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
-                      f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}")
+                      f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}",
+                      flush=True)
+                if hf is not None and name == "prompt_lookup" and batch == 1:
+                    h = compare_hf(hf, prompts, max_new, gamma, repeats, r["plain_outputs"])
+                    rows.append(("hf_prompt_lookup", task, load, h))
+                    print(f"{'transformers':14s} {task:9s} {load:8s} {'':6s} {'':5s} {'':8s} {h['plain_tok_s']:11.1f} "
+                          f"{h['spec_tok_s']:10.1f} {h['speedup']:6.2f}x {'yes' if h['identical'] else 'NO'} "
+                          f"(plain output = infersim's: {'yes' if h['same_as_infersim'] else 'no'})", flush=True)
     for name, task, load, r in rows:
         key = f"{name}_{task}_{load}"
         print(f"{key}_speedup: {r['speedup']:.2f}")
-        print(f"{key}_alpha: {r['alpha'] or 0:.3f}")
+        if "alpha" in r:
+            print(f"{key}_alpha: {r['alpha'] or 0:.3f}")
     print(f"outputs_identical: {all(r['identical'] for *_, r in rows)}")
 
 
