@@ -82,13 +82,16 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
           device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
           threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
           quiet: bool = typer.Option(False, "--quiet", "-q"),
-          no_plots: bool = typer.Option(False, "--no-plots")) -> None:
+          no_plots: bool = typer.Option(False, "--no-plots"),
+          profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
+                                                 "scenario's cost_model.profile): a speculative scenario's overhead "
+                                                 "per step is measured against its predicted verify steps")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
     try:
         from executor.serve import serve_scenario
 
-        serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots)
+        serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
         _fail(e)
 

@@ -93,14 +93,14 @@ class FittedCostModel:
             raise ConfigError(f"{path} is not an infersim profile ({type(e).__name__}: {e})", key_path) from None
 
 
-def load_profile(path: Path, model) -> FittedCostModel:
+def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> FittedCostModel:
     """A fitted model from a profile, checked to be for this model (its coefficients are model-specific)."""
-    cost = FittedCostModel.load(path)
+    cost = FittedCostModel.load(path, key_path)
     m = cost.meta.get("model", {})
     if m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers, model.hidden_size):
         raise ConfigError(f"{path} was measured for {m.get('name')} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
-                          "cost_model.profile")
+                          key_path)
     return cost
 
 

@@ -115,12 +115,13 @@ class SpeculativeConfig(StrictModel):
                                           "accepted (`infersim serve` measures it); required to simulate")
     proposal_rate: float = Field(1.0, ge=0, le=1, description="simulator: fraction of steps a request gets "
                                  "drafts (prompt lookup finds no match in the rest)")
-    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: drafting time of a step that drafts, "
-                                               "whatever its batch (draft_model: the fixed cost of its γ forward "
-                                               "passes; `infersim serve` measures it)")
-    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: drafting time per request per step "
+    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: speculation's overhead in a step that "
+                                               "drafts, whatever its batch: the drafter's fixed cost (draft_model: "
+                                               "its γ forward passes) and what the verify step costs beyond the "
+                                               "cost model's prediction (`infersim serve --profile` measures it)")
+    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the same overhead per request per step "
                                               "(ngram: a search in the request's tokens; draft_model: its share "
-                                              "of the γ forward passes; `infersim serve` measures it)")
+                                              "of the γ forward passes; `infersim serve --profile` measures it)")
 
     @model_validator(mode="after")
     def _check_ngram(self) -> "SpeculativeConfig":

@@ -98,7 +98,8 @@ def best_tree(rank_probs: list[list[float]], size: int, topk: int) -> list[tuple
 class SpeculationModel:
     """The simulator's drafter: each step every decoding request gets γ drafts (or, with probability
     1 − proposal_rate, none), each accepted independently with probability α up to the first rejection.
-    Drafting costs draft_s_per_step + draft_s_per_seq × requests (measured by `infersim serve`).
+    A step in which some request drafts costs draft_s_per_step + draft_s_per_seq × drafting requests on top of its
+    verify forward: the drafter's time and the verify step's beyond the profile (`infersim serve --profile`).
     Seeded: the same scenario draws the same acceptances."""
 
     num_speculative_tokens: int
@@ -120,14 +121,15 @@ class SpeculationModel:
         self.rng = np.random.default_rng(self.seed)
 
     def propose(self, requests) -> float:
-        """Set each request's num_draft for the next step; returns the drafting time (a draft model's passes
-        run for the whole batch at once: a fixed part per step and a part per request)."""
+        """Set each request's num_draft for the next step; returns the speculation overhead (as `infersim serve`
+        fits it): in a step in which some request drafts, a fixed part and a part per drafting request (a draft
+        model's passes run for the whole batch at once; each verify row costs beyond the profile)."""
         gamma, rate = self.num_speculative_tokens, self.proposal_rate
-        n = 0
+        drafting = 0
         for r in requests:
             r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
-            n += 1
-        return n * self.draft_s_per_seq + (self.draft_s_per_step if n else 0.0)
+            drafting += r.num_draft > 0
+        return drafting * self.draft_s_per_seq + self.draft_s_per_step if drafting else 0.0
 
     def accept(self, rows) -> dict:
         """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""

@@ -238,3 +238,10 @@ def test_distill_with_bad_layers_is_one_line_exit_2(tmp_path):
         assert r.exit_code == 2, r.output
         assert "--layers" in r.output and "Traceback" not in r.output
         assert not (tmp_path / "d").exists()
+
+
+def test_serve_with_a_missing_profile_is_one_line_exit_2(tmp_path):
+    """`serve --profile` is checked before the executor loads or runs anything."""
+    r = invoke("serve", "scenarios/validation/spec_draft.yaml", "--profile", str(tmp_path / "none.json"))
+    assert r.exit_code == 2, r.output
+    assert "--profile" in r.output and "profile not found" in r.output and "Traceback" not in r.output

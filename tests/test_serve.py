@@ -100,3 +100,29 @@ def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, chec
     with pytest.raises(ConfigError) as e:
         serve_scenario(deep, None, quiet=True)
     assert e.value.key_path == "speculative.medusa_tree"
+
+
+def test_draft_cost_fits_the_overhead_beyond_the_profile():
+    """Measured against a fitted cost model, the speculation overhead is the drafter's time plus what each
+    verify step took beyond the model's prediction; the non-negative fit recovers both terms."""
+    from executor.engine import StepRecord
+    from executor.serve import draft_cost
+    from sim.fitted_cost import FittedCostModel, shape_of
+
+    cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
+    records = []
+    for i, n in enumerate([1, 2, 3, 4, 5, 6] * 3):
+        plain = i % 3  # rows that got no drafts this step cost nothing extra
+        new, ctx = [4] * n + [1] * plain, [100 + 10 * i] * (n + plain)
+        pred = cost.step_time(shape_of(new, ctx, 4 * n + plain, 0))
+        drafter = 0.010 + 0.003 * n  # the drafter's passes
+        verify = pred + 0.004 + 0.002 * n  # the verify step, slower than the profile predicts
+        records.append(StepRecord(i, 1.0 * i, 1.0 * i + drafter + verify, new, ctx, 0, n + plain, 0, 4 * n + plain,
+                                  0, [], 0, num_drafted=3 * n, num_accepted=n, draft_s=drafter))
+    only = draft_cost(records)
+    assert only["draft_s_per_step"] == pytest.approx(0.010) and only["draft_s_per_seq"] == pytest.approx(0.003)
+    fit = draft_cost(records, cost)
+    assert fit["draft_s_per_step"] == pytest.approx(0.014) and fit["draft_s_per_seq"] == pytest.approx(0.005)
+    assert fit["drafter_s_per_step"] == pytest.approx(0.010) and fit["verify_step_ratio"] > 1
+    faster = [StepRecord(**{**r.__dict__, "end_s": r.end_s - 0.2}) for r in records]  # verify well under the model
+    assert draft_cost(faster, cost)["draft_s_per_step"] == 0.0  # never a negative cost
