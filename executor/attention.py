@@ -45,6 +45,7 @@ class AttentionMetadata:
     # (itself and its ancestors) instead of all earlier ones; the engine sets them
     trees: dict = field(default_factory=dict, repr=False, compare=False)
     _context_slots: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _per_step: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_sequences(self.query_lens, self.context_lens, self.block_tables, self.block_size)
@@ -147,6 +148,13 @@ class AttentionMetadata:
             rows = None if len(groups) == 1 else torch.tensor(members, dtype=torch.long, device=self.device)
             out.append((rows, tables, ctx, mask, width))
         return out
+
+    def once(self, key, make: Callable):
+        """make() the first time a layer asks for `key`, the same object for every later layer of this step
+        (index tensors and masks depend on the batch, not on the layer)."""
+        if key not in self._per_step:
+            self._per_step[key] = make()
+        return self._per_step[key]
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """LongTensor[context_len]: cache slot of every context position of sequence `seq`."""
@@ -273,7 +281,8 @@ def _per_group(q, meta, attend_prefill, attend_decodes, attend_verifies=None) ->
     batched = set()
     if attend_verifies is not None:
         for n, seqs in meta.verify_groups:
-            idx = torch.tensor([meta.cu_query_lens[i] + t for i in seqs for t in range(n)], device=q.device)
+            idx = meta.once(("verify_rows", n), lambda: torch.tensor(
+                [meta.cu_query_lens[i] + t for i in seqs for t in range(n)], device=q.device))
             out[idx] = attend_verifies(q[idx], n, seqs)
             batched.update(seqs)
     for i in meta.prefill_seqs:
@@ -355,23 +364,32 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    def verify_buckets(n, seqs):
+        """Per bucket of verify rows: (rows, block tables, key mask [b, 1, n·G, width] under which each query
+        sees the context up to its own position, or within a candidate tree only its ancestors, width)."""
+        out = []
+        for rows, tables, lens, _, width in meta.buckets_of(seqs):
+            b = tables.shape[0]
+            last = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]  # each query's position
+            mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
+            for j, m in enumerate(range(b) if rows is None else rows.tolist()):
+                if seqs[m] in meta.trees:  # a candidate tree: each node sees the context and its ancestors
+                    mask[j] = meta.visible(seqs[m], width)
+            out.append((rows, tables, mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width),
+                        width))
+        return out
+
     def verifies(qv, n, seqs):
         """Rows of n queries each ([b·n, H, D], sequence-major): the G query heads sharing a kv head and the
         n positions become n·G query rows of one SDPA call per bucket, under a causal mask aligned to the
         end of each context."""
         out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
         qs = qv.view(len(seqs), n, kvh, group, -1)
-        for rows, tables, lens, _, width in meta.buckets_of(seqs):
+        for rows, tables, mask, width in meta.once(("verify_buckets", n, group), lambda: verify_buckets(n, seqs)):
             b = tables.shape[0]
             k, v = gather(tables, width)
             qb = qs if rows is None else qs[rows]
             qg = qb.permute(0, 2, 1, 3, 4).reshape(b, kvh, n * group, -1)
-            last = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]  # each query's position
-            mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
-            for j, m in enumerate(range(b) if rows is None else rows.tolist()):
-                if seqs[m] in meta.trees:  # a candidate tree: each node sees the context and its ancestors
-                    mask[j] = meta.visible(seqs[m], width)
-            mask = mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
             o = o.view(b, kvh, n, group, -1).permute(0, 2, 1, 3, 4).reshape(b, n, -1, qv.shape[-1])
             if rows is None:
