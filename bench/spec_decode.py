@@ -103,19 +103,27 @@ def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[f
     return wall, outputs, speculation_summary(spec, np.array([len(o) for o in outputs])) if drafter else None
 
 
-def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dict:
-    """`drafter`: makes a fresh drafter for each run."""
+def interleaved(run_plain, run_spec, repeats: int) -> tuple[dict, object]:
+    """Plain and speculative runs alternated `repeats` times (each returns (seconds, outputs, extra)), their
+    medians compared; (speeds, speedup and whether the outputs match; the last speculative run's extra)."""
     plain_t, spec_t = [], []
     for _ in range(repeats):
-        t, plain_out, _ = serve(model, prompts, max_new, batch, None, 0, eos)
+        t, plain_out, _ = run_plain()
         plain_t.append(t)
-        t, spec_out, spec = serve(model, prompts, max_new, batch, drafter(), gamma, eos)  # a fresh drafter
+        t, spec_out, extra = run_spec()
         spec_t.append(t)
     tokens = sum(len(o) for o in plain_out)
     plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
     return {"tokens": tokens, "plain_tok_s": tokens / plain_s, "spec_tok_s": sum(len(o) for o in spec_out) / spec_s,
-            "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "alpha": spec["alpha"],
-            "mean_accepted": spec["mean_accepted_length"], "acceptance": spec["acceptance_rate"], "plain_outputs": plain_out}
+            "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "plain_outputs": plain_out}, extra
+
+
+def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dict:
+    """`drafter`: makes a fresh drafter for each run."""
+    r, spec = interleaved(lambda: serve(model, prompts, max_new, batch, None, 0, eos),
+                          lambda: serve(model, prompts, max_new, batch, drafter(), gamma, eos), repeats)
+    return {**r, "alpha": spec["alpha"], "mean_accepted": spec["mean_accepted_length"],
+            "acceptance": spec["acceptance_rate"]}
 
 
 def compare_hf(hf, prompts, max_new, gamma, repeats, ours_plain) -> dict:
@@ -127,17 +135,9 @@ def compare_hf(hf, prompts, max_new, gamma, repeats, ours_plain) -> dict:
             kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
             out = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, **kw)
             outs.append(out[0, len(p):].tolist())
-        return time.perf_counter() - t, outs
-    plain_t, spec_t = [], []
-    for _ in range(repeats):
-        t, plain_out = run(0)
-        plain_t.append(t)
-        t, spec_out = run(gamma)
-        spec_t.append(t)
-    tokens = sum(len(o) for o in plain_out)
-    plain_s, spec_s = statistics.median(plain_t), statistics.median(spec_t)
-    return {"plain_tok_s": tokens / plain_s, "spec_tok_s": sum(len(o) for o in spec_out) / spec_s,
-            "speedup": plain_s / spec_s, "identical": spec_out == plain_out, "same_as_infersim": plain_out == ours_plain}
+        return time.perf_counter() - t, outs, None
+    r, _ = interleaved(lambda: run(0), lambda: run(gamma), repeats)
+    return {**r, "same_as_infersim": r["plain_outputs"] == ours_plain}
 
 
 def main() -> None:

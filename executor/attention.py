@@ -44,7 +44,6 @@ class AttentionMetadata:
     # speculative candidate trees: sequence -> [q, q] bool, which of its new tokens each one attends to
     # (itself and its ancestors) instead of all earlier ones; the engine sets them
     trees: dict = field(default_factory=dict, repr=False, compare=False)
-    _context_slots: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _per_step: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -158,11 +157,11 @@ class AttentionMetadata:
 
     def context_slots(self, seq: int) -> torch.Tensor:
         """LongTensor[context_len]: cache slot of every context position of sequence `seq`."""
-        if seq not in self._context_slots:
+        def make():
             pos = torch.arange(self.context_lens[seq], device=self.device)
             table = torch.tensor(self.block_tables[seq], dtype=torch.long, device=self.device)
-            self._context_slots[seq] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-        return self._context_slots[seq]
+            return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.once(("context_slots", seq), make)
 
     def query_positions(self, seq: int) -> torch.Tensor:
         """LongTensor[query_len]: positions of sequence `seq`'s new tokens."""
