@@ -1,10 +1,12 @@
-"""Hardware validation on a CUDA device in one short run: profile the executor there, then validate two
-scenarios with that profile, writing everything into one folder.
+"""Hardware validation on a CUDA device in one short run: check that the executor gives on the GPU the output
+it gives on the CPU (tests/test_cuda.py), profile the executor there, then validate two scenarios with that
+profile (each run twice, for the real-vs-real spread), writing everything into one folder.
 
     python -m calibration.gpu_check --out gpu_check_out      # ≤ 8 minutes on one GPU
 
 Writes OUT/cuda.json (the profile), OUT/<scenario>/validation.json and a CDF plot per scenario, and
-OUT/summary.md (the error table). The CPU path of the project never needs this.
+OUT/summary.md (the tables). `--device cpu` runs the same stages on the CPU (a dry run of this script);
+the CPU path of the project never needs CUDA.
 """
 from __future__ import annotations
 
@@ -14,36 +16,70 @@ import time
 from pathlib import Path
 
 from calibration.profile import profile_command
-from calibration.validate import validate
+from calibration.validate import METRICS, markdown_table, model_loader, summarize, validate_many
 from executor.serve import check_device
 from sim.errors import ConfigError
 from sim.scenario import load_scenario
 
-SCENARIOS = ["scenarios/validation/low_load.yaml", "scenarios/validation/medium_load.yaml"]
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = [ROOT / "scenarios/validation/low_load.yaml", ROOT / "scenarios/validation/medium_load.yaml"]
+
+
+def run_cuda_tests() -> str:
+    """tests/test_cuda.py's outcome in one line (its tiny model needs no download)."""
+    import pytest
+
+    class Count:
+        def __init__(self):
+            self.outcomes: dict[str, int] = {}
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.outcome != "passed":
+                self.outcomes[report.outcome] = self.outcomes.get(report.outcome, 0) + 1
+
+    count = Count()
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", str(ROOT / "tests/test_cuda.py")], plugins=[count])
+    return ", ".join(f"{n} {k}" for k, n in sorted(count.outcomes.items())) + f" (pytest exit {int(rc)})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of every stage on this machine")
     ap.add_argument("--quick", action="store_true", help="smaller profile sweep")
+    ap.add_argument("--runs", type=int, default=2, help="executor runs per scenario")
+    ap.add_argument("--skip-tests", action="store_true", help="tests/test_cuda.py already ran on this machine")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads while profiling (the scenarios' own)")
     args = ap.parse_args()
-    check_device("cuda")
+    check_device(args.device)
+    stages = {}
     t0 = time.perf_counter()
-    prof_path = args.out / "cuda.json"
-    prof = profile_command("cuda", "SmolLM2-135M", prof_path, None, args.quick)
-    lines = [f"# GPU check: {prof['host'].get('gpu')}, torch {prof['host']['torch']}",
-             f"profile: {len(prof['samples'])} steps, held-out MAPE {prof['fit']['heldout']['mape'] * 100:.1f}%, "
-             f"matmul {prof['measured']['matmul_flops'] / 1e12:.1f} TFLOP/s, "
-             f"bandwidth {prof['measured']['memory_bandwidth'] / 1e9:.0f} GB/s", ""]
-    for path in SCENARIOS:
-        _, plan = load_scenario(path)
-        result = validate(plan, prof_path, "cuda", out=args.out / plan.scenario.name)
-        lines += [f"## {plan.scenario.name}", "| metric | real | sim | error % |", "|---|---|---|---|"]
-        for name, row in result["metrics"].items():
-            err = "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}"
-            lines.append(f"| {name} | {row['real']:.4g} | {row['sim']:.4g} | {err} |")
-        lines.append("")
-    lines.append(f"total {time.perf_counter() - t0:.0f} s")
+    tests = "skipped here (run separately)" if args.skip_tests else run_cuda_tests()
+    stages["cuda tests"] = time.perf_counter() - t0
+    prof_path = args.out / f"{args.device}.json"
+    t = time.perf_counter()
+    prof = profile_command(args.device, "SmolLM2-135M", prof_path, args.threads, args.quick)
+    stages["profile"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plans = [load_scenario(path)[1] for path in SCENARIOS]
+    results = validate_many([(plan, args.out / plan.scenario.name) for plan in plans], prof_path, args.device,
+                            runs=args.runs, load=model_loader(args.device))
+    stages["validate"] = time.perf_counter() - t
+    host, fit = prof["host"], prof["fit"]["heldout"]
+    lines = [f"# GPU check: {host.get('gpu') or host.get('cpu')}, torch {host['torch']}, {time.strftime('%Y-%m-%d')}",
+             "", f"- tests/test_cuda.py (GPU output equals CPU output): {tests}",
+             f"- profile: {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s, held-out MAPE "
+             f"{fit['mape'] * 100:.1f}%, R² {fit['r2']:.4f}; matmul {prof['measured']['matmul_flops'] / 1e12:.1f} "
+             f"TFLOP/s (fp32), copy bandwidth {prof['measured']['memory_bandwidth'] / 1e9:.0f} GB/s",
+             f"- validation: {args.runs} executor run(s) per scenario (real = their mean)", "",
+             markdown_table(results, [name for name, *_ in METRICS]), "| metric | max abs error | median abs error "
+             "| median spread |", "|---|---:|---:|---:|"]
+    for name, row in summarize(results).items():
+        cells = [f"{row[k]:.1f}%" if row[k] is not None else "-"
+                 for k in ("max_abs_error_pct", "median_abs_error_pct", "median_spread_pct")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "stages: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
+              + f"; total {time.perf_counter() - t0:.0f} s"]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps({"out": str(args.out)}))

@@ -1,0 +1,83 @@
+"""The executor on CUDA (skipped where there is none): the same engine code gives, on the GPU, the greedy
+output it gives on the CPU — every attention backend, continuous batching, chunked prefill, preemption by
+swap to host memory, speculative decoding (prompt lookup, a draft model, a Medusa-style tree) — and seeded
+sampling repeats itself. calibration/gpu_check runs this file first."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from executor.draft_model import DraftModelDrafter, make_student
+from executor.engine import SamplingParams
+from executor.speculative import PromptLookup
+from executor.tiny import tiny_model
+from sim.request import Status
+from tests.test_engine import POLICIES, make_engine, prompts, serve_all
+from tests.test_medusa import TREE, OracleTree
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUDA_POLICIES = ["continuous_paged", "chunked_prefill", "contiguous", "swap_preemption", "recompute_preemption"]
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    return tiny_model(seed=3, num_kv_heads=2, num_layers=2, vocab_size=256, max_position_embeddings=512)
+
+
+def on(model, device, backend):
+    twin = copy.deepcopy(model).to(device)
+    twin.attn_backend = backend
+    return twin
+
+
+def outputs(model, device, policy="continuous_paged", drafter=None, sampling=None, **extra):
+    cfg = {**POLICIES[policy], **extra}
+    engine = make_engine(model, num_blocks=cfg.pop("num_blocks", 64), swap_blocks=cfg.pop("swap_blocks", 0),
+                         device=device, **cfg)
+    engine.drafter = drafter
+    if sampling is not None:
+        engine.sampling = sampling
+        engine.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    work = [(p, n) for p, n in zip(prompts(8), [6, 11, 4, 9, 15, 3, 8, 10])]
+    reqs = serve_all(engine, work)
+    assert all(r.status is Status.FINISHED for r in reqs)
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.num_blocks
+    return [engine.output_ids(r) for r in reqs], engine
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "flash", "paged"])
+@pytest.mark.parametrize("policy", CUDA_POLICIES)
+def test_cuda_greedy_output_equals_cpu(cpu_model, backend, policy):
+    want, _ = outputs(on(cpu_model, "cpu", backend), "cpu", policy)
+    got, engine = outputs(on(cpu_model, "cuda", backend), "cuda", policy)
+    assert got == want
+    assert engine.kv_cache.device.type == "cuda"
+    if policy == "swap_preemption":
+        assert any(rec.swapped_blocks for rec in engine.records)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft_model", "tree"])
+def test_cuda_speculation_gives_the_plain_greedy_output(cpu_model, drafter):
+    model = on(cpu_model, "cuda", "sdpa")
+    want, _ = outputs(model, "cuda")
+    if drafter == "tree":
+        work = [(p, n) for p, n in zip(prompts(8), [6, 11, 4, 9, 15, 3, 8, 10])]
+        d, k = OracleTree({tuple(p): o for (p, _), o in zip(work, want)}, TREE), len(TREE)
+    elif drafter == "draft_model":
+        d, k = DraftModelDrafter(make_student(model, [1], list(range(200))), SamplingParams(), block_size=4,
+                                 num_blocks=2), 4
+    else:
+        d, k = PromptLookup(3, 1), 4
+    got, engine = outputs(model, "cuda", drafter=d, num_speculative_tokens=k)
+    assert got == want
+    assert sum(s.num_drafted for s in engine.records) > 0
+
+
+def test_cuda_seeded_sampling_repeats(cpu_model):
+    model = on(cpu_model, "cuda", "sdpa")
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7)
+    a, _ = outputs(model, "cuda", sampling=params)
+    b, _ = outputs(model, "cuda", sampling=params)
+    assert a == b
