@@ -61,9 +61,9 @@ def main() -> None:
     prof = profile_command(args.device, "SmolLM2-135M", prof_path, args.threads, args.quick)
     stages["profile"] = time.perf_counter() - t
     t = time.perf_counter()
-    plans = [load_scenario(path)[1] for path in SCENARIOS]
-    results = validate_many([(plan, args.out / plan.scenario.name) for plan in plans], prof_path, args.device,
-                            runs=args.runs, load=model_loader(args.device))
+    # one folder per scenario file, as `infersim validate --out` names them: `--real-from OUT` re-scores them
+    plans = [(load_scenario(path)[1], args.out / path.stem) for path in SCENARIOS]
+    results = validate_many(plans, prof_path, args.device, runs=args.runs, load=model_loader(args.device))
     stages["validate"] = time.perf_counter() - t
     host, fit = prof["host"], prof["fit"]["heldout"]
     lines = [f"# GPU check: {host.get('gpu') or host.get('cpu')}, torch {host['torch']}, {time.strftime('%Y-%m-%d')}",

@@ -57,7 +57,7 @@ class DraftModel(torch.nn.Module):
         self.model.embed_tokens = teacher.embed_tokens  # shared: same tensor, not saved with the draft
         self.model.lm_head = Linear(cfg.hidden_size, len(vocab), bias=False)
         self.register_buffer("vocab", torch.tensor(vocab, dtype=torch.long), persistent=False)
-        self.model.to(teacher.embed_tokens.weight.device)
+        self.to(teacher.embed_tokens.weight.device)  # the vocab buffer too: drafts index the teacher's device
         self.meta: dict = {}
 
     @property

@@ -230,11 +230,12 @@ def set_threads(plan: Plan, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
 
 
-def check_device(device: str) -> None:
-    """cpu, or cuda where one is present; anything else is a one-line error."""
+def check_device(device: str, present: bool = True) -> None:
+    """cpu, or cuda where one is present (`present=False`: nothing will run on it); anything else is a
+    one-line error."""
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
-    if device == "cuda" and not torch.cuda.is_available():
+    if present and device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
 
 

@@ -177,7 +177,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         from sim.cluster import speculation_model
         from sim.scenario import load_scenario
 
-        check_device(device)
+        check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
         paths = _scenario_files(scenarios)
         plans = [(path, load_scenario(path)[1]) for path in paths]
         prof = profile_path or PROFILES / f"{device}.json"
