@@ -40,6 +40,7 @@ class MedusaHeads(nn.Module):
         # the target's LM-head rows for the vocabulary: a frozen copy, not saved (it is the target's)
         self.register_buffer("head", target.lm_head.weight.detach()[self.vocab].clone(), persistent=False)
         self.meta: dict = {}
+        self.to(target.lm_head.weight.device)  # on the target's device, whatever made the heads
 
     @property
     def num_heads(self) -> int:
@@ -63,7 +64,7 @@ def load_medusa(folder: Path, target: LlamaModel) -> MedusaHeads:
     heads = MedusaHeads(target, meta["num_heads"], meta["vocab"])
     heads.blocks.load_state_dict({k: v.float() for k, v in tensors.items()})
     heads.meta = meta
-    return heads.to(target.lm_head.weight.device).eval()
+    return heads.eval()
 
 
 @dataclass

@@ -11,13 +11,14 @@ import torch
 
 from executor.draft_model import DraftModelDrafter, make_student
 from executor.engine import SamplingParams
+from executor.medusa import MedusaDrafter, MedusaHeads
 from executor.speculative import PromptLookup
 from executor.tiny import tiny_model
 from sim.request import Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
 from tests.test_medusa import TREE, OracleTree
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA_POLICIES = ["continuous_paged", "chunked_prefill", "contiguous", "swap_preemption", "recompute_preemption"]
 
 
@@ -47,6 +48,7 @@ def outputs(model, device, policy="continuous_paged", drafter=None, sampling=Non
     return [engine.output_ids(r) for r in reqs], engine
 
 
+@cuda
 @pytest.mark.parametrize("backend", ["naive", "sdpa", "flash", "paged"])
 @pytest.mark.parametrize("policy", CUDA_POLICIES)
 def test_cuda_greedy_output_equals_cpu(cpu_model, backend, policy):
@@ -58,13 +60,20 @@ def test_cuda_greedy_output_equals_cpu(cpu_model, backend, policy):
         assert any(rec.swapped_blocks for rec in engine.records)
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "draft_model", "tree"])
+@cuda
+@pytest.mark.parametrize("drafter", ["lookup", "draft_model", "tree", "medusa"])
 def test_cuda_speculation_gives_the_plain_greedy_output(cpu_model, drafter):
     model = on(cpu_model, "cuda", "sdpa")
     want, _ = outputs(model, "cuda")
     if drafter == "tree":
         work = [(p, n) for p, n in zip(prompts(8), [6, 11, 4, 9, 15, 3, 8, 10])]
         d, k = OracleTree({tuple(p): o for (p, _), o in zip(work, want)}, TREE), len(TREE)
+    elif drafter == "medusa":
+        heads = MedusaHeads(model, 3, list(range(256)))
+        with torch.no_grad():
+            for b in heads.blocks:
+                b.weight.normal_(0, 0.05, generator=torch.Generator(device="cuda").manual_seed(0))
+        d, k = MedusaDrafter(heads, TREE), len(TREE)
     elif drafter == "draft_model":
         d, k = DraftModelDrafter(make_student(model, [1], list(range(200))), SamplingParams(), block_size=4,
                                  num_blocks=2), 4
@@ -75,9 +84,19 @@ def test_cuda_speculation_gives_the_plain_greedy_output(cpu_model, drafter):
     assert sum(s.num_drafted for s in engine.records) > 0
 
 
+@cuda
 def test_cuda_seeded_sampling_repeats(cpu_model):
     model = on(cpu_model, "cuda", "sdpa")
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7)
     a, _ = outputs(model, "cuda", sampling=params)
     b, _ = outputs(model, "cuda", sampling=params)
     assert a == b
+
+
+def test_drafters_live_on_the_target_device():
+    """Runs without CUDA too: a draft model and Medusa heads made from a target on another device (`meta`
+    here, no memory) have every parameter and buffer there — on CUDA a buffer left on the CPU failed."""
+    target = tiny_model(seed=3, num_kv_heads=2, num_layers=2, vocab_size=256).to("meta")
+    for module in (make_student(target, [1], list(range(200))), MedusaHeads(target, 3, list(range(256)))):
+        tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+        assert {n: t.device.type for n, t in tensors.items()} == {n: "meta" for n in tensors}
