@@ -43,6 +43,16 @@ def machine_speed(loaded, profile: Path, device: str, repeats: int = 3) -> dict 
             "factor": float(np.median(now)) / stored["time_s"]}
 
 
+def with_run_speed(speed: dict | None, run: dict | None) -> dict | None:
+    """A scenario's machine speed over its runs: each run's probe kept, `factor` their mean (the real values
+    the simulator is compared with are means over the runs too)."""
+    if run is None:
+        return speed
+    runs = (speed or {}).get("runs", []) + [run]
+    return {"runs": runs, "factor": float(np.mean([r["factor"] for r in runs])),
+            "probe_profile_s": run["probe_profile_s"]}
+
+
 def pick(metrics: dict, section: str, key: str) -> float | None:
     return metrics[section][key]
 
@@ -226,8 +236,8 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             for k, (plan, out, _) in enumerate(jobs):
                 loaded = load(plan)
                 set_threads(plan, threads)  # before the probe, which times steps too
-                if probe and i == 0:
-                    speeds[k] = machine_speed(loaded, profile, device)
+                if probe:  # right before each run: the machine drifts between a scenario's runs
+                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, profile, device))
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
     return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])

@@ -164,8 +164,9 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              threads: Optional[int] = typer.Option(None, "--threads"),
              repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
                                         "and two or more report the real-vs-real spread"),
-             probe: bool = typer.Option(False, "--probe/--no-probe", help="time the profile's probe steps first and "
-                                        "scale the profile by how much slower/faster the machine runs now "
+             probe: bool = typer.Option(False, "--probe/--no-probe", help="time the profile's probe steps right before "
+                                        "each executor run and scale the profile by how much slower/faster the "
+                                        "machine ran then (mean over the runs) "
                                         "(a steady machine: on a noisy one the probe's own spread is ~25%)"),
              real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
                                                       "by an earlier `validate --out DIR` (DIR) instead of running "
