@@ -113,15 +113,20 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
     return runs
 
 
-# A fixed handful of steps (one 800-token prefill, nine 4-sequence decodes), timed with the sweep and
-# again by `infersim validate`: the ratio is how much slower or faster the machine runs now.
+# A fixed handful of steps (one 800-token prefill, nine 4-sequence decodes), timed with the sweep and by
+# `infersim validate --probe`, which compares them with the fitted profile's prediction for the same steps.
 PROBE = ({"max_num_seqs": 4}, [(200, 10)] * 4)
+
+
+def probe_steps(model, corpus: list[int], device: str) -> list[dict]:
+    """The PROBE's step records, timed on this machine now."""
+    cfg, work = PROBE
+    return _run(_engine(model, device, **cfg), corpus, work)
 
 
 def probe_time(model, corpus: list[int], device: str) -> float:
     """Seconds the PROBE's steps take on this machine now."""
-    cfg, work = PROBE
-    return sum(r["end_s"] - r["start_s"] for r in _run(_engine(model, device, **cfg), corpus, work))
+    return sum(r["end_s"] - r["start_s"] for r in probe_steps(model, corpus, device))
 
 
 def sweep(model, corpus: list[int], device: str, quick: bool = False,

@@ -28,29 +28,26 @@ def with_profile(plan: Plan, profile: Path, scale: float = 1.0) -> Plan:
     return make_plan(sc.model_copy(update={"cost_model": cost}), plan.base_dir)
 
 
-def machine_speed(loaded, profile: Path, device: str, repeats: int = 3) -> dict | None:
-    """How much slower (>1) or faster the machine runs now than when the profile was measured: the
-    profile's probe steps timed again (median of `repeats`) over the time stored in the profile.
-    None if the profile has no probe. Shared machines drift by 10-20% over an hour."""
-    from calibration.profile import PROBE, probe_time
+def machine_speed(loaded, cost, device: str, repeats: int = 3) -> dict:
+    """How much slower (>1) or faster the machine runs now than the profile says: the probe's steps timed
+    (median of `repeats`) over what the fitted cost model predicts for exactly those steps. The fit (hundreds
+    of steps) is a steadier reference than the probe's own few timings at profiling time, which on this VM
+    sat 16% below it."""
+    from calibration.profile import probe_steps
     from executor.prompts import corpus_ids
 
-    stored = json.loads(Path(profile).read_text()).get("probe")
-    if not stored or [list(x) for x in stored["workload"][1]] != [list(x) for x in PROBE[1]]:
-        return None
-    now = [probe_time(loaded.model, corpus_ids(loaded.tokenizer), device) for _ in range(repeats)]
-    return {"probe_now_s": now, "probe_profile_s": stored["time_s"],
-            "factor": float(np.median(now)) / stored["time_s"]}
+    runs = [probe_steps(loaded.model, corpus_ids(loaded.tokenizer), device) for _ in range(repeats)]
+    now = [sum(r["end_s"] - r["start_s"] for r in steps) for steps in runs]
+    predicted = sum(cost.step_time(shape_of(r["new_tokens"], r["context_lens"], r["num_sampled"], r["num_prefill"]))
+                    for r in runs[0])
+    return {"probe_now_s": now, "probe_predicted_s": predicted, "factor": float(np.median(now)) / predicted}
 
 
-def with_run_speed(speed: dict | None, run: dict | None) -> dict | None:
+def with_run_speed(speed: dict | None, run: dict) -> dict:
     """A scenario's machine speed over its runs: each run's probe kept, `factor` their mean (the real values
     the simulator is compared with are means over the runs too)."""
-    if run is None:
-        return speed
     runs = (speed or {}).get("runs", []) + [run]
-    return {"runs": runs, "factor": float(np.mean([r["factor"] for r in runs])),
-            "probe_profile_s": run["probe_profile_s"]}
+    return {"runs": runs, "factor": float(np.mean([r["factor"] for r in runs]))}
 
 
 def pick(metrics: dict, section: str, key: str) -> float | None:
@@ -237,7 +234,8 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                 loaded = load(plan)
                 set_threads(plan, threads)  # before the probe, which times steps too
                 if probe:  # right before each run: the machine drifts between a scenario's runs
-                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, profile, device))
+                    cost = make_cost_model(with_profile(plan, profile))
+                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, cost, device))
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
     return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])

@@ -47,7 +47,8 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 20 and v["runs"] == 2
     speed = v["machine_speed"]  # probed right before each of the two runs
-    assert len(speed["runs"]) == 2 and all(len(r["probe_now_s"]) == 3 for r in speed["runs"])
+    assert len(speed["runs"]) == 2
+    assert all(len(r["probe_now_s"]) == 3 and r["probe_predicted_s"] > 0 for r in speed["runs"])
     assert speed["factor"] == pytest.approx(sum(r["factor"] for r in speed["runs"]) / 2) and speed["factor"] > 0
     assert data["probe"]["time_s"] > 0 and len(data["probe"]["times_s"]) == 3  # one per sweep repeat
     assert all(r["all"] > 0 for r in v["step_time_ratio"])
