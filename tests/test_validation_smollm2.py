@@ -20,7 +20,10 @@ pytestmark = pytest.mark.slow
 # and -4.3%; README has the real-vs-real spreads). These bounds catch a broken cost model, policy or replay
 # (which missed by 20-80% before they were fixed), not the machine's own drift. Each bound is widened by half
 # the real-vs-real spread of that metric: the simulator cannot be judged more finely than the two real runs
-# agree (a noisy burst once gave TTFT p50 0.34 s and 0.19 s in the two runs, and TPOT -26%).
+# agree (a noisy burst once gave TTFT p50 0.34 s and 0.19 s in the two runs, and TPOT -26%); and by how far
+# the executor's own steps ran from the profile's prediction for them (a fresh-clone CI run once had its
+# quick profile taken in a slow minute: TPOT +31% with both real runs agreeing to 2%). That widening cannot
+# hide a broken cost model: the profile's held-out error, measured within one sweep, is checked on its own.
 BOUNDS = {"throughput_out_tok_s": 10.0, "tpot_p50": 25.0, "ttft_p50": 25.0}
 
 SCENARIO = {
@@ -47,6 +50,7 @@ def test_small_validation_within_bound(tmp_path):
     r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "2",
                                  "--out", str(prof)])
     assert r.exit_code == 0, r.output
+    assert json.loads(prof.read_text())["fit"]["heldout"]["mape"] < 0.15
     path = tmp_path / "ci.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))
     out = tmp_path / "val"
@@ -56,5 +60,7 @@ def test_small_validation_within_bound(tmp_path):
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 16 and v["runs"] == 2
     errors = {m: v["metrics"][m]["error_pct"] for m in BOUNDS}
-    allowed = {m: bound + v["metrics"][m]["spread_pct"] / 2 for m, bound in BOUNDS.items()}
-    assert all(abs(errors[m]) <= allowed[m] for m in BOUNDS), (errors, allowed, v["metrics"])
+    ratios = [r["all"] for r in v["step_time_ratio"]]
+    drift_pct = 100 * abs(sum(ratios) / len(ratios) - 1)
+    allowed = {m: bound + v["metrics"][m]["spread_pct"] / 2 + drift_pct for m, bound in BOUNDS.items()}
+    assert all(abs(errors[m]) <= allowed[m] for m in BOUNDS), (errors, allowed, ratios)
