@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -89,4 +90,5 @@ if __name__ == "__main__":
     try:
         main()
     except ConfigError as e:
-        raise SystemExit(f"gpu_check: error: {e.one_line()}") from None
+        print(f"gpu_check: error: {e.one_line()}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -245,3 +245,11 @@ def test_serve_with_a_missing_profile_is_one_line_exit_2(tmp_path):
     r = invoke("serve", "scenarios/validation/spec_draft.yaml", "--profile", str(tmp_path / "none.json"))
     assert r.exit_code == 2, r.output
     assert "--profile" in r.output and "profile not found" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA answer")
+@pytest.mark.parametrize("cmd", [["-m", "calibration.gpu_check"], ["bench/gpu_step_overhead.py"]])
+def test_gpu_scripts_without_cuda_say_so_in_one_line(cmd):
+    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr
