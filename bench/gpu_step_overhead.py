@@ -93,14 +93,15 @@ def clock_stretch(model, steps: int) -> dict:
         clocks.append(sm_clock())
     t, c, u = np.array(times), np.array(clocks, dtype=float), np.array(cpu)
     slow = t > 1.5 * np.percentile(t, 10)
+
+    def median(x, where):  # None where no step falls in the group
+        return float(np.median(x[where])) if where.any() else None
+
     return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
             "p90_ms": float(np.percentile(t, 90)), "slow_fraction": float(slow.mean()),
-            "cpu_ms_fast": float(np.median(u[~slow])) if (~slow).any() else None,
-            "cpu_ms_slow": float(np.median(u[slow])) if slow.any() else None,
-            "wall_ms_fast": float(np.median(t[~slow])) if (~slow).any() else None,
-            "wall_ms_slow": float(np.median(t[slow])) if slow.any() else None,
-            "clock_fast_mhz": float(np.median(c[~slow])) if (~slow).any() else None,
-            "clock_slow_mhz": float(np.median(c[slow])) if slow.any() else None,
+            "cpu_ms_fast": median(u, ~slow), "cpu_ms_slow": median(u, slow),
+            "wall_ms_fast": median(t, ~slow), "wall_ms_slow": median(t, slow),
+            "clock_fast_mhz": median(c, ~slow), "clock_slow_mhz": median(c, slow),
             "corr": float(np.corrcoef(t, c)[0, 1]) if np.nanstd(c) > 0 else None,
             "series": [f"{x:.0f}@{y:.0f}" for x, y in zip(t[::max(1, steps // 60)], c[::max(1, steps // 60)])]}
 

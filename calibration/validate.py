@@ -38,8 +38,7 @@ def machine_speed(loaded, cost, device: str, repeats: int = 3) -> dict:
 
     runs = [probe_steps(loaded.model, corpus_ids(loaded.tokenizer), device) for _ in range(repeats)]
     now = [sum(r["end_s"] - r["start_s"] for r in steps) for steps in runs]
-    predicted = sum(cost.step_time(shape_of(r["new_tokens"], r["context_lens"], r["num_sampled"], r["num_prefill"]))
-                    for r in runs[0])
+    predicted = sum(predicted_step_time(r, cost) for r in runs[0])  # the same steps in every repeat
     return {"probe_now_s": now, "probe_predicted_s": predicted, "factor": float(np.median(now)) / predicted}
 
 
@@ -224,6 +223,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
         return got
 
     speeds: list[dict | None] = [None] * len(jobs)
+    costs = [make_cost_model(with_profile(plan, profile)) for plan, _, _ in jobs] if probe and not real_from else []
     if real_from:
         results = [recorded_runs(folder) for _, _, folder in jobs]
     else:
@@ -234,12 +234,17 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                 loaded = load(plan)
                 set_threads(plan, threads)  # before the probe, which times steps too
                 if probe:  # right before each run: the machine drifts between a scenario's runs
-                    cost = make_cost_model(with_profile(plan, profile))
-                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, cost, device))
+                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, costs[k], device))
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
     return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]
+
+
+def predicted_step_time(record: dict, cost) -> float:
+    """The cost model's time for a recorded executor step (a steps.jsonl record), from its own shape."""
+    return cost.step_time(shape_of(record["new_tokens"], record["context_lens"], record["num_sampled"],
+                                   record["num_prefill"]))
 
 
 def step_time_ratio(records: list[dict], cost) -> dict:
@@ -248,7 +253,7 @@ def step_time_ratio(records: list[dict], cost) -> dict:
     replay; far from 1, at the cost model or at the machine running faster or slower than when profiled."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
-        pred = cost.step_time(shape_of(r["new_tokens"], r["context_lens"], r["num_sampled"], r["num_prefill"]))
+        pred = predicted_step_time(r, cost)
         for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
             sums[kind][0] += r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
             sums[kind][1] += pred
