@@ -70,6 +70,24 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
         assert a["all"] == pytest.approx(b["all"] * factor, rel=1e-9)
     for name, row in w["metrics"].items():
         assert row["real_runs"] == pytest.approx(v["metrics"][name]["real_runs"], rel=1e-12), name
+        # at each run's own step speed both predict with the same step times: the probe's factor drops out
+        assert row["error_at_run_speed_pct"] == pytest.approx(v["metrics"][name]["error_at_run_speed_pct"],
+                                                              rel=1e-6, abs=1e-6), name
+
+    # a profile twice too slow: the headline TPOT error grows by ~100 points, the error at the runs' step
+    # speed does not move (each run's measured ratio halves and cancels the doubling)
+    slow = dict(data, fit=dict(data["fit"], coefs={k: 2 * c for k, c in data["fit"]["coefs"].items()}))
+    slow_prof = tmp_path / "slow.json"
+    slow_prof.write_text(json.dumps(slow))
+    twice = tmp_path / "twice"
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(slow_prof), "--real-from", str(out),
+                            "--out", str(twice)])
+    assert r.exit_code == 0, r.output
+    x = json.loads((twice / "validation.json").read_text())
+    assert [a["all"] for a in x["step_time_ratio"]] == pytest.approx([a["all"] / 2 for a in w["step_time_ratio"]])
+    tpot, base = x["metrics"]["tpot_p50"], w["metrics"]["tpot_p50"]
+    assert tpot["error_pct"] > base["error_pct"] + 50
+    assert tpot["error_at_run_speed_pct"] == pytest.approx(base["error_at_run_speed_pct"], rel=1e-6, abs=1e-6)
     r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(tmp_path)])
     assert r.exit_code == 2 and "no recorded runs" in r.output
 
@@ -98,8 +116,10 @@ def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint, p
     assert [s["scenario"] for s in summary["scenarios"]] == ["tiny-a", "tiny-b"]
     row = summary["summary"]["tpot_p50"]
     assert row["max_abs_error_pct"] >= row["median_abs_error_pct"] >= 0
+    at_speed = [abs(s["metrics"]["tpot_p50"]["error_at_run_speed_pct"]) for s in summary["scenarios"]]
+    assert row["median_abs_error_at_run_speed_pct"] == pytest.approx(sum(at_speed) / 2)
     table = (out / "table.md").read_text()
-    assert table.count("| tiny-a |") == 1 and "tpot_p50" in table
+    assert table.count("| tiny-a |") == 1 and "tpot_p50" in table and "error at the run's step speed" in table
 
 
 def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoint, profile):
@@ -144,3 +164,4 @@ def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path):
         for name, row in got["metrics"].items():
             assert row["real"] == pytest.approx(want["metrics"][name]["real"], rel=1e-12), (s, name)
             assert row["error_pct"] == pytest.approx(want["metrics"][name]["error_pct"], abs=0.5), (s, name)
+
