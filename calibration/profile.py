@@ -191,6 +191,9 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
             net, _, tok = load_hf_model(smollm2_gguf_path())
             spec = catalog_model("SmolLM2-135M").model_copy(update={"weight_dtype": "fp32"})
         else:
+            if not Path(model).exists():  # else transformers reads it as a hub repo id and says so, confusingly
+                raise ConfigError(f"{model}: no such file or directory (allowed: SmolLM2-135M, a local HF "
+                                  "safetensors directory or a .gguf file)", "--model")
             net, _, tok = load_hf_model(Path(model))
             spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
     except (FileNotFoundError, OSError) as e:

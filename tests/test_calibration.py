@@ -165,3 +165,8 @@ def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path):
             assert row["real"] == pytest.approx(want["metrics"][name]["real"], rel=1e-12), (s, name)
             assert row["error_pct"] == pytest.approx(want["metrics"][name]["error_pct"], abs=0.5), (s, name)
 
+
+def test_profile_of_a_missing_model_path_is_one_line(tmp_path):
+    r = CliRunner().invoke(app, ["profile", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 2
+    assert r.output.strip().count("\n") == 0 and "no such file or directory" in r.output and "--model" in r.output
