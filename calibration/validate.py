@@ -84,7 +84,8 @@ def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> Non
                 ax.plot(x * 1000, np.arange(1, len(x) + 1) / len(x), label=label)
         ax.set(title=key.upper(), xlabel="ms", ylabel="fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:  # no completed request: an empty panel, no legend
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -160,7 +161,8 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "machine_speed": speed, "step_time_ratio": ratios}
     scale = speed["factor"] if speed else 1.0
-    for name, row in at_run_speed(plan, profile, metrics, [scale * r["all"] for r in ratios]).items():
+    run_scales = [scale * r["all"] if r["all"] else None for r in ratios]  # None: a run with no steps
+    for name, row in at_run_speed(plan, profile, metrics, run_scales).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
     if plain_runs:
         _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, speed)

@@ -170,3 +170,17 @@ def test_profile_of_a_missing_model_path_is_one_line(tmp_path):
     r = CliRunner().invoke(app, ["profile", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")])
     assert r.exit_code == 2
     assert r.output.strip().count("\n") == 0 and "no such file or directory" in r.output and "--model" in r.output
+
+
+def test_validate_a_scenario_whose_requests_are_all_rejected(tmp_path, checkpoint, profile):
+    """Every prompt longer than max_model_len: both sides reject all of them, the counts say so, and the
+    per-run diagnostics have nothing to divide by instead of failing."""
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-rejects", serving={"max_model_len": 64},
+                               workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 80, "max": 90}})
+    out = tmp_path / "val"
+    r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    v = json.loads((out / "validation.json").read_text())
+    assert v["requests"]["rejected"] == 6 and v["requests"]["completed"] == 0
+    assert v["step_time_ratio"][0]["all"] is None
+    assert v["metrics"]["tpot_p50"]["error_at_run_speed_pct"] is None
