@@ -53,6 +53,11 @@ def pick(metrics: dict, section: str, key: str) -> float | None:
     return metrics[section][key]
 
 
+def error_pct(sim: float | None, real: float | None) -> float | None:
+    """Signed % error of a simulated value against the real one; None where either is missing (or real is 0)."""
+    return None if not real or sim is None else 100 * (sim - real) / real
+
+
 def compare(reals: list[dict], sim: dict) -> dict:
     """Per metric: real (the mean over the executor runs), sim, the signed % error of sim vs real, and with
     two or more runs each run's value and the real-vs-real spread ((max - min) / mean, in %)."""
@@ -61,7 +66,7 @@ def compare(reals: list[dict], sim: dict) -> dict:
         values = [pick(m, section, key) for m in reals]
         s = pick(sim, section, key)
         r = None if any(v is None for v in values) else float(np.mean(values))
-        row = {"real": r, "sim": s, "error_pct": None if not r or s is None else 100 * (s - r) / r}
+        row = {"real": r, "sim": s, "error_pct": error_pct(s, r)}
         if len(reals) > 1:
             row["real_runs"] = values
             row["spread_pct"] = None if not r else 100 * (max(values) - min(values)) / r
@@ -124,13 +129,22 @@ def plain_of(plan: Plan) -> Plan:
     return make_plan(plan.scenario.model_copy(update={"speculative": None}), plan.base_dir)
 
 
-def _sim_and_real(plan: Plan, profile: Path, runs: list, speed: dict | None):
-    specs = generate_requests(plan.scenario.workload, plan.base_dir)
+def slo_metrics(plan: Plan, records: RequestRecords) -> dict:
+    """compute_metrics under the plan's SLO."""
     slo = plan.scenario.slo
-    sim_plan = with_profile(plan, profile, speed["factor"] if speed else 1.0)
+    return compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
+
+
+def simulated(plan: Plan, profile: Path, scale: float, specs) -> tuple[Plan, RequestRecords, dict]:
+    """The plan predicted with the profile × `scale` on the requests `specs`: (that plan, records, metrics)."""
+    sim_plan = with_profile(plan, profile, scale)
     sim_rec = sim_records(simulate(sim_plan, specs))
-    real = [compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile) for records, _ in runs]
-    return sim_plan, sim_rec, real, compute_metrics(sim_rec, slo.ttft_s, slo.tpot_s, slo.quantile)
+    return sim_plan, sim_rec, slo_metrics(plan, sim_rec)
+
+
+def _sim_and_real(plan: Plan, profile: Path, runs: list, speed: dict | None, specs):
+    sim_plan, sim_rec, sim_m = simulated(plan, profile, speed["factor"] if speed else 1.0, specs)
+    return sim_plan, sim_rec, [slo_metrics(plan, records) for records, _ in runs], sim_m
 
 
 def speedup(spec_real: list[dict], spec_sim: dict, plain_real: list[dict], plain_sim: dict) -> dict:
@@ -140,7 +154,7 @@ def speedup(spec_real: list[dict], spec_sim: dict, plain_real: list[dict], plain
         r = [np.mean([m[section][key] for m in ms]) for ms in (plain_real, spec_real)]
         s = [plain_sim[section][key], spec_sim[section][key]]
         real, sim = (r[0] / r[1], s[0] / s[1]) if invert else (r[1] / r[0], s[1] / s[0])
-        return {"real": float(real), "sim": float(sim), "error_pct": 100 * (sim - real) / real}
+        return {"real": float(real), "sim": float(sim), "error_pct": error_pct(float(sim), float(real))}
 
     return {"tpot_p50_speedup": ratio("tpot_s", "p50", True),
             "throughput_speedup": ratio("throughput", "output_tokens_per_s", False),
@@ -154,7 +168,8 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     """Simulate the plan with the profile (× the probe's factor, if any) and compare with the executor `runs`
     ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot).
     `plain_runs`: for a speculative scenario, runs without speculation, to validate the speedup too."""
-    sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, speed)
+    specs = generate_requests(plan.scenario.workload, plan.base_dir)  # plain_of(plan) has the same workload
+    sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, speed, specs)
     cost = make_cost_model(sim_plan)
     ratios = [step_time_ratio(steps, cost) for _, steps in runs]
     result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(runs),
@@ -162,10 +177,10 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
               "machine_speed": speed, "step_time_ratio": ratios}
     scale = speed["factor"] if speed else 1.0
     run_scales = [scale * r["all"] if r["all"] else None for r in ratios]  # None: a run with no steps
-    for name, row in at_run_speed(plan, profile, metrics, run_scales).items():
+    for name, row in at_run_speed(plan, profile, metrics, run_scales, specs).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
     if plain_runs:
-        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, speed)
+        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, speed, specs)
         result["speculative"] = speedup(metrics, sim_m, plain_real, plain_sim)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -174,24 +189,21 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     return result
 
 
-def at_run_speed(plan: Plan, profile: Path, reals: list[dict], scales: list[float | None]) -> dict:
+def at_run_speed(plan: Plan, profile: Path, reals: list[dict], scales: list[float | None], specs) -> dict:
     """Per metric, the simulator's signed % error against each run (mean over the runs) when the profile is
     scaled by that run's own measured step-time ratio: what is left once the machine's average speed during the
     run is known. It is a diagnostic (it reads the real run), not a prediction: a large headline error that
     shrinks here is the cost model or the machine's speed; one that stays is the policy, the replay, or the
-    machine's speed changing within the run. Uses the same seeded workload as the headline simulation."""
-    specs = generate_requests(plan.scenario.workload, plan.base_dir)
-    slo = plan.scenario.slo
+    machine's speed changing within the run. `specs`: the requests of the headline simulation."""
     errors: dict[str, list[float]] = {name: [] for name, *_ in METRICS}
     for real, scale in zip(reals, scales):
         if not scale:
             continue
-        sim = compute_metrics(sim_records(simulate(with_profile(plan, profile, scale), specs)),
-                              slo.ttft_s, slo.tpot_s, slo.quantile)
+        _, _, sim = simulated(plan, profile, scale, specs)
         for name, section, key in METRICS:
-            r, s = pick(real, section, key), pick(sim, section, key)
-            if r and s is not None:
-                errors[name].append(100 * (s - r) / r)
+            e = error_pct(pick(sim, section, key), pick(real, section, key))
+            if e is not None:
+                errors[name].append(e)
     return {name: float(np.mean(e)) if e else None for name, e in errors.items()}
 
 
