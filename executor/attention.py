@@ -44,6 +44,9 @@ class AttentionMetadata:
     # speculative candidate trees: sequence -> [q, q] bool, which of its new tokens each one attends to
     # (itself and its ancestors) instead of all earlier ones; the engine sets them
     trees: dict = field(default_factory=dict, repr=False, compare=False)
+    # the engine's rows: the first num_decode_rows sequences decode (one token, or a verify row: the last token
+    # and its drafts), the rest are prompt chunks; None: rows of one token decode, longer ones are chunks
+    num_decode_rows: int | None = None
     _per_step: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -52,12 +55,14 @@ class AttentionMetadata:
             raise ValueError("slot_mapping needs one slot per new token")
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, device=None) -> "AttentionMetadata":
+    def build(cls, query_lens, context_lens, block_tables, block_size, device=None,
+              num_decode_rows: int | None = None) -> "AttentionMetadata":
         """Build metadata, deriving the slot mapping from the block tables."""
         _check_sequences(query_lens, context_lens, block_tables, block_size)
         seq, pos = _token_positions(query_lens, context_lens, device)
         slots = _padded_tables(block_tables, device)[seq, pos // block_size] * block_size + pos % block_size
-        return cls(list(query_lens), list(context_lens), [list(b) for b in block_tables], slots, block_size)
+        return cls(list(query_lens), list(context_lens), [list(b) for b in block_tables], slots, block_size,
+                   num_decode_rows=num_decode_rows)
 
     @property
     def device(self) -> torch.device:
@@ -90,14 +95,34 @@ class AttentionMetadata:
         return [i for i, q in enumerate(self.query_lens) if q > 1]
 
     @functools.cached_property
-    def verify_groups(self) -> list[tuple[int, list[int]]]:
-        """Multi-token sequences short enough to attend batched (speculative verify rows), grouped by
-        query length: (query length, sequences)."""
-        groups: dict[int, list[int]] = {}
+    def verify_groups(self) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
+        """Multi-token rows short enough to attend batched, in groups of one call each: (n queries per row,
+        sequences, the token row of each of the b·n query slots, which slots are real).
+
+        Where the first `num_decode_rows` sequences are the step's decode rows and some carry drafts
+        (speculative verify rows), they attend in one group with the step's plain decodes, each row padded
+        at its front to the longest one's n (a padding slot repeats its row's first token): one attention
+        path per step, not a decode call beside a verify call. Other short rows (short prompt chunks, or
+        verify rows when the decode rows are not marked) group by query length, unpadded."""
+        groups, done = [], set()
+        d = self.num_decode_rows or 0
+        if any(q > 1 for q in self.query_lens[:d]) and max(self.query_lens[:d]) <= VERIFY_MAX_TOKENS:
+            n, index, keep = max(self.query_lens[:d]), [], []
+            for i in range(d):
+                pad, first = n - self.query_lens[i], self.cu_query_lens[i]
+                index += [first] * pad + list(range(first, first + self.query_lens[i]))
+                keep += [False] * pad + [True] * self.query_lens[i]
+            groups.append((n, list(range(d)), torch.tensor(index, dtype=torch.long, device=self.device),
+                           torch.tensor(keep, dtype=torch.bool, device=self.device)))
+            done = set(range(d))
+        by_len: dict[int, list[int]] = {}
         for i, q in enumerate(self.query_lens):
-            if 1 < q <= VERIFY_MAX_TOKENS:
-                groups.setdefault(q, []).append(i)
-        return sorted(groups.items())
+            if 1 < q <= VERIFY_MAX_TOKENS and i not in done:
+                by_len.setdefault(q, []).append(i)
+        for n, seqs in sorted(by_len.items()):
+            index = torch.tensor([self.cu_query_lens[i] + t for i in seqs for t in range(n)], device=self.device)
+            groups.append((n, seqs, index, torch.ones(len(index), dtype=torch.bool, device=self.device)))
+        return groups
 
     @functools.cached_property
     def decode_token_index(self) -> torch.Tensor:
@@ -275,21 +300,24 @@ def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
 def _per_group(q, meta, attend_prefill, attend_decodes, attend_verifies=None) -> torch.Tensor:
     """Run a backend's prefill path per multi-token sequence and its decode path once for all
     single-token sequences, scattering results back into token order. With `attend_verifies`, short
-    multi-token sequences go to it instead, one call per query length."""
+    multi-token sequences go to it instead, one call per group of `meta.verify_groups` (which may take
+    the decodes too)."""
     out = torch.empty_like(q)
     batched = set()
     if attend_verifies is not None:
-        for n, seqs in meta.verify_groups:
-            idx = meta.once(("verify_rows", n), lambda: torch.tensor(
-                [meta.cu_query_lens[i] + t for i in seqs for t in range(n)], device=q.device))
-            out[idx] = attend_verifies(q[idx], n, seqs)
+        for n, seqs, index, keep in meta.verify_groups:
+            o = attend_verifies(q[index], n, seqs)
+            if keep.all():
+                out[index] = o
+            else:
+                out[meta.once("verify_real_rows", lambda: index[keep])] = o[keep]  # only the decode group pads
             batched.update(seqs)
     for i in meta.prefill_seqs:
         if i in batched:
             continue
         s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
         out[s:e] = attend_prefill(q[s:e], i)
-    if meta.decode_seqs:
+    if meta.decode_seqs and not batched.issuperset(meta.decode_seqs):
         b = len(meta.decode_seqs)
         if meta.decode_seqs[-1] == b - 1:  # the decodes lead the batch (the engine's order): a slice
             out[:b] = attend_decodes(q[:b])
@@ -365,15 +393,17 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
 
     def verify_buckets(n, seqs):
         """Per bucket of verify rows: (rows, block tables, key mask [b, 1, n·G, width] under which each query
-        sees the context up to its own position, or within a candidate tree only its ancestors, width)."""
+        sees the context up to its own position, or within a candidate tree only its ancestors, width).
+        Rows are padded at the front to n queries; a padding query sees the context up to the position
+        before its row's first (at least position 0), so its softmax stays finite, and is dropped."""
         out = []
         for rows, tables, lens, _, width in meta.buckets_of(seqs):
             b = tables.shape[0]
-            last = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]  # each query's position
+            last = (lens[:, None] - n + torch.arange(n, device=q.device)[None, :]).clamp_(min=0)  # query positions
             mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
             for j, m in enumerate(range(b) if rows is None else rows.tolist()):
                 if seqs[m] in meta.trees:  # a candidate tree: each node sees the context and its ancestors
-                    mask[j] = meta.visible(seqs[m], width)
+                    mask[j, n - meta.query_lens[seqs[m]]:] = meta.visible(seqs[m], width)
             out.append((rows, tables, mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width),
                         width))
         return out
@@ -384,7 +414,7 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
         end of each context."""
         out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
         qs = qv.view(len(seqs), n, kvh, group, -1)
-        for rows, tables, mask, width in meta.once(("verify_buckets", n, group), lambda: verify_buckets(n, seqs)):
+        for rows, tables, mask, width in meta.once(("verify_buckets", seqs[0], group), lambda: verify_buckets(n, seqs)):
             b = tables.shape[0]
             k, v = gather(tables, width)
             qb = qs if rows is None else qs[rows]

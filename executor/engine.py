@@ -169,7 +169,8 @@ class Engine:
         query_lens = [n for _, n, _ in rows] + [1] * len(batch.padding)
         context_lens = [c for _, _, c in rows] + [self._padding_ctx[r] for r in batch.padding]
         tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device,
+                                       num_decode_rows=len(batch.decode))
         positions = meta.positions()
         parents = getattr(self.drafter, "tree_parents", None)
         if parents is not None:  # candidate trees: node positions are root + depth, attention follows the tree

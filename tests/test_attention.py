@@ -206,5 +206,27 @@ def test_sdpa_batches_speculative_verify_rows(monkeypatch, overhead, num_heads, 
     query_lens = [1, 1, 5, 5, 5, 3, 3, 20]
     context_lens = [9, 64, 70, 6, 33, 12, 90, 41]
     q, kp, vp, meta, logical = make_batch(query_lens, context_lens, num_heads, num_kv_heads, block_size=4, seed=13)
-    assert meta.verify_groups == [(3, [5, 6]), (5, [2, 3, 4])]
+    assert [(n, seqs) for n, seqs, *_ in meta.verify_groups] == [(3, [5, 6]), (5, [2, 3, 4])]
+    assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL
+
+
+@pytest.mark.parametrize("overhead", [0, 10**9])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_sdpa_attends_a_steps_decodes_and_verify_rows_in_one_padded_call(monkeypatch, overhead, num_heads,
+                                                                         num_kv_heads):
+    """The engine marks its decode rows: verify rows of several lengths and plain decodes (one with a context
+    shorter than the padding) attend as one group padded to the longest row; a short prompt chunk after them
+    keeps its own group; the result matches the reference."""
+    import dataclasses
+
+    from executor import attention
+
+    monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
+    query_lens = [1, 5, 1, 3, 5, 1, 4, 20]
+    context_lens = [2, 70, 64, 12, 33, 90, 9, 41]
+    q, kp, vp, meta, logical = make_batch(query_lens, context_lens, num_heads, num_kv_heads, block_size=4, seed=17)
+    meta = dataclasses.replace(meta, num_decode_rows=6)
+    groups = meta.verify_groups
+    assert [(n, seqs) for n, seqs, *_ in groups] == [(5, [0, 1, 2, 3, 4, 5]), (4, [6])]
+    assert int(groups[0][3].sum()) == sum(query_lens[:6]) and len(groups[0][2]) == 6 * 5
     assert rel_err(get_backend("sdpa")(q, kp, vp, meta), dense_reference(q, meta, logical)) < TOL

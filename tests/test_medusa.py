@@ -192,3 +192,23 @@ def test_simulated_medusa_steps_yield_the_tree_expectation():
     assert report["requests"]["completed"] == 60
     want = tree_expected_tokens([tuple(p) for p in tree], probs)
     assert 1 + spec["mean_accepted_length"] == pytest.approx(want, rel=0.05)
+
+
+def test_tree_row_padded_among_decodes_matches_naive():
+    """A candidate-tree row that sdpa attends in one padded call with the step's decodes (and a shorter chain
+    verify row) gives what the naive backend gives for every token."""
+    g = torch.Generator().manual_seed(3)
+    heads, kvh, d, bs = 4, 2, 8, 4
+    k_cache = torch.randn(40, bs, kvh, d, generator=g)
+    v_cache = torch.randn(40, bs, kvh, d, generator=g)
+    parents = [0, 0, 1, 2, 1]
+    query_lens, context_lens = [1, len(parents) + 1, 3, 1], [3, 30, 17, 44]
+    tables = [list(range(0, 1)), list(range(1, 9)), list(range(9, 14)), list(range(14, 25))]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, num_decode_rows=4)
+    meta.trees[1] = tree_mask(parents)
+    assert [(n, seqs) for n, seqs, *_ in meta.verify_groups] == [(6, [0, 1, 2, 3])]
+    q = torch.randn(sum(query_lens), heads, d, generator=g)
+    ref = AttentionMetadata.build(query_lens, context_lens, tables, bs)
+    ref.trees[1] = tree_mask(parents)
+    torch.testing.assert_close(get_backend("sdpa")(q, k_cache, v_cache, meta),
+                               get_backend("naive")(q, k_cache, v_cache, ref), atol=1e-5, rtol=1e-5)
