@@ -1,15 +1,17 @@
 """A step-cost model fitted to executor measurements (same interface as the roofline model).
 
 time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·prefilling sequences
-       + c_has_prefill·[the step carries a prompt chunk] + c_sample·sampled rows
-       + c_pair·attention (query, key) pairs + c_kv·KV tokens read
+       + c_has_prefill·[the step carries a prompt chunk] + c_has_verify·[some decode row carries drafts]
+       + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
 differently: a chunk gets its own causal attention call per layer), the prefill path's fixed cost
-(mask, context gather, the extra attention pass), the lm_head per sampled row, attention compute, and
+(mask, context gather, the extra attention pass), the verify path's (a step whose decode rows carry drafts
+attends them through one padded masked call), the lm_head per sampled row, attention compute, and
 attention memory traffic. The form was chosen on the profile's held-out samples and served steps:
-one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted.
+one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted, and
+with no verify-step term a step in which one of four rows verifies drafts ran 1.11x its prediction.
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
 prefills.
 """
@@ -25,26 +27,30 @@ from sim.cost_model import decode_run
 from sim.errors import ConfigError
 from sim.scheduler import BatchShape
 
-FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "sampled", "attn_pairs",
-            "kv_tokens")
+FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "has_verify", "sampled",
+            "attn_pairs", "kv_tokens")
 
 
 def features(shape: BatchShape) -> tuple[int, ...]:
     p = shape.num_prefill
-    return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, shape.num_sampled, shape.attn_pairs,
-            shape.sum_context)
+    return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if shape.num_verify else 0,
+            shape.num_sampled, shape.attn_pairs, shape.sum_context)
 
 
 def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
              num_prefill: int | None = None) -> BatchShape:
     """The aggregate shape of a step given per-sequence new tokens and context lengths (after the step).
-    `num_prefill`: sequences computing a prompt chunk (the executor's trace records it); if unknown, those
-    with more than one new token."""
+    `num_prefill`: sequences computing a prompt chunk (the executor's trace records it; its rows come after
+    the decode rows, and a decode row of several tokens verifies drafts); if unknown, those with more than
+    one new token, and none verifies."""
     pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
+    verify = 0
     if num_prefill is None:
         num_prefill = sum(1 for n in new_tokens if n > 1)
+    else:
+        verify = sum(1 for n in new_tokens[:len(new_tokens) - num_prefill] if n > 1)
     return BatchShape(len(new_tokens), sum(new_tokens), sum(context_lens), pairs,
-                      len(new_tokens) if sampled is None else sampled, num_prefill=num_prefill)
+                      len(new_tokens) if sampled is None else sampled, num_prefill=num_prefill, num_verify=verify)
 
 
 def _upgrade(coefs: dict) -> dict:
@@ -64,13 +70,14 @@ class FittedCostModel:
         self._c = tuple(float(coefs.get(f, 0.0)) for f in FEATURES)
 
     def step_time(self, shape: BatchShape) -> float:
-        c0, ct, cd, cp, chp, csa, cpair, ckv = self._c
+        c0, ct, cd, cp, chp, chv, csa, cpair, ckv = self._c
         p = shape.num_prefill
         return (c0 + ct * shape.num_new_tokens + cd * (shape.num_seqs - p) + cp * p + (chp if p else 0.0)
-                + csa * shape.num_sampled + cpair * shape.attn_pairs + ckv * shape.sum_context)
+                + (chv if shape.num_verify else 0.0) + csa * shape.num_sampled + cpair * shape.attn_pairs
+                + ckv * shape.sum_context)
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        c0, ct, cd, _, _, csa, cpair, ckv = self._c  # the prefill terms are 0 here: adding 0.0 is exact
+        c0, ct, cd, _, _, _, csa, cpair, ckv = self._c  # the prefill and verify terms are 0 here: adding 0.0 is exact
         return c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):

@@ -47,6 +47,7 @@ class BatchShape:
     num_sampled: int  # sequences whose logits are computed (a prompt chunk that ends mid-prompt has none)
     swap_blocks: int = 0
     num_prefill: int = 0  # rows computing a prompt chunk; the rest decode (one token, or a verify row's few)
+    num_verify: int = 0  # decode rows carrying drafts (speculative verify rows)
 
 
 @dataclass(slots=True)
@@ -89,11 +90,11 @@ def _prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, i
     return tokens, ctx, pairs, sampled
 
 
-def _verify_shape(rows) -> tuple[int, int, int, int]:
+def _verify_shape(rows) -> tuple[int, int, int, int, int]:
     """_prefill_shape of speculative decode rows (each computes its last token and its drafts), except that
-    every one of those positions needs logits (to check the draft after it)."""
+    every one of those positions needs logits (to check the draft after it); and how many rows draft."""
     tokens, ctx, pairs, _ = _prefill_shape([(r, 1 + r.num_draft) for r in rows])
-    return tokens, ctx, pairs, tokens
+    return tokens, ctx, pairs, tokens, sum(1 for r in rows if r.num_draft)
 
 
 class Scheduler:
@@ -331,15 +332,16 @@ class Scheduler:
     def _batch(self, prefill, decodes, preempted, swapped_in) -> ScheduledBatch:
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         b = len(self.decoding) if decodes else 0
+        verify = 0
         if decodes and self.speculative:
-            d_tokens, d_ctx, d_pairs, d_sampled = _verify_shape(self.decoding.members)
+            d_tokens, d_ctx, d_pairs, d_sampled, verify = _verify_shape(self.decoding.members)
         else:  # one token each, attending to its whole context
             d_tokens = d_sampled = b
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
         swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
         swap_in = [p for r in swapped_in for p in r.swap_pairs]
         shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
-                           len(swap_out) + len(swap_in), len(prefill))
+                           len(swap_out) + len(swap_in), len(prefill), verify)
         decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling \
             and not self.speculative  # speculative rows advance unevenly: no run of identical steps
         # the simulator never reads plain decode rows: skip the O(batch) copy there

@@ -12,7 +12,7 @@ from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import plan_of, run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
-        "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
+        "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
 
 
 def synthetic(n=400, noise=0.02, seed=0):
@@ -22,10 +22,13 @@ def synthetic(n=400, noise=0.02, seed=0):
     for _ in range(n):
         kind = rng.random()
         b = int(rng.integers(1, 32)) if kind < 0.66 else 0  # decode rows
-        p = int(rng.integers(1, 4)) if kind > 0.33 else 0  # prompt chunks (1-3), alone or with decodes
-        new = [1] * b + rng.integers(8, 512, p).tolist()
-        ctx = rng.integers(16, 1024, b).tolist() + [n + int(rng.integers(0, 512)) for n in new[b:]]
-        shape = shape_of(new, ctx, sampled=b + int(rng.integers(0, p + 1)))  # some chunks end mid-prompt
+        p = int(rng.integers(1, 4)) if 0.33 < kind < 0.85 else 0  # prompt chunks (1-3), alone or with decodes
+        # in some steps some decode rows verify drafts
+        drafts = rng.integers(0, 5, b) * (rng.random(b) < 0.4) if kind < 0.25 else np.zeros(b, int)
+        new = (1 + drafts).tolist() + rng.integers(8, 512, p).tolist()
+        ctx = (rng.integers(16, 1024, b) + drafts).tolist() + [n + int(rng.integers(0, 512)) for n in new[b:]]
+        # some chunks end mid-prompt; every verify position samples
+        shape = shape_of(new, ctx, sampled=int(sum(new[:b])) + int(rng.integers(0, p + 1)), num_prefill=p)
         shapes.append(shape)
         times.append(truth.step_time(shape) * (1 + noise * rng.standard_normal()))
     return shapes, times
@@ -35,7 +38,8 @@ def test_fit_recovers_coefficients_and_reports_heldout_error():
     shapes, times = synthetic()
     result = fit(shapes, times)
     c = result["coefs"]
-    for k in ("step", "new_tokens", "prefill_seqs", "has_prefill", "kv_tokens"):
+    assert sum(s.num_verify > 0 for s in shapes) > 30
+    for k in ("step", "new_tokens", "prefill_seqs", "has_prefill", "has_verify", "kv_tokens"):
         assert c[k] == pytest.approx(TRUE[k], rel=0.2), k
     # a decode row's three per-row terms are told apart only by the few chunks that do not sample: check the sum
     row = ("new_tokens", "decode_seqs", "sampled")
