@@ -69,10 +69,12 @@ def device_info(device: str) -> dict:
 
 def _engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
     cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
+    rate = cfg.pop("draft_rate", 1.0)
     sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
     kv = KVCache.for_model(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
-    # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat
-    drafter = RandomDrafter(model.config.vocab_size) if cfg.get("num_speculative_tokens") else None
+    # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
+    # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
+    drafter = RandomDrafter(model.config.vocab_size, rate=rate) if cfg.get("num_speculative_tokens") else None
     return Engine(model, sched, kv, SamplingParams(), drafter=drafter)
 
 
@@ -110,6 +112,11 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
     # speculative verify steps: every decode row carries γ drafts, all of whose positions need logits
     for b, gamma in ([(1, 4), (4, 4)] if quick else [(1, 2), (1, 5), (1, 8), (4, 3), (4, 6), (12, 4), (16, 2)]):
         runs.append(({"max_num_seqs": b, "num_speculative_tokens": gamma}, [(p, 6) for p in spread(b, 160)]))
+    # ... and steps where only some rows draft (prompt lookup finds a match for ~30% of requests per step)
+    for b, gamma, rate in ([(4, 3, 0.4)] if quick else [(4, 3, 0.3), (4, 4, 0.6), (8, 4, 0.3), (16, 4, 0.3),
+                                                          (16, 3, 0.6)]):
+        runs.append(({"max_num_seqs": b, "num_speculative_tokens": gamma, "draft_rate": rate},
+                     [(p, 8) for p in spread(b, 160)]))
     return runs
 
 

@@ -130,8 +130,8 @@ def draft_cost(records: list, cost=None) -> dict:
     requests that drafted, fitted by non-negative least squares over the decode steps that drafted. The overhead
     is the drafter's time and, given the fitted step-cost model the simulator uses (`cost`), also the verify
     step's measured time beyond that model's prediction for its shape (the model's linear form does not follow
-    small verify batches exactly: 0.99-1.03x in the shipped calibration serves, 1.05-1.18x before verify rows
-    built their attention masks once per step), so the simulator charges what speculation really costs."""
+    small verify batches exactly: 0.93-1.04x in the shipped calibration serves), so the simulator charges what
+    speculation really costs."""
     from scipy.optimize import nnls
 
     steps = [r for r in records if r.num_drafted > 0 and not r.num_prefill]

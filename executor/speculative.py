@@ -56,14 +56,20 @@ class PromptLookup(Drafter):
 
 class RandomDrafter(Drafter):
     """Proposes k uniformly random tokens: almost all rejected. Calibration uses it to time verify steps
-    of every draft length without depending on how well a real drafter matches the text."""
+    of every draft length without depending on how well a real drafter matches the text. With `rate` < 1
+    a request drafts only that share of the time (seeded), so verify rows share steps with plain decodes,
+    as with prompt lookup."""
 
-    def __init__(self, vocab_size: int, seed: int = 0):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int, seed: int = 0, rate: float = 1.0):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.vocab_size, self.rate = vocab_size, rate
         self.rng = np.random.default_rng(seed)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        return self.rng.integers(0, self.vocab_size, k).tolist() if k > 0 else []
+        if k <= 0 or (self.rate < 1.0 and self.rng.random() >= self.rate):
+            return []
+        return self.rng.integers(0, self.vocab_size, k).tolist()
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
