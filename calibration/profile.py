@@ -179,6 +179,29 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
                         for s, sh, t in zip(samples, shapes, times)]}
 
 
+def refit(prof: dict) -> dict:
+    """The profile with its step-cost model fitted again on its own stored samples (no new measurements):
+    for a profile measured before the model's form changed."""
+    samples = prof["samples"]
+    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
+    return {**prof, "fit": fit(shapes, [s["time_s"] for s in samples])}
+
+
+def refit_command(path: Path) -> dict:
+    """`infersim profile --refit`: refit the profile at `path` in place and summarize it."""
+    try:
+        prof = refit(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such profile to refit", "--out") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not an infersim profile with samples ({type(e).__name__}: {e})", "--out") from None
+    write_profile(path, prof)
+    f = prof["fit"]
+    Console().print(f"refitted {len(prof['samples'])} steps; held-out MAPE {f['heldout']['mape'] * 100:.1f}%, "
+                    f"R² {f['heldout']['r2']:.4f}; wrote {path}")
+    return prof
+
+
 def write_profile(path: Path, prof: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof, indent=1) + "\n")

@@ -103,12 +103,17 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
             repeats: int = typer.Option(3, "--repeats", min=1, help="runs of each workload; a step's time is "
-                                        "the median over them")) -> None:
+                                        "the median over them"),
+            refit: bool = typer.Option(False, "--refit", help="no sweep: fit the step-cost model again on the "
+                                       "samples stored in the --out profile, in place")) -> None:
     """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
     try:
-        from calibration.profile import profile_command
+        from calibration.profile import profile_command, refit_command
 
-        profile_command(device, model, out, threads, quick, repeats)
+        if refit:
+            refit_command(out)
+        else:
+            profile_command(device, model, out, threads, quick, repeats)
     except ConfigError as e:
         _fail(e)
 

@@ -101,3 +101,33 @@ def test_profile_scale_stretches_every_step(tmp_path):
         assert slow[key]["p50"] == pytest.approx(1.25 * base[key]["p50"], rel=1e-9)
     assert FittedCostModel(TRUE).scaled(2.0).step_time(shape_of([5], [9])) == \
         pytest.approx(2 * FittedCostModel(TRUE).step_time(shape_of([5], [9])))
+
+
+def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
+    """`infersim profile --refit` re-fits the coefficients from the samples the profile stores (no sweep) and
+    rewrites it; a missing profile is a one-line error, exit 2."""
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+
+    shapes, times = synthetic(noise=0.0)
+    samples = []
+    for i, (s, t) in enumerate(zip(shapes, times)):
+        # shape_of's inputs back: any per-row split with the same sums gives the same features here
+        new = [s.num_new_tokens - (s.num_seqs - 1)] + [1] * (s.num_seqs - 1)
+        ctx = [s.sum_context - (s.num_seqs - 1) * new[0]] + [new[0]] * (s.num_seqs - 1)
+        samples.append({"new_tokens": new, "context_lens": ctx, "num_sampled": s.num_sampled,
+                        "num_prefill": s.num_prefill, "time_s": FittedCostModel(TRUE).step_time(
+                            shape_of(new, ctx, s.num_sampled, s.num_prefill))})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"model": {"name": "x"}, "fit": {"coefs": {k: 1.0 for k in TRUE}}, "samples": samples}))
+    result = CliRunner().invoke(app, ["profile", "--refit", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    prof = json.loads(path.read_text())
+    assert prof["fit"]["heldout"]["mape"] < 1e-6 and prof["samples"] == samples
+    m = FittedCostModel(prof["fit"]["coefs"])
+    for sample in samples[:50]:
+        shape = shape_of(sample["new_tokens"], sample["context_lens"], sample["num_sampled"], sample["num_prefill"])
+        assert m.step_time(shape) == pytest.approx(sample["time_s"], rel=1e-6)
+    missing = CliRunner().invoke(app, ["profile", "--refit", "--out", str(tmp_path / "none.json")])
+    assert missing.exit_code == 2 and "no such profile" in missing.output and len(missing.output.strip().splitlines()) == 1
