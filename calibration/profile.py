@@ -170,21 +170,25 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
     samples, probes = sweep(model, corpus, device, quick, repeats)
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill"))
               for s in samples]
-    times = [s["time_s"] for s in samples]
+    stored = [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"], "num_sampled": sh.num_sampled,
+               "num_prefill": sh.num_prefill, "time_s": s["time_s"], "repeat_times_s": s["repeat_times_s"]}
+              for s, sh in zip(samples, shapes)]
     return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
-            "sweep_s": time.perf_counter() - t0, "fit": fit(shapes, times),
+            "sweep_s": time.perf_counter() - t0, "fit": fit_samples(stored),
             "probe": {"workload": PROBE, "times_s": probes, "time_s": statistics.median(probes)},
-            "samples": [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"],
-                         "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill, "time_s": t, "repeat_times_s": s["repeat_times_s"]}
-                        for s, sh, t in zip(samples, shapes, times)]}
+            "samples": stored}
+
+
+def fit_samples(samples: list[dict]) -> dict:
+    """The step-cost fit of a profile's stored samples (each step's shape and median time)."""
+    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
+    return fit(shapes, [s["time_s"] for s in samples])
 
 
 def refit(prof: dict) -> dict:
     """The profile with its step-cost model fitted again on its own stored samples (no new measurements):
     for a profile measured before the model's form changed."""
-    samples = prof["samples"]
-    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
-    return {**prof, "fit": fit(shapes, [s["time_s"] for s in samples])}
+    return {**prof, "fit": fit_samples(prof["samples"])}
 
 
 def refit_command(path: Path) -> dict:

@@ -95,9 +95,9 @@ class AttentionMetadata:
         return [i for i, q in enumerate(self.query_lens) if q > 1]
 
     @functools.cached_property
-    def verify_groups(self) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
+    def verify_groups(self) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor | None]]:
         """Multi-token rows short enough to attend batched, in groups of one call each: (n queries per row,
-        sequences, the token row of each of the b·n query slots, which slots are real).
+        sequences, the token row of each of the b·n query slots, which slots are real — None: all are).
 
         Where the first `num_decode_rows` sequences are the step's decode rows and some carry drafts
         (speculative verify rows), they attend in one group with the step's plain decodes, each row padded
@@ -121,7 +121,7 @@ class AttentionMetadata:
                 by_len.setdefault(q, []).append(i)
         for n, seqs in sorted(by_len.items()):
             index = torch.tensor([self.cu_query_lens[i] + t for i in seqs for t in range(n)], device=self.device)
-            groups.append((n, seqs, index, torch.ones(len(index), dtype=torch.bool, device=self.device)))
+            groups.append((n, seqs, index, None))
         return groups
 
     @functools.cached_property
@@ -307,10 +307,11 @@ def _per_group(q, meta, attend_prefill, attend_decodes, attend_verifies=None) ->
     if attend_verifies is not None:
         for n, seqs, index, keep in meta.verify_groups:
             o = attend_verifies(q[index], n, seqs)
-            if keep.all():
+            if keep is None:
                 out[index] = o
-            else:
-                out[meta.once("verify_real_rows", lambda: index[keep])] = o[keep]  # only the decode group pads
+            else:  # only the decode group pads; its real slots as positions once per step, not a mask per layer
+                kept = meta.once("verify_kept_slots", lambda: keep.nonzero().squeeze(1))
+                out[meta.once("verify_real_rows", lambda: index[kept])] = o[kept]
             batched.update(seqs)
     for i in meta.prefill_seqs:
         if i in batched:

@@ -110,9 +110,9 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
 
     from sim.cli import app
 
-    shapes, times = synthetic(noise=0.0)
+    shapes, _ = synthetic(noise=0.0)
     samples = []
-    for i, (s, t) in enumerate(zip(shapes, times)):
+    for s in shapes:
         # shape_of's inputs back: any per-row split with the same sums gives the same features here
         new = [s.num_new_tokens - (s.num_seqs - 1)] + [1] * (s.num_seqs - 1)
         ctx = [s.sum_context - (s.num_seqs - 1) * new[0]] + [new[0]] * (s.num_seqs - 1)
