@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from executor import native
+
 
 @dataclass
 class AttentionMetadata:
@@ -217,6 +219,8 @@ def _check_sequences(query_lens, context_lens, block_tables, block_size) -> None
             raise ValueError(f"block table of {len(bt)} blocks cannot hold {c} tokens")
 
 
+# Switch off to attend decode and verify rows through gathered K/V and SDPA even where the native kernel is built.
+USE_NATIVE_ATTENTION = True
 # Multi-token rows up to this long attend batched, like decodes (speculative verify rows); longer ones are
 # prompts, attended one at a time.
 VERIFY_MAX_TOKENS = 16
@@ -285,6 +289,23 @@ def _ungroup(o: torch.Tensor, length: int) -> torch.Tensor:
     """[B, kvh, L*G, D] -> [B, L, H, D], inverse of `_group`."""
     b, kvh, rows, d = o.shape
     return o.view(b, kvh, length, rows // length, d).permute(0, 2, 1, 3, 4).reshape(b, length, -1, d)
+
+
+def _native_rows(meta: AttentionMetadata, n: int, seqs: list[int]):
+    """(block tables [b, max_blocks], context lens [b], visibility [b, n, n] or None) of rows of n query slots
+    for the native kernel: a row's real queries are its last query_len slots; candidate trees replace the
+    causal pattern among its new tokens."""
+    tables = _padded_tables([meta.block_tables[i] for i in seqs], meta.device)
+    lens = torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.long, device=meta.device)
+    visible = None
+    if any(i in meta.trees for i in seqs):
+        visible = torch.ones(n, n, dtype=torch.bool).tril().repeat(len(seqs), 1, 1)
+        for j, i in enumerate(seqs):
+            if i in meta.trees:
+                m = meta.query_lens[i]
+                visible[j, n - m:, n - m:] = meta.trees[i].to("cpu")
+        visible = visible.to(torch.uint8)
+    return tables, lens, visible
 
 
 def _no_trees(meta: AttentionMetadata, name: str) -> None:
@@ -360,6 +381,8 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
     _check_heads(q, k_cache)
     kvh = k_cache.shape[-2]
     group = q.shape[1] // kvh
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    use_native = USE_NATIVE_ATTENTION and q.dtype == torch.float32 and native.usable(k_cache, v_cache)
 
     def prefill(qs, i):
         slots = meta.context_slots(i)
@@ -413,6 +436,11 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
         """Rows of n queries each ([b·n, H, D], sequence-major): the G query heads sharing a kv head and the
         n positions become n·G query rows of one SDPA call per bucket, under a causal mask aligned to the
         end of each context."""
+        if use_native:
+            tables, lens, visible = meta.once(("native_rows", seqs[0], n), lambda: _native_rows(meta, n, seqs))
+            o = native.paged_attention(qv.contiguous().view(len(seqs), n, *qv.shape[1:]), k_cache, v_cache,
+                                       tables, lens, scale, visible)
+            return o.view(qv.shape)
         out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
         qs = qv.view(len(seqs), n, kvh, group, -1)
         for rows, tables, mask, width in meta.once(("verify_buckets", seqs[0], group), lambda: verify_buckets(n, seqs)):
@@ -428,6 +456,9 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
         return out.view(qv.shape)
 
     def decodes(qd):
+        if use_native:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            return native.paged_attention(qd.contiguous()[:, None], k_cache, v_cache, tables, lens, scale)[:, 0]
         buckets = meta.decode_buckets
         out = torch.empty_like(qd) if len(buckets) > 1 else None
         for rows, tables, lens, mask, width in buckets:

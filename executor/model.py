@@ -6,7 +6,8 @@ on the rows the caller needs (a prefill needs just its last position).
 q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs per layer.
 On CPU in fp32 every projection runs oneDNN's GEMM on a weight reordered once into its blocked layout
 (`Linear`): plain `F.linear` hands MKL the [out, in] weight to re-pack on every call, which costs more
-than the multiply itself when few rows decode (2-4x at 1-64 rows) and ~15% at thousands of rows.
+than the multiply itself when few rows decode (2-4x at 1-64 rows) and ~15% at thousands of rows. At a few rows
+a projection is a stream of its weight, and the native kernel (executor/native.py) reads it at a higher rate.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor import native
 from executor.attention import AttentionMetadata, get_backend
 from executor.kv_cache import KVCache
 
@@ -113,6 +115,11 @@ def _mkldnn_linear_available() -> bool:
 
 # Switch off to run every projection through F.linear (for comparisons).
 USE_MKLDNN_LINEAR = _mkldnn_linear_available()
+# Switch off to run projections of a few rows through oneDNN too instead of the native weight-streaming kernel.
+USE_NATIVE_LINEAR = True
+# Switch off to run a layer's elementwise work (residual add + RMSNorm, RoPE + KV write, SiLU·up) as torch ops
+# even where the native kernels are built.
+USE_NATIVE_OPS = True
 # Switch off for the straightforward per-op forward (fresh tensors, separate rope for q and k, ...).
 FUSED_OPS = True
 
@@ -145,7 +152,16 @@ class Linear(nn.Linear):
         return (USE_MKLDNN_LINEAR and self.bias is None and x.device.type == "cpu" and w.dtype == torch.float32
                 and x.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad))
 
+    def _use_native(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.LINEAR_MAX_ROWS and self.bias is None
+                and x.dtype == w.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad)
+                and native.usable(x, w))
+
     def forward(self, x: torch.Tensor):
+        if self._use_native(x):
+            outs = tuple(native.linear_small(x, p) for p in self._parts())  # a few rows: stream the weight once
+            return outs if self.splits else outs[0]
         if not self._use_mkldnn(x):
             if not self.splits:
                 return F.linear(x, self.weight, self.bias)
@@ -180,6 +196,18 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim/2], broadcastable over heads."""
         return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+@dataclass
+class Rope:
+    """A step's rotary angles: per-token cos/sin [T, 1, D/2] for the torch path, or (native) the tables and
+    each token's position for the fused native kernel, which also does the layer's other elementwise work."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    positions: torch.Tensor
+    rotary: RotaryEmbedding
+    native: bool = False
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -225,22 +253,27 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache, backend,
+    def forward(self, x, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache, backend,
                 rows: tuple[torch.Tensor, AttentionMetadata] | None = None) -> torch.Tensor:
         """Attention output for every token, or with `rows` = (token rows, their metadata as single-query
         sequences) for those rows only (K/V of every token are still written to the cache)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if FUSED_OPS and qkv.dtype == torch.float32:  # rotate q and k together
-            qk = apply_rope_into(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, self.q_size + self.kv_size:]
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        kv_cache.write(self.layer_idx, meta.slot_mapping, k, v.view(t, self.num_kv_heads, self.head_dim))
         k_pool, v_pool = kv_cache.layer(self.layer_idx)
+        if rope.native:  # rotate q and k, write k and v to their slots: one pass over qkv
+            q = native.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary.cos,
+                                     rope.rotary.sin, rope.positions, k_pool, v_pool, meta.slot_mapping)
+        else:
+            cos, sin = rope.cos, rope.sin
+            if FUSED_OPS and qkv.dtype == torch.float32:  # rotate q and k together
+                qk = apply_rope_into(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                v = qkv[:, self.q_size + self.kv_size:]
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+                k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+            kv_cache.write(self.layer_idx, meta.slot_mapping, k, v.view(t, self.num_kv_heads, self.head_dim))
         if rows is not None:
             q, meta = q[rows[0]], rows[1]
         o = backend(q, k_pool, v_pool, meta, scale=self.scale)
@@ -254,8 +287,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * i, bias=False, splits=[i, i])
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)  # two contiguous GEMM outputs, owned here: updated in place
+        if fused:
+            return self.down_proj(native.silu_mul(gate, up))
         if FUSED_OPS and not torch.is_grad_enabled():
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return self.down_proj(F.silu(gate) * up)
@@ -269,16 +304,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta, kv_cache, backend, rows=None):
+    def forward(self, x, rope, meta, kv_cache, backend, rows=None, delta=None):
         """`x` is the model's own residual stream: updated in place under FUSED_OPS. With `rows` (see
-        Attention.forward) only those rows go on past attention and come back."""
+        Attention.forward) only those rows go on past attention and come back.
+
+        Native path (rope.native): `delta`, the previous layer's output, is added to `x` here, fused with this
+        layer's first norm, and the result is (x, this layer's output) for the next layer to add."""
+        if rope.native:
+            h = native.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+            a = self.self_attn(h, rope, meta, kv_cache, backend, rows)
+            if rows is not None:
+                x = x[rows[0]]
+            h = native.add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            return x, self.mlp(h, fused=True)
         if rows is not None:
-            x = x[rows[0]] + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend, rows)
+            x = x[rows[0]] + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend, rows)
             return x.add_(self.mlp(self.post_attention_layernorm(x)))
         if FUSED_OPS and not torch.is_grad_enabled():
-            x.add_(self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend))
+            x.add_(self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend))
             return x.add_(self.mlp(self.post_attention_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -308,8 +353,13 @@ class LlamaModel(nn.Module):
         and norm for those rows only — every other row's last-layer output only ever fed its own logits
         (its K/V, which later tokens read, are still written)."""
         backend = get_backend(self.attn_backend) if isinstance(self.attn_backend, str) else self.attn_backend
-        cos, sin = self.rotary(positions)
         x = self.embed_tokens(input_ids)
+        k_pool, _ = kv_caches.layer(0)
+        if USE_NATIVE_OPS and FUSED_OPS and x.dtype == k_pool.dtype == torch.float32 \
+                and native.usable(x, k_pool, self.rotary.cos, positions, meta.slot_mapping):
+            rope = Rope(None, None, positions, self.rotary, native=True)
+        else:
+            rope = Rope(*self.rotary(positions), positions, self.rotary)
         rows, idx = None, None
         if last_of is not None:
             idx = [meta.cu_query_lens[i + 1] - 1 for i in last_of]
@@ -320,9 +370,17 @@ class LlamaModel(nn.Module):
                 rows = (index, AttentionMetadata([1] * len(idx), [meta.context_lens[i] for i in last_of],
                                                  [meta.block_tables[i] for i in last_of],
                                                  meta.slot_mapping[index], meta.block_size))
+        if rope.native:
+            delta = None
+            for layer in self.layers[:-1]:
+                x, delta = layer(x, rope, meta, kv_caches, backend, delta=delta)
+            x, delta = self.layers[-1](x, rope, meta, kv_caches, backend, rows, delta)
+            if idx is not None and rows is None and len(idx) < x.shape[0]:  # no row samples: none returned
+                x, delta = x[:0], delta[:0]
+            return native.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         for layer in self.layers[:-1]:
-            x = layer(x, cos, sin, meta, kv_caches, backend)
-        x = self.layers[-1](x, cos, sin, meta, kv_caches, backend, rows)
+            x = layer(x, rope, meta, kv_caches, backend)
+        x = self.layers[-1](x, rope, meta, kv_caches, backend, rows)
         if idx is not None and rows is None and len(idx) < x.shape[0]:  # no row samples: none returned
             x = x[:0]
         return self.norm(x)

@@ -256,15 +256,18 @@ def test_missing_smollm2_package_gives_install_hint(monkeypatch):
 
 
 def test_fast_paths_equal_plain_forward(monkeypatch):
-    """Prepacked oneDNN projections, split gate/up GEMMs, fused norm/rope and in-place residuals give the
-    plain per-op forward's logits."""
+    """Prepacked oneDNN projections, split gate/up GEMMs, fused norm/rope, in-place residuals and the native
+    kernels give the plain per-op forward's logits."""
     from executor import model as model_module
 
     model = tiny_model(seed=8, num_heads=8, num_kv_heads=2, head_dim=16)
     prompts = random_prompts([13, 1, 29], model.config.vocab_size, seed=3)
     fast = torch.cat(list(full_forward(model, prompts).values()))
-    monkeypatch.setattr(model_module, "USE_MKLDNN_LINEAR", False)
-    monkeypatch.setattr(model_module, "FUSED_OPS", False)
+    from executor import attention
+
+    for name in ("USE_MKLDNN_LINEAR", "FUSED_OPS", "USE_NATIVE_LINEAR", "USE_NATIVE_OPS"):
+        monkeypatch.setattr(model_module, name, False)
+    monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
     plain = torch.cat(list(full_forward(model, prompts).values()))
     assert rel_err(fast, plain) < 1e-5
 

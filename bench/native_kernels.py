@@ -1,0 +1,116 @@
+"""The native decode kernels (executor/native.py) against the torch paths they replace, side by side.
+
+1. Projections of M rows through all 30 layers of SmolLM2-135M's shapes (random weights, 425 MB: never
+   cache-resident): oneDNN's prepacked GEMM against the native weight-streaming kernel, M = 1..32.
+   The crossover sets executor.native.LINEAR_MAX_ROWS.
+2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
+   SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
+   native paged kernel, which reads the pool through the block tables.
+
+Usage: python bench/native_kernels.py [--threads 2]. Ends with `name: value` headline lines.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from executor import attention, native
+from executor.attention import AttentionMetadata, sdpa_attention
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down (out, in)
+
+
+def best_ms(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+def linear_rows(reps: int) -> dict[int, float]:
+    """oneDNN ms / native ms for each row count, interleaved."""
+    torch.manual_seed(0)
+    weights = [[torch.randn(o, i) for o, i in SHAPES] for _ in range(30)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 4096) for w in layer] for layer in weights]
+    nbytes = sum(o * i for o, i in SHAPES) * 4 * 30
+    ratios = {}
+    for m in (1, 2, 3, 4, 6, 8, 11, 16, 24, 32):
+        xs = {i: torch.randn(m, i) for _, i in SHAPES}
+
+        def onednn():
+            for layer in packed:
+                for (_, i), p in zip(SHAPES, layer):
+                    torch.ops.mkldnn._linear_pointwise(xs[i], p, None, "none", [], "")
+
+        def ours():
+            for layer in weights:
+                for (_, i), w in zip(SHAPES, layer):
+                    native.linear_small(xs[i], w)
+
+        a, b = best_ms(onednn, reps), best_ms(ours, reps)
+        ratios[m] = a / b
+        print(f"linear, {m:2d} rows: oneDNN {a:6.1f} ms ({nbytes / a / 1e6:5.1f} GB/s), native {b:6.1f} ms "
+              f"({nbytes / b / 1e6:5.1f} GB/s), oneDNN / native {a / b:.2f}")
+    return ratios
+
+
+def decode_attention(reps: int) -> dict[tuple[int, int], float]:
+    """SDPA-path ms / native ms for decode batches (rows, mean context)."""
+    bs, kvh, d, h = 16, 3, 64, 9
+    ratios = {}
+    for rows, ctx in ((1, 300), (3, 330), (16, 200), (58, 190), (64, 600)):
+        g = torch.Generator().manual_seed(rows)
+        lens = torch.randint(ctx // 2, ctx * 3 // 2, (rows,), generator=g).tolist()
+        num_blocks = sum(-(-n // bs) for n in lens) + 8
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        tables, at = [], 0
+        for n in lens:
+            tables.append(perm[at:at + -(-n // bs)])
+            at += len(tables[-1])
+        pool = torch.randn(2, num_blocks, bs, kvh, d, generator=g)
+        q = torch.randn(rows, h, d, generator=g)
+        meta = AttentionMetadata.build([1] * rows, lens, tables, bs)
+
+        def run(use_native):
+            attention.USE_NATIVE_ATTENTION = use_native
+            return sdpa_attention(q, pool[0], pool[1], meta)
+
+        err = (run(True) - run(False)).abs().max().item()
+        a, b = best_ms(lambda: run(False), reps), best_ms(lambda: run(True), reps)
+        attention.USE_NATIVE_ATTENTION = True
+        kv_bytes = sum(lens) * kvh * d * 4 * 2
+        ratios[(rows, ctx)] = a / b
+        print(f"decode attention, {rows:2d} rows, {sum(lens):6d} keys: gather+SDPA {a:6.2f} ms, native {b:6.2f} ms "
+              f"({kv_bytes / b / 1e6:5.1f} GB/s of K/V), ratio {a / b:.2f}, max |diff| {err:.1e}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native.available():
+        raise SystemExit("bench/native_kernels.py: the native kernels could not be built (no C++ compiler?)")
+    lin = linear_rows(args.reps)
+    att = decode_attention(args.reps * 2)
+    crossover = 0
+    for m, r in lin.items():  # the row counts up to which every one measured favours the native kernel
+        if r <= 1.0:
+            break
+        crossover = m
+    print(f"native linear faster up to {crossover} rows; LINEAR_MAX_ROWS = {native.LINEAR_MAX_ROWS}")
+    for m in (1, 3, 8, 16):
+        print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
+    for (rows, ctx), r in att.items():
+        print(f"decode_attention_speedup_{rows}_rows: {r:.2f}")
+
+
+if __name__ == "__main__":
+    main()

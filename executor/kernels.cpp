@@ -1,0 +1,269 @@
+/* Native CPU kernels (C++ for GCC vector extensions' ?: on vectors) for the executor's decode path (fp32), built at first use by executor/native.py.
+ *
+ * Why: at the few rows of a decode step a projection is a weight stream, and oneDNN streams weights at about
+ * half the machine's read bandwidth below ~8 rows; and torch has no attention that reads a paged pool, so a
+ * decode step copies every sequence's K/V out of it (index_select) before SDPA reads them again, three
+ * passes over memory where one is needed. Threads: OpenMP, the same libgomp runtime torch loaded.
+ */
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline float hsum8(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* exp(x) for x <= 88 on 8 lanes (Cephes expf: x = n ln2 + r, a degree-5 polynomial for e^r, 2^n in the
+   exponent bits); relative error ~1e-7. Below -87 it returns 0. */
+static inline v8 exp8(v8 x) {
+  const v8 lo = splat8(-87.0f);
+  const v8i under = x < lo;
+  x = x < lo ? lo : x;
+  v8 fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
+  v8i n = __builtin_convertvector(fx, v8i);
+  v8 fn = __builtin_convertvector(n, v8);
+  fn = fn > fx ? fn - splat8(1.0f) : fn;  /* floor */
+  n = __builtin_convertvector(fn, v8i);
+  x = x - fn * splat8(0.693359375f) - fn * splat8(-2.12194440e-4f);
+  v8 y = splat8(1.9875691500e-4f);
+  y = y * x + splat8(1.3981999507e-3f);
+  y = y * x + splat8(8.3334519073e-3f);
+  y = y * x + splat8(4.1665795894e-2f);
+  y = y * x + splat8(1.6666665459e-1f);
+  y = y * x + splat8(5.0000001201e-1f);
+  y = y * x * x + x + splat8(1.0f);
+  v8i bits = (n + 127) << 23;
+  v8 pow2n;
+  memcpy(&pow2n, &bits, sizeof pow2n);
+  y = y * pow2n;
+  return under ? splat8(0.0f) : y;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+  v8 acc0 = {0}, acc1 = {0};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    acc0 += load8(a + k) * load8(b + k);
+    acc1 += load8(a + k + 8) * load8(b + k + 8);
+  }
+  for (; k + 8 <= n; k += 8) acc0 += load8(a + k) * load8(b + k);
+  float s = hsum8(acc0 + acc1);
+  for (; k < n; k++) s += a[k] * b[k];
+  return s;
+}
+
+/* y[m, n] = sum_k x[m, k] w[n, k] for m < M (a few rows), n < N; x is [M, K], y is [M, ldy] (columns
+   n0.. of a wider output). Each weight row is read once from memory: blocks of 4 weight rows stay in L1
+   while every pair of x rows is multiplied by them, 8 independent accumulators. */
+extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int64_t ldy) {
+  const int64_t K8 = K & ~(int64_t)7, nblocks = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < nblocks; nb++) {
+    const int64_t n0 = nb * 4, nn = N - n0 < 4 ? N - n0 : 4;
+    const float *w0 = w + n0 * K;
+    const float *w1 = w + (n0 + (nn > 1 ? 1 : 0)) * K;
+    const float *w2 = w + (n0 + (nn > 2 ? 2 : 0)) * K;
+    const float *w3 = w + (n0 + (nn > 3 ? 3 : 0)) * K;
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+      const int64_t mm = M - m0 < 2 ? M - m0 : 2;
+      const float *xa = x + m0 * K, *xb = x + (m0 + mm - 1) * K;
+      v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+      for (int64_t k = 0; k < K8; k += 8) {
+        const v8 u = load8(xa + k), v = load8(xb + k);
+        const v8 r0 = load8(w0 + k), r1 = load8(w1 + k), r2 = load8(w2 + k), r3 = load8(w3 + k);
+        a0 += u * r0; a1 += u * r1; a2 += u * r2; a3 += u * r3;
+        b0 += v * r0; b1 += v * r1; b2 += v * r2; b3 += v * r3;
+      }
+      float s[2][4] = {{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)}, {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)}};
+      const float *ws[4] = {w0, w1, w2, w3};
+      for (int64_t k = K8; k < K; k++)
+        for (int j = 0; j < 4; j++) { s[0][j] += xa[k] * ws[j][k]; s[1][j] += xb[k] * ws[j][k]; }
+      for (int64_t i = 0; i < mm; i++)
+        for (int64_t j = 0; j < nn; j++) y[(m0 + i) * ldy + n0 + j] = s[i][j];
+    }
+  }
+}
+
+/* Ask for the part [off, off + len) of every token row of a block ahead of use: a sequence's blocks are
+   scattered over the pool, so the hardware prefetcher cannot see the next one coming. */
+static inline void prefetch_block(const float *block, int64_t bs, int64_t tok, int64_t off, int64_t len) {
+  for (int64_t j = 0; j < bs; j++)
+    for (int64_t d = 0; d < len; d += 16) __builtin_prefetch(block + j * tok + off + d);
+}
+
+/* Attention of B rows of n query slots each over a paged KV pool, read in place through the block tables.
+ *
+ * q, out: [B, n, H, D]. k_pool, v_pool: [num_blocks, bs, kvh, D]. block_tables: [B, max_blocks].
+ * context_lens: [B], cached tokens of each row including its new ones. Slot i of a row sits at position
+ * ctx - n + i and sees keys up to it (a decode: n = 1); with `visible` ([B, n, n] bytes, or NULL), it sees
+ * key position ctx - n + c of the row's last n only where visible[b, i, c] (candidate trees), earlier keys
+ * always. A slot that sees no key (padding in front of a short row) gets zeros. The G = H / kvh query heads
+ * sharing a kv head are computed together, so each K and V row is read once per row and kv head. */
+extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n, int64_t H, int64_t D,
+                     const float *k_pool, const float *v_pool, int64_t bs, int64_t kvh,
+                     const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                     const uint8_t *visible, float scale) {
+  const int64_t G = H / kvh, tok = kvh * D, blk = bs * kvh * D;
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < B; b++) max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
+  /* a task is one row and a range of kv heads: all of them (each token's K and V rows read whole, in order)
+     unless there are too few rows to keep every thread busy */
+  const int64_t split = B >= 4 * omp_get_max_threads() ? 1 : kvh, per = kvh / split;
+#pragma omp parallel
+  {
+    const int64_t R = n * G * per;  /* query rows of a task: (head, slot, group) */
+    std::vector<float> s_buf(R * (max_ctx + 8)), acc_buf(R * D), inv(R);
+    float *s = s_buf.data(), *acc = acc_buf.data();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < B * split; t++) {
+      const int64_t b = t / split, h0 = (t % split) * per, L = context_lens[b], first_new = L - n;
+      const int64_t *table = block_tables + b * max_blocks;
+      const uint8_t *vis = visible ? visible + b * n * n : NULL;
+      /* scores s[r, j] for r = (hh * n + i) * G + g; keys a slot does not see are -inf */
+      for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const float *kb = k_pool + table[j0 / bs] * blk;
+        const int64_t jn = L - j0 < bs ? L - j0 : bs;
+        if (j0 + bs < L) prefetch_block(k_pool + table[j0 / bs + 1] * blk, bs, tok, h0 * D, per * D);
+        for (int64_t jj = 0; jj < jn; jj++) {
+          const int64_t j = j0 + jj;
+          for (int64_t hh = 0; hh < per; hh++) {
+            const float *kr = kb + jj * tok + (h0 + hh) * D;
+            for (int64_t i = 0; i < n; i++) {
+              int see = j <= first_new + i;
+              if (vis && j >= first_new) see = vis[i * n + (j - first_new)];
+              const float *qr = q + ((b * n + i) * H + (h0 + hh) * G) * D;
+              float *sr = s + ((hh * n + i) * G) * L + j;
+              for (int64_t g = 0; g < G; g++) sr[g * L] = see ? dot(qr + g * D, kr, D) * scale : -INFINITY;
+            }
+          }
+        }
+      }
+      /* softmax per query row (the -inf entries become 0) */
+      for (int64_t r = 0; r < R; r++) {
+        float *sr = s + r * L;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) mx = sr[j] > mx ? sr[j] : mx;
+        if (mx == -INFINITY) { inv[r] = 0.0f; memset(sr, 0, sizeof(float) * (size_t)L); continue; }
+        v8 sum8 = {0};
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {
+          const v8 e = exp8(load8(sr + j) - splat8(mx));
+          store8(sr + j, e);
+          sum8 += e;
+        }
+        float sum = hsum8(sum8);
+        for (; j < L; j++) { sr[j] = expf(sr[j] - mx); sum += sr[j]; }
+        inv[r] = 1.0f / sum;
+      }
+      /* out = P V */
+      memset(acc, 0, sizeof(float) * (size_t)R * D);
+      if (L > 0) prefetch_block(v_pool + table[0] * blk, bs, tok, h0 * D, per * D);
+      for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const float *vb = v_pool + table[j0 / bs] * blk;
+        const int64_t jn = L - j0 < bs ? L - j0 : bs;
+        if (j0 + bs < L) prefetch_block(v_pool + table[j0 / bs + 1] * blk, bs, tok, h0 * D, per * D);
+        for (int64_t jj = 0; jj < jn; jj++) {
+          for (int64_t hh = 0; hh < per; hh++) {
+            const float *vr = vb + jj * tok + (h0 + hh) * D;
+            for (int64_t rr = 0; rr < n * G; rr++) {
+              const int64_t r = hh * n * G + rr;
+              const float p = s[r * L + j0 + jj];
+              if (p == 0.0f) continue;
+              float *a = acc + r * D;
+              const v8 pv = splat8(p);
+              int64_t d = 0;
+              for (; d + 8 <= D; d += 8) store8(a + d, load8(a + d) + pv * load8(vr + d));
+              for (; d < D; d++) a[d] += p * vr[d];
+            }
+          }
+        }
+      }
+      for (int64_t hh = 0; hh < per; hh++)
+        for (int64_t i = 0; i < n; i++)
+          for (int64_t g = 0; g < G; g++) {
+            const int64_t r = (hh * n + i) * G + g;
+            float *o = out + ((b * n + i) * H + (h0 + hh) * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv[r];
+          }
+    }
+  }
+}
+
+/* Elementwise work of a layer, fused into one pass each: in the torch path these are 3-8 kernels apiece
+   (pow, mean, rsqrt, mul, ...), each a full read and write of the activations, and at a few rows each
+   kernel's fixed cost (~20-90 us) outweighs its work. */
+
+/* x[t] += delta[t] (delta may be NULL), then out[t] = x[t] / rms(x[t]) * w, for T rows of C. */
+extern "C" void add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t T, int64_t C,
+                             float eps) {
+#pragma omp parallel for schedule(static) if (T * C >= 32768)
+  for (int64_t t = 0; t < T; t++) {
+    float *xr = x + t * C, *o = out + t * C;
+    v8 ss8 = {0};
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+      v8 v = load8(xr + c);
+      if (delta) { v += load8(delta + t * C + c); store8(xr + c, v); }
+      ss8 += v * v;
+    }
+    float ss = hsum8(ss8);
+    for (; c < C; c++) {
+      if (delta) xr[c] += delta[t * C + c];
+      ss += xr[c] * xr[c];
+    }
+    const float r = 1.0f / sqrtf(ss / (float)C + eps);
+    for (c = 0; c + 8 <= C; c += 8) store8(o + c, load8(xr + c) * splat8(r) * load8(w + c));
+    for (; c < C; c++) o[c] = xr[c] * r * w[c];
+  }
+}
+
+/* Rotary embedding of q and k from the fused qkv rows ([T, (H + 2 kvh) D]), rotate-half layout, angles of
+   each token's position from the cos/sin tables [max_pos, D/2]: q goes to q_out [T, H, D], k and v straight
+   to their cache slots (pools [.., kvh, D] flat over slots). */
+extern "C" void rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t kvh, int64_t D,
+                              const float *cos_table, const float *sin_table, const int64_t *positions,
+                              float *q_out, float *k_pool, float *v_pool, const int64_t *slots) {
+  const int64_t half = D / 2, row = (H + 2 * kvh) * D;
+#pragma omp parallel for schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; t++) {
+    const float *cs = cos_table + positions[t] * half, *sn = sin_table + positions[t] * half;
+    const float *src = qkv + t * row;
+    for (int64_t h = 0; h < H + kvh; h++) {
+      const float *x = src + h * D;
+      float *o = h < H ? q_out + (t * H + h) * D : k_pool + slots[t] * kvh * D + (h - H) * D;
+      for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        o[i] = x1 * cs[i] - x2 * sn[i];
+        o[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+    memcpy(v_pool + slots[t] * kvh * D, src + (H + kvh) * D, sizeof(float) * (size_t)(kvh * D));
+  }
+}
+
+/* out = silu(gate) * up = gate / (1 + e^-gate) * up, n elements. */
+extern "C" void silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+  const int64_t chunks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t ch = 0; ch < chunks; ch++) {
+    const int64_t e = (ch + 1) * 4096 < n ? (ch + 1) * 4096 : n;
+    int64_t i = ch * 4096;
+    for (; i + 8 <= e; i += 8) {
+      const v8 g = load8(gate + i);
+      const v8 neg = -g;
+      const v8 ex = exp8(neg > splat8(88.0f) ? splat8(88.0f) : neg);
+      store8(out + i, g / (splat8(1.0f) + ex) * load8(up + i));
+    }
+    for (; i < e; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+  }
+}

@@ -1,0 +1,140 @@
+"""Native CPU kernels (executor/kernels.cpp): small-batch linear layers, paged attention for decode and verify
+rows, and a layer's elementwise work fused into single passes (residual add + RMSNorm, RoPE + KV-cache write,
+SiLU·up).
+
+Built on first use with the system C++ compiler (`c++ -O3 -march=native -fopenmp`, about a second) into a
+per-machine cache and called through ctypes; the OpenMP runtime is the libgomp torch already loaded, so the
+kernels share torch's threads. Optional: without a compiler, with INFERSIM_NATIVE=0, or off CPU / fp32, the
+executor runs its torch paths, which compute the same thing (tests compare the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# A projection with at most this many rows streams its weight through linear_small; more rows go to oneDNN,
+# whose blocked GEMM wins once a weight row is reused by enough rows (measured crossover, bench/native_kernels.py).
+LINEAR_MAX_ROWS = 16
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INFERSIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "infersim")
+    return Path(root) / "native"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built if needed; None where they cannot be (no compiler, disabled)."""
+    if os.environ.get("INFERSIM_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, platform.machine(), _cpu_model(),
+                                                          torch.__version__]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"kernels-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            try:
+                subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True)
+            except (OSError, subprocess.CalledProcessError):
+                return None
+            os.replace(out, path)  # atomic: a concurrent process sees no half-written library
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.linear_small.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
+    lib.linear_small.restype = None
+    lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
+    lib.paged_attention.restype = None
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
+    lib.rope_write_kv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.silu_mul.argtypes = [ptr, ptr, ptr, i64]
+    for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul):
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and usable."""
+    return library() is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels take contiguous CPU tensors: fp32 data, int64 indices."""
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.int64) and t.is_contiguous()
+               for t in tensors) and available()
+
+
+def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]ᵀ -> [M, N], streaming the weight once (for a few rows)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype)
+    library().linear_small(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), n)
+    return y
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of rows of n query slots, q [B, n, H, D], read straight from the block pools
+    [num_blocks, block_size, kvh, D] through block_tables [B, max_blocks] (int64); slot i of a row is at
+    position context_len - n + i and sees keys up to it, or where `visible` [B, n, n] (uint8) says so among
+    the row's last n keys (candidate trees). Slots that see nothing (padding) come out zero."""
+    b, n, h, d = q.shape
+    out = torch.empty_like(q)
+    library().paged_attention(q.data_ptr(), out.data_ptr(), b, n, h, d, k_pool.data_ptr(), v_pool.data_ptr(),
+                              k_pool.shape[1], k_pool.shape[2], block_tables.data_ptr(), block_tables.shape[1],
+                              context_lens.data_ptr(), 0 if visible is None else visible.data_ptr(), scale)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (when given), then RMSNorm(x)·weight as a new tensor; x [T, C] contiguous fp32."""
+    t, c = x.shape
+    out = torch.empty_like(x)
+    library().add_rms_norm(x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), t, c, eps)
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k of the fused qkv rows [T, (H + 2·kvh)·D] by their positions' angles (tables
+    [max_pos, D/2]); k and v go straight to their cache slots, q is returned [T, H, D]."""
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype)
+    library().rope_write_kv(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, cos_table.data_ptr(),
+                            sin_table.data_ptr(), positions.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
+                            v_pool.data_ptr(), slot_mapping.data_ptr())
+    return q
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up in one pass (same shapes, contiguous)."""
+    out = torch.empty_like(gate)
+    library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out

@@ -1,0 +1,124 @@
+"""The native CPU kernels compute what the torch paths they replace compute (and are optional)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor import attention, native
+from executor import model as model_module
+from executor.attention import AttentionMetadata, naive_attention, sdpa_attention
+from executor.model import apply_rope
+from executor.tiny import tiny_model
+
+from tests.test_attention import dense_reference, make_batch, rel_err
+from tests.test_executor_model import Sequences, random_prompts
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built (no C++ compiler)")
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576)])
+def test_linear_small_equals_matmul(rows, k, n):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    assert rel_err(native.linear_small(x, w), x @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 16), (6, 1, 12), (9, 3, 64)])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_paged_decode_equals_dense_reference(heads, kv_heads, head_dim, contiguous):
+    """Decodes of different context lengths, blocks scattered over a pool full of garbage elsewhere."""
+    lens = [1, 5, 17, 40, 33]
+    q, k_pool, v_pool, meta, logical = make_batch([1] * 5, lens, heads, kv_heads, 4, head_dim, seed=heads,
+                                                  contiguous=contiguous)
+    tables = attention._padded_tables(meta.block_tables, None)
+    out = native.paged_attention(q[:, None].contiguous(), k_pool, v_pool, tables, torch.tensor(lens),
+                                 head_dim ** -0.5)[:, 0]
+    assert rel_err(out, dense_reference(q, meta, logical)) < 1e-5
+
+
+def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch):
+    """A padded group of decode rows, chain verify rows and a candidate-tree row (one with a context shorter than
+    the padding): the native kernel gives the torch path's (gathered K/V + SDPA) outputs for every real query."""
+    query_lens, context_lens = [1, 4, 3, 5, 1], [2, 30, 9, 12, 20]
+    q, k_pool, v_pool, meta, _ = make_batch(query_lens, context_lens, 8, 2, 4, 16, seed=5)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    meta = AttentionMetadata(meta.query_lens, meta.context_lens, meta.block_tables, meta.slot_mapping,
+                             meta.block_size, trees={3: tree}, num_decode_rows=5)
+    ours = sdpa_attention(q, k_pool, v_pool, meta)
+    monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
+    theirs = sdpa_attention(q, k_pool, v_pool, AttentionMetadata(
+        meta.query_lens, meta.context_lens, meta.block_tables, meta.slot_mapping, meta.block_size,
+        trees={3: tree}, num_decode_rows=5))
+    assert rel_err(ours, theirs) < 1e-5
+    assert rel_err(ours, naive_attention(q, k_pool, v_pool, meta)) < 1e-5
+
+
+def test_fused_elementwise_kernels_equal_torch():
+    gen = torch.Generator().manual_seed(0)
+    x, d, w = torch.randn(37, 72, generator=gen), torch.randn(37, 72, generator=gen), torch.randn(72, generator=gen)
+    expect_x = x + d
+    expect = F.rms_norm(expect_x, (72,), w, 1e-5)
+    out = native.add_rms_norm(x, d, w, 1e-5)
+    assert torch.allclose(x, expect_x) and rel_err(out, expect) < 1e-5
+    assert rel_err(native.add_rms_norm(x, None, w, 1e-6), F.rms_norm(x, (72,), w, 1e-6)) < 1e-5
+
+    gate, up = torch.randn(5, 1000, generator=gen) * 30, torch.randn(5, 1000, generator=gen)
+    assert rel_err(native.silu_mul(gate, up), F.silu(gate) * up) < 1e-5
+
+    t, h, kvh, hd = 11, 6, 2, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * hd, generator=gen)
+    positions = torch.randint(0, 100, (t,), generator=gen)
+    freqs = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    k_pool, v_pool = torch.zeros(40, kvh, hd), torch.zeros(40, kvh, hd)
+    slots = torch.randperm(40, generator=gen)[:t]
+    q = native.rope_write_kv(qkv, h, kvh, hd, freqs.cos(), freqs.sin(), positions, k_pool, v_pool, slots)
+    cos, sin = freqs.cos()[positions][:, None], freqs.sin()[positions][:, None]
+    qe, ke, ve = qkv.split([h * hd, kvh * hd, kvh * hd], dim=1)
+    assert rel_err(q, apply_rope(qe.view(t, h, hd), cos, sin)) < 1e-6
+    assert rel_err(k_pool[slots], apply_rope(ke.reshape(t, kvh, hd), cos, sin)) < 1e-6
+    assert torch.equal(v_pool[slots], ve.reshape(t, kvh, hd))
+
+
+def test_model_with_native_kernels_equals_torch_paths(monkeypatch):
+    """Prefill, chunked prefill mixed with decodes, then decodes (rows of 1-3 tokens use the native linear):
+    the same logits with every native kernel switched off."""
+    model = tiny_model(seed=4, num_heads=8, num_kv_heads=2, head_dim=16)
+    prompts = random_prompts([13, 6, 29], model.config.vocab_size, seed=1)
+
+    def run():
+        seqs = Sequences(model, block_size=4, num_blocks=64, seed=2)
+        out = [seqs.step([(0, prompts[0]), (1, prompts[1][:3])])]
+        out.append(seqs.step([(0, [5]), (1, prompts[1][3:]), (2, prompts[2])]))
+        for tok in (7, 9, 11):
+            out.append(seqs.step([(0, [tok]), (1, [tok + 1]), (2, [tok + 2])]))
+        return torch.cat([v for step in out for v in step.values()])
+
+    calls = {}
+    for fn in ("linear_small", "paged_attention", "rope_write_kv", "add_rms_norm", "silu_mul"):
+        def counted(*args, _fn=getattr(native, fn), _name=fn, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(native, fn, counted)
+    ours = run()
+    assert len(calls) == 5, calls  # every kernel ran
+    for name in ("USE_NATIVE_OPS", "USE_NATIVE_LINEAR"):
+        monkeypatch.setattr(model_module, name, False)
+    monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
+    assert rel_err(ours, run()) < 1e-5
+
+
+def test_disabled_by_environment(monkeypatch):
+    """INFERSIM_NATIVE=0: no library, and the model runs its torch paths."""
+    monkeypatch.setenv("INFERSIM_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        model = tiny_model(seed=1)
+        seqs = Sequences(model)
+        logits = seqs.step([(0, [3, 4, 5])])[0]
+        assert torch.isfinite(logits).all()
+    finally:
+        monkeypatch.delenv("INFERSIM_NATIVE")
+        native.library.cache_clear()
+    assert native.available()
