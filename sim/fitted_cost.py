@@ -3,13 +3,16 @@
 time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·prefilling sequences
        + c_has_prefill·[the step carries a prompt chunk] + c_has_verify·[some decode row carries drafts]
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
+       + c_few·max(0, knot − new tokens)
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
 differently: a chunk gets its own causal attention call per layer), the prefill path's fixed cost
 (mask, context gather, the extra attention pass), the verify path's (a step whose decode rows carry drafts
 attends them through one padded masked call), the lm_head per sampled row, attention compute, and
-attention memory traffic. The form was chosen on the profile's held-out samples and served steps:
+attention memory traffic; the last term is the roofline's kink of the linear layers — below `knot` tokens a
+step's projections stream the weights at a cost that no longer falls with fewer rows (max(a, b·T) = b·T +
+b·max(0, a/b − T)); the fit picks the knot. The form was chosen on the profile's held-out samples and served steps:
 one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted, and
 with no verify-step term a step in which one of four rows verifies drafts ran 1.11x its prediction.
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
@@ -28,13 +31,15 @@ from sim.errors import ConfigError
 from sim.scheduler import BatchShape
 
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "has_verify", "sampled",
-            "attn_pairs", "kv_tokens")
+            "attn_pairs", "kv_tokens", "few_tokens")
+# candidate knots of the few_tokens term (0: none); the fit keeps the one with the least training error
+KNOTS = (0, 2, 4, 6, 8, 12, 16, 24)
 
 
-def features(shape: BatchShape) -> tuple[int, ...]:
+def features(shape: BatchShape, knot: int = 0) -> tuple[int, ...]:
     p = shape.num_prefill
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if shape.num_verify else 0,
-            shape.num_sampled, shape.attn_pairs, shape.sum_context)
+            shape.num_sampled, shape.attn_pairs, shape.sum_context, max(0, knot - shape.num_new_tokens))
 
 
 def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
@@ -64,21 +69,23 @@ def _upgrade(coefs: dict) -> dict:
 class FittedCostModel:
     coefs: dict[str, float]
     meta: dict = field(default_factory=dict)
+    knot: int = 0  # tokens below which a step costs c_few more per missing token (see the module docstring)
 
     def __post_init__(self):
         coefs = _upgrade(self.coefs)
         self._c = tuple(float(coefs.get(f, 0.0)) for f in FEATURES)
 
     def step_time(self, shape: BatchShape) -> float:
-        c0, ct, cd, cp, chp, chv, csa, cpair, ckv = self._c
-        p = shape.num_prefill
-        return (c0 + ct * shape.num_new_tokens + cd * (shape.num_seqs - p) + cp * p + (chp if p else 0.0)
+        c0, ct, cd, cp, chp, chv, csa, cpair, ckv, cfew = self._c
+        p, t = shape.num_prefill, shape.num_new_tokens
+        return (c0 + ct * t + cd * (shape.num_seqs - p) + cp * p + (chp if p else 0.0)
                 + (chv if shape.num_verify else 0.0) + csa * shape.num_sampled + cpair * shape.attn_pairs
-                + ckv * shape.sum_context)
+                + ckv * shape.sum_context + (cfew * (self.knot - t) if t < self.knot else 0.0))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        c0, ct, cd, _, _, _, csa, cpair, ckv = self._c  # the prefill and verify terms are 0 here: adding 0.0 is exact
-        return c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
+        c0, ct, cd, _, _, _, csa, cpair, ckv, cfew = self._c  # no prefill or verify terms: adding 0.0 is exact
+        return (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
+                + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0))
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
@@ -87,13 +94,14 @@ class FittedCostModel:
         """Every step `factor` times as long (the same machine running slower or faster than when profiled)."""
         if factor == 1.0:
             return self
-        return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor})
+        return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor},
+                               self.knot)
 
     @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
         try:
             data = json.loads(Path(path).read_text())
-            return cls(dict(data["fit"]["coefs"]), data)
+            return cls(dict(data["fit"]["coefs"]), data, int(data["fit"].get("knot", 0)))
         except FileNotFoundError:
             raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
         except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -113,19 +121,24 @@ def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> Fit
 
 def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) -> dict:
     """Fit the coefficients (non-negative, relative-error least squares) on all but every
-    `holdout_every`-th sample; report MAPE and R² on the held-out ones and on everything."""
+    `holdout_every`-th sample, for each candidate knot, keeping the knot with the least training error;
+    report MAPE and R² on the held-out samples and on everything."""
     from scipy.optimize import nnls
 
-    x = np.array([features(s) for s in shapes], float)
     y = np.asarray(times, float)
     held = np.zeros(len(y), bool)
     held[::holdout_every] = True
     train = ~held if held.sum() < len(y) else held
-    scale = x[train].max(axis=0)
-    scale[scale == 0] = 1.0
-    a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
-    c, _ = nnls(a, np.ones(train.sum()))
-    c = c / scale
+    best = None
+    for knot in KNOTS:
+        x = np.array([features(s, knot) for s in shapes], float)
+        scale = x[train].max(axis=0)
+        scale[scale == 0] = 1.0
+        a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
+        c, residual = nnls(a, np.ones(train.sum()))
+        if best is None or residual < best[0] - 1e-12:
+            best = (residual, knot, x, c / scale)
+    _, knot, x, c = best
 
     def score(mask):
         pred = x[mask] @ c
@@ -134,4 +147,5 @@ def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) ->
         r2 = 1 - float(((pred - y[mask]) ** 2).sum()) / ss if ss > 0 else 1.0
         return {"mape": mape, "r2": r2, "n": int(mask.sum())}
 
-    return {"coefs": dict(zip(FEATURES, map(float, c))), "heldout": score(held), "all": score(np.ones(len(y), bool))}
+    return {"coefs": dict(zip(FEATURES, map(float, c))), "knot": knot, "heldout": score(held),
+            "all": score(np.ones(len(y), bool))}

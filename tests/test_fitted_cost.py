@@ -12,12 +12,12 @@ from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import plan_of, run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
-        "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6}
+        "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6, "few_tokens": 0.0}
 
 
-def synthetic(n=400, noise=0.02, seed=0):
+def synthetic(n=400, noise=0.02, seed=0, truth=None):
     rng = np.random.default_rng(seed)
-    truth = FittedCostModel(TRUE)
+    truth = truth or FittedCostModel(TRUE)
     shapes, times = [], []
     for _ in range(n):
         kind = rng.random()
@@ -49,10 +49,24 @@ def test_fit_recovers_coefficients_and_reports_heldout_error():
     assert exact["heldout"]["mape"] < 1e-6
 
 
+def test_fit_finds_the_few_token_kink():
+    """Steps of fewer than `knot` tokens cost as much as `knot` tokens' linear work (weights streamed whatever the
+    rows): the fit picks that knot among its candidates and recovers the term."""
+    truth = FittedCostModel({**TRUE, "few_tokens": TRUE["new_tokens"] + TRUE["decode_seqs"]}, knot=8)
+    shapes, times = synthetic(truth=truth)
+    result = fit(shapes, times)
+    assert result["knot"] == 8
+    assert result["coefs"]["few_tokens"] == pytest.approx(truth.coefs["few_tokens"], rel=0.3)
+    assert result["heldout"]["mape"] < 0.03
+    plain = fit(*synthetic())  # no kink in the truth: whatever knot fits the noise adds little to a 1-token step
+    one = shape_of([1], [100])
+    assert plain["coefs"]["few_tokens"] * max(0, plain["knot"] - 1) < 0.03 * FittedCostModel(TRUE).step_time(one)
+
+
 def test_decode_time_equals_step_time_of_the_decode_shape():
-    m = FittedCostModel(TRUE)
-    for b, s in [(1, 17), (7, 3000), (64, 65536)]:
-        assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
+    for m in (FittedCostModel(TRUE), FittedCostModel({**TRUE, "few_tokens": 1e-3}, knot=12)):
+        for b, s in [(1, 17), (7, 3000), (64, 65536)]:
+            assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
 
 
 def test_a_profile_of_the_older_form_predicts_as_it_did():
