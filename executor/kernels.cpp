@@ -1,4 +1,5 @@
-/* Native CPU kernels (C++ for GCC vector extensions' ?: on vectors) for the executor's decode path (fp32), built at first use by executor/native.py.
+/* Native CPU kernels for the executor's forward (fp32), built at first use by executor/native.py. C++ for
+ * GCC's vector extensions, whose ?: works on vectors only in C++.
  *
  * Why: at the few rows of a decode step a projection is a weight stream, and oneDNN streams weights at about
  * half the machine's read bandwidth below ~8 rows; and torch has no attention that reads a paged pool, so a

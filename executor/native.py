@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,8 +30,8 @@ LINEAR_MAX_ROWS = 16
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("INFERSIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "infersim")
-    return Path(root) / "native"
+    """$INFERSIM_CACHE_DIR (default ~/.cache/infersim)/native, beside the other caches."""
+    return Path(os.environ.get("INFERSIM_CACHE_DIR") or Path.home() / ".cache" / "infersim") / "native"
 
 
 def _cpu_model() -> str:
@@ -60,7 +61,11 @@ def library() -> ctypes.CDLL | None:
             out = Path(tmp) / path.name
             try:
                 subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True)
-            except (OSError, subprocess.CalledProcessError):
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", b"") or str(e).encode()
+                why = detail.decode(errors="replace")[:200]
+                warnings.warn(f"infersim: native kernels not built ({compiler}: {why}); the executor runs its torch "
+                              "paths", RuntimeWarning, stacklevel=2)
                 return None
             os.replace(out, path)  # atomic: a concurrent process sees no half-written library
     lib = ctypes.CDLL(str(path))
