@@ -35,13 +35,12 @@ def _cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model and instruction-set flags (-march=native builds for exactly those)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
 
 
 @functools.lru_cache(maxsize=1)
