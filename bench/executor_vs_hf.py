@@ -332,6 +332,8 @@ def main() -> None:
         headline["wall_over_floor"] = f"{wall / floor:.2f}"
         headline["wall_over_strict_floor"] = f"{wall / strict:.2f}"
         headline["floor_s"] = f"{floor:.2f}"
+        headline["floor_matmul_gflops"] = f"{flops_rate / 1e9:.0f}"  # the floor moves with the machine's rate
+        headline["floor_bandwidth_gbs"] = f"{bandwidth / 1e9:.1f}"
         headline["infersim_wall_s"] = f"{wall:.2f}"
     if "infersim" in results and "hf_static" in results:
         ndiff, diffs = compare(results["infersim"][1], results["hf_static"][1])
