@@ -6,6 +6,8 @@
 2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
    SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
    native paged kernel, which reads the pool through the block tables.
+3. A layer's elementwise work at 3, 58 and 4096 rows: residual add + RMSNorm, SiLU·up, and RoPE of q and k with
+   K/V written to scattered cache slots, as torch ops (the FUSED_OPS path) against the fused native kernels.
 
 Usage: python bench/native_kernels.py [--threads 2]. Ends with `name: value` headline lines.
 """
@@ -90,6 +92,45 @@ def decode_attention(reps: int) -> dict[tuple[int, int], float]:
     return ratios
 
 
+def elementwise(reps: int) -> dict[tuple[str, int], float]:
+    """torch ms / native ms of a layer's fused elementwise kernels at a few and at thousands of rows."""
+    import torch.nn.functional as F
+
+    from executor.model import apply_rope_into
+
+    g = torch.Generator().manual_seed(0)
+    h, kvh, d, hidden, inter = 9, 3, 64, 576, 1536
+    cos_t, sin_t = torch.randn(2048, d // 2, generator=g), torch.randn(2048, d // 2, generator=g)
+    ratios = {}
+    for rows in (3, 58, 4096):
+        x, delta, w = (torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g),
+                       torch.randn(hidden, generator=g))
+        gate, up = torch.randn(rows, inter, generator=g), torch.randn(rows, inter, generator=g)
+        qkv = torch.randn(rows, (h + 2 * kvh) * d, generator=g)
+        pos = torch.randint(0, 2048, (rows,), generator=g)
+        k_pool, v_pool = torch.zeros(8192, kvh, d), torch.zeros(8192, kvh, d)
+        slots = torch.randperm(8192, generator=g)[:rows]
+
+        def rope_torch():
+            cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]
+            qk = apply_rope_into(qkv[:, :(h + kvh) * d].view(rows, -1, d), cos, sin)
+            k_pool.index_copy_(0, slots, qk[:, h:])
+            v_pool.index_copy_(0, slots, qkv[:, (h + kvh) * d:].view(rows, kvh, d))
+
+        pairs = {
+            "add+rmsnorm": (lambda: F.rms_norm(x.add_(delta), (hidden,), w, 1e-5),
+                            lambda: native.add_rms_norm(x, delta, w, 1e-5)),
+            "silu*up": (lambda: F.silu(gate.clone(), inplace=True).mul_(up), lambda: native.silu_mul(gate, up)),
+            "rope+kv write": (rope_torch, lambda: native.rope_write_kv(qkv, h, kvh, d, cos_t, sin_t, pos, k_pool,
+                                                                      v_pool, slots)),
+        }
+        for name, (theirs, ours) in pairs.items():
+            a, b = best_ms(theirs, reps), best_ms(ours, reps)
+            ratios[(name, rows)] = a / b
+            print(f"{name}, {rows:4d} rows: torch {a:7.3f} ms, native {b:7.3f} ms, ratio {a / b:.2f}")
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -100,6 +141,7 @@ def main() -> None:
         raise SystemExit("bench/native_kernels.py: the native kernels could not be built (no C++ compiler?)")
     lin = linear_rows(args.reps)
     att = decode_attention(args.reps * 2)
+    ew = elementwise(args.reps * 2)
     crossover = 0
     for m, r in lin.items():  # the row counts up to which every one measured favours the native kernel
         if r <= 1.0:
@@ -110,6 +152,8 @@ def main() -> None:
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():
         print(f"decode_attention_speedup_{rows}_rows: {r:.2f}")
+    for (name, rows), r in ew.items():
+        print(f"{name.replace('+', '_').replace('*', '_').replace(' ', '_')}_speedup_{rows}_rows: {r:.2f}")
 
 
 if __name__ == "__main__":
