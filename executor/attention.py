@@ -9,7 +9,8 @@ Every backend has one signature, `backend(q [T, H, D], k_cache, v_cache, meta, s
 -> [T, H, D]`, where the caches are one layer's block pools `[num_blocks, block_size,
 num_kv_heads, D]`. Sequences with a single query (decodes) are attended as one padded
 batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work. The sdpa
-backend also batches short multi-token rows (speculative verify rows: a last token and its drafts).
+backend also batches short multi-token rows (speculative verify rows: a last token and its drafts), and on
+a CPU attends decode and verify rows through the native paged kernel (executor/native.py).
 """
 
 from __future__ import annotations
@@ -375,6 +376,8 @@ def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
 def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
     """torch SDPA on gathered K/V: one call per prefill, one padded call per bucket of decodes of similar
     context length (padding every decode to the longest context wastes the gather and the attention).
+    On a CPU with the native kernels built (fp32), decode and verify rows instead go to the native paged
+    kernel, which reads the pool in place through the block tables (no gather); prompts stay on SDPA.
 
     Inputs are 4-D with the kv heads repeated: that is what takes torch's fused (flash) CPU kernel;
     `enable_gqa` or 3-D inputs fall back to the math path, which builds the whole score matrix."""
