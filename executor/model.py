@@ -147,16 +147,18 @@ class Linear(nn.Linear):
         w = self.weight
         return list(w.split(self.splits)) if self.splits else [w]
 
-    def _use_mkldnn(self, x: torch.Tensor) -> bool:
+    def _fp32_cpu_inference(self, x: torch.Tensor) -> bool:
+        """What both fast paths need: no bias, fp32 on the CPU, and no gradient through the weight."""
         w = self.weight
-        return (USE_MKLDNN_LINEAR and self.bias is None and x.device.type == "cpu" and w.dtype == torch.float32
+        return (self.bias is None and x.device.type == "cpu" and w.dtype == torch.float32
                 and x.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad))
 
+    def _use_mkldnn(self, x: torch.Tensor) -> bool:
+        return USE_MKLDNN_LINEAR and self._fp32_cpu_inference(x)
+
     def _use_native(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.LINEAR_MAX_ROWS and self.bias is None
-                and x.dtype == w.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad)
-                and native.usable(x, w))
+        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.LINEAR_MAX_ROWS
+                and self._fp32_cpu_inference(x) and native.usable(x, self.weight))
 
     def forward(self, x: torch.Tensor):
         if self._use_native(x):
@@ -305,11 +307,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, meta, kv_cache, backend, rows=None, delta=None):
-        """`x` is the model's own residual stream: updated in place under FUSED_OPS. With `rows` (see
-        Attention.forward) only those rows go on past attention and come back.
+        """(residual stream, pending output). `x` is the model's own residual stream: updated in place under
+        FUSED_OPS. With `rows` (see Attention.forward) only those rows go on past attention and come back.
 
         Native path (rope.native): `delta`, the previous layer's output, is added to `x` here, fused with this
-        layer's first norm, and the result is (x, this layer's output) for the next layer to add."""
+        layer's first norm, and this layer's output comes back as the pending one for the next layer to add;
+        on the torch paths it is added here and the pending output is None."""
         if rope.native:
             h = native.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
             a = self.self_attn(h, rope, meta, kv_cache, backend, rows)
@@ -319,12 +322,12 @@ class DecoderLayer(nn.Module):
             return x, self.mlp(h, fused=True)
         if rows is not None:
             x = x[rows[0]] + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend, rows)
-            return x.add_(self.mlp(self.post_attention_layernorm(x)))
+            return x.add_(self.mlp(self.post_attention_layernorm(x))), None
         if FUSED_OPS and not torch.is_grad_enabled():
             x.add_(self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend))
-            return x.add_(self.mlp(self.post_attention_layernorm(x)))
+            return x.add_(self.mlp(self.post_attention_layernorm(x))), None
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
 class LlamaModel(nn.Module):
@@ -370,20 +373,13 @@ class LlamaModel(nn.Module):
                 rows = (index, AttentionMetadata([1] * len(idx), [meta.context_lens[i] for i in last_of],
                                                  [meta.block_tables[i] for i in last_of],
                                                  meta.slot_mapping[index], meta.block_size))
-        if rope.native:
-            delta = None
-            for layer in self.layers[:-1]:
-                x, delta = layer(x, rope, meta, kv_caches, backend, delta=delta)
-            x, delta = self.layers[-1](x, rope, meta, kv_caches, backend, rows, delta)
-            if idx is not None and rows is None and len(idx) < x.shape[0]:  # no row samples: none returned
-                x, delta = x[:0], delta[:0]
-            return native.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
+        delta = None
         for layer in self.layers[:-1]:
-            x = layer(x, rope, meta, kv_caches, backend)
-        x = self.layers[-1](x, rope, meta, kv_caches, backend, rows)
+            x, delta = layer(x, rope, meta, kv_caches, backend, delta=delta)
+        x, delta = self.layers[-1](x, rope, meta, kv_caches, backend, rows, delta)
         if idx is not None and rows is None and len(idx) < x.shape[0]:  # no row samples: none returned
-            x = x[:0]
-        return self.norm(x)
+            x, delta = x[:0], None if delta is None else delta[:0]
+        return native.add_rms_norm(x, delta, self.norm.weight, self.norm.eps) if rope.native else self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

@@ -129,9 +129,12 @@ def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) ->
     held = np.zeros(len(y), bool)
     held[::holdout_every] = True
     train = ~held if held.sum() < len(y) else held
+    x = np.array([features(s) for s in shapes], float)
+    tokens = x[:, FEATURES.index("new_tokens")]
     best = None
     for knot in KNOTS:
-        x = np.array([features(s, knot) for s in shapes], float)
+        x = x.copy()
+        x[:, -1] = np.maximum(0, knot - tokens)  # features(shape, knot)'s last column
         scale = x[train].max(axis=0)
         scale[scale == 0] = 1.0
         a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
