@@ -41,7 +41,7 @@ def linear_rows(reps: int) -> dict[int, float]:
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 4096) for w in layer] for layer in weights]
     nbytes = sum(o * i for o, i in SHAPES) * 4 * 30
     ratios = {}
-    for m in (1, 2, 3, 4, 6, 8, 11, 16, 24, 32):
+    for m in (1, 2, 3, 4, 6, 8, 11, 16, 24, 32, 40, 48, 64):
         xs = {i: torch.randn(m, i) for _, i in SHAPES}
 
         def onednn():
@@ -148,7 +148,7 @@ def main() -> None:
             break
         crossover = m
     print(f"native linear faster up to {crossover} rows; LINEAR_MAX_ROWS = {native.LINEAR_MAX_ROWS}")
-    for m in (1, 3, 8, 16):
+    for m in (1, 3, 11, 16, 32):
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():
         print(f"decode_attention_speedup_{rows}_rows: {r:.2f}")

@@ -65,9 +65,13 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* y[m, n] = sum_k x[m, k] w[n, k] for m < M (a few rows), n < N; x is [M, K], y is [M, ldy] (columns
    n0.. of a wider output). Each weight row is read once from memory: blocks of 4 weight rows stay in L1
-   while every pair of x rows is multiplied by them, 8 independent accumulators. */
+   while every triple of x rows is multiplied by them (12 accumulators). With more than 3 rows a block takes
+   several passes over L1 and the memory bus would idle during all but the first, so each block asks for the
+   next one ahead, spread evenly over its passes: streaming and arithmetic overlap (1.3-1.5x at 8-16 rows). */
 extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int64_t ldy) {
   const int64_t K8 = K & ~(int64_t)7, nblocks = (N + 3) / 4;
+  const char *wend = (const char *)(w + N * K);
+  const int64_t total = (M + 2) / 3 * (K8 / 8), lines = K / 4; /* iterations of a block, its 64-byte lines */
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < nblocks; nb++) {
     const int64_t n0 = nb * 4, nn = N - n0 < 4 ? N - n0 : 4;
@@ -75,20 +79,28 @@ extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *
     const float *w1 = w + (n0 + (nn > 1 ? 1 : 0)) * K;
     const float *w2 = w + (n0 + (nn > 2 ? 2 : 0)) * K;
     const float *w3 = w + (n0 + (nn > 3 ? 3 : 0)) * K;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {
-      const int64_t mm = M - m0 < 2 ? M - m0 : 2;
-      const float *xa = x + m0 * K, *xb = x + (m0 + mm - 1) * K;
+    const char *next = (const char *)(w + (n0 + 4) * K);
+    int64_t due = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += 3) {
+      const int64_t mm = M - m0 < 3 ? M - m0 : 3;
+      const float *xa = x + m0 * K, *xb = x + (m0 + (mm > 1 ? 1 : 0)) * K, *xc = x + (m0 + mm - 1) * K;
       v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+      v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
       for (int64_t k = 0; k < K8; k += 8) {
-        const v8 u = load8(xa + k), v = load8(xb + k);
-        const v8 r0 = load8(w0 + k), r1 = load8(w1 + k), r2 = load8(w2 + k), r3 = load8(w3 + k);
-        a0 += u * r0; a1 += u * r1; a2 += u * r2; a3 += u * r3;
-        b0 += v * r0; b1 += v * r1; b2 += v * r2; b3 += v * r3;
+        for (due += lines; due >= total; due -= total, next += 64)
+          if (next < wend) __builtin_prefetch(next);
+        const v8 u = load8(xa + k), v = load8(xb + k), t = load8(xc + k);
+        v8 r = load8(w0 + k); a0 += u * r; b0 += v * r; c0 += t * r;
+        r = load8(w1 + k); a1 += u * r; b1 += v * r; c1 += t * r;
+        r = load8(w2 + k); a2 += u * r; b2 += v * r; c2 += t * r;
+        r = load8(w3 + k); a3 += u * r; b3 += v * r; c3 += t * r;
       }
-      float s[2][4] = {{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)}, {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)}};
-      const float *ws[4] = {w0, w1, w2, w3};
+      float s[3][4] = {{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)}, {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)},
+                       {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)}};
+      const float *ws[4] = {w0, w1, w2, w3}, *xs[3] = {xa, xb, xc};
       for (int64_t k = K8; k < K; k++)
-        for (int j = 0; j < 4; j++) { s[0][j] += xa[k] * ws[j][k]; s[1][j] += xb[k] * ws[j][k]; }
+        for (int i = 0; i < 3; i++)
+          for (int j = 0; j < 4; j++) s[i][j] += xs[i][k] * ws[j][k];
       for (int64_t i = 0; i < mm; i++)
         for (int64_t j = 0; j < nn; j++) y[(m0 + i) * ldy + n0 + j] = s[i][j];
     }
@@ -117,20 +129,27 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
   const int64_t G = H / kvh, tok = kvh * D, blk = bs * kvh * D;
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; b++) max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
-  /* a task is one row and a range of kv heads: all of them (each token's K and V rows read whole, in order)
-     unless there are too few rows to keep every thread busy */
-  const int64_t split = B >= 4 * omp_get_max_threads() ? 1 : kvh, per = kvh / split;
+  /* a task is one row, a range of kv heads and a range of its query slots: all heads and slots (each token's K
+     and V rows read whole, in order) unless there are too few rows to keep every thread busy; then a row's
+     heads, and if still too few (a verify row at batch 1), its slots are split */
+  const int64_t threads = omp_get_max_threads();
+  const int64_t split = B >= 4 * threads ? 1 : kvh, per = kvh / split;
+  int64_t nsplit = B * split >= 2 * threads ? 1 : (2 * threads + B * split - 1) / (B * split);
+  nsplit = nsplit < n ? nsplit : n;
+  const int64_t chunk = (n + nsplit - 1) / nsplit;
+  nsplit = (n + chunk - 1) / chunk;
 #pragma omp parallel
   {
-    const int64_t R = n * G * per;  /* query rows of a task: (head, slot, group) */
-    std::vector<float> s_buf(R * (max_ctx + 8)), acc_buf(R * D), inv(R);
+    const int64_t Rmax = chunk * G * per;  /* query rows of a task: (head, slot, group) */
+    std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(Rmax);
     float *s = s_buf.data(), *acc = acc_buf.data();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < B * split; t++) {
-      const int64_t b = t / split, h0 = (t % split) * per, L = context_lens[b], first_new = L - n;
+    for (int64_t t = 0; t < B * split * nsplit; t++) {
+      const int64_t b = t / (split * nsplit), h0 = (t / nsplit % split) * per, L = context_lens[b], first_new = L - n;
+      const int64_t i0 = t % nsplit * chunk, nl = n - i0 < chunk ? n - i0 : chunk, R = nl * G * per;
       const int64_t *table = block_tables + b * max_blocks;
       const uint8_t *vis = visible ? visible + b * n * n : NULL;
-      /* scores s[r, j] for r = (hh * n + i) * G + g; keys a slot does not see are -inf */
+      /* scores s[r, j] for r = (hh * nl + i - i0) * G + g; keys a slot does not see are -inf */
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const float *kb = k_pool + table[j0 / bs] * blk;
         const int64_t jn = L - j0 < bs ? L - j0 : bs;
@@ -139,11 +158,11 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
           const int64_t j = j0 + jj;
           for (int64_t hh = 0; hh < per; hh++) {
             const float *kr = kb + jj * tok + (h0 + hh) * D;
-            for (int64_t i = 0; i < n; i++) {
+            for (int64_t i = i0; i < i0 + nl; i++) {
               int see = j <= first_new + i;
               if (vis && j >= first_new) see = vis[i * n + (j - first_new)];
               const float *qr = q + ((b * n + i) * H + (h0 + hh) * G) * D;
-              float *sr = s + ((hh * n + i) * G) * L + j;
+              float *sr = s + ((hh * nl + i - i0) * G) * L + j;
               for (int64_t g = 0; g < G; g++) sr[g * L] = see ? dot(qr + g * D, kr, D) * scale : -INFINITY;
             }
           }
@@ -176,8 +195,8 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         for (int64_t jj = 0; jj < jn; jj++) {
           for (int64_t hh = 0; hh < per; hh++) {
             const float *vr = vb + jj * tok + (h0 + hh) * D;
-            for (int64_t rr = 0; rr < n * G; rr++) {
-              const int64_t r = hh * n * G + rr;
+            for (int64_t rr = 0; rr < nl * G; rr++) {
+              const int64_t r = hh * nl * G + rr;
               const float p = s[r * L + j0 + jj];
               if (p == 0.0f) continue;
               float *a = acc + r * D;
@@ -190,9 +209,9 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         }
       }
       for (int64_t hh = 0; hh < per; hh++)
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = i0; i < i0 + nl; i++)
           for (int64_t g = 0; g < G; g++) {
-            const int64_t r = (hh * n + i) * G + g;
+            const int64_t r = (hh * nl + i - i0) * G + g;
             float *o = out + ((b * n + i) * H + (h0 + hh) * G + g) * D;
             for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv[r];
           }

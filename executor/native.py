@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # A projection with at most this many rows streams its weight through linear_small; more rows go to oneDNN,
 # whose blocked GEMM wins once a weight row is reused by enough rows (measured crossover, bench/native_kernels.py).
-LINEAR_MAX_ROWS = 16
+LINEAR_MAX_ROWS = 32
 
 
 def _cache_dir() -> Path:

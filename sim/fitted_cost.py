@@ -33,7 +33,7 @@ from sim.scheduler import BatchShape
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "has_verify", "sampled",
             "attn_pairs", "kv_tokens", "few_tokens")
 # candidate knots of the few_tokens term (0: none); the fit keeps the one with the least training error
-KNOTS = (0, 2, 4, 6, 8, 12, 16, 24)
+KNOTS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
 
 
 def features(shape: BatchShape, knot: int = 0) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from tests.test_executor_model import Sequences, random_prompts
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built (no C++ compiler)")
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576)])
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576), (11, 579, 33), (32, 64, 5)])
 def test_linear_small_equals_matmul(rows, k, n):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -36,20 +36,26 @@ def test_paged_decode_equals_dense_reference(heads, kv_heads, head_dim, contiguo
     assert rel_err(out, dense_reference(q, meta, logical)) < 1e-5
 
 
-def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch):
+@pytest.mark.parametrize("query_lens,context_lens,tree_row", [
+    ([1, 4, 3, 5, 1], [2, 30, 9, 12, 20], 3),
+    ([11], [40], None),  # one verify row: its query slots are split over the threads
+    ([5], [23], 0),  # one candidate-tree row, split likewise
+])
+def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch, query_lens, context_lens, tree_row):
     """A padded group of decode rows, chain verify rows and a candidate-tree row (one with a context shorter than
-    the padding): the native kernel gives the torch path's (gathered K/V + SDPA) outputs for every real query."""
-    query_lens, context_lens = [1, 4, 3, 5, 1], [2, 30, 9, 12, 20]
+    the padding), and single rows at batch 1: the native kernel gives the torch path's (gathered K/V + SDPA)
+    outputs for every real query."""
     q, k_pool, v_pool, meta, _ = make_batch(query_lens, context_lens, 8, 2, 4, 16, seed=5)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
+    trees = {} if tree_row is None else {tree_row: tree}
     meta = AttentionMetadata(meta.query_lens, meta.context_lens, meta.block_tables, meta.slot_mapping,
-                             meta.block_size, trees={3: tree}, num_decode_rows=5)
+                             meta.block_size, trees=trees, num_decode_rows=len(query_lens))
     ours = sdpa_attention(q, k_pool, v_pool, meta)
     monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
     theirs = sdpa_attention(q, k_pool, v_pool, AttentionMetadata(
         meta.query_lens, meta.context_lens, meta.block_tables, meta.slot_mapping, meta.block_size,
-        trees={3: tree}, num_decode_rows=5))
+        trees=trees, num_decode_rows=len(query_lens)))
     assert rel_err(ours, theirs) < 1e-5
     assert rel_err(ours, naive_attention(q, k_pool, v_pool, meta)) < 1e-5
 
