@@ -476,6 +476,26 @@ def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: i
     return [tuple(p) for p in best["tree"]], table
 
 
+def retree_command(folder: Path | None, profile: Path | None) -> dict:
+    """`infersim train-medusa --retree`: pick saved heads' candidate tree again from their held-out accuracies
+    and a (new) profile, without training: the best tree size follows what a verify row costs on the device."""
+    import json
+
+    from executor.medusa import NAME
+
+    meta_file = Path(folder or default_medusa_dir()) / f"{NAME}.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"no Medusa heads in {meta_file.parent} (train them with `infersim train-medusa`)")
+    record = json.loads(meta_file.read_text())
+    tree, table = choose_tree(record["heldout_rank_probs"], profile)
+    record.update({"tree": [list(p) for p in tree], "tree_choice": table, "profile": str(profile) if profile else None})
+    meta_file.write_text(json.dumps(record))
+    chosen = next(row for row in table if row["size"] == len(tree))
+    print(f"{meta_file}: tree of {len(tree)} nodes: {chosen['expected_tokens']:.2f} tokens per verify step "
+          f"expected, step cost {chosen['cost_ratio']:.2f}x a decode")
+    return record
+
+
 def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minutes: float, max_new: int,
                          threads: int | None, profile: Path | None) -> dict:
     """`infersim train-medusa`: Medusa heads for SmolLM2-135M and the candidate tree chosen for them."""

@@ -148,13 +148,21 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
                  max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
                  threads: Optional[int] = typer.Option(None, "--threads"),
                  profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
-                                                        "tree size (default: calibration/profiles/cpu.json)")) -> None:
+                                                        "tree size (default: calibration/profiles/cpu.json)"),
+                 retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
+                                             "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
     from calibration.validate import PROFILES
-    from executor.distill import train_medusa_command
+    from executor.distill import retree_command, train_medusa_command
 
     profile = profile or PROFILES / "cpu.json"
-
+    if retree:
+        try:
+            retree_command(out, profile)
+        except FileNotFoundError as e:
+            print(f"infersim: error: {e}", file=sys.stderr)
+            raise typer.Exit(2)
+        return
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
 
 

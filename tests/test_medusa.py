@@ -176,6 +176,22 @@ def test_training_medusa_heads_lowers_their_held_out_kl_and_picks_a_tree():
     assert tree_expected_tokens(tree, probs) == pytest.approx(table[-1]["expected_tokens"])
 
 
+def test_retree_picks_the_tree_again_for_a_profile(tmp_path):
+    """`train-medusa --retree` rewrites only the saved tree: free verify rows (no profile) take the biggest one."""
+    import json
+
+    from executor.distill import retree_command
+
+    probs = [[0.5, 0.2, 0.1], [0.3, 0.2, 0.1]]
+    (tmp_path / "medusa.json").write_text(json.dumps({"heldout_rank_probs": probs, "tree": [[0]], "vocab": [1]}))
+    rec = retree_command(tmp_path, None)
+    saved = json.loads((tmp_path / "medusa.json").read_text())
+    assert saved["tree"] == rec["tree"] and saved["vocab"] == [1]
+    assert len(saved["tree"]) == max(row["size"] for row in saved["tree_choice"]) > 1
+    with pytest.raises(FileNotFoundError):
+        retree_command(tmp_path / "none", None)
+
+
 def test_simulated_medusa_steps_yield_the_tree_expectation():
     """The simulator walks the tree with the measured rank probabilities: tokens per verify step average
     tree_expected_tokens, and a request's output length is kept exactly."""
