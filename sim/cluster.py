@@ -78,12 +78,13 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              block_bytes=plan.block_size * plan.model.kv_bytes_per_token)
 
 
-def speculation_model(plan: Plan, replica: int) -> SpeculationModel | None:
-    """The simulator's drafter for one replica (its own seeded acceptance draws), or None."""
+def speculation_model(plan: Plan, replica: int, draw: int = 0) -> SpeculationModel | None:
+    """The simulator's drafter for one replica (its own seeded acceptance draws; `draw` picks another
+    sequence of them), or None."""
     spec = plan.scenario.speculative
     if spec is None:
         return None
-    seed = plan.scenario.workload.seed * 1000 + replica
+    seed = plan.scenario.workload.seed * 1000 + replica + 7919 * draw
     if spec.method == "medusa":
         if spec.medusa_rank_probs is None:
             raise ConfigError("required to simulate Medusa (per depth, the chance of each candidate rank; "
@@ -99,8 +100,9 @@ def speculation_model(plan: Plan, replica: int) -> SpeculationModel | None:
 
 
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
-             progress: Callable[[int], None] | None = None) -> RunResult:
-    """Simulate the plan's workload (or `specs`) until every request has completed or been rejected."""
+             progress: Callable[[int], None] | None = None, spec_draw: int = 0) -> RunResult:
+    """Simulate the plan's workload (or `specs`) until every request has completed or been rejected.
+    `spec_draw`: which seeded sequence of speculative acceptance draws to use (0: the scenario's own)."""
     t0 = time.perf_counter()
     specs = generate_requests(plan.scenario.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
@@ -114,7 +116,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
             progress(done[0])
 
     replicas = [Replica(env, i, make_policy(plan, eager=not bulk), cost, lambda: pending[0], bulk=bulk,
-                        on_finish=on_finish, speculation=speculation_model(plan, i))
+                        on_finish=on_finish, speculation=speculation_model(plan, i, spec_draw))
                 for i in range(plan.scenario.replicas)]
     router = make_router(plan.scenario.router)
     requests: list[Request] = []

@@ -1,0 +1,31 @@
+"""A speculative scenario's prediction is the mean over several seeded acceptance draws (simulator only)."""
+from pathlib import Path
+
+import pytest
+
+from calibration.validate import PROFILES, SPEC_DRAWS, mean_metrics, plain_of, simulated, slo_metrics, with_profile
+from sim.cluster import sim_records, simulate
+from sim.scenario import load_scenario
+
+SCENARIO = Path(__file__).parent.parent / "scenarios" / "validation" / "spec_ngram.yaml"
+
+
+def test_mean_metrics_averages_numbers_and_keeps_the_rest():
+    a = {"tpot_s": {"p50": 1.0, "n": 3}, "name": "x", "flag": True}
+    b = {"tpot_s": {"p50": 3.0, "n": 3}, "name": "y", "flag": False}
+    assert mean_metrics([a, b]) == {"tpot_s": {"p50": 2.0, "n": 3}, "name": "x", "flag": True}
+
+
+def test_speculative_prediction_is_the_mean_over_acceptance_draws():
+    plan = load_scenario(SCENARIO)[1]
+    profile = PROFILES / "cpu.json"
+    _, _, got = simulated(plan, profile, 1.0, None)
+    draws = [slo_metrics(plan, sim_records(simulate(with_profile(plan, profile), None, spec_draw=d)))
+             for d in range(SPEC_DRAWS)]
+    tpots = [m["tpot_s"]["p50"] for m in draws]
+    assert len(set(tpots)) > 1  # the draws differ ...
+    assert got["tpot_s"]["p50"] == pytest.approx(sum(tpots) / len(tpots))  # ... and the prediction is their mean
+    assert got["requests"]["completed"] == draws[0]["requests"]["completed"]
+    plain = plain_of(plan)  # no speculation: one simulation, nothing to average
+    _, _, once = simulated(plain, profile, 1.0, None)
+    assert once == slo_metrics(plain, sim_records(simulate(with_profile(plain, profile))))
