@@ -487,13 +487,20 @@ def retree_command(folder: Path | None, profile: Path | None) -> dict:
     if not meta_file.is_file():
         raise FileNotFoundError(f"no Medusa heads in {meta_file.parent} (train them with `infersim train-medusa`)")
     record = json.loads(meta_file.read_text())
+    summary = pick_tree(record, profile)
+    meta_file.write_text(json.dumps(record))
+    print(f"{meta_file}: {summary}")
+    return record
+
+
+def pick_tree(record: dict, profile: Path | None) -> str:
+    """Choose the candidate tree for heads' held-out accuracies (`record["heldout_rank_probs"]`) and the
+    profile, store it (tree, the table it was picked from, the profile) in `record`; a one-line summary."""
     tree, table = choose_tree(record["heldout_rank_probs"], profile)
     record.update({"tree": [list(p) for p in tree], "tree_choice": table, "profile": str(profile) if profile else None})
-    meta_file.write_text(json.dumps(record))
     chosen = next(row for row in table if row["size"] == len(tree))
-    print(f"{meta_file}: tree of {len(tree)} nodes: {chosen['expected_tokens']:.2f} tokens per verify step "
-          f"expected, step cost {chosen['cost_ratio']:.2f}x a decode")
-    return record
+    return (f"tree of {len(tree)} nodes: {chosen['expected_tokens']:.2f} tokens per verify step expected, "
+            f"step cost {chosen['cost_ratio']:.2f}x a decode")
 
 
 def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minutes: float, max_new: int,
@@ -514,13 +521,9 @@ def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minu
     data.prompt_lens = [len(p) for p, _, _ in kept]
     vocab = draft_vocab(data, vocab_size, [eos])
     heads, record = train_medusa(target, data, num_heads, vocab, minutes, held=held_out([g for _, _, g in kept]))
-    tree, table = choose_tree(record["heldout_rank_probs"], profile)
+    summary = pick_tree(record, profile)
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
-                   "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60,
-                   "tree": [list(p) for p in tree], "tree_choice": table,
-                   "profile": str(profile) if profile else None})
+                   "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60})
     heads.save(out, record)
-    chosen = next(row for row in table if row["size"] == len(tree))
-    print(f"saved {num_heads} Medusa heads to {out}; tree of {len(tree)} nodes: {chosen['expected_tokens']:.2f} "
-          f"tokens per verify step expected, step cost {chosen['cost_ratio']:.2f}x a decode")
+    print(f"saved {num_heads} Medusa heads to {out}; {summary}")
     return record

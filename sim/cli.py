@@ -160,8 +160,7 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
         try:
             retree_command(out, profile)
         except FileNotFoundError as e:
-            print(f"infersim: error: {e}", file=sys.stderr)
-            raise typer.Exit(2)
+            _fail(ConfigError(str(e), "--out"))
         return
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
 
