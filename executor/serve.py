@@ -125,13 +125,18 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
 
 
+MIN_PLAIN_STEPS = 30  # fewer plain decode steps than this: too few to read the run's speed off (taken as 1)
+
+
 def draft_cost(records: list, cost=None) -> dict:
     """Speculation's cost per step as the simulator charges it: overhead ≈ draft_s_per_step + draft_s_per_seq ×
     requests that drafted, fitted by non-negative least squares over the decode steps that drafted. The overhead
     is the drafter's time and, given the fitted step-cost model the simulator uses (`cost`), also the verify
     step's measured time beyond that model's prediction for its shape (the model's linear form does not follow
     small verify batches exactly: 0.93-1.04x in the shipped calibration serves), so the simulator charges what
-    speculation really costs."""
+    speculation really costs. That prediction is scaled by how fast the run's plain decode steps went against
+    the model (where it has MIN_PLAIN_STEPS of them): a machine running 15% slow for the whole serve is not
+    speculation's cost, and the simulator does not charge it to plain decoding either."""
     from scipy.optimize import nnls
 
     steps = [r for r in records if r.num_drafted > 0 and not r.num_prefill]
@@ -142,13 +147,20 @@ def draft_cost(records: list, cost=None) -> dict:
     drafter = np.array([r.draft_s for r in steps])
     out, overhead = {}, drafter
     if cost is not None:
+        def predict(r):
+            return cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled, r.num_prefill))
+
         measured = np.array([r.end_s - r.start_s - r.draft_s for r in steps])
-        pred = np.array([cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled, r.num_prefill))
-                         for r in steps])
-        overhead = drafter + measured - pred
+        pred = np.array([predict(r) for r in steps])
+        # the machine's speed during this run, read off its plain decode steps, is not speculation's cost
+        plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]
+        speed = 1.0
+        if len(plain) >= MIN_PLAIN_STEPS:
+            speed = sum(r.end_s - r.start_s for r in plain) / sum(predict(r) for r in plain)
+        overhead = drafter + measured - pred * speed
         d, _ = nnls(design, drafter)
-        out = {"verify_step_ratio": float(measured.sum() / pred.sum()),
-               "drafter_s_per_step": float(d[0]), "drafter_s_per_seq": float(d[1])}
+        out = {"verify_step_ratio": float(measured.sum() / pred.sum()), "plain_decode_step_ratio": float(speed),
+               "plain_decode_steps": len(plain), "drafter_s_per_step": float(d[0]), "drafter_s_per_seq": float(d[1])}
     c, _ = nnls(design, overhead)
     return {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1]), **out}
 

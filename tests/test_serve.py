@@ -126,3 +126,31 @@ def test_draft_cost_fits_the_overhead_beyond_the_profile():
     assert fit["drafter_s_per_step"] == pytest.approx(0.010) and fit["verify_step_ratio"] > 1
     faster = [StepRecord(**{**r.__dict__, "end_s": r.end_s - 0.2}) for r in records]  # verify well under the model
     assert draft_cost(faster, cost)["draft_s_per_step"] == 0.0  # never a negative cost
+
+
+def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
+    """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
+    the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""
+    from executor.engine import StepRecord
+    from executor.serve import MIN_PLAIN_STEPS, draft_cost
+    from sim.fitted_cost import FittedCostModel, shape_of
+
+    cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
+    spec, t = [], 0.0
+    for i, n in enumerate([1, 2, 3, 4] * 4):
+        new, ctx = [4] * n, [100 + 10 * i] * n
+        pred = cost.step_time(shape_of(new, ctx, 4 * n, 0))
+        spec.append(StepRecord(i, t, t + 0.006 + 1.2 * pred + 0.003 * n, new, ctx, 0, n, 0, 4 * n, 0, [], 0,
+                               num_drafted=3 * n, num_accepted=n, draft_s=0.006))
+        t += 1.0
+    plain = []
+    for i in range(MIN_PLAIN_STEPS):
+        new, ctx = [1] * (1 + i % 3), [200] * (1 + i % 3)
+        dur = 1.2 * cost.step_time(shape_of(new, ctx, len(new), 0))
+        plain.append(StepRecord(100 + i, t, t + dur, new, ctx, 0, len(new), 0, len(new), 0, [], 0))
+        t += 1.0
+    fit = draft_cost(spec + plain, cost)
+    assert fit["plain_decode_step_ratio"] == pytest.approx(1.2) and fit["plain_decode_steps"] == MIN_PLAIN_STEPS
+    assert fit["draft_s_per_step"] == pytest.approx(0.006) and fit["draft_s_per_seq"] == pytest.approx(0.003)
+    few = draft_cost(spec + plain[:MIN_PLAIN_STEPS - 1], cost)
+    assert few["plain_decode_step_ratio"] == 1.0 and few["draft_s_per_seq"] > 0.003
