@@ -41,11 +41,14 @@ def test_paged_decode_equals_dense_reference(heads, kv_heads, head_dim, contiguo
     ([11], [40], None),  # one verify row: its query slots are split over the threads
     ([5], [23], 0),  # one candidate-tree row, split likewise
 ])
-def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch, query_lens, context_lens, tree_row):
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [(8, 2, 4, 16), (9, 3, 16, 64)])
+def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch, query_lens, context_lens, tree_row, heads,
+                                                      kv_heads, block_size, head_dim):
     """A padded group of decode rows, chain verify rows and a candidate-tree row (one with a context shorter than
     the padding), and single rows at batch 1: the native kernel gives the torch path's (gathered K/V + SDPA)
-    outputs for every real query."""
-    q, k_pool, v_pool, meta, _ = make_batch(query_lens, context_lens, 8, 2, 4, 16, seed=5)
+    outputs for every real query. SmolLM2's shape (16-token blocks, head_dim 64) takes the kernel's
+    transposed-key scores and register-blocked P·V; blocks end part-filled."""
+    q, k_pool, v_pool, meta, _ = make_batch(query_lens, context_lens, heads, kv_heads, block_size, head_dim, seed=5)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
     trees = {} if tree_row is None else {tree_row: tree}
