@@ -114,6 +114,18 @@ static inline void prefetch_block(const float *block, int64_t bs, int64_t tok, i
     for (int64_t d = 0; d < len; d += 16) __builtin_prefetch(block + j * tok + off + d);
 }
 
+/* Query rows per task from which a key block is transposed for the scores (see below): from a decode's 3
+   rows up it is as fast or faster (1.8x at a lone 11-slot verify row, 1.5x at 6); a lone row under MHA keeps
+   the horizontal sums. */
+static const int64_t WIDE_ROWS = 3;
+
+/* Whether query slot i of a row (n slots, the first at position first_new) sees key position j: causal, or
+   among the row's own slots only where its candidate tree says (vis: [n, n], or NULL). */
+static inline bool sees(int64_t j, int64_t i, int64_t first_new, const uint8_t *vis, int64_t n) {
+  if (vis && j >= first_new) return vis[i * n + (j - first_new)];
+  return j <= first_new + i;
+}
+
 /* Attention of B rows of n query slots each over a paged KV pool, read in place through the block tables.
  *
  * q, out: [B, n, H, D]. k_pool, v_pool: [num_blocks, bs, kvh, D]. block_tables: [B, max_blocks].
@@ -122,11 +134,6 @@ static inline void prefetch_block(const float *block, int64_t bs, int64_t tok, i
  * key position ctx - n + c of the row's last n only where visible[b, i, c] (candidate trees), earlier keys
  * always. A slot that sees no key (padding in front of a short row) gets zeros. The G = H / kvh query heads
  * sharing a kv head are computed together, so each K and V row is read once per row and kv head. */
-/* Query rows per task from which a key block is transposed for the scores (see below): from a decode's 3
-   rows up it is as fast or faster (1.8x at a lone 11-slot verify row, 1.5x at 6); a lone row under MHA keeps
-   the horizontal sums. */
-static const int64_t WIDE_ROWS = 3;
-
 extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n, int64_t H, int64_t D,
                      const float *k_pool, const float *v_pool, int64_t bs, int64_t kvh,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
@@ -189,12 +196,8 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
               for (int64_t u = 0; u < qn; u++) {
                 const int64_t rr = q0 + u, i = i0 + rr / G;
                 float *sr = s + (hh * nl * G + rr) * L + j0;
-                for (int64_t jj = 0; jj < jn; jj++) {
-                  const int64_t j = j0 + jj;
-                  int see = j <= first_new + i;
-                  if (vis && j >= first_new) see = vis[i * n + (j - first_new)];
-                  sr[jj] = see ? sc[u][jj] * scale : -INFINITY;
-                }
+                for (int64_t jj = 0; jj < jn; jj++)
+                  sr[jj] = sees(j0 + jj, i, first_new, vis, n) ? sc[u][jj] * scale : -INFINITY;
               }
             }
           }
@@ -205,8 +208,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
           for (int64_t hh = 0; hh < per; hh++) {
             const float *kr = kb + jj * tok + (h0 + hh) * D;
             for (int64_t i = i0; i < i0 + nl; i++) {
-              int see = j <= first_new + i;
-              if (vis && j >= first_new) see = vis[i * n + (j - first_new)];
+              const bool see = sees(j, i, first_new, vis, n);
               const float *qr = q + ((b * n + i) * H + (h0 + hh) * G) * D;
               float *sr = s + ((hh * nl + i - i0) * G) * L + j;
               for (int64_t g = 0; g < G; g++) sr[g * L] = see ? dot(qr + g * D, kr, D) * scale : -INFINITY;
