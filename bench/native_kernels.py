@@ -1,8 +1,8 @@
 """The native decode kernels (executor/native.py) against the torch paths they replace, side by side.
 
 1. Projections of M rows through all 30 layers of SmolLM2-135M's shapes (random weights, 425 MB: never
-   cache-resident): oneDNN's prepacked GEMM against the native weight-streaming kernel, M = 1..32.
-   The crossover sets executor.native.LINEAR_MAX_ROWS.
+   cache-resident): oneDNN's prepacked GEMM against the native panel kernel, M = 1..128.
+   The crossover sets executor.native.LINEAR_MAX_ROWS_BY_PANEL.
 2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
    SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
    native paged kernel, which reads the pool through the block tables.
@@ -39,9 +39,10 @@ def linear_rows(reps: int) -> dict[int, float]:
     torch.manual_seed(0)
     weights = [[torch.randn(o, i) for o, i in SHAPES] for _ in range(30)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 4096) for w in layer] for layer in weights]
+    panels = [[native.pack_weight(w) for w in layer] for layer in weights]
     nbytes = sum(o * i for o, i in SHAPES) * 4 * 30
     ratios = {}
-    for m in (1, 2, 3, 4, 6, 8, 11, 16, 24, 32, 40, 48, 64):
+    for m in (1, 2, 3, 4, 6, 8, 11, 16, 24, 32, 40, 48, 64, 96, 128):
         xs = {i: torch.randn(m, i) for _, i in SHAPES}
 
         def onednn():
@@ -50,7 +51,7 @@ def linear_rows(reps: int) -> dict[int, float]:
                     torch.ops.mkldnn._linear_pointwise(xs[i], p, None, "none", [], "")
 
         def ours():
-            for layer in weights:
+            for layer in panels:
                 for (_, i), w in zip(SHAPES, layer):
                     native.linear_small(xs[i], w)
 
@@ -147,8 +148,8 @@ def main() -> None:
         if r <= 1.0:
             break
         crossover = m
-    print(f"native linear faster up to {crossover} rows; LINEAR_MAX_ROWS = {native.LINEAR_MAX_ROWS}")
-    for m in (1, 3, 11, 16, 32):
+    print(f"native linear faster up to {crossover} rows; native.linear_max_rows() = {native.linear_max_rows()}")
+    for m in (1, 3, 11, 16, 32, 64):
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():
         print(f"decode_attention_speedup_{rows}_rows: {r:.2f}")

@@ -63,46 +63,90 @@ static inline float dot(const float *a, const float *b, int64_t n) {
   return s;
 }
 
-/* y[m, n] = sum_k x[m, k] w[n, k] for m < M (a few rows), n < N; x is [M, K], y is [M, ldy] (columns
-   n0.. of a wider output). Each weight row is read once from memory: blocks of 4 weight rows stay in L1
-   while every triple of x rows is multiplied by them (12 accumulators). With more than 3 rows a block takes
-   several passes over L1 and the memory bus would idle during all but the first, so each block asks for the
-   next one ahead, spread evenly over its passes: streaming and arithmetic overlap (1.3-1.5x at 8-16 rows). */
-extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int64_t ldy) {
-  const int64_t K8 = K & ~(int64_t)7, nblocks = (N + 3) / 4;
-  const char *wend = (const char *)(w + N * K);
-  const int64_t total = (M + 2) / 3 * (K8 / 8), lines = K / 4; /* iterations of a block, its 64-byte lines */
+/* Projections of a few rows (decodes, verify rows, small prompt chunks): y = x wᵀ with the weight [N, K]
+   repacked once into column panels [ceil(N / NR)][K][NR] (NR = two vector registers of columns, zero-padded).
+   A tile of up to MR_MAX rows keeps its MR x NR outputs in registers while the panel streams past once, in
+   order: each k costs two vector loads and one broadcast per row, no horizontal sums, and the panel's next
+   lines are asked for PREFETCH floats ahead. Against the dot-product kernel it replaced (4 weight rows x 3 x
+   rows, 8 lanes) on the Xeon with AVX-512: 0.86x the time at 1 row, 0.69x at 11, 0.58x at 32; and below
+   oneDNN's prepacked GEMM up to ~100 rows. More rows than MR_MAX: balanced tiles, the panel re-read from L2. */
+#ifdef __AVX512F__
+typedef float vw __attribute__((vector_size(64)));
+static const int VL = 16, MR_MAX = 12;  /* 24 accumulators + 2 weights + 1 broadcast of 32 zmm registers */
+#else
+typedef float vw __attribute__((vector_size(32)));
+static const int VL = 8, MR_MAX = 6;  /* 12 accumulators + 2 weights + 1 broadcast of 16 ymm registers */
+#endif
+static const int NR = 2 * VL;
+static const int64_t PREFETCH = 1024;  /* floats ahead in the panel (4 KB; 1 KB and 8 KB measured slower) */
+
+static inline vw loadw(const float *p) { vw v; memcpy(&v, p, sizeof v); return v; }
+static inline void storew(float *p, vw v) { memcpy(p, &v, sizeof v); }
+static inline vw splatw(float x) { return x - (vw){}; }  /* a broadcast (a lane loop compiles to inserts) */
+
+/* Columns per panel, for the caller's allocation (ceil(N / NR) * K * NR floats). */
+extern "C" int64_t panel_width() { return NR; }
+
+extern "C" void pack_panels(const float *w, int64_t N, int64_t K, float *panels) {
+  const int64_t np = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-  for (int64_t nb = 0; nb < nblocks; nb++) {
-    const int64_t n0 = nb * 4, nn = N - n0 < 4 ? N - n0 : 4;
-    const float *w0 = w + n0 * K;
-    const float *w1 = w + (n0 + (nn > 1 ? 1 : 0)) * K;
-    const float *w2 = w + (n0 + (nn > 2 ? 2 : 0)) * K;
-    const float *w3 = w + (n0 + (nn > 3 ? 3 : 0)) * K;
-    const char *next = (const char *)(w + (n0 + 4) * K);
-    int64_t due = 0;
-    for (int64_t m0 = 0; m0 < M; m0 += 3) {
-      const int64_t mm = M - m0 < 3 ? M - m0 : 3;
-      const float *xa = x + m0 * K, *xb = x + (m0 + (mm > 1 ? 1 : 0)) * K, *xc = x + (m0 + mm - 1) * K;
-      v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-      v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-      for (int64_t k = 0; k < K8; k += 8) {
-        for (due += lines; due >= total; due -= total, next += 64)
-          if (next < wend) __builtin_prefetch(next);
-        const v8 u = load8(xa + k), v = load8(xb + k), t = load8(xc + k);
-        v8 r = load8(w0 + k); a0 += u * r; b0 += v * r; c0 += t * r;
-        r = load8(w1 + k); a1 += u * r; b1 += v * r; c1 += t * r;
-        r = load8(w2 + k); a2 += u * r; b2 += v * r; c2 += t * r;
-        r = load8(w3 + k); a3 += u * r; b3 += v * r; c3 += t * r;
+  for (int64_t b = 0; b < np; b++)
+    for (int64_t k = 0; k < K; k++)
+      for (int64_t j = 0; j < NR; j++) {
+        const int64_t n = b * NR + j;
+        panels[(b * K + k) * NR + j] = n < N ? w[n * K + k] : 0.0f;
       }
-      float s[3][4] = {{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)}, {hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)},
-                       {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)}};
-      const float *ws[4] = {w0, w1, w2, w3}, *xs[3] = {xa, xb, xc};
-      for (int64_t k = K8; k < K; k++)
-        for (int i = 0; i < 3; i++)
-          for (int j = 0; j < 4; j++) s[i][j] += xs[i][k] * ws[j][k];
-      for (int64_t i = 0; i < mm; i++)
-        for (int64_t j = 0; j < nn; j++) y[(m0 + i) * ldy + n0 + j] = s[i][j];
+}
+
+template <int MR>
+static void tile(const float *x, int64_t K, const float *panel, float *y, int64_t ldy, int64_t nn) {
+  vw acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
+  for (int64_t k = 0; k < K; k++) {
+    const float *pk = panel + k * NR;
+    __builtin_prefetch(pk + PREFETCH);
+    if (NR * 4 > 64) __builtin_prefetch(pk + PREFETCH + 16);
+    const vw w0 = loadw(pk), w1 = loadw(pk + VL);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) {
+      const vw b = splatw(x[i * K + k]);
+      acc[i][0] += b * w0;
+      acc[i][1] += b * w1;
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    if (nn == NR) {
+      storew(y + i * ldy, acc[i][0]);
+      storew(y + i * ldy + VL, acc[i][1]);
+    } else {  /* the last panel of an N that NR does not divide */
+      float t[NR];
+      storew(t, acc[i][0]);
+      storew(t + VL, acc[i][1]);
+      memcpy(y + i * ldy, t, nn * sizeof(float));
+    }
+  }
+}
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t);
+#ifdef __AVX512F__
+static const tile_fn TILES[MR_MAX + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
+                                          tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+#else
+static const tile_fn TILES[MR_MAX + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+#endif
+
+/* y[m, n] = sum_k x[m, k] w[n, k] for m < M, n < N; x [M, K], y [M, ldy]; `panels` from pack_panels. */
+extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, float *y,
+                             int64_t ldy) {
+  const int64_t np = (N + NR - 1) / NR, tiles = (M + MR_MAX - 1) / MR_MAX;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < np; b++) {
+    const float *panel = panels + b * K * NR;
+    const int64_t nn = N - b * NR < NR ? N - b * NR : NR;
+    for (int64_t j = 0, m0 = 0; j < tiles; j++) {
+      const int64_t mr = (M - m0) / (tiles - j);
+      TILES[mr](x + m0 * K, K, panel, y + m0 * ldy + b * NR, ldy, nn);
+      m0 += mr;
     }
   }
 }

@@ -126,8 +126,8 @@ FUSED_OPS = True
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state_dict) that, for fp32 CPU inference, multiplies by a copy
-    of the weight prepacked for oneDNN. The copy is remade whenever the weight changes (in-place
-    updates bump its version; `.to()` replaces it).
+    of the weight prepacked for oneDNN, or for a few rows by one in the native kernel's panel layout. The
+    copies are remade whenever the weight changes (in-place updates bump its version; `.to()` replaces it).
 
     `splits` (output sizes summing to out_features): return one tensor per part, each its own GEMM on
     that slice of the weight, so each comes out contiguous (a fused GEMM's column chunks are strided,
@@ -135,6 +135,8 @@ class Linear(nn.Linear):
 
     _packed: list | None = None
     _packed_key: tuple | None = None
+    _panels: list | None = None
+    _panels_key: tuple | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, splits: list[int] | None = None,
                  **kwargs):
@@ -157,31 +159,36 @@ class Linear(nn.Linear):
         return USE_MKLDNN_LINEAR and self._fp32_cpu_inference(x)
 
     def _use_native(self, x: torch.Tensor) -> bool:
-        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.LINEAR_MAX_ROWS
-                and self._fp32_cpu_inference(x) and native.usable(x, self.weight))
+        return (USE_NATIVE_LINEAR and x.dim() == 2 and native.usable(x, self.weight)
+                and x.shape[0] <= native.linear_max_rows() and self._fp32_cpu_inference(x))
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, tuple(w.shape), tuple(self.splits or ()))
 
     def forward(self, x: torch.Tensor):
-        if self._use_native(x):
-            outs = tuple(native.linear_small(x, p) for p in self._parts())  # a few rows: stream the weight once
+        if self._use_native(x):  # a few rows: stream the weight once, from its panel copy
+            if self._panels_key != self._key():
+                self._panels = [native.pack_weight(p.detach().contiguous()) for p in self._parts()]
+                self._panels_key = self._key()
+            outs = tuple(native.linear_small(x, p) for p in self._panels)
             return outs if self.splits else outs[0]
         if not self._use_mkldnn(x):
             if not self.splits:
                 return F.linear(x, self.weight, self.bias)
             biases = self.bias.split(self.splits) if self.bias is not None else [None] * len(self.splits)
             return tuple(F.linear(x, w, b) for w, b in zip(self._parts(), biases))
-        w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), tuple(self.splits or ()))
-        if self._packed_key != key:
+        if self._packed_key != self._key():
             self._packed = [torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), 4096)
                             for p in self._parts()]
-            self._packed_key = key
+            self._packed_key = self._key()
         outs = tuple(torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in self._packed)
         return outs if self.splits else outs[0]
 
     def __getstate__(self):  # the packed copy is a cache: never pickled or deep-copied
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        state.pop("_packed", None)
-        state.pop("_packed_key", None)
+        for name in ("_packed", "_packed_key", "_panels", "_panels_key"):
+            state.pop(name, None)
         return state
 
 

@@ -18,15 +18,18 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-# A projection with at most this many rows streams its weight through linear_small; more rows go to oneDNN,
-# whose blocked GEMM wins once a weight row is reused by enough rows (measured crossover, bench/native_kernels.py).
-LINEAR_MAX_ROWS = 32
+# A projection with at most this many rows goes through linear_small, more rows through oneDNN's blocked GEMM.
+# By panel width: AVX-512's 32-column panels match or beat oneDNN up to ~200 rows on the Xeon (1.1-1.5x at
+# 8-128 rows; bench/native_kernels.py), so every decode batch, verify step and small chunk runs natively; AVX2's
+# 16-column panels hold half the rows per tile, so the earlier dot-product kernel's 32 stays.
+LINEAR_MAX_ROWS_BY_PANEL = {32: 128, 16: 32}
 
 
 def _cache_dir() -> Path:
@@ -71,6 +74,10 @@ def library() -> ctypes.CDLL | None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.linear_small.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
     lib.linear_small.restype = None
+    lib.pack_panels.argtypes = [ptr, i64, i64, ptr]
+    lib.pack_panels.restype = None
+    lib.panel_width.argtypes = []
+    lib.panel_width.restype = i64
     lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
     lib.paged_attention.restype = None
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
@@ -92,12 +99,39 @@ def usable(*tensors: torch.Tensor) -> bool:
                for t in tensors) and available()
 
 
-def linear_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]ᵀ -> [M, N], streaming the weight once (for a few rows)."""
+def linear_max_rows() -> int:
+    """Rows up to which a projection runs through linear_small (0 without the kernels)."""
+    lib = library()
+    return LINEAR_MAX_ROWS_BY_PANEL.get(lib.panel_width(), 32) if lib is not None else 0
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight [N, K] repacked for linear_small: column panels [ceil(N / width)][K][width], zero-padded."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
+def pack_weight(weight: torch.Tensor) -> Panels:
+    """The weight [N, K] (contiguous fp32 CPU) in linear_small's panel layout (a copy)."""
+    lib = library()
+    n, k = weight.shape
+    width = lib.panel_width()
+    data = torch.empty(-(-n // width) * k * width, dtype=torch.float32)
+    lib.pack_panels(weight.data_ptr(), n, k, data.data_ptr())
+    return Panels(data, n, k)
+
+
+def linear_small(x: torch.Tensor, weight: Panels) -> torch.Tensor:
+    """x [M, K] @ weightᵀ -> [M, N] with the weight packed by pack_weight, streamed once for up to a dozen
+    rows (for a few rows: decodes, verify rows)."""
     m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype)
-    library().linear_small(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), n)
+    if k != weight.k:
+        raise ValueError(f"x has {k} columns, the packed weight {weight.k}")
+    y = torch.empty((m, weight.n), dtype=x.dtype)
+    library().linear_small(x.data_ptr(), m, k, weight.data.data_ptr(), weight.n, y.data_ptr(), weight.n)
     return y
 
 

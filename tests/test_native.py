@@ -16,11 +16,23 @@ from tests.test_executor_model import Sequences, random_prompts
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built (no C++ compiler)")
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576), (11, 579, 33), (32, 64, 5)])
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576), (11, 579, 33),
+                                       (12, 64, 32), (13, 70, 65), (32, 64, 5), (64, 96, 130)])
 def test_linear_small_equals_matmul(rows, k, n):
+    """Every tile height (balanced tiles above a dozen rows) and a last panel that is only partly columns."""
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-    assert rel_err(native.linear_small(x, w), x @ w.T) < 1e-5
+    assert rel_err(native.linear_small(x, native.pack_weight(w)), x @ w.T) < 1e-5
+
+
+def test_linear_repacks_when_the_weight_changes():
+    """The panel copy follows in-place updates of the weight (a trained draft model, a refitted head)."""
+    layer = model_module.Linear(24, 40)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)
+        assert rel_err(layer(x), 2 * first) < 1e-5
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 16), (6, 1, 12), (9, 3, 64)])
