@@ -106,7 +106,9 @@ class Engine:
         paths: dict[Request, list[int]] = {}
         single = [(r, start) for r, start, n in spans if n == 1]
         if single:
-            picked = sample(logits[[start for _, start in single]], self.sampling, self.generator).tolist()
+            at = [start for _, start in single]  # all rows, in order, in a step of plain decodes: no gather
+            picked = sample(logits[:len(at)] if at == list(range(len(at))) else logits[at], self.sampling,
+                            self.generator).tolist()
             out.update((r, [tok]) for (r, _), tok in zip(single, picked))
         parents = getattr(self.drafter, "tree_parents", None)
         for r, start, n in spans:

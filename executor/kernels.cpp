@@ -403,3 +403,17 @@ extern "C" void silu_mul(const float *gate, const float *up, float *out, int64_t
     for (; i < e; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
   }
 }
+
+/* out[m] = the first index of row m's largest value in x [M, V], NaN counting as largest (torch.argmax's
+   answer): greedy sampling over the vocabulary, where torch's reduction reads at ~3 GB/s (4 ms at 64 rows). */
+extern "C" void argmax_rows(const float *x, int64_t M, int64_t V, int64_t *out) {
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; m++) {
+    const float *r = x + m * V;
+    int64_t best = 0;
+    float bv = r[0];
+    for (int64_t j = 1; j < V && bv == bv; j++)
+      if (r[j] > bv || r[j] != r[j]) { bv = r[j]; best = j; }
+    out[m] = best;
+  }
+}

@@ -83,7 +83,8 @@ def library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.rope_write_kv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [ptr, ptr, ptr, i64]
-    for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul):
+    lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
+    for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul, lib.argmax_rows):
         fn.restype = None
     return lib
 
@@ -175,4 +176,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate)·up in one pass (same shapes, contiguous)."""
     out = torch.empty_like(gate)
     library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a contiguous fp32 x [M, V], as int64 [M]."""
+    m, v = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    library().argmax_rows(x.data_ptr(), m, v, out.data_ptr())
     return out

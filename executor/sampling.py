@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor import native
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,8 +35,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token per row of `logits` [N, vocab] (the native kernel where it applies)."""
+    if logits.dim() == 2 and logits.numel() and logits.dtype == torch.float32 and native.usable(logits):
+        return native.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row of `logits` [N, vocab]."""
     if params.temperature <= 0:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     return torch.multinomial(target_probs(logits, params), 1, generator=generator).squeeze(-1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from executor.sampling import SamplingParams, target_probs
+from executor.sampling import SamplingParams, greedy, target_probs
 
 
 class Drafter:
@@ -81,7 +81,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     draft_probs: [len(drafts), vocab], the drafter's distribution at each draft; None for a deterministic
     drafter (prompt lookup: q is a point mass on its draft)."""
     if params.temperature <= 0:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy(logits).tolist()
         out = []
         for i, x in enumerate(drafts):
             if x != target[i]:
@@ -139,11 +139,11 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], par
     for j, p in enumerate(parents, start=1):
         children.setdefault(p, []).append(j)
     node, path, out = 0, [], []
-    greedy = params.temperature <= 0
+    top = greedy(logits).tolist() if params.temperature <= 0 else None
     while True:
         kids = children.get(node, [])
-        if greedy:
-            target = int(logits[node].argmax())
+        if top is not None:
+            target = top[node]
             nxt = next((c for c in kids if tokens[c - 1] == target), None)
             if nxt is None:
                 return out + [target], path

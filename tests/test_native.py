@@ -35,6 +35,17 @@ def test_linear_repacks_when_the_weight_changes():
         assert rel_err(layer(x), 2 * first) < 1e-5
 
 
+def test_argmax_rows_equals_torch():
+    """Greedy sampling's argmax: ties go to the first index and a NaN counts as largest, as in torch."""
+    x = torch.randn(7, 1001, generator=torch.Generator().manual_seed(3))
+    x[1, 5] = x[1, 900] = 50.0  # a tie
+    x[2, 17] = float("nan")
+    x[3] = 0.0  # all equal
+    x[4, -1] = float("inf")
+    assert native.argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()
+    assert native.argmax_rows(x[:1].contiguous()).tolist() == torch.argmax(x[:1], dim=-1).tolist()
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 16), (6, 1, 12), (9, 3, 64)])
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_paged_decode_equals_dense_reference(heads, kv_heads, head_dim, contiguous):
