@@ -9,7 +9,7 @@ import numpy as np
 
 from sim.cluster import make_cost_model, sim_records, simulate
 from sim.errors import ConfigError
-from sim.fitted_cost import shape_of
+from sim.fitted_cost import predicted_step_time
 from sim.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.scenario import Plan, make_plan
 from sim.workload import generate_requests
@@ -300,12 +300,6 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                                            None if out is None else out / f"run{i + 1}"))
     return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]
-
-
-def predicted_step_time(record: dict, cost) -> float:
-    """The cost model's time for a recorded executor step (a steps.jsonl record), from its own shape."""
-    return cost.step_time(shape_of(record["new_tokens"], record["context_lens"], record["num_sampled"],
-                                   record["num_prefill"]))
 
 
 def step_time_ratio(records: list[dict], cost) -> dict:

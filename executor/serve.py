@@ -18,7 +18,7 @@ from executor.prompts import corpus_ids, prompt_ids
 from executor.speculative import PromptLookup
 from sim.cluster import ReplicaTrace, make_cost_model, make_policy
 from sim.errors import ConfigError
-from sim.fitted_cost import load_profile, shape_of
+from sim.fitted_cost import load_profile, predicted_step_time
 from sim.metrics import records_from_requests
 from sim.report import build_report, print_summary, write_outputs
 from sim.request import Request
@@ -148,7 +148,7 @@ def draft_cost(records: list, cost=None) -> dict:
     out, overhead = {}, drafter
     if cost is not None:
         def predict(r):
-            return cost.step_time(shape_of(r.new_tokens, r.context_lens, r.num_sampled, r.num_prefill))
+            return predicted_step_time(r.to_json(), cost)
 
         measured = np.array([r.end_s - r.start_s - r.draft_s for r in steps])
         pred = np.array([predict(r) for r in steps])

@@ -58,6 +58,13 @@ def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None
                       len(new_tokens) if sampled is None else sampled, num_prefill=num_prefill, num_verify=verify)
 
 
+def predicted_step_time(record: dict, cost) -> float:
+    """The cost model's time for a step the executor recorded (a steps.jsonl record, or a StepRecord's
+    to_json()), from the step's own shape."""
+    return cost.step_time(shape_of(record["new_tokens"], record["context_lens"], record.get("num_sampled"),
+                                   record.get("num_prefill")))
+
+
 def _upgrade(coefs: dict) -> dict:
     """Coefficients of an older profile (one `seqs` term for every sequence) in the current form."""
     if "seqs" in coefs and "decode_seqs" not in coefs:

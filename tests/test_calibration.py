@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.fitted_cost import FittedCostModel, shape_of
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 
@@ -32,7 +33,12 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
     data = json.loads(prof.read_text())
     assert data["model"]["num_layers"] == 2 and data["host"]["threads"] == 1
     assert data["measured"]["matmul_flops"] > 0 and data["measured"]["memory_bandwidth"] > 0
-    assert len(data["samples"]) > 50 and data["fit"]["coefs"]["step"] > 0
+    assert len(data["samples"]) > 50
+    # the fit prices a step at any size (a fixed cost: the step term or, below the knot, the few-token one) and
+    # longer prompts higher
+    cost = FittedCostModel.load(prof)
+    assert cost.step_time(shape_of([1], [100])) > 0
+    assert cost.step_time(shape_of([256], [256])) > cost.step_time(shape_of([16], [16])) > 0
     kinds = {(len(s["new_tokens"]) > 1, max(s["new_tokens"]) > 1) for s in data["samples"]}
     assert kinds >= {(False, True), (True, False), (True, True)}  # prefills, decode batches, mixed steps
 
