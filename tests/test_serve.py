@@ -34,8 +34,11 @@ def test_serve_writes_the_shared_report_and_the_step_trace(tmp_path, checkpoint)
 
 
 def test_too_small_kv_cache_preempts_and_loses_nothing(tmp_path, checkpoint):
+    # all 24 arrive within milliseconds: at 40/s a fast machine finished each before the next came, and nothing
+    # was ever preempted
     path = write_tiny_scenario(tmp_path, checkpoint, kv_cache={"num_blocks": 14, "block_size": 8},
-                          serving={"max_model_len": 96})
+                               serving={"max_model_len": 96},
+                               workload={"arrival": {"process": "poisson", "rate": 20000.0}})
     report = serve_scenario(path, None, quiet=True, plots=False)
     rq = report["requests"]
     assert rq["arrived"] == rq["completed"] + rq["rejected"] == 24
