@@ -133,10 +133,9 @@ class Linear(nn.Linear):
     that slice of the weight, so each comes out contiguous (a fused GEMM's column chunks are strided,
     and elementwise ops on strided [T, I] views run ~3x slower)."""
 
-    _packed: list | None = None
-    _packed_key: tuple | None = None
-    _panels: list | None = None
-    _panels_key: tuple | None = None
+    # caches of the weight's parts in a kernel's layout, as (weight key, copies): oneDNN's, the native panels
+    _packed: tuple | None = None
+    _panels: tuple | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, splits: list[int] | None = None,
                  **kwargs):
@@ -162,32 +161,33 @@ class Linear(nn.Linear):
         return (USE_NATIVE_LINEAR and x.dim() == 2 and native.usable(x, self.weight)
                 and x.shape[0] <= native.linear_max_rows() and self._fp32_cpu_inference(x))
 
-    def _key(self) -> tuple:
+    def _copies(self, name: str, make) -> list:
+        """The weight's parts through `make`, kept in attribute `name` until the weight changes (in-place updates
+        bump its version; `.to()` replaces it)."""
         w = self.weight
-        return (w.data_ptr(), w._version, tuple(w.shape), tuple(self.splits or ()))
+        key = (w.data_ptr(), w._version, tuple(w.shape), tuple(self.splits or ()))
+        cached = getattr(self, name)
+        if cached is None or cached[0] != key:
+            cached = (key, [make(p.detach().contiguous()) for p in self._parts()])
+            setattr(self, name, cached)
+        return cached[1]
 
     def forward(self, x: torch.Tensor):
         if self._use_native(x):  # a few rows: stream the weight once, from its panel copy
-            if self._panels_key != self._key():
-                self._panels = [native.pack_weight(p.detach().contiguous()) for p in self._parts()]
-                self._panels_key = self._key()
-            outs = tuple(native.linear_small(x, p) for p in self._panels)
+            outs = tuple(native.linear_small(x, p) for p in self._copies("_panels", native.pack_weight))
             return outs if self.splits else outs[0]
         if not self._use_mkldnn(x):
             if not self.splits:
                 return F.linear(x, self.weight, self.bias)
             biases = self.bias.split(self.splits) if self.bias is not None else [None] * len(self.splits)
             return tuple(F.linear(x, w, b) for w, b in zip(self._parts(), biases))
-        if self._packed_key != self._key():
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), 4096)
-                            for p in self._parts()]
-            self._packed_key = self._key()
-        outs = tuple(torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in self._packed)
+        packed = self._copies("_packed", lambda p: torch.ops.mkldnn._reorder_linear_weight(p, 4096))
+        outs = tuple(torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed)
         return outs if self.splits else outs[0]
 
-    def __getstate__(self):  # the packed copy is a cache: never pickled or deep-copied
+    def __getstate__(self):  # the packed copies are caches: never pickled or deep-copied
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        for name in ("_packed", "_packed_key", "_panels", "_panels_key"):
+        for name in ("_packed", "_panels"):
             state.pop(name, None)
         return state
 

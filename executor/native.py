@@ -78,6 +78,7 @@ def library() -> ctypes.CDLL | None:
     lib.pack_panels.restype = None
     lib.panel_width.argtypes = []
     lib.panel_width.restype = i64
+    lib.panel_columns = lib.panel_width()  # asked once: every projection's dispatch reads it
     lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
     lib.paged_attention.restype = None
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
@@ -103,7 +104,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 def linear_max_rows() -> int:
     """Rows up to which a projection runs through linear_small (0 without the kernels)."""
     lib = library()
-    return LINEAR_MAX_ROWS_BY_PANEL.get(lib.panel_width(), 32) if lib is not None else 0
+    return LINEAR_MAX_ROWS_BY_PANEL.get(lib.panel_columns, 32) if lib is not None else 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def pack_weight(weight: torch.Tensor) -> Panels:
     """The weight [N, K] (contiguous fp32 CPU) in linear_small's panel layout (a copy)."""
     lib = library()
     n, k = weight.shape
-    width = lib.panel_width()
+    width = lib.panel_columns
     data = torch.empty(-(-n // width) * k * width, dtype=torch.float32)
     lib.pack_panels(weight.data_ptr(), n, k, data.data_ptr())
     return Panels(data, n, k)
