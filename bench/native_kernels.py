@@ -6,7 +6,10 @@
 2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
    SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
    native paged kernel, which reads the pool through the block tables.
-3. A layer's elementwise work at 3, 58 and 4096 rows: residual add + RMSNorm, SiLU·up, and RoPE of q and k with
+3. Prompt attention (whole prompts of 8-1000 tokens, SmolLM2's heads, block size 16, one call for the batch):
+   torch's flash SDPA per prompt on gathered K/V with the kv heads repeated (the sdpa backend's torch path)
+   against the native flash-style kernel over the pool, in GFLOP/s of causal attention.
+4. A layer's elementwise work at 3, 58 and 4096 rows: residual add + RMSNorm, SiLU·up, and RoPE of q and k with
    K/V written to scattered cache slots, as torch ops (the FUSED_OPS path) against the fused native kernels.
 
 Usage: python bench/native_kernels.py [--threads 2]. Ends with `name: value` headline lines.
@@ -93,6 +96,36 @@ def decode_attention(reps: int) -> dict[tuple[int, int], float]:
     return ratios
 
 
+def prompt_attention(reps: int) -> dict[int, float]:
+    """SDPA-path ms / native ms for a step's prompts of a given typical length (one call per layer)."""
+    bs, kvh, d, h = 16, 3, 64, 9
+    ratios = {}
+    for count, length in ((32, 40), (16, 250), (4, 1000)):
+        g = torch.Generator().manual_seed(length)
+        lens = torch.randint(length // 2, length * 3 // 2, (count,), generator=g).tolist()
+        num_blocks = sum(-(-n // bs) for n in lens) + 8
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        tables, at = [], 0
+        for n in lens:
+            tables.append(perm[at:at + -(-n // bs)])
+            at += len(tables[-1])
+        pool = torch.randn(2, num_blocks, bs, kvh, d, generator=g)
+        q = torch.randn(sum(lens), h, d, generator=g)
+
+        def run(use_native):
+            attention.USE_NATIVE_ATTENTION = use_native
+            return sdpa_attention(q, pool[0], pool[1], AttentionMetadata.build(lens, lens, tables, bs))
+
+        err = (run(True) - run(False)).abs().max().item()
+        a, b = best_ms(lambda: run(False), reps), best_ms(lambda: run(True), reps)
+        attention.USE_NATIVE_ATTENTION = True
+        flops = sum(4 * h * d * n * (n + 1) // 2 for n in lens)
+        ratios[length] = a / b
+        print(f"prompt attention, {count:2d} prompts of ~{length:4d} tokens: SDPA {a:6.2f} ms ({flops / a / 1e6:5.1f} "
+              f"GFLOP/s), native {b:6.2f} ms ({flops / b / 1e6:5.1f} GFLOP/s), ratio {a / b:.2f}, max |diff| {err:.1e}")
+    return ratios
+
+
 def elementwise(reps: int) -> dict[tuple[str, int], float]:
     """torch ms / native ms of a layer's fused elementwise kernels at a few and at thousands of rows."""
     import torch.nn.functional as F
@@ -142,6 +175,7 @@ def main() -> None:
         raise SystemExit("bench/native_kernels.py: the native kernels could not be built (no C++ compiler?)")
     lin = linear_rows(args.reps)
     att = decode_attention(args.reps * 2)
+    pro = prompt_attention(args.reps * 2)
     ew = elementwise(args.reps * 2)
     crossover = 0
     for m, r in lin.items():  # the row counts up to which every one measured favours the native kernel
@@ -153,6 +187,8 @@ def main() -> None:
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():
         print(f"decode_attention_speedup_{rows}_rows: {r:.2f}")
+    for length, r in pro.items():
+        print(f"prompt_attention_speedup_{length}_tokens: {r:.2f}")
     for (name, rows), r in ew.items():
         print(f"{name.replace('+', '_').replace('*', '_').replace(' ', '_')}_speedup_{rows}_rows: {r:.2f}")
 

@@ -30,6 +30,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # 8-128 rows; bench/native_kernels.py), so every decode batch, verify step and small chunk runs natively; AVX2's
 # 16-column panels hold half the rows per tile, so the earlier dot-product kernel's 32 stays.
 LINEAR_MAX_ROWS_BY_PANEL = {32: 128, 16: 32}
+# Head dims prefill_attention is compiled for (each a template instance of the kernel).
+PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _cache_dir() -> Path:
@@ -81,6 +83,8 @@ def library() -> ctypes.CDLL | None:
     lib.panel_columns = lib.panel_width()  # asked once: every projection's dispatch reads it
     lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
     lib.paged_attention.restype = None
+    lib.prefill_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, f32]
+    lib.prefill_attention.restype = ctypes.c_bool
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.rope_write_kv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.silu_mul.argtypes = [ptr, ptr, ptr, i64]
@@ -149,6 +153,20 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                               k_pool.shape[1], k_pool.shape[2], block_tables.data_ptr(), block_tables.shape[1],
                               context_lens.data_ptr(), 0 if visible is None else visible.data_ptr(), scale)
     return out
+
+
+def prefill_attention(q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      q_start: torch.Tensor, q_len: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor, scale: float) -> None:
+    """Causal attention of prompt rows into `out`: q, out [T, H, D] are a step's packed tokens; sequence s has
+    q_len[s] rows from token q_start[s], at positions context_lens[s] - q_len[s] + i, and sees its keys through
+    block_tables [S, max_blocks] in the pools [num_blocks, block_size, kvh, D] (all int64 / fp32, contiguous).
+    Rows of other sequences in `out` are left as they are."""
+    t, h, d = q.shape
+    if not library().prefill_attention(q.data_ptr(), out.data_ptr(), q_len.shape[0], q_start.data_ptr(), q_len.data_ptr(),
+                                context_lens.data_ptr(), h, d, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
+                                k_pool.shape[2], block_tables.data_ptr(), block_tables.shape[1], scale):
+        raise ValueError(f"head_dim {d} is not one of {PREFILL_HEAD_DIMS}")
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

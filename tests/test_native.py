@@ -86,6 +86,20 @@ def test_verify_rows_padded_and_tree_equal_torch_path(monkeypatch, query_lens, c
     assert rel_err(ours, naive_attention(q, k_pool, v_pool, meta)) < 1e-5
 
 
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [(9, 3, 16, 64), (8, 2, 5, 32), (4, 4, 1, 16)])
+def test_prefill_rows_equal_dense_reference(monkeypatch, heads, kv_heads, block_size, head_dim):
+    """Prompts in one native call beside a decode: whole ones of many tiles and tails, a chunk whose earlier
+    tokens are cached (its rows start past position 0), blocks that split a key chunk (5) or are single slots."""
+    query_lens, context_lens = [40, 1, 100, 17, 203], [40, 9, 130, 17, 203]
+    q, k_pool, v_pool, meta, logical = make_batch(query_lens, context_lens, heads, kv_heads, block_size, head_dim,
+                                                  seed=heads + block_size)
+    calls = []
+    monkeypatch.setattr(native, "prefill_attention", lambda *a, _f=native.prefill_attention: calls.append(1) or _f(*a))
+    ours = sdpa_attention(q, k_pool, v_pool, meta)
+    assert calls  # the prompts went through the kernel
+    assert rel_err(ours, dense_reference(q, meta, logical)) < 1e-5
+
+
 def test_fused_elementwise_kernels_equal_torch():
     gen = torch.Generator().manual_seed(0)
     x, d, w = torch.randn(37, 72, generator=gen), torch.randn(37, 72, generator=gen), torch.randn(72, generator=gen)
