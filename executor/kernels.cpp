@@ -103,13 +103,19 @@ extern "C" void pack_panels(const float *w, int64_t N, int64_t K, float *panels)
 }
 
 template <int MR>
-static void tile(const float *x, int64_t K, const float *panel, float *y, int64_t ldy, int64_t nn) {
+static void tile(const float *x, int64_t K, const float *panel, float *y, int64_t ldy, int64_t nn, const float *pf,
+                 int64_t pf_step) {
   vw acc[MR][2];
   for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
   for (int64_t k = 0; k < K; k++) {
     const float *pk = panel + k * NR;
-    __builtin_prefetch(pk + PREFETCH);
-    if (NR * 4 > 64) __builtin_prefetch(pk + PREFETCH + 16);
+    if (pf) {  /* a later tile of the panel: bring a share of the next panel into L2 meanwhile */
+      __builtin_prefetch(pf + k * pf_step, 0, 2);
+      if (pf_step > 16) __builtin_prefetch(pf + k * pf_step + 16, 0, 2);
+    } else {
+      __builtin_prefetch(pk + PREFETCH);
+      if (NR * 4 > 64) __builtin_prefetch(pk + PREFETCH + 16);
+    }
     const vw w0 = loadw(pk), w1 = loadw(pk + VL);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
@@ -131,7 +137,7 @@ static void tile(const float *x, int64_t K, const float *panel, float *y, int64_
   }
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int64_t);
 #ifdef __AVX512F__
 static const tile_fn TILES[MR_MAX + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
                                           tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
@@ -147,9 +153,14 @@ extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *
   for (int64_t b = 0; b < np; b++) {
     const float *panel = panels + b * K * NR;
     const int64_t nn = N - b * NR < NR ? N - b * NR : NR;
+    /* the first tile streams the panel from memory (prefetching ahead in it); the others re-read it from L2 and
+       meanwhile prefetch the next panel, a 1 / (tiles - 1) share each, so its first tile finds it in L2 */
+    const float *next = b + 1 < np ? panel + K * NR : nullptr;
+    const int64_t pf_step = tiles > 1 ? (NR + tiles - 2) / (tiles - 1) : 0;
     for (int64_t j = 0, m0 = 0; j < tiles; j++) {
       const int64_t mr = (M - m0) / (tiles - j);
-      TILES[mr](x + m0 * K, K, panel, y + m0 * ldy + b * NR, ldy, nn);
+      const float *pf = j > 0 && next ? next + (j - 1) * K * pf_step : nullptr;
+      TILES[mr](x + m0 * K, K, panel, y + m0 * ldy + b * NR, ldy, nn, pf, pf_step);
       m0 += mr;
     }
   }
