@@ -399,6 +399,9 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
     group = q.shape[1] // kvh
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     use_native = USE_NATIVE_ATTENTION and q.dtype == torch.float32 and native.usable(k_cache, v_cache)
+    if use_native and not meta.prefill_seqs:  # decodes only (most steps): one kernel call, nothing to regroup
+        return native.paged_attention(q.contiguous()[:, None], k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, scale)[:, 0]
 
     def prefill(qs, i):
         slots = meta.context_slots(i)

@@ -20,6 +20,8 @@ class KVCache:
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
+        # each layer's (k_pool, v_pool) views, made once: every layer of every step asks for them
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
@@ -61,7 +63,7 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_pool, v_pool) of a layer, each `[num_blocks, block_size, num_kv_heads, head_dim]` (views)."""
-        return self.data[layer, 0], self.data[layer, 1]
+        return self._layers[layer]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V `[T, num_kv_heads, head_dim]` at their flat slots."""

@@ -158,8 +158,10 @@ class Linear(nn.Linear):
         return USE_MKLDNN_LINEAR and self._fp32_cpu_inference(x)
 
     def _use_native(self, x: torch.Tensor) -> bool:
-        return (USE_NATIVE_LINEAR and x.dim() == 2 and native.usable(x, self.weight)
-                and x.shape[0] <= native.linear_max_rows() and self._fp32_cpu_inference(x))
+        # cheapest tests first: this runs for every projection of every step (the panels are contiguous copies,
+        # so of the weight only its dtype and device matter)
+        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.linear_max_rows() and x.is_contiguous()
+                and self._fp32_cpu_inference(x))
 
     def _copies(self, name: str, make) -> list:
         """The weight's parts through `make`, kept in attribute `name` until the weight changes (in-place updates
