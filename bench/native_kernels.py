@@ -65,6 +65,18 @@ def linear_rows(reps: int) -> dict[int, float]:
     return ratios
 
 
+def scattered_pool(lens: list[int], g: torch.Generator, bs: int, kvh: int, d: int):
+    """(block tables, K/V pool [2, blocks, bs, kvh, d]) for sequences of these lengths, their blocks scattered over
+    a random pool with 8 spare blocks."""
+    num_blocks = sum(-(-n // bs) for n in lens) + 8
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at:at + -(-n // bs)])
+        at += len(tables[-1])
+    return tables, torch.randn(2, num_blocks, bs, kvh, d, generator=g)
+
+
 def decode_attention(reps: int) -> dict[tuple[int, int], float]:
     """SDPA-path ms / native ms for decode batches (rows, mean context)."""
     bs, kvh, d, h = 16, 3, 64, 9
@@ -72,13 +84,7 @@ def decode_attention(reps: int) -> dict[tuple[int, int], float]:
     for rows, ctx in ((1, 300), (3, 330), (16, 200), (58, 190), (64, 600)):
         g = torch.Generator().manual_seed(rows)
         lens = torch.randint(ctx // 2, ctx * 3 // 2, (rows,), generator=g).tolist()
-        num_blocks = sum(-(-n // bs) for n in lens) + 8
-        perm = torch.randperm(num_blocks, generator=g).tolist()
-        tables, at = [], 0
-        for n in lens:
-            tables.append(perm[at:at + -(-n // bs)])
-            at += len(tables[-1])
-        pool = torch.randn(2, num_blocks, bs, kvh, d, generator=g)
+        tables, pool = scattered_pool(lens, g, bs, kvh, d)
         q = torch.randn(rows, h, d, generator=g)
         meta = AttentionMetadata.build([1] * rows, lens, tables, bs)
 
@@ -103,13 +109,7 @@ def prompt_attention(reps: int) -> dict[int, float]:
     for count, length in ((32, 40), (16, 250), (4, 1000)):
         g = torch.Generator().manual_seed(length)
         lens = torch.randint(length // 2, length * 3 // 2, (count,), generator=g).tolist()
-        num_blocks = sum(-(-n // bs) for n in lens) + 8
-        perm = torch.randperm(num_blocks, generator=g).tolist()
-        tables, at = [], 0
-        for n in lens:
-            tables.append(perm[at:at + -(-n // bs)])
-            at += len(tables[-1])
-        pool = torch.randn(2, num_blocks, bs, kvh, d, generator=g)
+        tables, pool = scattered_pool(lens, g, bs, kvh, d)
         q = torch.randn(sum(lens), h, d, generator=g)
 
         def run(use_native):

@@ -28,30 +28,31 @@ static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* exp(x) for x <= 88 on 8 lanes (Cephes expf: x = n ln2 + r, a degree-5 polynomial for e^r, 2^n in the
-   exponent bits); relative error ~1e-7. Below -87 it returns 0. */
-static inline v8 exp8(v8 x) {
-  const v8 lo = splat8(-87.0f);
-  const v8i under = x < lo;
+/* exp(x) for x <= 88 on a vector V of floats, VI its int32 lanes (Cephes expf: x = n ln2 + r, a degree-5
+   polynomial for e^r, 2^n in the exponent bits); relative error ~1e-7. Below -87 it returns 0. */
+template <typename V, typename VI>
+static inline V vexp(V x) {
+  const V zero = {}, lo = zero - 87.0f;
+  const VI under = x < lo;
   x = x < lo ? lo : x;
-  v8 fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
-  v8i n = __builtin_convertvector(fx, v8i);
-  v8 fn = __builtin_convertvector(n, v8);
-  fn = fn > fx ? fn - splat8(1.0f) : fn;  /* floor */
-  n = __builtin_convertvector(fn, v8i);
-  x = x - fn * splat8(0.693359375f) - fn * splat8(-2.12194440e-4f);
-  v8 y = splat8(1.9875691500e-4f);
-  y = y * x + splat8(1.3981999507e-3f);
-  y = y * x + splat8(8.3334519073e-3f);
-  y = y * x + splat8(4.1665795894e-2f);
-  y = y * x + splat8(1.6666665459e-1f);
-  y = y * x + splat8(5.0000001201e-1f);
-  y = y * x * x + x + splat8(1.0f);
-  v8i bits = (n + 127) << 23;
-  v8 pow2n;
+  V fx = x * 1.44269504088896341f + 0.5f;
+  VI n = __builtin_convertvector(fx, VI);
+  V fn = __builtin_convertvector(n, V);
+  fn = fn > fx ? fn - 1.0f : fn;  /* floor */
+  n = __builtin_convertvector(fn, VI);
+  x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+  V y = zero + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  VI bits = (n + 127) << 23;
+  V pow2n;
   memcpy(&pow2n, &bits, sizeof pow2n);
   y = y * pow2n;
-  return under ? splat8(0.0f) : y;
+  return under ? zero : y;
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -83,6 +84,8 @@ static const int VL = 8, MR_MAX = 6;  /* 12 accumulators + 2 weights + 1 broadca
 #endif
 static const int NR = 2 * VL;
 static const int64_t PREFETCH = 1024;  /* floats ahead in the panel (4 KB; 1 KB and 8 KB measured slower) */
+
+typedef int32_t vwi __attribute__((vector_size(sizeof(vw))));
 
 static inline vw loadw(const float *p) { vw v; memcpy(&v, p, sizeof v); return v; }
 static inline void storew(float *p, vw v) { memcpy(p, &v, sizeof v); }
@@ -320,7 +323,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         v8 sum8 = {0};
         int64_t j = 0;
         for (; j + 8 <= L; j += 8) {
-          const v8 e = exp8(load8(sr + j) - splat8(mx));
+          const v8 e = vexp<v8, v8i>(load8(sr + j) - splat8(mx));
           store8(sr + j, e);
           sum8 += e;
         }
@@ -386,32 +389,6 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
   }
 }
 
-/* exp(x) on VL lanes for prefill_attention: exp8's method (and error) at the kernel's vector width. */
-typedef int32_t vwi __attribute__((vector_size(sizeof(vw))));
-static inline vw expw(vw x) {
-  const vw lo = splatw(-87.0f);
-  const vwi under = x < lo;
-  x = x < lo ? lo : x;
-  vw fx = x * splatw(1.44269504088896341f) + splatw(0.5f);
-  vwi n = __builtin_convertvector(fx, vwi);
-  vw fn = __builtin_convertvector(n, vw);
-  fn = fn > fx ? fn - splatw(1.0f) : fn;  /* floor */
-  n = __builtin_convertvector(fn, vwi);
-  x = x - fn * splatw(0.693359375f) - fn * splatw(-2.12194440e-4f);
-  vw y = splatw(1.9875691500e-4f);
-  y = y * x + splatw(1.3981999507e-3f);
-  y = y * x + splatw(8.3334519073e-3f);
-  y = y * x + splatw(4.1665795894e-2f);
-  y = y * x + splatw(1.6666665459e-1f);
-  y = y * x + splatw(5.0000001201e-1f);
-  y = y * x * x + x + splatw(1.0f);
-  vwi bits = (n + 127) << 23;
-  vw pow2n;
-  memcpy(&pow2n, &bits, sizeof pow2n);
-  y = y * pow2n;
-  return under ? splatw(0.0f) : y;
-}
-
 /* Keys per chunk and output columns per register group of prefill_attention: KC score registers (or DG
    accumulators) plus a few operands fill the register file (32 zmm, 16 ymm). */
 #ifdef __AVX512F__
@@ -469,10 +446,10 @@ static void prefill_task(const PrefillTask &tk, const float *q, float *out, int6
         for (int j = 0; j < KC; j++) sc[j] = pos >= splatw((float)(j0 + j)) ? sc[j] : splatw(-INFINITY);
       vw mx = m;
       for (int j = 0; j < KC; j++) mx = sc[j] > mx ? sc[j] : mx;
-      const vw corr = expw(m - mx);  /* key 0 is seen by every row, so mx is finite from the first chunk on */
+      const vw corr = vexp<vw, vwi>(m - mx);  /* key 0 is seen by every row, so mx is finite from the first chunk on */
       l *= corr;
       for (int j = 0; j < KC; j++) {
-        const vw e = expw(sc[j] - mx);
+        const vw e = vexp<vw, vwi>(sc[j] - mx);
         l += e;
         storew(pb + j * VL, e);
       }
@@ -613,7 +590,7 @@ extern "C" void silu_mul(const float *gate, const float *up, float *out, int64_t
     for (; i + 8 <= e; i += 8) {
       const v8 g = load8(gate + i);
       const v8 neg = -g;
-      const v8 ex = exp8(neg > splat8(88.0f) ? splat8(88.0f) : neg);
+      const v8 ex = vexp<v8, v8i>(neg > splat8(88.0f) ? splat8(88.0f) : neg);
       store8(out + i, g / (splat8(1.0f) + ex) * load8(up + i));
     }
     for (; i < e; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
