@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 
-from calibration.profile import _engine
+from calibration.profile import profile_engine
 from executor.prompts import prompt_ids
 from executor.tiny import tiny_config, tiny_model
 from sim.models import catalog_model
@@ -36,7 +36,7 @@ def smollm2_shapes(device: str):
 
 def decoding_engine(model, batch: int, context: int, steps: int):
     """An engine whose `batch` requests have prefilled `context` tokens and have `steps` decodes left."""
-    engine = _engine(model, "cuda", num_blocks=max(64, batch * (context + steps) // 16 + batch),
+    engine = profile_engine(model, "cuda", num_blocks=max(64, batch * (context + steps) // 16 + batch),
                      max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
     for i in range(batch):
         engine.add(Request(i, 0.0, context, steps + 1), prompt_ids(CORPUS, context, i))

@@ -18,14 +18,14 @@ import time
 import numpy as np
 import torch
 
-from calibration.profile import _engine, _run
+from calibration.profile import profile_engine, run_workload
 from executor.prompts import corpus_ids
 from executor.weights import load_hf_model, smollm2_gguf_path
 
 
 def one_round(net, corpus) -> dict:
-    one = _run(_engine(net, "cpu", max_num_seqs=1), corpus, [(150, 12)])
-    four = _run(_engine(net, "cpu", max_num_seqs=4), corpus, [(150, 9)] * 4)
+    one = run_workload(profile_engine(net, "cpu", max_num_seqs=1), corpus, [(150, 12)])
+    four = run_workload(profile_engine(net, "cpu", max_num_seqs=4), corpus, [(150, 9)] * 4)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     mm = []
     for _ in range(5):
@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     net, _, tok = load_hf_model(smollm2_gguf_path())
     corpus = corpus_ids(tok)
-    _run(_engine(net, "cpu"), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
+    run_workload(profile_engine(net, "cpu"), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
     rounds, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < args.seconds:
         r = one_round(net, corpus)

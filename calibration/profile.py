@@ -67,7 +67,8 @@ def device_info(device: str) -> dict:
     return info
 
 
-def _engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
+def profile_engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
+    """An engine as the sweep builds one: `cfg` is SchedulerConfig fields (+ `draft_rate`), with roomy limits."""
     cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
     sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
@@ -78,7 +79,8 @@ def _engine(model, device, num_blocks=512, block_size=16, **cfg) -> Engine:
     return Engine(model, sched, kv, SamplingParams(), drafter=drafter)
 
 
-def _run(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
+def run_workload(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
+    """Serve the (prompt, output) requests, all queued at t=0 with prompts cut from `corpus`; the step records."""
     for i, (p, o) in enumerate(work):
         engine.add(Request(i, 0.0, p, o), prompt_ids(corpus, p, i))
     while engine.scheduler.has_work():
@@ -128,7 +130,7 @@ PROBE = ({"max_num_seqs": 4}, [(200, 10)] * 4)
 def probe_steps(model, corpus: list[int], device: str) -> list[dict]:
     """The PROBE's step records, timed on this machine now."""
     cfg, work = PROBE
-    return _run(_engine(model, device, **cfg), corpus, work)
+    return run_workload(profile_engine(model, device, **cfg), corpus, work)
 
 
 def probe_time(model, corpus: list[int], device: str) -> float:
@@ -149,7 +151,7 @@ def sweep(model, corpus: list[int], device: str, quick: bool = False,
     probes = []
     for _ in range(repeats):
         for (cfg, work), out in zip(runs, results):
-            out.append(_run(_engine(model, device, **cfg), corpus, work))
+            out.append(run_workload(profile_engine(model, device, **cfg), corpus, work))
         probes.append(probe_time(model, corpus, device))
     samples = []
     for reps in results:
@@ -165,7 +167,7 @@ def sweep(model, corpus: list[int], device: str, quick: bool = False,
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
-    _run(_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
+    run_workload(profile_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
     t0 = time.perf_counter()
     samples, probes = sweep(model, corpus, device, quick, repeats)
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill"))
