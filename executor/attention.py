@@ -316,7 +316,14 @@ def _native_prefill(meta: AttentionMetadata, seqs: list[int]):
     def longs(xs):
         return torch.tensor(xs, dtype=torch.long, device=meta.device)
     return (longs([meta.cu_query_lens[i] for i in seqs]), longs([meta.query_lens[i] for i in seqs]),
-            longs([meta.context_lens[i] for i in seqs]), _padded_tables([meta.block_tables[i] for i in seqs], meta.device))
+            longs([meta.context_lens[i] for i in seqs]),
+            _padded_tables([meta.block_tables[i] for i in seqs], meta.device))
+
+
+def _native_decodes(qd: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's decode rows qd [B, H, D], in decode order, through the native paged kernel."""
+    return native.paged_attention(qd.contiguous()[:, None], k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_context_lens, scale)[:, 0]
 
 
 def _no_trees(meta: AttentionMetadata, name: str) -> None:
@@ -400,8 +407,7 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     use_native = USE_NATIVE_ATTENTION and q.dtype == torch.float32 and native.usable(k_cache, v_cache)
     if use_native and not meta.prefill_seqs:  # decodes only (most steps): one kernel call, nothing to regroup
-        return native.paged_attention(q.contiguous()[:, None], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, scale)[:, 0]
+        return _native_decodes(q, k_cache, v_cache, meta, scale)
 
     def prefill(qs, i):
         slots = meta.context_slots(i)
@@ -476,8 +482,7 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
 
     def decodes(qd):
         if use_native:
-            tables, lens = meta.decode_block_tables, meta.decode_context_lens
-            return native.paged_attention(qd.contiguous()[:, None], k_cache, v_cache, tables, lens, scale)[:, 0]
+            return _native_decodes(qd, k_cache, v_cache, meta, scale)
         buckets = meta.decode_buckets
         out = torch.empty_like(qd) if len(buckets) > 1 else None
         for rows, tables, lens, mask, width in buckets:
@@ -499,7 +504,8 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
                 s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
                 out[s:e] = prefill(q[s:e], i)
         if plain:
-            starts, lens, ctx, tables = meta.once(("native_prefill", tuple(plain)), lambda: _native_prefill(meta, plain))
+            starts, lens, ctx, tables = meta.once(("native_prefill", tuple(plain)),
+                                                  lambda: _native_prefill(meta, plain))
             native.prefill_attention(q, out, k_cache, v_cache, starts, lens, ctx, tables, scale)
 
     native_prefill = use_native and q.is_contiguous() and q.shape[-1] in native.PREFILL_HEAD_DIMS

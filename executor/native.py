@@ -162,10 +162,11 @@ def prefill_attention(q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, 
     q_len[s] rows from token q_start[s], at positions context_lens[s] - q_len[s] + i, and sees its keys through
     block_tables [S, max_blocks] in the pools [num_blocks, block_size, kvh, D] (all int64 / fp32, contiguous).
     Rows of other sequences in `out` are left as they are."""
-    t, h, d = q.shape
-    if not library().prefill_attention(q.data_ptr(), out.data_ptr(), q_len.shape[0], q_start.data_ptr(), q_len.data_ptr(),
-                                context_lens.data_ptr(), h, d, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
-                                k_pool.shape[2], block_tables.data_ptr(), block_tables.shape[1], scale):
+    _, h, d = q.shape
+    if not library().prefill_attention(q.data_ptr(), out.data_ptr(), q_len.shape[0], q_start.data_ptr(),
+                                       q_len.data_ptr(), context_lens.data_ptr(), h, d, k_pool.data_ptr(),
+                                       v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[2], block_tables.data_ptr(),
+                                       block_tables.shape[1], scale):
         raise ValueError(f"head_dim {d} is not one of {PREFILL_HEAD_DIMS}")
 
 
