@@ -243,14 +243,18 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(THREADS)
+    from executor.host_memory import keep_freed_memory
     from executor.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
 
+    # infersim's engine sets this; set here first so all three engines and the rate probes run alike
+    heap = keep_freed_memory()
     t = time.perf_counter()
     path = smollm2_gguf_path()
     model, hf_config, tokenizer = load_hf_model(path)
     hf, _ = load_transformers_model(str(path.parent), path.name)
     print(f"loaded SmolLM2-135M in {time.perf_counter() - t:.0f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads ({torch.get_num_interop_threads()} interop)")
+          f"{torch.get_num_threads()} threads ({torch.get_num_interop_threads()} interop); freed memory kept in the heap: "
+          f"{'yes' if heap else 'no'}")
 
     n = QUICK_REQUESTS if args.quick else NUM_REQUESTS
     prompts, outputs = workload(n)

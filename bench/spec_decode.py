@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from executor.engine import Engine, SamplingParams  # noqa: E402
 from executor.kv_cache import KVCache  # noqa: E402
+from executor.host_memory import keep_freed_memory  # noqa: E402
 from executor.prompts import paragraphs  # noqa: E402
 from executor.distill import default_draft_dir  # noqa: E402
 from executor.distill import default_medusa_dir  # noqa: E402
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
+    keep_freed_memory()  # the engine sets it; set first so transformers' runs get the same allocator
     n_prompts = 2 if args.quick else 6
     max_new = args.max_new or (48 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 2)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.attention import AttentionMetadata
+from executor.host_memory import keep_freed_memory
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams, sample
@@ -65,6 +66,7 @@ class Engine:
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
 
     def __post_init__(self):
+        keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
         self.device = self.kv_cache.device
         self.generator = None
         if self.sampling.temperature > 0:
