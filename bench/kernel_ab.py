@@ -1,0 +1,122 @@
+"""Two builds of executor/kernels.cpp side by side: the A/B behind every kernel change in the README.
+
+Builds each source with the flags executor/native.py uses, loads both through ctypes into one process, and
+times their paged decode attention, prompt attention and small-batch projections on the same inputs,
+alternating A and B call by call (median of --reps), so the machine's drift falls on both alike. Also reports
+the largest difference between their outputs (0 where a change keeps the arithmetic order).
+SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers' projections and the LM head), K/V
+blocks scattered over a pool far larger than the caches, 2 threads.
+
+Usage: python bench/kernel_ab.py A.cpp B.cpp [--reps 9]   (e.g. A = `git show HEAD~1:executor/kernels.cpp`)
+Ends with `name: value` lines, B's time over A's per case.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from executor import native
+
+H, KVH, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 8192
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def build(source: Path, out: Path) -> ctypes.CDLL:
+    """The kernels compiled from `source` as native.py compiles them, with the argument types set."""
+    subprocess.run(["c++", *native.FLAGS, "-o", str(out), str(source)], check=True)
+    lib = ctypes.CDLL(str(out))
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.prefill_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, f32]
+    lib.prefill_attention.restype = ctypes.c_bool
+    lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
+    lib.linear_small.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
+    return lib
+
+
+def scattered_tables(rng: random.Random, lens: list[int]) -> torch.Tensor:
+    """Block tables [len(lens), max blocks] of distinct blocks drawn at random from the pool."""
+    blocks = rng.sample(range(NUM_BLOCKS), sum(-(-n // BS) for n in lens))
+    width, tables, at = max(-(-n // BS) for n in lens), [], 0
+    for n in lens:
+        k = -(-n // BS)
+        tables.append(blocks[at:at + k] + [0] * (width - k))
+        at += k
+    return torch.tensor(tables)
+
+
+def cases(libs, rng):
+    """(name, run(i) calling build i, work per call, unit, the two output tensors)."""
+    k_pool, v_pool = torch.randn(NUM_BLOCKS, BS, KVH, D), torch.randn(NUM_BLOCKS, BS, KVH, D)
+    scale = D ** -0.5
+    out = []
+    for rows, ctx in ((1, 300), (4, 300), (16, 200), (48, 175), (64, 400)):
+        lens = [max(8, int(ctx * rng.uniform(0.3, 1.7))) for _ in range(rows)]
+        q, tables, cl = torch.randn(rows, 1, H, D), scattered_tables(rng, lens), torch.tensor(lens)
+        outs = [torch.empty_like(q), torch.empty_like(q)]
+
+        def run(i, q=q, tables=tables, cl=cl, outs=outs, rows=rows):
+            libs[i].paged_attention(q.data_ptr(), outs[i].data_ptr(), rows, 1, H, D, k_pool.data_ptr(),
+                                    v_pool.data_ptr(), BS, KVH, tables.data_ptr(), tables.shape[1], cl.data_ptr(),
+                                    None, scale)
+        out.append((f"decode_attention_{rows}_rows", run, sum(lens) * KVH * D * 4 * 2, "GB/s", outs))
+    for lens in ([100], [300] * 8, [1000], [1000] * 4):
+        q, tables, ql = torch.randn(sum(lens), H, D), scattered_tables(rng, lens), torch.tensor(lens)
+        starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+        outs = [torch.empty_like(q), torch.empty_like(q)]
+
+        def run(i, q=q, tables=tables, ql=ql, starts=starts, outs=outs, n=len(lens)):
+            libs[i].prefill_attention(q.data_ptr(), outs[i].data_ptr(), n, starts.data_ptr(), ql.data_ptr(),
+                                      ql.data_ptr(), H, D, k_pool.data_ptr(), v_pool.data_ptr(), BS, KVH,
+                                      tables.data_ptr(), tables.shape[1], scale)
+        flops = sum(n * (n + 1) // 2 for n in lens) * H * D * 4
+        out.append((f"prompt_attention_{len(lens)}x{lens[0]}", run, flops, "GFLOP/s", outs))
+    weights = [native.pack_weight(torch.randn(n, k)) for n, k in PROJECTIONS]
+    params = sum(n * k for n, k in PROJECTIONS)
+    for m in (1, 4, 11, 16, 32, 48):
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        ys = [[torch.empty(m, w.n) for w in weights] for _ in range(2)]
+
+        def run(i, xs=xs, ys=ys, m=m):
+            for w, y in zip(weights, ys[i]):
+                libs[i].linear_small(xs[w.k].data_ptr(), m, w.k, w.data.data_ptr(), w.n, y.data_ptr(), w.n)
+        out.append((f"projections_{m}_rows", run, params * 4, "GB/s", [y[-1] for y in ys]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    native.library()  # torch's libgomp loaded first, as in the engine
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(args.a, Path(tmp) / "a.so"), build(args.b, Path(tmp) / "b.so")]
+        headline = []
+        for name, run, work, unit, outs in cases(libs, random.Random(0)):
+            times = [[], []]
+            for _ in range(args.reps):
+                for i in (0, 1):
+                    t = time.perf_counter()
+                    run(i)
+                    times[i].append(time.perf_counter() - t)
+            a, b = statistics.median(times[0]), statistics.median(times[1])
+            diff = (outs[0] - outs[1]).abs().max().item()
+            print(f"{name:28s} A {a * 1e3:8.3f} ms ({work / a / 1e9:6.1f} {unit})  B {b * 1e3:8.3f} ms "
+                  f"({work / b / 1e9:6.1f} {unit})  B/A {b / a:.3f}  max |A-B| {diff:.1e}", flush=True)
+            headline.append((name, b / a))
+    for name, r in headline:
+        print(f"{name}_b_over_a: {r:.3f}")
+
+
+if __name__ == "__main__":
+    main()
