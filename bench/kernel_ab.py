@@ -30,15 +30,9 @@ PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152,
 
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
-    """The kernels compiled from `source` as native.py compiles them, with the argument types set."""
+    """The kernels compiled from `source` as native.py compiles them, loaded through native.load."""
     subprocess.run(["c++", *native.FLAGS, "-o", str(out), str(source)], check=True)
-    lib = ctypes.CDLL(str(out))
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.prefill_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, f32]
-    lib.prefill_attention.restype = ctypes.c_bool
-    lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
-    lib.linear_small.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
-    return lib
+    return native.load(out)
 
 
 def scattered_tables(rng: random.Random, lens: list[int]) -> torch.Tensor:

@@ -72,6 +72,12 @@ def library() -> ctypes.CDLL | None:
                               "paths", RuntimeWarning, stacklevel=2)
                 return None
             os.replace(out, path)  # atomic: a concurrent process sees no half-written library
+    return load(path)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A compiled kernels library at `path`, loaded with every function's argument and result types declared
+    (`library()` loads the cached build through it; bench/kernel_ab.py loads two builds side by side)."""
     lib = ctypes.CDLL(str(path))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.linear_small.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
