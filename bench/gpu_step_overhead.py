@@ -1,7 +1,7 @@
 """Where a CUDA engine step's time goes (SmolLM2-135M's shapes, random weights, fp32): the step's wall time
 against the GPU's busy time in it (torch profiler: kernels and copies), the host-device synchronisations per
-step, and — over a long stretch of batch-1 decodes, as a low-load scenario runs — how step time follows the
-GPU's SM clock. Needs CUDA; on the CPU it says so and exits 2.
+step — each for plain decode steps run eagerly and replayed from CUDA graphs, side by side — and, over a long
+stretch of batch-1 decodes as a low-load scenario runs them, how step time follows the GPU's SM clock. Needs CUDA; on the CPU it says so and exits 2.
 
 Usage: python bench/gpu_step_overhead.py [--steps 1500]
 Ends with `name: value` headline lines.
@@ -34,19 +34,20 @@ def smollm2_shapes(device: str):
     return tiny_model(0, cfg).to(device)
 
 
-def decoding_engine(model, batch: int, context: int, steps: int):
-    """An engine whose `batch` requests have prefilled `context` tokens and have `steps` decodes left."""
+def decoding_engine(model, batch: int, context: int, steps: int, graphs: bool = True):
+    """An engine whose `batch` requests have prefilled `context` tokens and have `steps` decodes left; its plain
+    decode steps replay CUDA graphs, or with graphs=False run eagerly."""
     engine = profile_engine(model, "cuda", num_blocks=max(64, batch * (context + steps) // 16 + batch),
-                     max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
+                            decode_graphs=graphs, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
     for i in range(batch):
         engine.add(Request(i, 0.0, context, steps + 1), prompt_ids(CORPUS, context, i))
     engine.step()  # the prefills
     return engine
 
 
-def step_anatomy(model, batch: int, context: int, n: int = 20) -> dict:
+def step_anatomy(model, batch: int, context: int, graphs: bool, n: int = 20) -> dict:
     """Median wall ms per decode step, GPU busy ms per step (profiler), syncs per step."""
-    engine = decoding_engine(model, batch, context, 3 * n + 5)
+    engine = decoding_engine(model, batch, context, 3 * n + 5, graphs)
     for _ in range(5):
         engine.step()
     walls = []
@@ -121,21 +122,28 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.threads} CPU threads")
     shapes = [] if args.stretch_only else [(1, 128), (1, 1024), (8, 256), (32, 256)]
     if shapes:
-        print("| batch | context | wall ms/step | GPU busy ms/step | busy fraction | syncs/step |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("eager: every op launched from Python; graph: the step replayed from a CUDA graph (the default)")
+        print("| batch | context | eager ms/step | graph ms/step | graph/eager | GPU busy ms (eager, graph) | "
+              "busy fraction (eager, graph) | syncs/step (eager, graph) |")
+        print("|---:|---:|---:|---:|---:|---|---|---|")
     for batch, context in shapes:
-        r = rows[(batch, context)] = step_anatomy(model, batch, context)
-        print(f"| {batch} | {context} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['busy_fraction']:.2f} | "
-              f"{r['syncs_per_step']:.1f} |")
+        e, g = (step_anatomy(model, batch, context, graphs) for graphs in (False, True))
+        rows[(batch, context)] = (e, g)
+        print(f"| {batch} | {context} | {e['wall_ms']:.2f} | {g['wall_ms']:.2f} | {g['wall_ms'] / e['wall_ms']:.2f} | "
+              f"{e['gpu_busy_ms']:.2f}, {g['gpu_busy_ms']:.2f} | {e['busy_fraction']:.2f}, {g['busy_fraction']:.2f} | "
+              f"{e['syncs_per_step']:.1f}, {g['syncs_per_step']:.1f} |")
     s = clock_stretch(model, args.steps)
     print(f"clock stretch, {args.steps} batch-1 decodes: step ms@SM MHz every {max(1, args.steps // 60)} steps:")
     print(" ".join(s["series"]))
     if rows:
-        b1, b32 = rows[(1, 128)], rows[(32, 256)]
-        print(f"decode_b1_wall_ms: {b1['wall_ms']:.2f}")
-        print(f"decode_b1_gpu_busy_fraction: {b1['busy_fraction']:.2f}")
-        print(f"decode_b32_gpu_busy_fraction: {b32['busy_fraction']:.2f}")
-        print(f"syncs_per_decode_step: {b1['syncs_per_step']:.1f}")
+        (e1, g1), (e32, g32) = rows[(1, 128)], rows[(32, 256)]
+        print(f"decode_b1_eager_ms: {e1['wall_ms']:.2f}")
+        print(f"decode_b1_graph_ms: {g1['wall_ms']:.2f}")
+        print(f"decode_b1_graph_over_eager: {g1['wall_ms'] / e1['wall_ms']:.2f}")
+        print(f"decode_b32_graph_over_eager: {g32['wall_ms'] / e32['wall_ms']:.2f}")
+        print(f"decode_b1_gpu_busy_fraction_graph: {g1['busy_fraction']:.2f}")
+        print(f"syncs_per_decode_step_eager: {e1['syncs_per_step']:.1f}")
+        print(f"syncs_per_decode_step_graph: {g1['syncs_per_step']:.1f}")
     print(f"stretch_p90_over_p10: {s['p90_ms'] / s['p10_ms']:.2f}")
     print(f"stretch_slow_fraction: {s['slow_fraction']:.2f}")
     for k in ("wall_ms_fast", "cpu_ms_fast", "wall_ms_slow", "cpu_ms_slow"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.attention import AttentionMetadata
+from executor.cuda_graph import decode_graphs
 from executor.host_memory import keep_freed_memory
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
@@ -19,6 +20,10 @@ from executor.sampling import SamplingParams, sample
 from executor.speculative import tree_depths, tree_mask, verify, verify_tree
 from sim.request import Request
 from sim.scheduler import Scheduler
+
+
+# Switch off to run every step eagerly on a GPU too (decode_graphs=None then means off; for comparisons).
+CUDA_GRAPHS = True
 
 
 @dataclass
@@ -64,10 +69,18 @@ class Engine:
     _padding_ctx: dict[Request, int] = field(default_factory=dict)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
+    # plain decode steps through executor.cuda_graph: None = on a GPU (captured graphs); True elsewhere runs the
+    # same static-shape forward eagerly (what the tests check it against)
+    decode_graphs: bool | None = None
 
     def __post_init__(self):
         keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
         self.device = self.kv_cache.device
+        self.graphs = None
+        if self.decode_graphs or (self.decode_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"):
+            cfg = self.scheduler.cfg
+            self.graphs = decode_graphs(self.model, self.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
+                                        capture=self.device.type == "cuda")
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
@@ -150,6 +163,26 @@ class Engine:
             h, d = zip(*batch.swap_in)
             dev[:, :, list(d)] = host[:, :, list(h)].to(dev.device)
 
+    def _forward(self, batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts) -> torch.Tensor:
+        """The step's forward, eager: final hidden states of the logit rows (`counts` per sampling row)."""
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device,
+                                       num_decode_rows=len(batch.decode))
+        positions = meta.positions()
+        parents = getattr(self.drafter, "tree_parents", None)
+        if parents is not None:  # candidate trees: node positions are root + depth, attention follows the tree
+            for i, (r, n, ctx) in enumerate(rows[:len(batch.decode)]):
+                if n > 1:
+                    meta.trees[i] = tree_mask(parents[:n - 1])
+                    first = meta.cu_query_lens[i]
+                    positions[first:first + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if batch.padding or any(c > 1 for c in counts):  # every position's hidden state, then pick
+            hidden = self.model(input_ids, positions, meta, self.kv_cache)
+            return hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(sampling_rows, counts)
+                           for j in range(c)]]
+        # the model's last layer and the LM head run only for the rows that sample
+        return self.model(input_ids, positions, meta, self.kv_cache, last_of=sampling_rows)
+
     def step(self) -> StepRecord | None:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
@@ -173,27 +206,15 @@ class Engine:
         query_lens = [n for _, n, _ in rows] + [1] * len(batch.padding)
         context_lens = [c for _, _, c in rows] + [self._padding_ctx[r] for r in batch.padding]
         tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device,
-                                       num_decode_rows=len(batch.decode))
-        positions = meta.positions()
-        parents = getattr(self.drafter, "tree_parents", None)
-        if parents is not None:  # candidate trees: node positions are root + depth, attention follows the tree
-            for i, (r, n, ctx) in enumerate(rows[:len(batch.decode)]):
-                if n > 1:
-                    meta.trees[i] = tree_mask(parents[:n - 1])
-                    first = meta.cu_query_lens[i]
-                    positions[first:first + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         num_decode = len(batch.decode)
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
-        if batch.padding or any(c > 1 for c in counts):  # every position's hidden state, then pick
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)
-            hidden = hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(sampling_rows, counts)
-                             for j in range(c)]]
-        else:  # the model's last layer and the LM head run only for the rows that sample
-            hidden = self.model(input_ids, positions, meta, self.kv_cache, last_of=sampling_rows)
+        if (self.graphs is not None and not batch.padding and len(sampling_rows) == len(rows) == num_decode
+                and all(n == 1 for n in query_lens) and self.graphs.fits(len(rows), context_lens)):
+            hidden = self.graphs.run(ids, context_lens, tables)  # plain decodes: one graph replay
+        else:
+            hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0
         for i, c in zip(sampling_rows, counts):
             spans.append((rows[i][0], first, c))

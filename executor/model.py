@@ -357,14 +357,16 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: KVCache, last_of: list[int] | None = None) -> torch.Tensor:
+                kv_caches: KVCache, last_of: list[int] | None = None, attention=None) -> torch.Tensor:
         """Run one step over T packed tokens; returns the final-normed hidden states [T, hidden].
 
         `last_of`: indices of sequences whose last new token is all the caller needs (the rows that
         sample); then the result is [len(last_of), hidden], and the last layer computes attention, MLP
         and norm for those rows only — every other row's last-layer output only ever fed its own logits
-        (its K/V, which later tokens read, are still written)."""
-        backend = get_backend(self.attn_backend) if isinstance(self.attn_backend, str) else self.attn_backend
+        (its K/V, which later tokens read, are still written). `attention`: a backend for this call instead of
+        the model's (a CUDA graph's static-shape decode attention)."""
+        backend = attention or (get_backend(self.attn_backend) if isinstance(self.attn_backend, str)
+                                else self.attn_backend)
         x = self.embed_tokens(input_ids)
         k_pool, _ = kv_caches.layer(0)
         if USE_NATIVE_OPS and FUSED_OPS and x.dtype == k_pool.dtype == torch.float32 \

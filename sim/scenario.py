@@ -80,6 +80,8 @@ class ExecutorConfig(StrictModel):
     seed: int = 0
     ignore_eos: bool = Field(True, description="generate exactly each request's output length")
     max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
+    cuda_graphs: bool = Field(True, description="on a GPU, replay plain decode steps from captured CUDA graphs "
+                                                "(vLLM's default; false: every step eager, vLLM's enforce_eager)")
 
 
 MEDUSA_TOPK = 10  # candidates per Medusa head (executor.medusa.TOPK)
