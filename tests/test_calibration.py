@@ -149,24 +149,28 @@ def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoin
     assert again.exit_code == 0 and "tpot_p50_speedup" in again.output
 
 
-def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("folder, profile, runs", [
+    ("2026-11-29-h200", "calibration/gpu_runs/2026-11-29-h200/cuda.json", 2),  # every step eager
+    ("2026-11-30-h200", "calibration/profiles/cuda.json", 1),  # plain decode steps replayed from CUDA graphs
+])
+def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path, folder, profile, runs):
     """calibration/gpu_runs holds the executor runs gpu_check recorded on an H200; `--device cuda --real-from`
-    re-scores them on any machine against calibration/profiles/cuda.json and gives the shipped table."""
+    re-scores them on any machine against the profile measured with them and gives the shipped table."""
     import tarfile
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    shipped = root / "calibration/gpu_runs/2026-11-29-h200"
+    shipped = root / "calibration/gpu_runs" / folder
     with tarfile.open(shipped / "runs.tar.gz") as tar:
         tar.extractall(tmp_path / "runs", filter="data")
     scenarios = [str(root / f"scenarios/validation/{s}.yaml") for s in ("low_load", "medium_load")]
     r = CliRunner().invoke(app, ["validate", *scenarios, "--device", "cuda", "--real-from", str(tmp_path / "runs"),
-                                 "--out", str(tmp_path / "again")])
+                                 "--profile", str(root / profile), "--out", str(tmp_path / "again")])
     assert r.exit_code == 0, r.output
     for s in ("low_load", "medium_load"):
         want = json.loads((shipped / f"{s}.validation.json").read_text())
         got = json.loads((tmp_path / "again" / s / "validation.json").read_text())
-        assert got["runs"] == 2 and got["profile"].endswith("cuda.json")
+        assert got["runs"] == runs and got["profile"].endswith("cuda.json")
         for name, row in got["metrics"].items():
             assert row["real"] == pytest.approx(want["metrics"][name]["real"], rel=1e-12), (s, name)
             assert row["error_pct"] == pytest.approx(want["metrics"][name]["error_pct"], abs=0.5), (s, name)
