@@ -210,9 +210,10 @@ class Engine:
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
-        if (self.graphs is not None and not batch.padding and len(sampling_rows) == len(rows) == num_decode
-                and all(n == 1 for n in query_lens) and self.graphs.fits(len(rows), context_lens)):
-            hidden = self.graphs.run(ids, context_lens, tables)  # plain decodes: one graph replay
+        if (self.graphs is not None and len(sampling_rows) == len(rows) == num_decode
+                and all(n == 1 for n in query_lens) and self.graphs.fits(len(query_lens), context_lens)):
+            # plain decodes (and static batching's padding rows after them): one graph replay
+            hidden = self.graphs.run(ids, context_lens, tables)[:len(rows)]
         else:
             hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0
