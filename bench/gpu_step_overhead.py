@@ -1,7 +1,8 @@
 """Where a CUDA engine step's time goes (SmolLM2-135M's shapes, random weights, fp32): the step's wall time
 against the GPU's busy time in it (torch profiler: kernels and copies), the host-device synchronisations per
-step — each for plain decode steps run eagerly and replayed from CUDA graphs, side by side — and, over a long
-stretch of batch-1 decodes as a low-load scenario runs them, how step time follows the GPU's SM clock. Needs CUDA; on the CPU it says so and exits 2.
+step — each for plain decode steps, and the time of lone prompt steps, run eagerly and replayed from CUDA graphs,
+side by side — and, over a long stretch of batch-1 decodes as a low-load scenario runs them, how step time
+follows the GPU's SM clock. Needs CUDA; on the CPU it says so and exits 2.
 
 Usage: python bench/gpu_step_overhead.py [--steps 1500]
 Ends with `name: value` headline lines.
@@ -38,7 +39,7 @@ def decoding_engine(model, batch: int, context: int, steps: int, graphs: bool = 
     """An engine whose `batch` requests have prefilled `context` tokens and have `steps` decodes left; its plain
     decode steps replay CUDA graphs, or with graphs=False run eagerly."""
     engine = profile_engine(model, "cuda", num_blocks=max(64, batch * (context + steps) // 16 + batch),
-                            decode_graphs=graphs, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
+                            use_graphs=graphs, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context))
     for i in range(batch):
         engine.add(Request(i, 0.0, context, steps + 1), prompt_ids(CORPUS, context, i))
     engine.step()  # the prefills
@@ -72,6 +73,18 @@ def step_anatomy(model, batch: int, context: int, graphs: bool, n: int = 20) -> 
     wall = statistics.median(walls) * 1000
     return {"wall_ms": wall, "gpu_busy_ms": busy_us / 1000, "busy_fraction": busy_us / 1000 / wall,
             "syncs_per_step": syncs}
+
+
+def prompt_step_ms(model, tokens: int, graphs: bool, n: int = 20) -> float:
+    """Median wall ms of a step that prefills one `tokens`-token prompt alone (each request ends at its first
+    token, so every step is such a prompt step)."""
+    engine = profile_engine(model, "cuda", num_blocks=max(64, tokens // 16 + 8), use_graphs=graphs, max_num_seqs=1)
+    walls = []
+    for i in range(n + 3):
+        engine.add(Request(i, 0.0, tokens, 1), prompt_ids(CORPUS, tokens, i))
+        engine.step()
+        walls.append(engine.records[-1].end_s - engine.records[-1].start_s)
+    return statistics.median(walls[3:]) * 1000
 
 
 def sm_clock() -> float:
@@ -132,6 +145,14 @@ def main() -> None:
         print(f"| {batch} | {context} | {e['wall_ms']:.2f} | {g['wall_ms']:.2f} | {g['wall_ms'] / e['wall_ms']:.2f} | "
               f"{e['gpu_busy_ms']:.2f}, {g['gpu_busy_ms']:.2f} | {e['busy_fraction']:.2f}, {g['busy_fraction']:.2f} | "
               f"{e['syncs_per_step']:.1f}, {g['syncs_per_step']:.1f} |")
+    prompts = {}
+    if shapes:
+        print("| lone prompt tokens | eager ms/step | graph ms/step | graph/eager |")
+        print("|---:|---:|---:|---:|")
+    for tokens in [] if args.stretch_only else [32, 128, 512]:
+        e, g = (prompt_step_ms(model, tokens, graphs) for graphs in (False, True))
+        prompts[tokens] = (e, g)
+        print(f"| {tokens} | {e:.2f} | {g:.2f} | {g / e:.2f} |")
     s = clock_stretch(model, args.steps)
     print(f"clock stretch, {args.steps} batch-1 decodes: step ms@SM MHz every {max(1, args.steps // 60)} steps:")
     print(" ".join(s["series"]))
@@ -144,6 +165,7 @@ def main() -> None:
         print(f"decode_b1_gpu_busy_fraction_graph: {g1['busy_fraction']:.2f}")
         print(f"syncs_per_decode_step_eager: {e1['syncs_per_step']:.1f}")
         print(f"syncs_per_decode_step_graph: {g1['syncs_per_step']:.1f}")
+        print(f"prompt_128_graph_over_eager: {prompts[128][1] / prompts[128][0]:.2f}")
     print(f"stretch_p90_over_p10: {s['p90_ms'] / s['p10_ms']:.2f}")
     print(f"stretch_slow_fraction: {s['slow_fraction']:.2f}")
     for k in ("wall_ms_fast", "cpu_ms_fast", "wall_ms_slow", "cpu_ms_slow"):

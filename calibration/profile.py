@@ -70,9 +70,9 @@ def device_info(device: str) -> dict:
     return info
 
 
-def profile_engine(model, device, num_blocks=512, block_size=16, decode_graphs=None, **cfg) -> Engine:
+def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
     """An engine as the sweep builds one: `cfg` is SchedulerConfig fields (+ `draft_rate`), with roomy limits;
-    `decode_graphs` as Engine takes it (None: CUDA graphs for plain decode steps on a GPU)."""
+    `use_graphs` as Engine takes it (None: CUDA graphs for plain decode and lone prompt steps on a GPU)."""
     cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
     sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
@@ -80,7 +80,7 @@ def profile_engine(model, device, num_blocks=512, block_size=16, decode_graphs=N
     # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
     # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
     drafter = RandomDrafter(model.config.vocab_size, rate=rate) if cfg.get("num_speculative_tokens") else None
-    return Engine(model, sched, kv, SamplingParams(), drafter=drafter, decode_graphs=decode_graphs)
+    return Engine(model, sched, kv, SamplingParams(), drafter=drafter, use_graphs=use_graphs)
 
 
 def run_workload(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.attention import AttentionMetadata
-from executor.cuda_graph import decode_graphs
+from executor.cuda_graph import step_graphs
 from executor.host_memory import keep_freed_memory
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel
@@ -22,7 +22,7 @@ from sim.request import Request
 from sim.scheduler import Scheduler
 
 
-# Switch off to run every step eagerly on a GPU too (decode_graphs=None then means off; for comparisons).
+# Switch off to run every step eagerly on a GPU too (use_graphs=None then means off; for comparisons).
 CUDA_GRAPHS = True
 
 
@@ -69,18 +69,16 @@ class Engine:
     _padding_ctx: dict[Request, int] = field(default_factory=dict)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
-    # plain decode steps through executor.cuda_graph: None = on a GPU (captured graphs); True elsewhere runs the
-    # same static-shape forward eagerly (what the tests check it against)
-    decode_graphs: bool | None = None
+    # plain decode steps and lone prompt steps through executor.cuda_graph: None = on a GPU (captured graphs); True
+    # elsewhere runs the same static-shape forward eagerly (what the tests check it against)
+    use_graphs: bool | None = None
 
     def __post_init__(self):
         keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
         self.device = self.kv_cache.device
         self.graphs = None
-        if self.decode_graphs or (self.decode_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"):
-            cfg = self.scheduler.cfg
-            self.graphs = decode_graphs(self.model, self.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
-                                        capture=self.device.type == "cuda")
+        if self.use_graphs or (self.use_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"):
+            self.graphs = step_graphs(self.model, self.kv_cache, self.scheduler.cfg, capture=self.device.type == "cuda")
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
@@ -210,10 +208,14 @@ class Engine:
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
-        if (self.graphs is not None and len(sampling_rows) == len(rows) == num_decode
-                and all(n == 1 for n in query_lens) and self.graphs.fits(len(query_lens), context_lens)):
+        graphs = self.graphs
+        if (graphs is not None and len(sampling_rows) == len(rows) == num_decode
+                and all(n == 1 for n in query_lens) and graphs.fits_decode(len(query_lens), context_lens)):
             # plain decodes (and static batching's padding rows after them): one graph replay
-            hidden = self.graphs.run(ids, context_lens, tables)[:len(rows)]
+            hidden = graphs.run_decode(ids, context_lens, tables)[:len(rows)]
+        elif (graphs is not None and len(query_lens) == 1 and not num_decode
+              and graphs.fits_prompt(query_lens[0], context_lens[0])):  # one prompt or chunk alone
+            hidden = graphs.run_prompt(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]
         else:
             hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0

@@ -76,7 +76,7 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
     host = KVCache.for_model(cfg, plan.num_swap_blocks, plan.block_size, dtype, "cpu") if plan.num_swap_blocks else None
     sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
     return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host,
-                  drafter=make_drafter(plan, loaded.model, sampling), decode_graphs=None if ex.cuda_graphs else False)
+                  drafter=make_drafter(plan, loaded.model, sampling), use_graphs=None if ex.cuda_graphs else False)
 
 
 def drafter_dir(plan: Plan) -> Path:

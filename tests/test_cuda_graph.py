@@ -1,13 +1,14 @@
-"""The static-shape decode step that CUDA graphs replay (executor/cuda_graph.py), run eagerly on the CPU: it
-gives the engine's own greedy output under every policy, padding rows change nothing in the cache, and its
-attention equals the sdpa backend's."""
+"""The static-shape steps that CUDA graphs replay (executor/cuda_graph.py), run eagerly on the CPU: they give the
+engine's own greedy output under every policy, padding rows and padding prompt tokens change nothing in the cache,
+and their attention equals the sdpa backend's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from executor.attention import AttentionMetadata, sdpa_attention
-from executor.cuda_graph import DecodeGraphs, GraphMeta, graph_decode_attention
+from executor.cuda_graph import GraphMeta, StepGraphs, graph_decode_attention, graph_prompt_attention
+from executor.kv_cache import KVCache
 from executor.tiny import tiny_model
 from sim.request import Request, Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
@@ -20,67 +21,99 @@ def model():
     return tiny_model(seed=5, num_kv_heads=2, num_layers=2, vocab_size=256, max_position_embeddings=512)
 
 
-def run(model, policy, decode_graphs):
+def run(model, policy, use_graphs):
     cfg = dict(POLICIES[policy])
     engine = make_engine(model, num_blocks=cfg.pop("num_blocks", 64), swap_blocks=cfg.pop("swap_blocks", 0),
-                         decode_graphs=decode_graphs, **cfg)
+                         use_graphs=use_graphs, **cfg)
     reqs = serve_all(engine, list(zip(prompts(8), WORK_LENS)))
     assert all(r.status is Status.FINISHED for r in reqs)
     return [engine.output_ids(r) for r in reqs], engine
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_static_decode_step_gives_the_engines_output(model, policy):
+def test_static_steps_give_the_engines_output(model, policy):
     want, eager = run(model, policy, False)
     got, graphed = run(model, policy, True)
     assert got == want
     assert eager.graphs is None
     decode_only = sum(rec.num_prefill == 0 for rec in graphed.records)  # static batching's padding rows too
-    assert graphed.graphs.replays == decode_only > 0
+    lone_prompts = sum(rec.num_prefill == 1 and rec.num_decode == 0 and rec.num_padding == 0
+                       and len(rec.new_tokens) == 1 for rec in graphed.records)
+    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts}
+    assert decode_only > 0 and lone_prompts > 0
     if policy == "static":
         assert any(rec.num_padding and not rec.num_prefill for rec in graphed.records)
 
 
-def test_padding_rows_leave_the_cache_as_the_eager_step_does(model):
-    """3 rows padded to 4: the K/V written equal the eager step's, and nothing else in the pool changes."""
-    eager, graphed = (make_engine(model, num_blocks=16, max_model_len=64, decode_graphs=g) for g in (False, True))
-    for engine in (eager, graphed):
-        for i, p in enumerate(prompts(3)):
-            engine.add(Request(i, 0.0, len(p), 4), p)
-        assert engine.step().num_prefill == 3  # all three prompts in one step
-        before = engine.kv_cache.data.clone()
-        engine.step()  # three plain decodes
+def changed_slots(engine, step):
+    before = engine.kv_cache.data.clone()
+    step()
+    return (engine.kv_cache.data != before).any(dim=(0, 1, 4, 5))  # [blocks, slots]
+
+
+def test_padding_rows_and_tokens_leave_the_cache_as_the_eager_step_does(model):
+    """A 13-token prompt padded to 16 tokens, then 3 decode rows padded to 4: the K/V written equal the eager
+    steps', and nothing else in the pool changes."""
+    eager, graphed = (make_engine(model, num_blocks=16, max_model_len=64, use_graphs=g) for g in (False, True))
+    changed = {}
+    for name, engine in (("eager", eager), ("graphed", graphed)):
+        p = prompts(3)
+        engine.add(Request(0, 0.0, 13, 4), (p[1] + p[2])[:13])
+        changed[name, "prompt"] = changed_slots(engine, engine.step)
+        for i in (1, 2):
+            engine.add(Request(i, 0.0, len(p[0]) + i, 4), (p[0] + p[1])[:len(p[0]) + i])
+        assert engine.step().num_prefill == 2  # both prompts in one step (eager)
+        changed[name, "decode"] = changed_slots(engine, engine.step)
         assert engine.records[-1].num_decode == 3 and engine.records[-1].num_prefill == 0
-        engine.changed = (engine.kv_cache.data != before).any(dim=(0, 1, 4, 5))  # [blocks, slots]
-    assert graphed.graphs.replays == 1 and graphed.graphs.batch_sizes[2] == 4
-    assert torch.equal(eager.changed, graphed.changed) and int(graphed.changed.sum()) == 3
+    assert graphed.graphs.replays == {"decode": 1, "prompt": 1}
+    assert graphed.graphs.prompt_sizes[0] == 16 and graphed.graphs.batch_sizes[2] == 4
+    for kind, slots in (("prompt", 13), ("decode", 3)):
+        assert torch.equal(changed["eager", kind], changed["graphed", kind])
+        assert int(changed["graphed", kind].sum()) == slots
     torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, rtol=1e-5, atol=1e-6)
 
 
-def test_graph_attention_equals_sdpa_on_a_paged_cache():
-    g = torch.Generator().manual_seed(0)
-    blocks, bs, kvh, d, h = 12, 4, 2, 8, 6
-    k_cache, v_cache = (torch.randn(blocks, bs, kvh, d, generator=g) for _ in range(2))
-    ctx = [5, 13, 1]
-    tables = [[3, 7], [0, 9, 2, 11], [5]]
-    q = torch.randn(3, h, d, generator=g)
-    meta = AttentionMetadata.build([1, 1, 1], ctx, tables, bs)
+def paged_cache(seed=0, blocks=12, bs=4, kvh=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(blocks, bs, kvh, d, generator=g), torch.randn(blocks, bs, kvh, d, generator=g), g
+
+
+def test_graph_decode_attention_equals_sdpa_on_a_paged_cache():
+    k_cache, v_cache, g = paged_cache()
+    ctx, tables = [5, 13, 1], [[3, 7], [0, 9, 2, 11], [5]]
+    q = torch.randn(3, 6, 8, generator=g)
+    meta = AttentionMetadata.build([1, 1, 1], ctx, tables, 4)
     want = sdpa_attention(q, k_cache, v_cache, meta)
     padded = torch.tensor([t + [t[0]] * (8 - len(t)) for t in tables])  # 8 blocks: up to 32 keys
     for width in (16, 32):
-        got = graph_decode_attention(q, k_cache, v_cache,
-                                     GraphMeta(meta.slot_mapping, padded, torch.tensor(ctx), bs, width))
+        got = graph_decode_attention(q, k_cache, v_cache, GraphMeta(meta.slot_mapping, padded, torch.tensor(ctx), 4,
+                                                                    width))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("query_len", [13, 5])  # a whole prompt, a chunk after 8 cached tokens
+def test_graph_prompt_attention_equals_sdpa_on_a_paged_cache(query_len):
+    k_cache, v_cache, g = paged_cache(1)
+    table = [4, 10, 1, 6]
+    q = torch.randn(query_len, 6, 8, generator=g)
+    meta = AttentionMetadata.build([query_len], [13], [table], 4)
+    want = sdpa_attention(q, k_cache, v_cache, meta)
+    for width in (16, 32):
+        got = graph_prompt_attention(q, k_cache, v_cache, GraphMeta(
+            meta.slot_mapping, torch.tensor([table + [0] * 4]), torch.tensor([13]), 4, width, meta.positions()))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_captured_shapes_cover_the_engine_limits(model):
-    from executor.kv_cache import KVCache
-
     kv = KVCache.for_model(model.config, 300, 16)
-    graphs = DecodeGraphs(model, kv, max_num_seqs=40, max_model_len=3000, capture=False)
+    graphs = StepGraphs(model, kv, max_num_seqs=40, max_model_len=3000, max_num_batched_tokens=600, capture=False)
     assert graphs.batch_sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graphs.prompt_sizes == [16, 32, 64, 128, 256, 512, 600]
     assert graphs.widths == [256, 512, 1024, 2048, 3008] and graphs.max_blocks == 188
-    assert graphs.fits(40, [3000]) and not graphs.fits(41, [10]) and not graphs.fits(1, [3009])
+    assert graphs.fits_decode(40, [3000]) and not graphs.fits_decode(41, [10]) and not graphs.fits_decode(1, [3009])
+    assert graphs.fits_prompt(600, 3000) and not graphs.fits_prompt(601, 601)
+    shapes = graphs._shapes()
+    assert ("prompt", 600, 3008) in shapes and ("prompt", 512, 256) not in shapes and ("decode", 40, 256) in shapes
 
 
 def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):

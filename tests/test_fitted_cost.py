@@ -12,7 +12,7 @@ from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import plan_of, run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
-        "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6, "few_tokens": 0.0}
+        "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6, "few_tokens": 0.0}
 
 
 def synthetic(n=400, noise=0.02, seed=0, truth=None):
@@ -39,7 +39,7 @@ def test_fit_recovers_coefficients_and_reports_heldout_error():
     result = fit(shapes, times)
     c = result["coefs"]
     assert sum(s.num_verify > 0 for s in shapes) > 30
-    for k in ("step", "new_tokens", "prefill_seqs", "has_prefill", "has_verify", "kv_tokens"):
+    for k in ("step", "new_tokens", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify", "kv_tokens"):
         assert c[k] == pytest.approx(TRUE[k], rel=0.2), k
     # a decode row's three per-row terms are told apart only by the few chunks that do not sample: check the sum
     row = ("new_tokens", "decode_seqs", "sampled")
