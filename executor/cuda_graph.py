@@ -3,12 +3,14 @@ thousands of tiny kernel launches from Python and a dozen small uploads, so the 
 (measured on an H200: 17.8 ms a batch-1 decode step, the GPU busy 2.5 ms of it). A graph launches the whole
 forward at once.
 
-Two kinds of step are captured: plain decode steps (one token per row, up to max_num_seqs rows) and steps of one
-prompt or prompt chunk alone (up to the step's token budget). A graph has fixed shapes and fixed addresses, so a
+Three kinds of step are captured: plain decode steps (one token per row, up to max_num_seqs rows), steps of one
+prompt or prompt chunk alone (up to the step's token budget), and — with speculative decoding by chains of drafts
+(prompt lookup, a draft model) — decode steps whose rows carry drafts, every row padded at its front to
+num_speculative_tokens + 1 tokens. Candidate trees (Medusa) and steps mixing prompts with decodes run eagerly. A graph has fixed shapes and fixed addresses, so a
 step is run padded to the next captured size (rows, or prompt tokens) and key width: its tokens, positions, slots,
 context lengths and block tables are written into static buffers (one upload from pinned memory) and the graph
-captured over those buffers is replayed. A padding row repeats a real one exactly — row 0 of a decode batch, the
-last token of a prompt: same token, position, slot, keys — so it computes and writes the same K/V into the same
+captured over those buffers is replayed. A padding row repeats a real one exactly — row 0 of a batch, the last
+token of a prompt, the first token of a verify row: same token, position, slot, keys — so it computes and writes the same K/V into the same
 slot and the cache is unchanged by it. Attention reads a row's blocks whole, up to the captured width, under a
 mask of its context (and, for a prompt, of each token's position).
 
@@ -81,6 +83,20 @@ def graph_prompt_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | 
     return o.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
 
 
+def graph_verify_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | None = None):
+    """Rows of n tokens each — a decode row's last token and its drafts, padded at the front [b·n, H, D] — against
+    the row's keys up to `meta.width`, each token seeing the keys up to its own position."""
+    b = meta.block_tables.shape[0]
+    t, h, d = q.shape
+    n, kvh = t // b, k_cache.shape[-2]
+    g = h // kvh
+    visible = torch.arange(meta.width, device=q.device)[None, None, :] <= meta.positions.view(b, n)[:, :, None]
+    qg = q.reshape(b, n, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, n * g, d)
+    mask = visible[:, :, None, :].expand(b, n, g, meta.width).reshape(b, 1, n * g, meta.width)
+    o = masked_attention(qg, _keys(k_cache, meta), _keys(v_cache, meta), mask, d ** -0.5 if scale is None else scale)
+    return o.view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4).reshape(t, h, d)
+
+
 def _sizes(limit: int, candidates) -> list[int]:
     out = [c for c in candidates if c < limit]
     return out + [limit]
@@ -91,11 +107,13 @@ def _sizes(limit: int, candidates) -> list[int]:
 MAX_CACHED = 16
 
 
-def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True) -> "StepGraphs":
-    """The model's captured graphs for this KV cache and these scheduler limits (a SchedulerConfig): reused when an
-    earlier engine's cache had the same shape at the same address (its graphs then read and write this one), else
-    captured now — while the cache is still empty, since capturing writes one slot of block 0."""
-    limits = (cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens)
+def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: bool = False) -> "StepGraphs":
+    """The model's captured graphs for this KV cache and these scheduler limits (a SchedulerConfig; `verify`: chains
+    of up to cfg.num_speculative_tokens drafts are verified too): reused when an earlier engine's cache had the same
+    shape at the same address (its graphs then read and write this one), else captured now — while the cache is
+    still empty, since capturing writes one slot of block 0."""
+    limits = (cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens,
+              cfg.num_speculative_tokens + 1 if verify and cfg.num_speculative_tokens else 0)
     if not capture:
         return StepGraphs(model, kv_cache, *limits, capture=False)
     cache = model.__dict__.setdefault("_step_graphs", {})
@@ -110,12 +128,13 @@ def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True) -> "StepGra
 
 
 class StepGraphs:
-    """Plain decode steps of up to `max_num_seqs` rows and steps of one prompt (chunk) of up to
-    `max_num_batched_tokens` tokens, with up to `max_model_len` tokens of context, run from captured CUDA graphs
-    (or, with capture=False, the same static forward eagerly)."""
+    """Plain decode steps of up to `max_num_seqs` rows, steps of one prompt (chunk) of up to
+    `max_num_batched_tokens` tokens and, with `verify_tokens` n > 1, decode steps whose rows carry up to n - 1
+    drafts each (every row padded at its front to n tokens), with up to `max_model_len` tokens of context, run
+    from captured CUDA graphs (or, with capture=False, the same static forward eagerly)."""
 
     def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 capture: bool = True):
+                 verify_tokens: int = 0, capture: bool = True):
         self._model = weakref.ref(model)  # the model holds its captured sets: no cycle for the GC to find later
         self.kv_cache = kv_cache
         self.block_size = bs = kv_cache.block_size
@@ -124,7 +143,9 @@ class StepGraphs:
         self.batch_sizes = _sizes(max_num_seqs, BATCH_SIZES)
         self.prompt_sizes = _sizes(min(max_num_batched_tokens, widest), PROMPT_SIZES)
         self.widths = _sizes(widest, [w for w in (MIN_WIDTH * 2 ** i for i in range(16)) if w % bs == 0])
-        n, m = max(self.batch_sizes[-1], self.prompt_sizes[-1]), self.max_blocks
+        self.verify_tokens = verify_tokens if verify_tokens > 1 else 0
+        n = max(self.batch_sizes[-1] * max(1, self.verify_tokens), self.prompt_sizes[-1])
+        m = self.max_blocks
         rows = self.batch_sizes[-1]
         dev = kv_cache.device
         # ids, positions, slots (per token), context lens, block tables [rows, m] (per row): one upload a step
@@ -136,7 +157,7 @@ class StepGraphs:
         self.block_tables = tables.view(rows, m)
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=dev)
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
-        self.replays = {"decode": 0, "prompt": 0}
+        self.replays = {"decode": 0, "prompt": 0, "verify": 0}
         self.context_lens.fill_(1)  # capture and warm-up attend one key of block 0; the cache is still empty
         if capture:
             self._capture()
@@ -149,6 +170,11 @@ class StepGraphs:
         if kind == "decode":
             meta = GraphMeta(self.slots[:n], self.block_tables[:n], self.context_lens[:n], self.block_size, width)
             attention = graph_decode_attention
+        elif kind == "verify":  # n rows of verify_tokens tokens
+            rows, n = n, n * self.verify_tokens
+            meta = GraphMeta(self.slots[:n], self.block_tables[:rows], self.context_lens[:rows], self.block_size,
+                             width, self.positions[:n])
+            attention = graph_verify_attention
         else:
             meta = GraphMeta(self.slots[:n], self.block_tables[:1], self.context_lens[:1], self.block_size, width,
                              self.positions[:n])
@@ -159,7 +185,9 @@ class StepGraphs:
         """Every (kind, rows or tokens, width) captured, largest first (they share one memory pool)."""
         out = [("prompt", t, w) for w in self.widths for t in self.prompt_sizes if t <= w]
         out += [("decode", b, w) for w in self.widths for b in self.batch_sizes]
-        return sorted(out, key=lambda s: -s[1] * s[2])
+        if self.verify_tokens:
+            out += [("verify", b, w) for w in self.widths for b in self.batch_sizes]
+        return sorted(out, key=lambda s: -s[1] * s[2] * (self.verify_tokens if s[0] == "verify" else 1))
 
     def _capture(self) -> None:
         pool = None
@@ -184,6 +212,10 @@ class StepGraphs:
 
     def fits_prompt(self, num_tokens: int, context_len: int) -> bool:
         return num_tokens <= self.prompt_sizes[-1] and context_len <= self.widths[-1]
+
+    def fits_verify(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        return (self.verify_tokens > 0 and len(query_lens) <= self.batch_sizes[-1]
+                and max(query_lens) <= self.verify_tokens and max(context_lens) <= self.widths[-1])
 
     def _replay(self, kind: str, n: int, width: int) -> torch.Tensor:
         self.device_buf.copy_(self.host_buf, non_blocking=True)
@@ -238,3 +270,31 @@ class StepGraphs:
             section[t:p] = section[t - 1]  # padding tokens repeat the last one
         ctx[0] = context_len
         return self._replay("prompt", p, width)[:t].clone()
+
+    def run_verify(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]]) -> torch.Tensor:
+        """Final-normed hidden states [sum(query_lens), hidden] of a decode step whose rows carry drafts: row i's
+        query_lens[i] tokens (its last token, then its drafts; flat in `input_ids`) at the positions that end at
+        context_lens[i]. Each row goes in padded at its front to verify_tokens slots that repeat its first token."""
+        rows, n = len(query_lens), self.verify_tokens
+        b = next(s for s in self.batch_sizes if s >= rows)
+        width = next(w for w in self.widths if w >= max(context_lens))
+        bs = self.block_size
+        ids, pos, slots, ctx, tables = self._sections()
+        self._fill_tables(tables, block_tables)
+        first, keep = 0, []
+        for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+            row = slice(i * n, (i + 1) * n)
+            at = np.arange(c - q, c, dtype=np.int64)
+            for section, values in ((ids, input_ids[first:first + q]), (pos, at),
+                                    (slots, tables[i, at // bs] * bs + at % bs)):
+                section[row][n - q:] = values
+                section[row][:n - q] = section[row][n - q]  # front padding repeats the row's first token
+            ctx[i] = c
+            keep.extend(range(i * n + n - q, (i + 1) * n))
+            first += q
+        for section in (ids, pos, slots):
+            section[rows * n:b * n] = np.tile(section[:n], b - rows)  # padding rows repeat row 0
+        ctx[rows:b] = ctx[0]
+        tables[rows:b] = tables[0]
+        return self._replay("verify", b, width)[keep].clone()

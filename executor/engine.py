@@ -78,7 +78,9 @@ class Engine:
         self.device = self.kv_cache.device
         self.graphs = None
         if self.use_graphs or (self.use_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"):
-            self.graphs = step_graphs(self.model, self.kv_cache, self.scheduler.cfg, capture=self.device.type == "cuda")
+            chains = getattr(self.drafter, "tree_parents", None) is None  # candidate trees verify eagerly
+            self.graphs = step_graphs(self.model, self.kv_cache, self.scheduler.cfg, capture=self.device.type == "cuda",
+                                      verify=self.drafter is not None and chains)
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
@@ -213,6 +215,9 @@ class Engine:
                 and all(n == 1 for n in query_lens) and graphs.fits_decode(len(query_lens), context_lens)):
             # plain decodes (and static batching's padding rows after them): one graph replay
             hidden = graphs.run_decode(ids, context_lens, tables)[:len(rows)]
+        elif (graphs is not None and len(sampling_rows) == len(rows) == num_decode and not batch.padding
+              and getattr(self.drafter, "tree_parents", None) is None and graphs.fits_verify(query_lens, context_lens)):
+            hidden = graphs.run_verify(ids, query_lens, context_lens, tables)  # decode rows with drafts
         elif (graphs is not None and len(query_lens) == 1 and not num_decode
               and graphs.fits_prompt(query_lens[0], context_lens[0])):  # one prompt or chunk alone
             hidden = graphs.run_prompt(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]

@@ -1,7 +1,7 @@
 """The executor on CUDA (skipped where there is none): the same engine code gives, on the GPU, the greedy
 output it gives on the CPU — every attention backend, continuous batching, chunked prefill, preemption by
-swap to host memory, speculative decoding (prompt lookup, a draft model, a Medusa-style tree), plain decode
-and prompt steps replayed from CUDA graphs — and seeded sampling repeats itself. calibration/gpu_check runs this file first."""
+swap to host memory, speculative decoding (prompt lookup, a draft model, a Medusa-style tree), plain decode,
+prompt and verify steps replayed from CUDA graphs — and seeded sampling repeats itself. calibration/gpu_check runs this file first."""
 from __future__ import annotations
 
 import copy
@@ -36,8 +36,7 @@ def on(model, device, backend):
 def outputs(model, device, policy="continuous_paged", drafter=None, sampling=None, **extra):
     cfg = {**POLICIES[policy], **extra}
     engine = make_engine(model, num_blocks=cfg.pop("num_blocks", 64), swap_blocks=cfg.pop("swap_blocks", 0),
-                         device=device, use_graphs=cfg.pop("use_graphs", None), **cfg)
-    engine.drafter = drafter
+                         device=device, use_graphs=cfg.pop("use_graphs", None), drafter=drafter, **cfg)
     if sampling is not None:
         engine.sampling = sampling
         engine.generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -82,6 +81,8 @@ def test_cuda_speculation_gives_the_plain_greedy_output(cpu_model, drafter):
     got, engine = outputs(model, "cuda", drafter=d, num_speculative_tokens=k)
     assert got == want
     assert sum(s.num_drafted for s in engine.records) > 0
+    if drafter in ("lookup", "draft_model"):  # chains of drafts verify in CUDA graphs; trees eagerly
+        assert engine.graphs.replays["verify"] > 0
 
 
 @cuda

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from executor.attention import AttentionMetadata, sdpa_attention
-from executor.cuda_graph import GraphMeta, StepGraphs, graph_decode_attention, graph_prompt_attention
+from executor.cuda_graph import (GraphMeta, StepGraphs, graph_decode_attention, graph_prompt_attention,
+                                 graph_verify_attention)
 from executor.kv_cache import KVCache
 from executor.tiny import tiny_model
 from sim.request import Request, Status
@@ -39,7 +40,7 @@ def test_static_steps_give_the_engines_output(model, policy):
     decode_only = sum(rec.num_prefill == 0 for rec in graphed.records)  # static batching's padding rows too
     lone_prompts = sum(rec.num_prefill == 1 and rec.num_decode == 0 and rec.num_padding == 0
                        and len(rec.new_tokens) == 1 for rec in graphed.records)
-    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts}
+    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts, "verify": 0}
     assert decode_only > 0 and lone_prompts > 0
     if policy == "static":
         assert any(rec.num_padding and not rec.num_prefill for rec in graphed.records)
@@ -65,7 +66,7 @@ def test_padding_rows_and_tokens_leave_the_cache_as_the_eager_step_does(model):
         assert engine.step().num_prefill == 2  # both prompts in one step (eager)
         changed[name, "decode"] = changed_slots(engine, engine.step)
         assert engine.records[-1].num_decode == 3 and engine.records[-1].num_prefill == 0
-    assert graphed.graphs.replays == {"decode": 1, "prompt": 1}
+    assert graphed.graphs.replays == {"decode": 1, "prompt": 1, "verify": 0}
     assert graphed.graphs.prompt_sizes[0] == 16 and graphed.graphs.batch_sizes[2] == 4
     for kind, slots in (("prompt", 13), ("decode", 3)):
         assert torch.equal(changed["eager", kind], changed["graphed", kind])
@@ -104,6 +105,45 @@ def test_graph_prompt_attention_equals_sdpa_on_a_paged_cache(query_len):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gamma", [3, 5])
+def test_verify_steps_give_the_engines_output(model, gamma):
+    """Decode steps whose rows carry prompt-lookup drafts (some rows none, others up to gamma), each row padded at
+    its front to gamma + 1 slots: the greedy output of the eager verify path, and the cache it leaves."""
+    from executor.speculative import PromptLookup
+
+    work = [(p + p[:5] + p, n) for p, n in zip(prompts(8), WORK_LENS)]  # repeats, so that lookups find drafts
+    runs = {}
+    for graphs in (False, True):
+        engine = make_engine(model, num_speculative_tokens=gamma, max_model_len=256, max_num_batched_tokens=128,
+                             prefill_chunk_size=128, use_graphs=graphs,
+                             drafter=PromptLookup(3, 1))
+        reqs = serve_all(engine, work)
+        runs[graphs] = [engine.output_ids(r) for r in reqs], engine
+    (want, eager), (got, graphed) = runs[False], runs[True]
+    assert got == want
+    verify = [rec for rec in graphed.records if rec.num_drafted and not rec.num_prefill]
+    assert graphed.graphs.replays["verify"] == len(verify) > 5
+    assert any(len(set(rec.new_tokens)) > 1 for rec in verify)  # rows with different draft counts in one step
+    torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, rtol=1e-5, atol=1e-6)
+
+
+def test_graph_verify_attention_equals_sdpa_on_a_paged_cache():
+    k_cache, v_cache, g = paged_cache(2)
+    query_lens, ctx, tables = [3, 1, 2], [9, 5, 13], [[3, 7, 2], [0, 9], [5, 1, 8, 11]]
+    q = torch.randn(sum(query_lens), 6, 8, generator=g)
+    meta = AttentionMetadata.build(query_lens, ctx, tables, 4, num_decode_rows=3)
+    want = sdpa_attention(q, k_cache, v_cache, meta)
+    n = 4  # every row padded at its front to 4 slots repeating its first token
+    index = [meta.cu_query_lens[i] + max(0, j - (n - ql)) for i, ql in enumerate(query_lens) for j in range(n)]
+    pos = torch.tensor([c - ql + max(0, j - (n - ql)) for ql, c in zip(query_lens, ctx) for j in range(n)])
+    padded = torch.tensor([t + [0] * (8 - len(t)) for t in tables])
+    keep = [i * n + j for i, ql in enumerate(query_lens) for j in range(n - ql, n)]
+    for width in (16, 32):
+        got = graph_verify_attention(q[index], k_cache, v_cache, GraphMeta(
+            meta.slot_mapping[index], padded, torch.tensor(ctx), 4, width, pos))
+        torch.testing.assert_close(got[keep], want, rtol=1e-5, atol=1e-6)
+
+
 def test_captured_shapes_cover_the_engine_limits(model):
     kv = KVCache.for_model(model.config, 300, 16)
     graphs = StepGraphs(model, kv, max_num_seqs=40, max_model_len=3000, max_num_batched_tokens=600, capture=False)
@@ -114,6 +154,10 @@ def test_captured_shapes_cover_the_engine_limits(model):
     assert graphs.fits_prompt(600, 3000) and not graphs.fits_prompt(601, 601)
     shapes = graphs._shapes()
     assert ("prompt", 600, 3008) in shapes and ("prompt", 512, 256) not in shapes and ("decode", 40, 256) in shapes
+    assert not any(kind == "verify" for kind, _, _ in shapes)
+    chains = StepGraphs(model, kv, 40, 3000, 100, verify_tokens=5, capture=False)  # 40 rows x 5 > 100 tokens
+    assert ("verify", 40, 3008) in chains._shapes() and chains.fits_verify([5, 1], [9, 9])
+    assert not chains.fits_verify([6], [9]) and chains.hidden.shape[0] == 200
 
 
 def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
