@@ -102,150 +102,136 @@ def _sizes(limit: int, candidates) -> list[int]:
     return out + [limit]
 
 
-# Captured sets kept per model (graphs bake in the weights' addresses): the profile sweep builds ~140 engines
-# of a handful of shapes, each with a fresh KV cache that the allocator puts where the last one was.
-MAX_CACHED = 16
+# Captured sets kept per model (graphs bake in the weights' addresses): the profile sweep builds ~140 engines of
+# 23 configurations, each with a fresh KV cache that the allocator puts where the last one was; a set per kind of
+# step, keyed by the limits that shape it, is shared by every configuration with those limits.
+MAX_CACHED = 48
 
 
-def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: bool = False) -> "StepGraphs":
-    """The model's captured graphs for this KV cache and these scheduler limits (a SchedulerConfig; `verify`: chains
-    of up to cfg.num_speculative_tokens drafts are verified too): reused when an earlier engine's cache had the same
-    shape at the same address (its graphs then read and write this one), else captured now — while the cache is
-    still empty, since capturing writes one slot of block 0."""
-    limits = (cfg.max_num_seqs, cfg.max_model_len, cfg.max_num_batched_tokens,
-              cfg.num_speculative_tokens + 1 if verify and cfg.num_speculative_tokens else 0)
-    if not capture:
-        return StepGraphs(model, kv_cache, *limits, capture=False)
-    cache = model.__dict__.setdefault("_step_graphs", {})
-    key = (kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), kv_cache.dtype, *limits)
-    if key not in cache:
-        if len(cache) >= MAX_CACHED:
-            cache.pop(next(iter(cache)))
-        cache[key] = StepGraphs(model, kv_cache, *limits)
-    graphs = cache[key]
-    graphs.kv_cache = kv_cache  # the same memory; the object the engine holds
-    return graphs
+class GraphSet:
+    """The graphs of one kind of step over one KV cache, with the static buffers they read and write: per token the
+    input id, position and slot, per row the context length and block table (one upload a step), and the final
+    hidden states."""
 
+    kind = ""
 
-class StepGraphs:
-    """Plain decode steps of up to `max_num_seqs` rows, steps of one prompt (chunk) of up to
-    `max_num_batched_tokens` tokens and, with `verify_tokens` n > 1, decode steps whose rows carry up to n - 1
-    drafts each (every row padded at its front to n tokens), with up to `max_model_len` tokens of context, run
-    from captured CUDA graphs (or, with capture=False, the same static forward eagerly)."""
-
-    def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 verify_tokens: int = 0, capture: bool = True):
+    def __init__(self, model, kv_cache: KVCache, max_model_len: int, tokens: int, rows: int):
         self._model = weakref.ref(model)  # the model holds its captured sets: no cycle for the GC to find later
         self.kv_cache = kv_cache
         self.block_size = bs = kv_cache.block_size
-        self.max_blocks = min(-(-max_model_len // bs), kv_cache.num_blocks)
-        widest = self.max_blocks * bs
-        self.batch_sizes = _sizes(max_num_seqs, BATCH_SIZES)
-        self.prompt_sizes = _sizes(min(max_num_batched_tokens, widest), PROMPT_SIZES)
-        self.widths = _sizes(widest, [w for w in (MIN_WIDTH * 2 ** i for i in range(16)) if w % bs == 0])
-        self.verify_tokens = verify_tokens if verify_tokens > 1 else 0
-        n = max(self.batch_sizes[-1] * max(1, self.verify_tokens), self.prompt_sizes[-1])
-        m = self.max_blocks
-        rows = self.batch_sizes[-1]
+        self.max_blocks = m = min(-(-max_model_len // bs), kv_cache.num_blocks)
+        self.widths = _sizes(m * bs, [w for w in (MIN_WIDTH * 2 ** i for i in range(16)) if w % bs == 0])
+        self._layout = [tokens, tokens, tokens, rows, rows * m]
         dev = kv_cache.device
-        # ids, positions, slots (per token), context lens, block tables [rows, m] (per row): one upload a step
-        self._layout = [n, n, n, rows, rows * m]
         self.device_buf = torch.zeros(sum(self._layout), dtype=torch.long, device=dev)
         self.host_buf = torch.zeros(sum(self._layout), dtype=torch.long, pin_memory=dev.type == "cuda")
         ids, pos, slots, ctx, tables = self.device_buf.split(self._layout)
         self.input_ids, self.positions, self.slots, self.context_lens = ids, pos, slots, ctx
         self.block_tables = tables.view(rows, m)
-        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=dev)
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
-        self.replays = {"decode": 0, "prompt": 0, "verify": 0}
+        self.hidden = torch.zeros(tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.replays = 0
         self.context_lens.fill_(1)  # capture and warm-up attend one key of block 0; the cache is still empty
-        if capture:
-            self._capture()
 
     @property
     def model(self):
         return self._model()
 
-    def _forward(self, kind: str, n: int, width: int) -> None:
-        if kind == "decode":
-            meta = GraphMeta(self.slots[:n], self.block_tables[:n], self.context_lens[:n], self.block_size, width)
-            attention = graph_decode_attention
-        elif kind == "verify":  # n rows of verify_tokens tokens
-            rows, n = n, n * self.verify_tokens
-            meta = GraphMeta(self.slots[:n], self.block_tables[:rows], self.context_lens[:rows], self.block_size,
-                             width, self.positions[:n])
-            attention = graph_verify_attention
-        else:
-            meta = GraphMeta(self.slots[:n], self.block_tables[:1], self.context_lens[:1], self.block_size, width,
-                             self.positions[:n])
-            attention = graph_prompt_attention
+    @property
+    def kv_cache(self) -> KVCache:
+        return self._kv_cache()
+
+    @kv_cache.setter
+    def kv_cache(self, kv_cache: KVCache) -> None:
+        # held weakly: a cached set must not keep a finished engine's cache alive, or the next engine's cache can
+        # never take its address and reuse the graphs (which read and write that address, not the object)
+        self._kv_cache = weakref.ref(kv_cache)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (size, width) captured."""
+        raise NotImplementedError
+
+    def tokens(self, size: int) -> int:
+        return size
+
+    def meta_and_attention(self, size: int, width: int):
+        raise NotImplementedError
+
+    def _forward(self, size: int, width: int) -> None:
+        n = self.tokens(size)
+        meta, attention = self.meta_and_attention(size, width)
         self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], meta, self.kv_cache, attention=attention)
 
-    def _shapes(self) -> list[tuple[str, int, int]]:
-        """Every (kind, rows or tokens, width) captured, largest first (they share one memory pool)."""
-        out = [("prompt", t, w) for w in self.widths for t in self.prompt_sizes if t <= w]
-        out += [("decode", b, w) for w in self.widths for b in self.batch_sizes]
-        if self.verify_tokens:
-            out += [("verify", b, w) for w in self.widths for b in self.batch_sizes]
-        return sorted(out, key=lambda s: -s[1] * s[2] * (self.verify_tokens if s[0] == "verify" else 1))
-
-    def _capture(self) -> None:
+    def capture(self) -> "GraphSet":
+        """One graph per shape, largest first, all sharing one memory pool (nano-vllm's order)."""
         pool = None
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()  # a graph freed by the collector while another is being captured breaks that capture
         try:
-            for shape in self._shapes():
-                self._forward(*shape)  # warm-up: kernels chosen, workspaces allocated outside the capture
+            for size, width in sorted(self.shapes(), key=lambda s: -self.tokens(s[0]) * s[1]):
+                self._forward(size, width)  # warm-up: kernels chosen, workspaces allocated outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self._forward(*shape)
+                    self._forward(size, width)
                 pool = graph.pool() if pool is None else pool
-                self.graphs[shape] = graph
+                self.graphs[(size, width)] = graph
             torch.cuda.synchronize()
         finally:
             if collecting:
                 gc.enable()
+        return self
 
-    def fits_decode(self, num_rows: int, context_lens: list[int]) -> bool:
-        return num_rows <= self.batch_sizes[-1] and max(context_lens) <= self.widths[-1]
-
-    def fits_prompt(self, num_tokens: int, context_len: int) -> bool:
-        return num_tokens <= self.prompt_sizes[-1] and context_len <= self.widths[-1]
-
-    def fits_verify(self, query_lens: list[int], context_lens: list[int]) -> bool:
-        return (self.verify_tokens > 0 and len(query_lens) <= self.batch_sizes[-1]
-                and max(query_lens) <= self.verify_tokens and max(context_lens) <= self.widths[-1])
-
-    def _replay(self, kind: str, n: int, width: int) -> torch.Tensor:
+    def _replay(self, size: int, width: int) -> torch.Tensor:
         self.device_buf.copy_(self.host_buf, non_blocking=True)
         if self.graphs:
-            self.graphs[(kind, n, width)].replay()
+            self.graphs[(size, width)].replay()
         else:
-            self._forward(kind, n, width)
-        self.replays[kind] += 1
+            self._forward(size, width)
+        self.replays += 1
         return self.hidden  # the buffer is the next replay's output: callers copy what they keep
 
-    def _sections(self):
-        host = self.host_buf.numpy()
-        ids, pos, slots, ctx, tables = np.split(host, np.cumsum(self._layout)[:-1])
-        return ids, pos, slots, ctx, tables.reshape(self.batch_sizes[-1], self.max_blocks)
+    def _width(self, longest: int) -> int:
+        return next(w for w in self.widths if w >= longest)
 
-    def _fill_tables(self, tables: np.ndarray, block_tables: list[list[int]]) -> None:
+    def _sections(self, block_tables: list[list[int]]):
+        """The host buffer's sections (ids, positions, slots, context lens, tables [rows, max_blocks]), the tables
+        of `block_tables` written into the first rows."""
+        ids, pos, slots, ctx, tables = np.split(self.host_buf.numpy(), np.cumsum(self._layout)[:-1])
+        tables = tables.reshape(-1, self.max_blocks)
         tables[:len(block_tables)] = 0
         for i, t in enumerate(block_tables):
             k = min(len(t), self.max_blocks)
             tables[i, :k] = t[:k]
+        return ids, pos, slots, ctx, tables
 
-    def run_decode(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+
+class DecodeGraphs(GraphSet):
+    """Plain decode steps of up to `max_num_seqs` rows, one token each."""
+
+    kind = "decode"
+
+    def __init__(self, model, kv_cache, max_model_len: int, max_num_seqs: int):
+        self.batch_sizes = _sizes(max_num_seqs, BATCH_SIZES)
+        super().__init__(model, kv_cache, max_model_len, self.batch_sizes[-1], self.batch_sizes[-1])
+
+    def shapes(self):
+        return [(b, w) for w in self.widths for b in self.batch_sizes]
+
+    def meta_and_attention(self, b, width):
+        meta = GraphMeta(self.slots[:b], self.block_tables[:b], self.context_lens[:b], self.block_size, width)
+        return meta, graph_decode_attention
+
+    def fits(self, num_rows: int, context_lens: list[int]) -> bool:
+        return num_rows <= self.batch_sizes[-1] and max(context_lens) <= self.widths[-1]
+
+    def run(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Final-normed hidden states [len(input_ids), hidden] of one decode-only step (each row one token at
         position context_len - 1, its K/V written to that position's slot)."""
         n = len(input_ids)
         b = next(s for s in self.batch_sizes if s >= n)
-        width = next(w for w in self.widths if w >= max(context_lens))
         bs = self.block_size
-        ids, pos, slots, ctx, tables = self._sections()
-        self._fill_tables(tables, block_tables)
+        ids, pos, slots, ctx, tables = self._sections(block_tables)
         lens = np.asarray(context_lens, dtype=np.int64)
         at = lens - 1
         for section, values in ((ids, input_ids), (pos, at), (slots, tables[np.arange(n), at // bs] * bs + at % bs),
@@ -253,35 +239,80 @@ class StepGraphs:
             section[:n] = values
             section[n:b] = section[0]  # padding rows repeat row 0
         tables[n:b] = tables[0]
-        return self._replay("decode", b, width)[:n].clone()
+        return self._replay(b, self._width(max(context_lens)))[:n].clone()
 
-    def run_prompt(self, input_ids: list[int], context_len: int, block_table: list[int]) -> torch.Tensor:
+
+class PromptGraphs(GraphSet):
+    """Steps of one prompt or chunk alone, of up to `max_num_batched_tokens` tokens."""
+
+    kind = "prompt"
+
+    def __init__(self, model, kv_cache, max_model_len: int, max_num_batched_tokens: int):
+        widest = min(-(-max_model_len // kv_cache.block_size), kv_cache.num_blocks) * kv_cache.block_size
+        self.prompt_sizes = _sizes(min(max_num_batched_tokens, widest), PROMPT_SIZES)
+        super().__init__(model, kv_cache, max_model_len, self.prompt_sizes[-1], 1)
+
+    def shapes(self):
+        return [(t, w) for w in self.widths for t in self.prompt_sizes if t <= w]
+
+    def meta_and_attention(self, t, width):
+        meta = GraphMeta(self.slots[:t], self.block_tables, self.context_lens, self.block_size, width,
+                         self.positions[:t])
+        return meta, graph_prompt_attention
+
+    def fits(self, num_tokens: int, context_len: int) -> bool:
+        return num_tokens <= self.prompt_sizes[-1] and context_len <= self.widths[-1]
+
+    def run(self, input_ids: list[int], context_len: int, block_table: list[int]) -> torch.Tensor:
         """Final-normed hidden states [len(input_ids), hidden] of a step of one prompt or chunk: its tokens at the
         positions that end at context_len, their K/V written to those positions' slots."""
         t = len(input_ids)
         p = next(s for s in self.prompt_sizes if s >= t)
-        width = next(w for w in self.widths if w >= context_len)
         bs = self.block_size
-        ids, pos, slots, ctx, tables = self._sections()
-        self._fill_tables(tables, [block_table])
+        ids, pos, slots, ctx, tables = self._sections([block_table])
         at = np.arange(context_len - t, context_len, dtype=np.int64)
         for section, values in ((ids, input_ids), (pos, at), (slots, tables[0, at // bs] * bs + at % bs)):
             section[:t] = values
             section[t:p] = section[t - 1]  # padding tokens repeat the last one
         ctx[0] = context_len
-        return self._replay("prompt", p, width)[:t].clone()
+        return self._replay(p, self._width(context_len))[:t].clone()
 
-    def run_verify(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
-                   block_tables: list[list[int]]) -> torch.Tensor:
-        """Final-normed hidden states [sum(query_lens), hidden] of a decode step whose rows carry drafts: row i's
-        query_lens[i] tokens (its last token, then its drafts; flat in `input_ids`) at the positions that end at
-        context_lens[i]. Each row goes in padded at its front to verify_tokens slots that repeat its first token."""
-        rows, n = len(query_lens), self.verify_tokens
+
+class VerifyGraphs(GraphSet):
+    """Decode steps of up to `max_num_seqs` rows whose rows carry up to n - 1 drafts each (a chain: the row's last
+    token, then its drafts), every row padded at its front to n tokens."""
+
+    kind = "verify"
+
+    def __init__(self, model, kv_cache, max_model_len: int, max_num_seqs: int, n: int):
+        self.batch_sizes, self.n = _sizes(max_num_seqs, BATCH_SIZES), n
+        super().__init__(model, kv_cache, max_model_len, self.batch_sizes[-1] * n, self.batch_sizes[-1])
+
+    def shapes(self):
+        return [(b, w) for w in self.widths for b in self.batch_sizes]
+
+    def tokens(self, b):
+        return b * self.n
+
+    def meta_and_attention(self, b, width):
+        t = b * self.n
+        meta = GraphMeta(self.slots[:t], self.block_tables[:b], self.context_lens[:b], self.block_size, width,
+                         self.positions[:t])
+        return meta, graph_verify_attention
+
+    def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        return (len(query_lens) <= self.batch_sizes[-1] and max(query_lens) <= self.n
+                and max(context_lens) <= self.widths[-1])
+
+    def run(self, input_ids: list[int], query_lens: list[int], context_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """Final-normed hidden states [sum(query_lens), hidden]: row i's query_lens[i] tokens (flat in `input_ids`)
+        at the positions that end at context_lens[i]; each row goes in padded at its front with copies of its first
+        token."""
+        rows, n = len(query_lens), self.n
         b = next(s for s in self.batch_sizes if s >= rows)
-        width = next(w for w in self.widths if w >= max(context_lens))
         bs = self.block_size
-        ids, pos, slots, ctx, tables = self._sections()
-        self._fill_tables(tables, block_tables)
+        ids, pos, slots, ctx, tables = self._sections(block_tables)
         first, keep = 0, []
         for i, (q, c) in enumerate(zip(query_lens, context_lens)):
             row = slice(i * n, (i + 1) * n)
@@ -297,4 +328,40 @@ class StepGraphs:
             section[rows * n:b * n] = np.tile(section[:n], b - rows)  # padding rows repeat row 0
         ctx[rows:b] = ctx[0]
         tables[rows:b] = tables[0]
-        return self._replay("verify", b, width)[keep].clone()
+        return self._replay(b, self._width(max(context_lens)))[keep].clone()
+
+
+@dataclass
+class StepGraphs:
+    """An engine's graph sets: plain decode steps, lone prompt steps and (with chain drafts) verify steps."""
+
+    decode: DecodeGraphs
+    prompt: PromptGraphs
+    verify: VerifyGraphs | None = None
+
+    @property
+    def replays(self) -> dict[str, int]:
+        return {s.kind: s.replays for s in (self.decode, self.prompt, self.verify) if s is not None}
+
+
+def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: bool = False) -> StepGraphs:
+    """The model's graph sets for this KV cache and these scheduler limits (a SchedulerConfig; `verify`: chains of up
+    to cfg.num_speculative_tokens drafts are verified too), captured (capture=False: run eagerly). A set is reused
+    when an earlier engine's cache had the same shape at the same address (its graphs then read and write this
+    one), else captured now — while the cache is still empty, since capturing writes one slot of block 0."""
+    wanted = [(DecodeGraphs, cfg.max_num_seqs), (PromptGraphs, cfg.max_num_batched_tokens)]
+    if verify and cfg.num_speculative_tokens:
+        wanted.append((VerifyGraphs, cfg.max_num_seqs, cfg.num_speculative_tokens + 1))
+    cache = model.__dict__.setdefault("_graph_sets", {}) if capture else {}
+    sets = []
+    for cls, *limits in wanted:
+        key = (cls.kind, kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), kv_cache.dtype, cfg.max_model_len,
+               *limits)
+        if key not in cache:
+            if len(cache) >= MAX_CACHED:
+                cache.pop(next(iter(cache)))
+            made = cls(model, kv_cache, cfg.max_model_len, *limits)
+            cache[key] = made.capture() if capture else made
+        cache[key].kv_cache = kv_cache  # the same memory; the object the engine holds
+        sets.append(cache[key])
+    return StepGraphs(*sets)

@@ -211,16 +211,15 @@ class Engine:
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
         graphs = self.graphs
-        if (graphs is not None and len(sampling_rows) == len(rows) == num_decode
-                and all(n == 1 for n in query_lens) and graphs.fits_decode(len(query_lens), context_lens)):
+        decoding = graphs is not None and len(sampling_rows) == len(rows) == num_decode
+        if decoding and all(n == 1 for n in query_lens) and graphs.decode.fits(len(query_lens), context_lens):
             # plain decodes (and static batching's padding rows after them): one graph replay
-            hidden = graphs.run_decode(ids, context_lens, tables)[:len(rows)]
-        elif (graphs is not None and len(sampling_rows) == len(rows) == num_decode and not batch.padding
-              and getattr(self.drafter, "tree_parents", None) is None and graphs.fits_verify(query_lens, context_lens)):
-            hidden = graphs.run_verify(ids, query_lens, context_lens, tables)  # decode rows with drafts
+            hidden = graphs.decode.run(ids, context_lens, tables)[:len(rows)]
+        elif decoding and graphs.verify is not None and not batch.padding and graphs.verify.fits(query_lens, context_lens):
+            hidden = graphs.verify.run(ids, query_lens, context_lens, tables)  # decode rows with drafts
         elif (graphs is not None and len(query_lens) == 1 and not num_decode
-              and graphs.fits_prompt(query_lens[0], context_lens[0])):  # one prompt or chunk alone
-            hidden = graphs.run_prompt(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]
+              and graphs.prompt.fits(query_lens[0], context_lens[0])):  # one prompt or chunk alone
+            hidden = graphs.prompt.run(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]
         else:
             hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from executor.attention import AttentionMetadata, sdpa_attention
-from executor.cuda_graph import (GraphMeta, StepGraphs, graph_decode_attention, graph_prompt_attention,
-                                 graph_verify_attention)
+from executor.cuda_graph import (DecodeGraphs, GraphMeta, PromptGraphs, VerifyGraphs, graph_decode_attention,
+                                 graph_prompt_attention, graph_verify_attention)
 from executor.kv_cache import KVCache
 from executor.tiny import tiny_model
 from sim.request import Request, Status
@@ -40,7 +40,7 @@ def test_static_steps_give_the_engines_output(model, policy):
     decode_only = sum(rec.num_prefill == 0 for rec in graphed.records)  # static batching's padding rows too
     lone_prompts = sum(rec.num_prefill == 1 and rec.num_decode == 0 and rec.num_padding == 0
                        and len(rec.new_tokens) == 1 for rec in graphed.records)
-    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts, "verify": 0}
+    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts}
     assert decode_only > 0 and lone_prompts > 0
     if policy == "static":
         assert any(rec.num_padding and not rec.num_prefill for rec in graphed.records)
@@ -66,8 +66,8 @@ def test_padding_rows_and_tokens_leave_the_cache_as_the_eager_step_does(model):
         assert engine.step().num_prefill == 2  # both prompts in one step (eager)
         changed[name, "decode"] = changed_slots(engine, engine.step)
         assert engine.records[-1].num_decode == 3 and engine.records[-1].num_prefill == 0
-    assert graphed.graphs.replays == {"decode": 1, "prompt": 1, "verify": 0}
-    assert graphed.graphs.prompt_sizes[0] == 16 and graphed.graphs.batch_sizes[2] == 4
+    assert graphed.graphs.replays == {"decode": 1, "prompt": 1}
+    assert graphed.graphs.prompt.prompt_sizes[0] == 16 and graphed.graphs.decode.batch_sizes[2] == 4
     for kind, slots in (("prompt", 13), ("decode", 3)):
         assert torch.equal(changed["eager", kind], changed["graphed", kind])
         assert int(changed["graphed", kind].sum()) == slots
@@ -146,18 +146,30 @@ def test_graph_verify_attention_equals_sdpa_on_a_paged_cache():
 
 def test_captured_shapes_cover_the_engine_limits(model):
     kv = KVCache.for_model(model.config, 300, 16)
-    graphs = StepGraphs(model, kv, max_num_seqs=40, max_model_len=3000, max_num_batched_tokens=600, capture=False)
-    assert graphs.batch_sizes == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert graphs.prompt_sizes == [16, 32, 64, 128, 256, 512, 600]
-    assert graphs.widths == [256, 512, 1024, 2048, 3008] and graphs.max_blocks == 188
-    assert graphs.fits_decode(40, [3000]) and not graphs.fits_decode(41, [10]) and not graphs.fits_decode(1, [3009])
-    assert graphs.fits_prompt(600, 3000) and not graphs.fits_prompt(601, 601)
-    shapes = graphs._shapes()
-    assert ("prompt", 600, 3008) in shapes and ("prompt", 512, 256) not in shapes and ("decode", 40, 256) in shapes
-    assert not any(kind == "verify" for kind, _, _ in shapes)
-    chains = StepGraphs(model, kv, 40, 3000, 100, verify_tokens=5, capture=False)  # 40 rows x 5 > 100 tokens
-    assert ("verify", 40, 3008) in chains._shapes() and chains.fits_verify([5, 1], [9, 9])
-    assert not chains.fits_verify([6], [9]) and chains.hidden.shape[0] == 200
+    decode = DecodeGraphs(model, kv, max_model_len=3000, max_num_seqs=40)
+    assert decode.batch_sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert decode.widths == [256, 512, 1024, 2048, 3008] and decode.max_blocks == 188
+    assert decode.fits(40, [3000]) and not decode.fits(41, [10]) and not decode.fits(1, [3009])
+    assert (40, 256) in decode.shapes() and len(decode.shapes()) == 8 * 5
+    prompt = PromptGraphs(model, kv, max_model_len=3000, max_num_batched_tokens=600)
+    assert prompt.prompt_sizes == [16, 32, 64, 128, 256, 512, 600]
+    assert prompt.fits(600, 3000) and not prompt.fits(601, 601)
+    assert (600, 3008) in prompt.shapes() and (512, 256) not in prompt.shapes()
+    verify = VerifyGraphs(model, kv, max_model_len=3000, max_num_seqs=40, n=5)
+    assert (40, 3008) in verify.shapes() and verify.fits([5, 1], [9, 9]) and not verify.fits([6], [9])
+    assert verify.hidden.shape[0] == 200 and verify.tokens(8) == 40
+
+
+def test_graph_sets_are_shared_by_the_limits_that_shape_them(model):
+    """Off the GPU nothing is cached; the sets an engine gets follow its limits (a verify set only with a chain
+    drafter and num_speculative_tokens)."""
+    from executor.speculative import PromptLookup
+
+    plain = make_engine(model, use_graphs=True, max_num_seqs=8)
+    assert plain.graphs.verify is None and plain.graphs.decode.batch_sizes[-1] == 8
+    assert plain.graphs.prompt.prompt_sizes[-1] == 64  # make_engine's token budget
+    spec = make_engine(model, use_graphs=True, num_speculative_tokens=3, drafter=PromptLookup(3, 1))
+    assert spec.graphs.verify.n == 4 and "_graph_sets" not in model.__dict__
 
 
 def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
@@ -188,3 +200,28 @@ def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
         assert sum(rec.num_drafted for rec in engine.records) > 0
     assert runs[True] == runs[False]
     assert any(shape[2] > 2 for shape in calls) and any(shape[2] == 2 for shape in calls)  # verify rows, decodes
+
+
+def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
+    """On a GPU the sets are cached on the model by the limits that shape them and the cache's address (capture
+    stubbed here): the same limits share a set, a prompt set does not depend on max_num_seqs, and a cached set
+    holds its KV cache weakly, so a finished engine's cache is freed and the next one can take its address."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from executor.cuda_graph import GraphSet, step_graphs
+    from sim.scheduler import SchedulerConfig
+
+    monkeypatch.setattr(GraphSet, "capture", lambda self: self)
+    net = tiny_model(seed=6, num_layers=1, vocab_size=64)
+    kv = KVCache.for_model(net.config, 32, 4)
+    cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    a, b = step_graphs(net, kv, cfg), step_graphs(net, kv, cfg)
+    c = step_graphs(net, kv, dataclasses.replace(cfg, max_num_seqs=8))
+    assert a.decode is b.decode and a.prompt is b.prompt and c.decode is not a.decode and c.prompt is a.prompt
+    assert len(net.__dict__["_graph_sets"]) == 3
+    freed = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert freed() is None
