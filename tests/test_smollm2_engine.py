@@ -1,6 +1,6 @@
 """The real SmolLM2-135M through the engine: continuous batching with paged KV (and chunked prefill),
 prompts of different lengths arriving at different steps, gives token for token the greedy output
-of transformers' generate."""
+of transformers' generate — also through the static-shape steps that CUDA graphs replay on a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +30,8 @@ def smollm2():
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_continuous_paged_greedy_equals_generate(smollm2, chunked):
+@pytest.mark.parametrize("graphs", [False, True])  # True: the CUDA graphs' static-shape steps, run eagerly here
+def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
     model, hf, tokenizer = smollm2
     corpus = corpus_ids(tokenizer)
     work = [(prompt_ids(corpus, n, i), m) for i, (n, m) in enumerate([(7, 12), (85, 10), (30, 16), (160, 8)])]
@@ -38,7 +39,7 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked):
                           enable_chunked_prefill=chunked, max_model_len=512)
     kv = BlockAllocator(48, 16)
     c = model.config
-    engine = Engine(model, make_scheduler(cfg, kv), KVCache.for_model(c, 48, 16), SamplingParams())
+    engine = Engine(model, make_scheduler(cfg, kv), KVCache.for_model(c, 48, 16), SamplingParams(), use_graphs=graphs)
     reqs = [Request(i, 0.0, len(p), m) for i, (p, m) in enumerate(work)]
     step = 0
     while step < 4 or engine.scheduler.has_work():
@@ -53,3 +54,28 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked):
                               pad_token_id=0)[0, len(p):].tolist()
         assert engine.output_ids(r) == ref, f"request {r.id} ({len(p)}-token prompt)"
     assert max(len(rec.new_tokens) for rec in engine.records) >= 3  # they really ran together
+    if graphs:
+        assert engine.graphs.replays["decode"] > 0 and engine.graphs.replays["prompt"] > 0
+
+
+def test_prompt_lookup_verify_steps_through_graph_shapes_equal_plain_decoding(smollm2):
+    """Prompt lookup (γ 10) with its verify steps through the CUDA graphs' static shapes (run eagerly here) gives
+    plain greedy decoding's output on prompts that repeat themselves."""
+    from executor.speculative import PromptLookup
+
+    model, _, tokenizer = smollm2
+    corpus = corpus_ids(tokenizer)
+    work = [((prompt_ids(corpus, n, i) * 2)[:n], m) for i, (n, m) in enumerate([(60, 24), (140, 30), (90, 20)])]
+    outs = {}
+    for spec in (False, True):
+        cfg = SchedulerConfig(max_num_batched_tokens=512, max_model_len=512, num_speculative_tokens=10 if spec else 0)
+        engine = Engine(model, make_scheduler(cfg, BlockAllocator(48, 16)), KVCache.for_model(model.config, 48, 16),
+                        SamplingParams(), drafter=PromptLookup(3, 1) if spec else None, use_graphs=spec)
+        reqs = [Request(i, 0.0, len(p), m) for i, (p, m) in enumerate(work)]
+        for r, (p, _) in zip(reqs, work):
+            engine.add(r, p)
+        while engine.scheduler.has_work():
+            engine.step()
+        outs[spec] = [engine.output_ids(r) for r in reqs]
+    assert outs[True] == outs[False]
+    assert engine.graphs.replays["verify"] > 3 and sum(r.num_accepted for r in reqs) > 10
