@@ -87,6 +87,18 @@ def prompt_step_ms(model, tokens: int, graphs: bool, n: int = 20) -> float:
     return statistics.median(walls[3:]) * 1000
 
 
+def capture_time(model) -> tuple[int, float]:
+    """(graphs, seconds) to capture the sets of an engine shaped like the validation scenarios (16 sequences, 1024
+    tokens of context, 2048-token budget), on a fresh model so nothing is cached."""
+    import copy
+
+    fresh = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    engine = profile_engine(fresh, "cuda", num_blocks=256, max_num_seqs=16, max_model_len=1024)
+    seconds = time.perf_counter() - t0
+    return len(engine.graphs.decode.graphs) + len(engine.graphs.prompt.graphs), seconds
+
+
 def sm_clock() -> float:
     """The GPU's SM clock now (MHz; through NVML), NaN where it cannot be read."""
     try:
@@ -153,6 +165,8 @@ def main() -> None:
         e, g = (prompt_step_ms(model, tokens, graphs) for graphs in (False, True))
         prompts[tokens] = (e, g)
         print(f"| {tokens} | {e:.2f} | {g:.2f} | {g / e:.2f} |")
+    graphs, seconds = capture_time(model)
+    print(f"capture: {graphs} graphs in {seconds:.1f} s for an engine of 16 sequences, 1024 tokens of context")
     s = clock_stretch(model, args.steps)
     print(f"clock stretch, {args.steps} batch-1 decodes: step ms@SM MHz every {max(1, args.steps // 60)} steps:")
     print(" ".join(s["series"]))
@@ -166,6 +180,7 @@ def main() -> None:
         print(f"syncs_per_decode_step_eager: {e1['syncs_per_step']:.1f}")
         print(f"syncs_per_decode_step_graph: {g1['syncs_per_step']:.1f}")
         print(f"prompt_128_graph_over_eager: {prompts[128][1] / prompts[128][0]:.2f}")
+    print(f"capture_s_per_graph: {seconds / max(graphs, 1):.3f}")
     print(f"stretch_p90_over_p10: {s['p90_ms'] / s['p10_ms']:.2f}")
     print(f"stretch_slow_fraction: {s['slow_fraction']:.2f}")
     for k in ("wall_ms_fast", "cpu_ms_fast", "wall_ms_slow", "cpu_ms_slow"):
