@@ -6,13 +6,15 @@ forward at once.
 Three kinds of step are captured: plain decode steps (one token per row, up to max_num_seqs rows), steps of one
 prompt or prompt chunk alone (up to the step's token budget), and — with speculative decoding by chains of drafts
 (prompt lookup, a draft model) — decode steps whose rows carry drafts, every row padded at its front to
-num_speculative_tokens + 1 tokens. Candidate trees (Medusa) and steps mixing prompts with decodes run eagerly. A graph has fixed shapes and fixed addresses, so a
-step is run padded to the next captured size (rows, or prompt tokens) and key width: its tokens, positions, slots,
-context lengths and block tables are written into static buffers (one upload from pinned memory) and the graph
-captured over those buffers is replayed. A padding row repeats a real one exactly — row 0 of a batch, the last
-token of a prompt, the first token of a verify row: same token, position, slot, keys — so it computes and writes the same K/V into the same
-slot and the cache is unchanged by it. Attention reads a row's blocks whole, up to the captured width, under a
-mask of its context (and, for a prompt, of each token's position).
+num_speculative_tokens + 1 tokens. Candidate trees (Medusa) and steps mixing prompts with decodes run eagerly.
+
+A graph has fixed shapes and fixed addresses, so a step is run padded to the next captured size (rows, or prompt
+tokens) and key width: its tokens, positions, slots, context lengths and block tables are written into static
+buffers (one upload from pinned memory) and the graph captured over those buffers is replayed. A padding row
+repeats a real one exactly — row 0 of a batch, the last token of a prompt, the first token of a verify row: same
+token, position, slot, keys — so it computes and writes the same K/V into the same slot and the cache is
+unchanged by it. Attention reads a row's blocks whole, up to the captured width, under a mask of its context
+(and, for prompt and verify tokens, of each token's position).
 
 Off the GPU (`capture=False`) the same static-shape forward runs eagerly: the tests check on the CPU that it
 gives what the engine's own path gives.
@@ -41,8 +43,8 @@ MIN_WIDTH = 256
 @dataclass
 class GraphMeta:
     """What the model's layers read about a graph step: the slots its tokens' K/V go to, per row the block table
-    (its first `width / block_size` blocks) and context length the attention masks by, and for a prompt step each
-    token's position (a token sees the keys up to its own)."""
+    (its first `width / block_size` blocks) and context length the attention masks by, and for a prompt or verify
+    step each token's position (a token sees the keys up to its own)."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
