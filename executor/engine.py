@@ -69,8 +69,8 @@ class Engine:
     _padding_ctx: dict[Request, int] = field(default_factory=dict)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
-    # plain decode steps and lone prompt steps through executor.cuda_graph: None = on a GPU (captured graphs); True
-    # elsewhere runs the same static-shape forward eagerly (what the tests check it against)
+    # plain decode, lone prompt and chain-verify steps through executor.cuda_graph: None = on a GPU (captured
+    # graphs); True elsewhere runs the same static-shape forward eagerly (what the tests check it against)
     use_graphs: bool | None = None
 
     def __post_init__(self):
