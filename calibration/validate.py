@@ -255,6 +255,26 @@ def model_loader(device: str):
     return load
 
 
+def check_graphs(plans: list, profile: Path, device: str) -> None:
+    """On a GPU the executor runs plain decode and lone prompt steps from CUDA graphs unless a scenario says
+    `executor.cuda_graphs: false`, and a profile measured one way prices the other wrong (an eager step cost the
+    H200 ~4x a graph replay): a one-line error where they differ."""
+    from executor import engine
+
+    if device != "cuda":
+        return
+    try:
+        measured = json.loads(Path(profile).read_text()).get("host", {}).get("cuda_graphs")
+    except (OSError, json.JSONDecodeError):
+        return  # the cost model's own loading says what is wrong with the file
+    for plan in plans:
+        runs = plan.scenario.executor.cuda_graphs and engine.CUDA_GRAPHS
+        if measured is not None and measured != runs:
+            raise ConfigError(f"{profile} was measured with cuda_graphs {str(measured).lower()} but "
+                              f"{plan.scenario.name} runs with {str(runs).lower()}; profile again or set "
+                              f"executor.cuda_graphs: {str(measured).lower()}", "executor.cuda_graphs")
+
+
 def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
                   load=None, probe: bool = False, real_from: list | None = None) -> list[dict]:
     """Validate several scenarios ((plan, output folder or None) each). Their executor runs interleave —
@@ -263,6 +283,8 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     `real_from`: per plan, a folder of recorded runs (run1/, run2/, ...) to score instead of running."""
     from executor.serve import set_threads
 
+    if not real_from:
+        check_graphs([plan for plan, _ in plans], profile, device)
     load = load or model_loader(device)
     # a speculative scenario also runs without speculation (in <out>/plain/), right after it so that both see
     # the machine in the same state: their ratio is the speedup validated

@@ -194,3 +194,26 @@ def test_validate_a_scenario_whose_requests_are_all_rejected(tmp_path, checkpoin
     assert v["requests"]["rejected"] == 6 and v["requests"]["completed"] == 0
     assert v["step_time_ratio"][0]["all"] is None
     assert v["metrics"]["tpot_p50"]["error_at_run_speed_pct"] is None
+
+
+def test_a_gpu_profile_measured_with_graphs_is_refused_for_an_eager_scenario(tmp_path):
+    """On a GPU, a profile measured with CUDA graphs prices an eager scenario wrong (and the reverse): one line
+    naming both and the key. The CPU has no graphs: nothing to check."""
+    from pathlib import Path
+
+    from calibration.validate import check_graphs
+    from sim.errors import ConfigError
+    from sim.scenario import load_scenario, make_plan
+
+    root = Path(__file__).resolve().parent.parent
+    _, plan = load_scenario(root / "scenarios/validation/low_load.yaml")
+    eager = plan.scenario.model_copy(update={"executor": plan.scenario.executor.model_copy(update={"cuda_graphs": False})})
+    eager_plan = make_plan(eager, plan.base_dir)
+    profile = tmp_path / "cuda.json"
+    profile.write_text(json.dumps({"host": {"device": "cuda", "cuda_graphs": True}}))
+    check_graphs([plan], profile, "cuda")
+    check_graphs([eager_plan], profile, "cpu")
+    with pytest.raises(ConfigError) as e:
+        check_graphs([eager_plan], profile, "cuda")
+    assert e.value.key_path == "executor.cuda_graphs" and "cuda_graphs true" in e.value.message
+    check_graphs([eager_plan], root / "calibration/gpu_runs/2026-11-29-h200/cuda.json", "cuda")  # predates the flag
