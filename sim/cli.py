@@ -220,6 +220,9 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                 repeat, load, probe=probe, real_from=recorded)
         for result in results:
             _print_validation(result, device, prof, result["runs"])
+        drift = _drift_line(results)
+        if drift:
+            Console().print(drift)
         spread = any(r["runs"] > 1 for r in results)
         if len(results) > 1:
             summary = summarize(results)
@@ -275,6 +278,25 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
     scale = f" × {speed['factor']:.3f} (machine speed now vs when profiled)" if speed else ""
     Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}{scale}")
     Console().print(t)
+
+
+# Steps running this far from the profile on average mean the machine itself has changed speed since profiling.
+DRIFT_WARN = 0.05
+
+
+def _drift_line(results: list[dict]) -> str | None:
+    """One line when the executor's steps ran, on average over every run, more than DRIFT_WARN off the profile's
+    prediction for their own shapes: the latencies' errors then carry the machine's drift, not the model's."""
+    ratios = [r["all"] for result in results for r in result.get("step_time_ratio", []) if r.get("all")]
+    if not ratios:
+        return None
+    mean = sum(ratios) / len(ratios)
+    if abs(mean - 1) <= DRIFT_WARN:
+        return None
+    return (f"steps ran {mean:.2f}x the profile's prediction for their shapes ({min(ratios):.2f}-{max(ratios):.2f} "
+            f"over {len(ratios)} runs): this machine is {abs(1 / mean - 1) * 100:.0f}% {'faster' if mean < 1 else 'slower'} "
+            "than when profiled, and TPOT's error carries that; `infersim profile` again, or read the 'at the run's "
+            "step speed' column")
 
 
 def _num(x) -> str:
