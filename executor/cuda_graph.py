@@ -164,9 +164,12 @@ class GraphSet:
         meta, attention = self.meta_and_attention(size, width)
         self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], meta, self.kv_cache, attention=attention)
 
-    def capture(self) -> "GraphSet":
-        """One graph per shape, largest first, all sharing one memory pool (nano-vllm's order)."""
+    def capture(self, scratch_slot: int = 0) -> "GraphSet":
+        """One graph per shape, largest first, all sharing one memory pool (nano-vllm's order). The warm-up
+        forwards write K/V at `scratch_slot` (a slot nobody reads: slot 0 of a cache still empty, else a free
+        block's); the graphs themselves read every slot from the buffer when replayed."""
         pool = None
+        self.slots.fill_(scratch_slot)
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()  # a graph freed by the collector while another is being captured breaks that capture

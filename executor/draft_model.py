@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from executor.attention import AttentionMetadata
+from executor.cuda_graph import DecodeGraphs
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel, Linear
 from executor.weights import load_trained, save_trained
@@ -101,10 +102,17 @@ class DraftModelDrafter(Drafter):
     for rejection sampling."""
 
     def __init__(self, draft: DraftModel, sampling: SamplingParams = SamplingParams(), block_size: int = 16,
-                 num_blocks: int = 256):
+                 num_blocks: int = 256, max_num_seqs: int = 256, max_model_len: int = 4096,
+                 use_graphs: bool | None = None):
         self.draft = draft
         self.sampling = sampling
         self.device = draft.vocab.device
+        # the draft's own decode steps (all but each step's first) through CUDA graphs, as the target's are: on a
+        # GPU k - 1 eager draft passes would cost more than the verify step; True off the GPU: the same static
+        # shapes, run eagerly (the tests)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.limits = (max_model_len, max_num_seqs)
+        self.graphs: DecodeGraphs | None = None
         self.kv = KVCache.for_model(draft.config, num_blocks, block_size, draft.model.embed_tokens.weight.dtype,
                                     self.device)
         self.free = list(range(num_blocks))
@@ -122,6 +130,18 @@ class DraftModelDrafter(Drafter):
                           old.dtype, old.device)
         self.kv.data[:, :, :old.num_blocks] = old.data
         self.free.extend(range(old.num_blocks, 2 * old.num_blocks))
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The draft's graph set over its current pool (made again after the pool grows: graphs keep addresses)."""
+        if not self.use_graphs:
+            return None
+        if self.graphs is None or self.graphs.kv_cache is not self.kv:
+            if not self.free:
+                self._grow()
+            self.graphs = DecodeGraphs(self.draft.model, self.kv, *self.limits)
+            if self.device.type == "cuda":
+                self.graphs.capture(scratch_slot=self.free[-1] * self.block_size)
+        return self.graphs
 
     def _reserve(self, seq: _Seq, num_tokens: int) -> None:
         need = -(-num_tokens // self.block_size) - len(seq.blocks)
@@ -180,10 +200,14 @@ class DraftModelDrafter(Drafter):
                 feeds = dict(enumerate(feeds))
             query_lens = [len(feeds[j]) for j in live]
             context_lens = [len(seqs[j].cached) + len(feeds[j]) for j in live]
-            meta = AttentionMetadata.build(query_lens, context_lens, [seqs[j].blocks for j in live],
-                                           self.block_size, self.device)
-            ids = torch.tensor([t for j in live for t in feeds[j]], dtype=torch.long, device=self.device)
-            hidden = self.draft.model(ids, meta.positions(), meta, self.kv, last_of=list(range(len(live))))
+            graphs = self._decode_graphs() if step > 0 else None  # after the first, every row feeds one token
+            if graphs is not None and graphs.fits(len(live), context_lens):
+                hidden = graphs.run([feeds[j][0] for j in live], context_lens, [seqs[j].blocks for j in live])
+            else:
+                meta = AttentionMetadata.build(query_lens, context_lens, [seqs[j].blocks for j in live],
+                                               self.block_size, self.device)
+                ids = torch.tensor([t for j in live for t in feeds[j]], dtype=torch.long, device=self.device)
+                hidden = self.draft.model(ids, meta.positions(), meta, self.kv, last_of=list(range(len(live))))
             logits = self.draft.model.compute_logits(hidden)
             picked, q = self._pick(logits)
             for n, j in enumerate(live):

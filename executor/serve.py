@@ -109,7 +109,9 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
             draft = load_draft(drafter_dir(plan), target)
         except ValueError as e:
             raise ConfigError(str(e), "speculative.draft_model") from None
-        return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4))
+        return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4),
+                                 max_num_seqs=plan.scenario.serving.max_num_seqs, max_model_len=plan.max_model_len,
+                                 use_graphs=None if plan.scenario.executor.cuda_graphs else False)
     if spec.method == "medusa":
         from executor.medusa import MedusaDrafter, load_medusa
 

@@ -234,3 +234,20 @@ def test_sampled_speculation_on_a_model_matches_plain_sampling(model, drafter):
         table = np.array([[sum(1 for o in outs if o[pos] == t) for t in tokens] for outs in (spec, plain)])
         table = table[:, table.sum(0) >= 10]
         assert chi2_contingency(table).pvalue > 1e-3, pos
+
+
+@pytest.mark.parametrize("cfg", POLICIES)
+def test_draft_model_decode_steps_through_graph_shapes_give_the_same_drafts(model, plain, cfg):
+    """The draft model's own decode steps through the CUDA graphs' static shapes (run eagerly here; its pool starts
+    at 2 blocks, so it grows and the set is made again): the same greedy output, and graph steps were taken."""
+    work, want = plain
+    accepted = {}
+    for graphs in (False, True):
+        d = DraftModelDrafter(make_student(model, [1], list(range(200))), SamplingParams(), block_size=4,
+                              num_blocks=2, max_model_len=128, use_graphs=graphs)
+        engine, reqs = run(model, work, d, **cfg)
+        for (p, _), r in zip(work, reqs):
+            assert engine.output_ids(r) == want[tuple(p)]
+        accepted[graphs] = [(r.num_drafted, r.num_accepted) for r in reqs]  # the same drafts, so the same counts
+    assert accepted[True] == accepted[False] and sum(a for _, a in accepted[True]) > 0
+    assert d.graphs is not None and d.graphs.replays > 0 and d.graphs.kv_cache is d.kv
