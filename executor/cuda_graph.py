@@ -30,6 +30,7 @@ import torch
 
 from executor.attention import masked_attention
 from executor.kv_cache import KVCache
+from sim.errors import ConfigError
 
 # Batch sizes captured (nano-vllm's choice), cut at the engine's max_num_seqs, which is always one of them.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -349,6 +350,16 @@ class StepGraphs:
         return {s.kind: s.replays for s in (self.decode, self.prompt, self.verify) if s is not None}
 
 
+def capture_or_explain(graphs: GraphSet, scratch_slot: int = 0) -> GraphSet:
+    """graphs.capture(), a failure (out of memory, an op that cannot be captured) told in one line with the way out."""
+    try:
+        return graphs.capture(scratch_slot)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"capturing the {graphs.kind} steps' CUDA graphs failed ({first}); set "
+                          "executor.cuda_graphs: false to run every step eagerly", "executor.cuda_graphs") from None
+
+
 def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: bool = False) -> StepGraphs:
     """The model's graph sets for this KV cache and these scheduler limits (a SchedulerConfig; `verify`: chains of up
     to cfg.num_speculative_tokens drafts are verified too), captured (capture=False: run eagerly). A set is reused
@@ -366,7 +377,7 @@ def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: boo
             if len(cache) >= MAX_CACHED:
                 cache.pop(next(iter(cache)))
             made = cls(model, kv_cache, cfg.max_model_len, *limits)
-            cache[key] = made.capture() if capture else made
+            cache[key] = capture_or_explain(made) if capture else made
         cache[key].kv_cache = kv_cache  # the same memory; the object the engine holds
         sets.append(cache[key])
     return StepGraphs(*sets)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from executor.attention import AttentionMetadata
-from executor.cuda_graph import DecodeGraphs
+from executor.cuda_graph import DecodeGraphs, capture_or_explain
 from executor.kv_cache import KVCache
 from executor.model import LlamaModel, Linear
 from executor.weights import load_trained, save_trained
@@ -140,7 +140,7 @@ class DraftModelDrafter(Drafter):
                 self._grow()
             self.graphs = DecodeGraphs(self.draft.model, self.kv, *self.limits)
             if self.device.type == "cuda":
-                self.graphs.capture(scratch_slot=self.free[-1] * self.block_size)
+                capture_or_explain(self.graphs, scratch_slot=self.free[-1] * self.block_size)
         return self.graphs
 
     def _reserve(self, seq: _Seq, num_tokens: int) -> None:

@@ -213,7 +213,7 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     from executor.cuda_graph import GraphSet, step_graphs
     from sim.scheduler import SchedulerConfig
 
-    monkeypatch.setattr(GraphSet, "capture", lambda self: self)
+    monkeypatch.setattr(GraphSet, "capture", lambda self, scratch_slot=0: self)
     net = tiny_model(seed=6, num_layers=1, vocab_size=64)
     kv = KVCache.for_model(net.config, 32, 4)
     cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
@@ -225,3 +225,21 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     del kv
     gc.collect()
     assert freed() is None
+
+
+def test_a_failed_capture_is_one_line_with_the_way_out(monkeypatch):
+    """Out of GPU memory (or an op that cannot be captured) while capturing: a one-line error on the scenario key
+    that turns the graphs off, not a traceback."""
+    from executor.cuda_graph import GraphSet, step_graphs
+    from sim.errors import ConfigError
+    from sim.scheduler import SchedulerConfig
+
+    def fail(self, scratch_slot=0):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(GraphSet, "capture", fail)
+    net = tiny_model(seed=7, num_layers=1, vocab_size=64)
+    with pytest.raises(ConfigError) as e:
+        step_graphs(net, KVCache.for_model(net.config, 32, 4), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    assert e.value.key_path == "executor.cuda_graphs" and "\n" not in e.value.message
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in e.value.message and "cuda_graphs: false" in e.value.message
