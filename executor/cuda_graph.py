@@ -3,10 +3,11 @@ thousands of tiny kernel launches from Python and a dozen small uploads, so the 
 (measured on an H200: 17.8 ms a batch-1 decode step, the GPU busy 2.5 ms of it). A graph launches the whole
 forward at once.
 
-Three kinds of step are captured: plain decode steps (one token per row, up to max_num_seqs rows), steps of one
-prompt or prompt chunk alone (up to the step's token budget), and — with speculative decoding by chains of drafts
-(prompt lookup, a draft model) — decode steps whose rows carry drafts, every row padded at its front to
-num_speculative_tokens + 1 tokens. Candidate trees (Medusa) and steps mixing prompts with decodes run eagerly.
+Four kinds of step are captured: plain decode steps (one token per row, up to max_num_seqs rows), steps of one
+prompt or prompt chunk alone (up to the step's token budget), steps of several whole prompts packed (no cached
+context: each attends to its own new keys), and — with speculative decoding by chains of drafts (prompt lookup, a
+draft model) — decode steps whose rows carry drafts, every row padded at its front to num_speculative_tokens + 1
+tokens. Candidate trees (Medusa) and steps mixing prompts with decodes run eagerly.
 
 A graph has fixed shapes and fixed addresses, so a step is run padded to the next captured size (rows, or prompt
 tokens) and key width: its tokens, positions, slots, context lengths and block tables are written into static
@@ -86,6 +87,25 @@ def graph_prompt_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | 
     return o.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
 
 
+def graph_packed_prompt_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | None = None):
+    """Several whole prompts packed [T, H, D] (no cached context): each token against the step's own keys — read
+    back from its slots — of its own prompt up to its own position. `meta.context_lens` holds each token's prompt
+    index here, and -(index + 1) for a padding token: as a query it is its prompt's last token again, as a key it
+    is no one's (the real last token's key is already there once)."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[-2]
+    g = h // kvh
+    k = k_cache.view(-1, kvh, d)[meta.slot_mapping].transpose(0, 1)[None]  # [1, kvh, T, D]
+    v = v_cache.view(-1, kvh, d)[meta.slot_mapping].transpose(0, 1)[None]
+    seq, pos = meta.context_lens, meta.positions
+    query_seq = torch.where(seq < 0, -seq - 1, seq)
+    visible = (query_seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # [T queries, T keys]
+    qg = q.reshape(t, kvh, g, d).permute(1, 0, 2, 3).reshape(1, kvh, t * g, d)
+    mask = visible[:, None, :].expand(t, g, t).reshape(1, 1, t * g, t)
+    o = masked_attention(qg, k, v, mask, d ** -0.5 if scale is None else scale)
+    return o.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
+
+
 def graph_verify_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | None = None):
     """Rows of n tokens each — a decode row's last token and its drafts, padded at the front [b·n, H, D] — against
     the row's keys up to `meta.width`, each token seeing the keys up to its own position."""
@@ -118,19 +138,21 @@ class GraphSet:
 
     kind = ""
 
-    def __init__(self, model, kv_cache: KVCache, max_model_len: int, tokens: int, rows: int):
+    def __init__(self, model, kv_cache: KVCache, max_model_len: int, tokens: int, rows: int,
+                 table_rows: int | None = None):
         self._model = weakref.ref(model)  # the model holds its captured sets: no cycle for the GC to find later
         self.kv_cache = kv_cache
         self.block_size = bs = kv_cache.block_size
         self.max_blocks = m = min(-(-max_model_len // bs), kv_cache.num_blocks)
         self.widths = _sizes(m * bs, [w for w in (MIN_WIDTH * 2 ** i for i in range(16)) if w % bs == 0])
-        self._layout = [tokens, tokens, tokens, rows, rows * m]
+        table_rows = rows if table_rows is None else table_rows
+        self._layout = [tokens, tokens, tokens, rows, table_rows * m]
         dev = kv_cache.device
         self.device_buf = torch.zeros(sum(self._layout), dtype=torch.long, device=dev)
         self.host_buf = torch.zeros(sum(self._layout), dtype=torch.long, pin_memory=dev.type == "cuda")
         ids, pos, slots, ctx, tables = self.device_buf.split(self._layout)
         self.input_ids, self.positions, self.slots, self.context_lens = ids, pos, slots, ctx
-        self.block_tables = tables.view(rows, m)
+        self.block_tables = tables.view(table_rows, m)
         self.hidden = torch.zeros(tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -175,7 +197,7 @@ class GraphSet:
         collecting = gc.isenabled()
         gc.disable()  # a graph freed by the collector while another is being captured breaks that capture
         try:
-            for size, width in sorted(self.shapes(), key=lambda s: -self.tokens(s[0]) * s[1]):
+            for size, width in sorted(self.shapes(), key=lambda s: -self.tokens(s[0]) * max(s[1], 1)):
                 self._forward(size, width)  # warm-up: kernels chosen, workspaces allocated outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
@@ -284,6 +306,53 @@ class PromptGraphs(GraphSet):
         return self._replay(p, self._width(context_len))[:t].clone()
 
 
+class PackedPromptGraphs(GraphSet):
+    """Steps of several whole prompts (no cached context) packed, up to `max_num_batched_tokens` tokens: the
+    per-row section of the buffers holds each token's prompt index, and no block tables are needed (each token's
+    keys are the step's own)."""
+
+    kind = "prompts"
+
+    def __init__(self, model, kv_cache, max_model_len: int, max_num_batched_tokens: int):
+        widest = min(-(-max_model_len // kv_cache.block_size), kv_cache.num_blocks) * kv_cache.block_size
+        self.prompt_sizes = _sizes(max_num_batched_tokens, PROMPT_SIZES)
+        t = self.prompt_sizes[-1]
+        super().__init__(model, kv_cache, max_model_len, t, t, table_rows=0)
+        self.max_prompt = widest
+
+    def shapes(self):
+        return [(t, 0) for t in self.prompt_sizes]
+
+    def meta_and_attention(self, t, width):
+        meta = GraphMeta(self.slots[:t], self.block_tables, self.context_lens[:t], self.block_size, width,
+                         self.positions[:t])
+        return meta, graph_packed_prompt_attention
+
+    def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        return (query_lens == context_lens and sum(query_lens) <= self.prompt_sizes[-1]
+                and max(context_lens) <= self.max_prompt)
+
+    def run(self, input_ids: list[int], query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Final-normed hidden states [sum(query_lens), hidden] of a step of whole prompts (flat in `input_ids`),
+        their K/V written to the slots of positions 0.. of each."""
+        total = sum(query_lens)
+        p = next(s for s in self.prompt_sizes if s >= total)
+        bs = self.block_size
+        ids, pos, slots, seq, _ = np.split(self.host_buf.numpy(), np.cumsum(self._layout)[:-1])
+        first = 0
+        for i, (q, table) in enumerate(zip(query_lens, block_tables)):
+            at = np.arange(q, dtype=np.int64)
+            blocks = np.asarray(table, dtype=np.int64)
+            for section, values in ((ids, input_ids[first:first + q]), (pos, at), (slots, blocks[at // bs] * bs + at % bs),
+                                    (seq, i)):
+                section[first:first + q] = values
+            first += q
+        for section in (ids, pos, slots):
+            section[total:p] = section[total - 1]  # padding tokens repeat the last one...
+        seq[total:p] = -seq[total - 1] - 1  # ...but are no one's key
+        return self._replay(p, 0)[:total].clone()
+
+
 class VerifyGraphs(GraphSet):
     """Decode steps of up to `max_num_seqs` rows whose rows carry up to n - 1 drafts each (a chain: the row's last
     token, then its drafts), every row padded at its front to n tokens."""
@@ -339,15 +408,17 @@ class VerifyGraphs(GraphSet):
 
 @dataclass
 class StepGraphs:
-    """An engine's graph sets: plain decode steps, lone prompt steps and (with chain drafts) verify steps."""
+    """An engine's graph sets: plain decode steps, lone prompt steps, several whole prompts packed and (with chain
+    drafts) verify steps."""
 
     decode: DecodeGraphs
     prompt: PromptGraphs
+    prompts: PackedPromptGraphs
     verify: VerifyGraphs | None = None
 
     @property
     def replays(self) -> dict[str, int]:
-        return {s.kind: s.replays for s in (self.decode, self.prompt, self.verify) if s is not None}
+        return {s.kind: s.replays for s in (self.decode, self.prompt, self.prompts, self.verify) if s is not None}
 
 
 def capture_or_explain(graphs: GraphSet, scratch_slot: int = 0) -> GraphSet:
@@ -365,7 +436,8 @@ def step_graphs(model, kv_cache: KVCache, cfg, capture: bool = True, verify: boo
     to cfg.num_speculative_tokens drafts are verified too), captured (capture=False: run eagerly). A set is reused
     when an earlier engine's cache had the same shape at the same address (its graphs then read and write this
     one), else captured now — while the cache is still empty, since capturing writes one slot of block 0."""
-    wanted = [(DecodeGraphs, cfg.max_num_seqs), (PromptGraphs, cfg.max_num_batched_tokens)]
+    wanted = [(DecodeGraphs, cfg.max_num_seqs), (PromptGraphs, cfg.max_num_batched_tokens),
+              (PackedPromptGraphs, cfg.max_num_batched_tokens)]
     if verify and cfg.num_speculative_tokens:
         wanted.append((VerifyGraphs, cfg.max_num_seqs, cfg.num_speculative_tokens + 1))
     cache = model.__dict__.setdefault("_graph_sets", {}) if capture else {}

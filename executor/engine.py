@@ -6,6 +6,7 @@ only for rows that sample. Every step is recorded with its batch shape and wall-
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -220,6 +221,10 @@ class Engine:
         elif (graphs is not None and len(query_lens) == 1 and not num_decode
               and graphs.prompt.fits(query_lens[0], context_lens[0])):  # one prompt or chunk alone
             hidden = graphs.prompt.run(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]
+        elif (graphs is not None and not num_decode and not batch.padding
+              and graphs.prompts.fits(query_lens, context_lens)):  # several whole prompts (or first chunks)
+            ends = list(itertools.accumulate(query_lens))
+            hidden = graphs.prompts.run(ids, query_lens, tables)[[ends[i] - 1 for i in sampling_rows]]
         else:
             hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0

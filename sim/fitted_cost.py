@@ -1,7 +1,7 @@
 """A step-cost model fitted to executor measurements (same interface as the roofline model).
 
 time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·prefilling sequences
-       + c_has_prefill·[the step carries a prompt chunk] + c_batched_prefill·[... beside other sequences]
+       + c_has_prefill·[the step carries a prompt chunk] + c_batched_prefill·[... beside decode rows]
        + c_has_verify·[some decode row carries drafts]
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
        + c_few·max(0, knot − new tokens)
@@ -16,9 +16,10 @@ step's projections stream the weights at a cost that no longer falls with fewer 
 b·max(0, a/b − T)); the fit picks the knot. The form was chosen on the profile's held-out samples and served steps:
 one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted, and
 with no verify-step term a step in which one of four rows verifies drafts ran 1.11x its prediction. The
-batched-prefill term is zero on the CPU; on a GPU, where plain decode steps and a lone prompt replay CUDA graphs
-and a step mixing them runs eagerly, it is what such a step costs more (the H200 profile of 2026-11-30, fitted
-again with it: held-out MAPE 12.4% -> 10.6%, R² 0.90 -> 0.93).
+batched-prefill term is what a step mixing prompt chunks with decode rows costs more: on a GPU plain decodes and
+prompts alone replay CUDA graphs and such a step runs eagerly (the H200 profile of 2026-11-30 fitted again with
+it: held-out MAPE 12.4% -> 8.8%, R² 0.90 -> 0.96; counting every multi-sequence prompt step instead: 10.6%); on
+the CPU profile 0.3 ms, held-out MAPE unchanged (2.64 -> 2.66%).
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
 prefills.
 """
@@ -42,7 +43,7 @@ KNOTS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
 
 def features(shape: BatchShape, knot: int = 0) -> tuple[int, ...]:
     p = shape.num_prefill
-    return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > 1 else 0,
+    return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
             1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context,
             max(0, knot - shape.num_new_tokens))
 
@@ -91,7 +92,7 @@ class FittedCostModel:
         c0, ct, cd, cp, chp, cbp, chv, csa, cpair, ckv, cfew = self._c
         p, t = shape.num_prefill, shape.num_new_tokens
         return (c0 + ct * t + cd * (shape.num_seqs - p) + cp * p + (chp if p else 0.0)
-                + (cbp if p and shape.num_seqs > 1 else 0.0) + (chv if shape.num_verify else 0.0) + csa * shape.num_sampled + cpair * shape.attn_pairs
+                + (cbp if p and shape.num_seqs > p else 0.0) + (chv if shape.num_verify else 0.0) + csa * shape.num_sampled + cpair * shape.attn_pairs
                 + ckv * shape.sum_context + (cfew * (self.knot - t) if t < self.knot else 0.0))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:

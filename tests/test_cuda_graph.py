@@ -38,10 +38,13 @@ def test_static_steps_give_the_engines_output(model, policy):
     assert got == want
     assert eager.graphs is None
     decode_only = sum(rec.num_prefill == 0 for rec in graphed.records)  # static batching's padding rows too
-    lone_prompts = sum(rec.num_prefill == 1 and rec.num_decode == 0 and rec.num_padding == 0
-                       and len(rec.new_tokens) == 1 for rec in graphed.records)
-    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone_prompts}
-    assert decode_only > 0 and lone_prompts > 0
+    prompt_only = [rec for rec in graphed.records if rec.num_prefill and not rec.num_decode and not rec.num_padding]
+    lone = sum(len(rec.new_tokens) == 1 for rec in prompt_only)
+    packed = sum(len(rec.new_tokens) > 1 and rec.new_tokens == rec.context_lens for rec in prompt_only)
+    assert graphed.graphs.replays == {"decode": decode_only, "prompt": lone, "prompts": packed}
+    assert decode_only > 0 and lone > 0
+    if policy == "static":
+        assert packed > 0  # a static batch's prompts prefill together
     if policy == "static":
         assert any(rec.num_padding and not rec.num_prefill for rec in graphed.records)
 
@@ -66,12 +69,32 @@ def test_padding_rows_and_tokens_leave_the_cache_as_the_eager_step_does(model):
         assert engine.step().num_prefill == 2  # both prompts in one step (eager)
         changed[name, "decode"] = changed_slots(engine, engine.step)
         assert engine.records[-1].num_decode == 3 and engine.records[-1].num_prefill == 0
-    assert graphed.graphs.replays == {"decode": 1, "prompt": 1}
+    assert graphed.graphs.replays == {"decode": 1, "prompt": 1, "prompts": 1}
     assert graphed.graphs.prompt.prompt_sizes[0] == 16 and graphed.graphs.decode.batch_sizes[2] == 4
     for kind, slots in (("prompt", 13), ("decode", 3)):
         assert torch.equal(changed["eager", kind], changed["graphed", kind])
         assert int(changed["graphed", kind].sum()) == slots
     torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_prompts_attend_only_within_their_own_prompt():
+    """Three whole prompts packed, padded with copies of the last token that are no one's key: each token's output
+    equals SDPA's for its own prompt (keys read back from the slots the step wrote), the padding's the last
+    token's."""
+    from executor.cuda_graph import graph_packed_prompt_attention
+
+    k_cache, v_cache, g = paged_cache(3)
+    lens, tables = [5, 3, 6], [[2, 7], [4], [9, 1]]
+    meta = AttentionMetadata.build(lens, lens, tables, 4)
+    q = torch.randn(sum(lens), 6, 8, generator=g)
+    want = sdpa_attention(q, k_cache, v_cache, meta)
+    pad = [13] * 2  # two padding tokens repeating the last one
+    index = list(range(sum(lens))) + pad
+    seq = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)] + [-3, -3])  # padding: no one's key
+    got = graph_packed_prompt_attention(q[index], k_cache, v_cache, GraphMeta(
+        meta.slot_mapping[index], torch.zeros(0, 1, dtype=torch.long), seq, 4, 0, meta.positions()[index]))
+    torch.testing.assert_close(got[:sum(lens)], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[sum(lens):], want[-1:].expand(2, -1, -1), rtol=1e-5, atol=1e-6)
 
 
 def paged_cache(seed=0, blocks=12, bs=4, kvh=2, d=8):
@@ -204,7 +227,7 @@ def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
 
 def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     """On a GPU the sets are cached on the model by the limits that shape them and the cache's address (capture
-    stubbed here): the same limits share a set, a prompt set does not depend on max_num_seqs, and a cached set
+    stubbed here): the same limits share a set, the prompt sets do not depend on max_num_seqs, and a cached set
     holds its KV cache weakly, so a finished engine's cache is freed and the next one can take its address."""
     import dataclasses
     import gc
@@ -220,7 +243,7 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     a, b = step_graphs(net, kv, cfg), step_graphs(net, kv, cfg)
     c = step_graphs(net, kv, dataclasses.replace(cfg, max_num_seqs=8))
     assert a.decode is b.decode and a.prompt is b.prompt and c.decode is not a.decode and c.prompt is a.prompt
-    assert len(net.__dict__["_graph_sets"]) == 3
+    assert c.prompts is a.prompts and len(net.__dict__["_graph_sets"]) == 4
     freed = weakref.ref(kv)
     del kv
     gc.collect()

@@ -59,8 +59,8 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
 
 
 def test_prompt_lookup_verify_steps_through_graph_shapes_equal_plain_decoding(smollm2):
-    """Prompt lookup (γ 10) with its verify steps through the CUDA graphs' static shapes (run eagerly here) gives
-    plain greedy decoding's output on prompts that repeat themselves."""
+    """Prompt lookup (γ 10) with its verify steps (and the three prompts, packed) through the CUDA graphs' static
+    shapes (run eagerly here) gives plain greedy decoding's output on prompts that repeat themselves."""
     from executor.speculative import PromptLookup
 
     model, _, tokenizer = smollm2
@@ -79,3 +79,4 @@ def test_prompt_lookup_verify_steps_through_graph_shapes_equal_plain_decoding(sm
         outs[spec] = [engine.output_ids(r) for r in reqs]
     assert outs[True] == outs[False]
     assert engine.graphs.replays["verify"] > 3 and sum(r.num_accepted for r in reqs) > 10
+    assert engine.graphs.replays["prompts"] == 1  # the three prompts, packed in one step
