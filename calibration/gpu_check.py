@@ -5,9 +5,9 @@ profile (each run twice, for the real-vs-real spread), writing everything into o
     python -m calibration.gpu_check --out gpu_check_out      # ≤ 8 minutes on one GPU
 
 Writes OUT/cuda.json (the profile), OUT/<scenario>/validation.json and a CDF plot per scenario, and
-OUT/summary.md (the tables). Plain decode and lone prompt steps replay CUDA graphs (executor/cuda_graph.py) unless `--eager`.
-`--device cpu` runs the same stages on the CPU (a dry run of this script); the CPU path of the project never
-needs CUDA.
+OUT/summary.md (the tables). Decode, prompt and verify steps replay CUDA graphs (executor/cuda_graph.py) unless
+`--eager`. `--device cpu` runs the same stages on the CPU (a dry run of this script); the CPU path of the
+project never needs CUDA.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from calibration.profile import profile_command
-from executor import engine
 from calibration.validate import METRICS, markdown_table, model_loader, summarize, validate_many
+from executor import engine
 from executor.serve import check_device
 from sim.errors import ConfigError
 from sim.scenario import load_scenario
@@ -76,7 +76,7 @@ def main() -> None:
              f"- profile: {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s, held-out MAPE "
              f"{fit['mape'] * 100:.1f}%, R² {fit['r2']:.4f}; matmul {prof['measured']['matmul_flops'] / 1e12:.1f} "
              f"TFLOP/s (fp32), copy bandwidth {prof['measured']['memory_bandwidth'] / 1e9:.0f} GB/s",
-             f"- plain decode and lone prompt steps: {'eager' if args.eager else 'replayed from CUDA graphs'} (on a GPU)",
+             f"- decode, prompt and verify steps: {'eager' if args.eager else 'replayed from CUDA graphs'} (on a GPU)",
              f"- validation: {args.runs} executor run(s) per scenario (real = their mean)", "",
              markdown_table(results, [name for name, *_ in METRICS]), "| metric | max abs error | median abs error "
              "| median spread |", "|---|---:|---:|---:|"]

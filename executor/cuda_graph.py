@@ -23,6 +23,7 @@ gives what the engine's own path gives.
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -120,6 +121,11 @@ def graph_verify_attention(q, k_cache, v_cache, meta: GraphMeta, scale: float | 
     return o.view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4).reshape(t, h, d)
 
 
+def _widest(kv_cache: KVCache, max_model_len: int) -> int:
+    """Keys a row can have: max_model_len rounded up to whole blocks, at most the pool."""
+    return min(-(-max_model_len // kv_cache.block_size), kv_cache.num_blocks) * kv_cache.block_size
+
+
 def _sizes(limit: int, candidates) -> list[int]:
     out = [c for c in candidates if c < limit]
     return out + [limit]
@@ -143,7 +149,7 @@ class GraphSet:
         self._model = weakref.ref(model)  # the model holds its captured sets: no cycle for the GC to find later
         self.kv_cache = kv_cache
         self.block_size = bs = kv_cache.block_size
-        self.max_blocks = m = min(-(-max_model_len // bs), kv_cache.num_blocks)
+        self.max_blocks = m = _widest(kv_cache, max_model_len) // bs
         self.widths = _sizes(m * bs, [w for w in (MIN_WIDTH * 2 ** i for i in range(16)) if w % bs == 0])
         table_rows = rows if table_rows is None else table_rows
         self._layout = [tokens, tokens, tokens, rows, table_rows * m]
@@ -276,8 +282,7 @@ class PromptGraphs(GraphSet):
     kind = "prompt"
 
     def __init__(self, model, kv_cache, max_model_len: int, max_num_batched_tokens: int):
-        widest = min(-(-max_model_len // kv_cache.block_size), kv_cache.num_blocks) * kv_cache.block_size
-        self.prompt_sizes = _sizes(min(max_num_batched_tokens, widest), PROMPT_SIZES)
+        self.prompt_sizes = _sizes(min(max_num_batched_tokens, _widest(kv_cache, max_model_len)), PROMPT_SIZES)
         super().__init__(model, kv_cache, max_model_len, self.prompt_sizes[-1], 1)
 
     def shapes(self):
@@ -314,11 +319,9 @@ class PackedPromptGraphs(GraphSet):
     kind = "prompts"
 
     def __init__(self, model, kv_cache, max_model_len: int, max_num_batched_tokens: int):
-        widest = min(-(-max_model_len // kv_cache.block_size), kv_cache.num_blocks) * kv_cache.block_size
         self.prompt_sizes = _sizes(max_num_batched_tokens, PROMPT_SIZES)
         t = self.prompt_sizes[-1]
         super().__init__(model, kv_cache, max_model_len, t, t, table_rows=0)
-        self.max_prompt = widest
 
     def shapes(self):
         return [(t, 0) for t in self.prompt_sizes]
@@ -330,7 +333,7 @@ class PackedPromptGraphs(GraphSet):
 
     def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
         return (query_lens == context_lens and sum(query_lens) <= self.prompt_sizes[-1]
-                and max(context_lens) <= self.max_prompt)
+                and max(context_lens) <= self.widths[-1])
 
     def run(self, input_ids: list[int], query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Final-normed hidden states [sum(query_lens), hidden] of a step of whole prompts (flat in `input_ids`),
@@ -338,13 +341,13 @@ class PackedPromptGraphs(GraphSet):
         total = sum(query_lens)
         p = next(s for s in self.prompt_sizes if s >= total)
         bs = self.block_size
-        ids, pos, slots, seq, _ = np.split(self.host_buf.numpy(), np.cumsum(self._layout)[:-1])
+        ids, pos, slots, seq, _ = self._sections([])
         first = 0
         for i, (q, table) in enumerate(zip(query_lens, block_tables)):
             at = np.arange(q, dtype=np.int64)
             blocks = np.asarray(table, dtype=np.int64)
-            for section, values in ((ids, input_ids[first:first + q]), (pos, at), (slots, blocks[at // bs] * bs + at % bs),
-                                    (seq, i)):
+            for section, values in ((ids, input_ids[first:first + q]), (pos, at),
+                                    (slots, blocks[at // bs] * bs + at % bs), (seq, i)):
                 section[first:first + q] = values
             first += q
         for section in (ids, pos, slots):
@@ -419,6 +422,26 @@ class StepGraphs:
     @property
     def replays(self) -> dict[str, int]:
         return {s.kind: s.replays for s in (self.decode, self.prompt, self.prompts, self.verify) if s is not None}
+
+    def run(self, input_ids: list[int], query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+            num_decode: int, num_padding: int, sampling_rows: list[int]) -> torch.Tensor | None:
+        """The final hidden states of a step's logit rows (every position of a verify row, the last of a sampling
+        prompt) from the first kind of graph that fits the step, or None: run it eagerly. The step's rows are
+        `num_decode` decode rows, then prompt chunks, then `num_padding` static-batching padding rows."""
+        rows = len(query_lens) - num_padding
+        if len(sampling_rows) == rows == num_decode:  # every row decodes
+            if all(n == 1 for n in query_lens) and self.decode.fits(len(query_lens), context_lens):
+                return self.decode.run(input_ids, context_lens, block_tables)[:rows]  # padding rows ride along
+            if self.verify is not None and not num_padding and self.verify.fits(query_lens, context_lens):
+                return self.verify.run(input_ids, query_lens, context_lens, block_tables)
+        if num_decode or num_padding:
+            return None
+        if len(query_lens) == 1 and self.prompt.fits(query_lens[0], context_lens[0]):
+            return self.prompt.run(input_ids, context_lens[0], block_tables[0])[query_lens[0] - len(sampling_rows):]
+        if self.prompts.fits(query_lens, context_lens):  # several whole prompts (or first chunks)
+            ends = list(itertools.accumulate(query_lens))
+            return self.prompts.run(input_ids, query_lens, block_tables)[[ends[i] - 1 for i in sampling_rows]]
+        return None
 
 
 def capture_or_explain(graphs: GraphSet, scratch_slot: int = 0) -> GraphSet:

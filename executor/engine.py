@@ -6,7 +6,6 @@ only for rows that sample. Every step is recorded with its batch shape and wall-
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -211,21 +210,11 @@ class Engine:
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
-        graphs = self.graphs
-        decoding = graphs is not None and len(sampling_rows) == len(rows) == num_decode
-        if decoding and all(n == 1 for n in query_lens) and graphs.decode.fits(len(query_lens), context_lens):
-            # plain decodes (and static batching's padding rows after them): one graph replay
-            hidden = graphs.decode.run(ids, context_lens, tables)[:len(rows)]
-        elif decoding and graphs.verify is not None and not batch.padding and graphs.verify.fits(query_lens, context_lens):
-            hidden = graphs.verify.run(ids, query_lens, context_lens, tables)  # decode rows with drafts
-        elif (graphs is not None and len(query_lens) == 1 and not num_decode
-              and graphs.prompt.fits(query_lens[0], context_lens[0])):  # one prompt or chunk alone
-            hidden = graphs.prompt.run(ids, context_lens[0], tables[0])[query_lens[0] - len(sampling_rows):]
-        elif (graphs is not None and not num_decode and not batch.padding
-              and graphs.prompts.fits(query_lens, context_lens)):  # several whole prompts (or first chunks)
-            ends = list(itertools.accumulate(query_lens))
-            hidden = graphs.prompts.run(ids, query_lens, tables)[[ends[i] - 1 for i in sampling_rows]]
-        else:
+        hidden = None
+        if self.graphs is not None:  # a captured step that fits: one replay instead of the eager forward
+            hidden = self.graphs.run(ids, query_lens, context_lens, tables, num_decode, len(batch.padding),
+                                     sampling_rows)
+        if hidden is None:
             hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
         spans, first = [], 0
         for i, c in zip(sampling_rows, counts):

@@ -293,10 +293,10 @@ def _drift_line(results: list[dict]) -> str | None:
     mean = sum(ratios) / len(ratios)
     if abs(mean - 1) <= DRIFT_WARN:
         return None
+    way = "faster" if mean < 1 else "slower"
     return (f"steps ran {mean:.2f}x the profile's prediction for their shapes ({min(ratios):.2f}-{max(ratios):.2f} "
-            f"over {len(ratios)} runs): this machine is {abs(1 / mean - 1) * 100:.0f}% {'faster' if mean < 1 else 'slower'} "
-            "than when profiled, and TPOT's error carries that; `infersim profile` again, or read the 'at the run's "
-            "step speed' column")
+            f"over {len(ratios)} runs): this machine is {abs(1 / mean - 1) * 100:.0f}% {way} than when profiled, "
+            "and TPOT's error carries that; `infersim profile` again, or read the 'at the run's step speed' column")
 
 
 def _num(x) -> str:
