@@ -66,13 +66,13 @@ def device_info(device: str) -> dict:
         from executor import engine
 
         info["gpu"] = torch.cuda.get_device_name()
-        info["cuda_graphs"] = engine.CUDA_GRAPHS  # plain decode steps replayed from graphs (the fit's step costs)
+        info["cuda_graphs"] = engine.CUDA_GRAPHS  # steps replayed from graphs: the fit's step costs depend on it
     return info
 
 
 def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
     """An engine as the sweep builds one: `cfg` is SchedulerConfig fields (+ `draft_rate`), with roomy limits;
-    `use_graphs` as Engine takes it (None: CUDA graphs for plain decode and lone prompt steps on a GPU)."""
+    `use_graphs` as Engine takes it (None: CUDA graphs for decode, prompt and verify steps on a GPU)."""
     cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
     sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))

@@ -256,7 +256,7 @@ def model_loader(device: str):
 
 
 def check_graphs(plans: list, profile: Path, device: str) -> None:
-    """On a GPU the executor runs plain decode and lone prompt steps from CUDA graphs unless a scenario says
+    """On a GPU the executor runs decode, prompt and verify steps from CUDA graphs unless a scenario says
     `executor.cuda_graphs: false`, and a profile measured one way prices the other wrong (an eager step cost the
     H200 ~4x a graph replay): a one-line error where they differ."""
     from executor import engine
