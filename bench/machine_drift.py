@@ -5,7 +5,7 @@ a four-row decode (median of 8 steps) and a 150-token prefill, then a 1024³ fp3
 spread of those over the rounds is the floor under any sim-vs-real comparison made on this machine: a profile
 measured at one time predicts another time only as well as the machine repeats itself. Also the correlation
 between the decode and prefill rounds: if the kinds of step do not slow down together, no single speed factor
-(`infersim validate --probe`, the run's step ratio) can correct for the drift.
+(the run's step ratio) can correct for the drift.
 
 Usage: python bench/machine_drift.py [--seconds 120] [--threads 2]. Ends with `name: value` headline lines.
 """

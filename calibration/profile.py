@@ -131,63 +131,60 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
     return runs
 
 
-# A fixed handful of steps (one 800-token prefill, nine 4-sequence decodes), timed with the sweep and by
-# `infersim validate --probe`, which compares them with the fitted profile's prediction for the same steps.
-PROBE = ({"max_num_seqs": 4}, [(200, 10)] * 4)
+class Sweep:
+    """The profile's sweep as units of work (one workload run each), run all at once (`infersim profile`) or a
+    slice at a time between other work (`infersim validate --profile-alongside` runs one before each executor
+    run, so that profile and runs see the machine in the same minutes); the same samples either way.
 
+    Every workload runs `repeats` times, interleaved (all workloads once, then again) so slow drift of the
+    machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has the same shape."""
 
-def probe_steps(model, corpus: list[int], device: str) -> list[dict]:
-    """The PROBE's step records, timed on this machine now."""
-    cfg, work = PROBE
-    return run_workload(profile_engine(model, device, **cfg), corpus, work)
+    def __init__(self, model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3):
+        self.model, self.corpus, self.device = model, corpus, device
+        self.runs = workloads(quick)
+        self.results: list[list[list[dict]]] = [[] for _ in self.runs]
+        self.units = [k for _ in range(repeats) for k in range(len(self.runs))]
+        self.done = 0
+        self.elapsed_s = 0.0  # in the units only: not the warm-up, not whatever runs between slices
 
+    def run_until(self, fraction: float) -> None:
+        """Run units until `fraction` of the sweep is done (1.0: all of it)."""
+        stop = min(len(self.units), round(fraction * len(self.units)))
+        if self.done == 0 and stop > 0:  # warm-up: first forwards allocate
+            run_workload(profile_engine(self.model, self.device), self.corpus, [(64, 4)] * 2)
+        t0 = time.perf_counter()
+        for k in self.units[self.done:stop]:
+            cfg, work = self.runs[k]
+            self.results[k].append(run_workload(profile_engine(self.model, self.device, **cfg), self.corpus, work))
+        self.done = max(self.done, stop)
+        self.elapsed_s += time.perf_counter() - t0
 
-def probe_time(model, corpus: list[int], device: str) -> float:
-    """Seconds the PROBE's steps take on this machine now."""
-    return sum(r["end_s"] - r["start_s"] for r in probe_steps(model, corpus, device))
+    def samples(self) -> list[dict]:
+        """One record per distinct step of the sweep: its shape and its median time over the repeats."""
+        out = []
+        for reps in self.results:
+            for steps in zip(*reps):
+                if any(s["new_tokens"] != steps[0]["new_tokens"] for s in steps):
+                    raise RuntimeError("a profiling workload scheduled differently between repeats")
+                sh = shape_of(steps[0]["new_tokens"], steps[0]["context_lens"], steps[0].get("num_sampled"),
+                              steps[0].get("num_prefill"))
+                times = [s["end_s"] - s["start_s"] for s in steps]
+                out.append({"new_tokens": steps[0]["new_tokens"], "context_lens": steps[0]["context_lens"],
+                            "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill,
+                            "time_s": statistics.median(times), "repeat_times_s": times})
+        return out
 
-
-def sweep(model, corpus: list[int], device: str, quick: bool = False,
-          repeats: int = 3) -> tuple[list[dict], list[float]]:
-    """(one step record per distinct step of the sweep, its time the median over `repeats` runs;
-    the PROBE's time in each repeat).
-
-    Every workload runs `repeats` times, interleaved (all workloads once, then again) so slow drift
-    of the machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has
-    the same shape."""
-    runs = workloads(quick)
-    results: list[list[list[dict]]] = [[] for _ in runs]
-    probes = []
-    for _ in range(repeats):
-        for (cfg, work), out in zip(runs, results):
-            out.append(run_workload(profile_engine(model, device, **cfg), corpus, work))
-        probes.append(probe_time(model, corpus, device))
-    samples = []
-    for reps in results:
-        for steps in zip(*reps):
-            if any(s["new_tokens"] != steps[0]["new_tokens"] for s in steps):
-                raise RuntimeError("a profiling workload scheduled differently between repeats")
-            rec = dict(steps[0])
-            rec["time_s"] = statistics.median(s["end_s"] - s["start_s"] for s in steps)
-            rec["repeat_times_s"] = [s["end_s"] - s["start_s"] for s in steps]
-            samples.append(rec)
-    return samples, probes
+    def profile(self, model_spec: dict) -> dict:
+        """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names)."""
+        self.run_until(1.0)
+        samples = self.samples()
+        return {"model": model_spec, "host": device_info(self.device), "measured": measure_device(self.device),
+                "sweep_s": self.elapsed_s, "fit": fit_samples(samples), "samples": samples}
 
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
-    run_workload(profile_engine(model, device), corpus, [(64, 4)] * 2)  # warm-up: first forwards allocate
-    t0 = time.perf_counter()
-    samples, probes = sweep(model, corpus, device, quick, repeats)
-    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill"))
-              for s in samples]
-    stored = [{"new_tokens": s["new_tokens"], "context_lens": s["context_lens"], "num_sampled": sh.num_sampled,
-               "num_prefill": sh.num_prefill, "time_s": s["time_s"], "repeat_times_s": s["repeat_times_s"]}
-              for s, sh in zip(samples, shapes)]
-    return {"model": model_spec, "host": device_info(device), "measured": measure_device(device),
-            "sweep_s": time.perf_counter() - t0, "fit": fit_samples(stored),
-            "probe": {"workload": PROBE, "times_s": probes, "time_s": statistics.median(probes)},
-            "samples": stored}
+    return Sweep(model, corpus, device, quick, repeats).profile(model_spec)
 
 
 def fit_samples(samples: list[dict]) -> dict:

@@ -28,27 +28,6 @@ def with_profile(plan: Plan, profile: Path, scale: float = 1.0) -> Plan:
     return make_plan(sc.model_copy(update={"cost_model": cost}), plan.base_dir)
 
 
-def machine_speed(loaded, cost, device: str, repeats: int = 3) -> dict:
-    """How much slower (>1) or faster the machine runs now than the profile says: the probe's steps timed
-    (median of `repeats`) over what the fitted cost model predicts for exactly those steps. The fit (hundreds
-    of steps) is a steadier reference than the probe's own few timings at profiling time, which on this VM
-    sat 16% below it."""
-    from calibration.profile import probe_steps
-    from executor.prompts import corpus_ids
-
-    runs = [probe_steps(loaded.model, corpus_ids(loaded.tokenizer), device) for _ in range(repeats)]
-    now = [sum(r["end_s"] - r["start_s"] for r in steps) for steps in runs]
-    predicted = sum(predicted_step_time(r, cost) for r in runs[0])  # the same steps in every repeat
-    return {"probe_now_s": now, "probe_predicted_s": predicted, "factor": float(np.median(now)) / predicted}
-
-
-def with_run_speed(speed: dict | None, run: dict) -> dict:
-    """A scenario's machine speed over its runs: each run's probe kept, `factor` their mean (the real values
-    the simulator is compared with are means over the runs too)."""
-    runs = (speed or {}).get("runs", []) + [run]
-    return {"runs": runs, "factor": float(np.mean([r["factor"] for r in runs]))}
-
-
 def pick(metrics: dict, section: str, key: str) -> float | None:
     return metrics[section][key]
 
@@ -164,8 +143,8 @@ def simulated(plan: Plan, profile: Path, scale: float, specs) -> tuple[Plan, Req
     return sim_plan, recs[0], mean_metrics([slo_metrics(plan, r) for r in recs])
 
 
-def _sim_and_real(plan: Plan, profile: Path, runs: list, speed: dict | None, specs):
-    sim_plan, sim_rec, sim_m = simulated(plan, profile, speed["factor"] if speed else 1.0, specs)
+def _sim_and_real(plan: Plan, profile: Path, runs: list, specs):
+    sim_plan, sim_rec, sim_m = simulated(plan, profile, 1.0, specs)
     return sim_plan, sim_rec, [slo_metrics(plan, records) for records, _ in runs], sim_m
 
 
@@ -186,23 +165,22 @@ def speedup(spec_real: list[dict], spec_sim: dict, plain_real: list[dict], plain
 
 
 def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path | None = None,
-          speed: dict | None = None, plain_runs: list | None = None) -> dict:
-    """Simulate the plan with the profile (× the probe's factor, if any) and compare with the executor `runs`
+          plain_runs: list | None = None) -> dict:
+    """Simulate the plan with the profile and compare with the executor `runs`
     ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot).
     `plain_runs`: for a speculative scenario, runs without speculation, to validate the speedup too."""
     specs = generate_requests(plan.scenario.workload, plan.base_dir)  # plain_of(plan) has the same workload
-    sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, speed, specs)
+    sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, specs)
     cost = make_cost_model(sim_plan)
     ratios = [step_time_ratio(steps, cost) for _, steps in runs]
     result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
-              "machine_speed": speed, "step_time_ratio": ratios}
-    scale = speed["factor"] if speed else 1.0
-    run_scales = [scale * r["all"] if r["all"] else None for r in ratios]  # None: a run with no steps
+              "step_time_ratio": ratios}
+    run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
     for name, row in at_run_speed(plan, profile, metrics, run_scales, specs).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
     if plain_runs:
-        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, speed, specs)
+        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, specs)
         result["speculative"] = speedup(metrics, sim_m, plain_real, plain_sim)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -230,14 +208,11 @@ def at_run_speed(plan: Plan, profile: Path, reals: list[dict], scales: list[floa
 
 
 def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
-             out: Path | None = None, loaded=None, probe: bool = False) -> dict:
+             out: Path | None = None, loaded=None) -> dict:
     """One scenario: run the executor `runs` times (two or more also measure its run-to-run noise) and the
     simulator; returns validation.json's content.
-    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load.
-    `probe`: first time the profile's probe steps and scale the profile by the machine's speed now (the
-    simulator still sees nothing of the scenario's real run)."""
-    return validate_many([(plan, out)], profile, device, threads, runs, (lambda _: loaded) if loaded else None,
-                         probe)[0]
+    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load."""
+    return validate_many([(plan, out)], profile, device, threads, runs, (lambda _: loaded) if loaded else None)[0]
 
 
 def model_loader(device: str):
@@ -255,36 +230,49 @@ def model_loader(device: str):
     return load
 
 
-def check_graphs(plans: list, profile: Path, device: str) -> None:
+def check_graphs(plans: list, profile: Path | None, device: str) -> None:
     """On a GPU the executor runs decode, prompt and verify steps from CUDA graphs unless a scenario says
     `executor.cuda_graphs: false`, and a profile measured one way prices the other wrong (an eager step cost the
-    H200 ~4x a graph replay): a one-line error where they differ."""
+    H200 ~4x a graph replay): a one-line error where they differ. `profile` None: one about to be measured
+    (with the executor's default)."""
     from executor import engine
 
     if device != "cuda":
         return
-    try:
-        measured = json.loads(Path(profile).read_text()).get("host", {}).get("cuda_graphs")
-    except (OSError, json.JSONDecodeError):
-        return  # the cost model's own loading says what is wrong with the file
+    if profile is None:
+        measured = engine.CUDA_GRAPHS
+    else:
+        try:
+            measured = json.loads(Path(profile).read_text()).get("host", {}).get("cuda_graphs")
+        except (OSError, json.JSONDecodeError):
+            return  # the cost model's own loading says what is wrong with the file
     for plan in plans:
         runs = plan.scenario.executor.cuda_graphs and engine.CUDA_GRAPHS
         if measured is not None and measured != runs:
-            raise ConfigError(f"{profile} was measured with cuda_graphs {str(measured).lower()} but "
+            what = f"{profile} was measured" if profile else "--profile-alongside measures"
+            raise ConfigError(f"{what} with cuda_graphs {str(measured).lower()} but "
                               f"{plan.scenario.name} runs with {str(runs).lower()}; profile again or set "
                               f"executor.cuda_graphs: {str(measured).lower()}", "executor.cuda_graphs")
 
 
 def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int | None = None, runs: int = 1,
-                  load=None, probe: bool = False, real_from: list | None = None) -> list[dict]:
+                  load=None, real_from: list | None = None, alongside: Path | None = None,
+                  quick_sweep: bool = False) -> list[dict]:
     """Validate several scenarios ((plan, output folder or None) each). Their executor runs interleave —
     every scenario once, then every scenario again — so the machine's slow drift spreads over all of them
     instead of landing on the last ones. `load(plan)`: the model for a plan (None: load it here).
-    `real_from`: per plan, a folder of recorded runs (run1/, run2/, ...) to score instead of running."""
+    `real_from`: per plan, a folder of recorded runs (run1/, run2/, ...) to score instead of running.
+    `alongside`: profile the device again meanwhile — a slice of the sweep before every executor run and one
+    after the last (`quick_sweep`: the short sweep) — write that profile there and predict with it instead of
+    `profile`: a profile is a snapshot of the machine's speed while it was measured, and this one is measured
+    in the same minutes as the runs."""
     from executor.serve import set_threads
 
+    if alongside is not None and real_from:
+        raise ConfigError("--profile-alongside measures a profile while the executor runs: not with --real-from",
+                          "--profile-alongside")
     if not real_from:
-        check_graphs([plan for plan, _ in plans], profile, device)
+        check_graphs([plan for plan, _ in plans], None if alongside else profile, device)
     load = load or model_loader(device)
     # a speculative scenario also runs without speculation (in <out>/plain/), right after it so that both see
     # the machine in the same state: their ratio is the speedup validated
@@ -305,23 +293,45 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
         return got
 
-    speeds: list[dict | None] = [None] * len(jobs)
-    costs = [make_cost_model(with_profile(plan, profile)) for plan, _, _ in jobs] if probe and not real_from else []
     if real_from:
         results = [recorded_runs(folder) for _, _, folder in jobs]
     else:
         results = [[] for _ in jobs]
         specs = [generate_requests(plan.scenario.workload, plan.base_dir) for plan, _, _ in jobs]
+        sweep = alongside_sweep(jobs[0][0], load, device, quick_sweep, [plan for plan, _, _ in jobs]) \
+            if alongside is not None else None
+        slices = max(1, runs) * len(jobs) + 1  # one before each executor run, one after the last
         for i in range(max(1, runs)):
             for k, (plan, out, _) in enumerate(jobs):
                 loaded = load(plan)
-                set_threads(plan, threads)  # before the probe, which times steps too
-                if probe:  # right before each run: the machine drifts between a scenario's runs
-                    speeds[k] = with_run_speed(speeds[k], machine_speed(loaded, costs[k], device))
+                set_threads(plan, threads)  # before the sweep, which times steps too
+                if sweep is not None:
+                    sweep.run_until((i * len(jobs) + k + 1) / slices)
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
-    return [score(plan, profile, results[m], device, out, speeds[m], None if p is None else results[p])
+        if sweep is not None:
+            from calibration.profile import write_profile
+
+            write_profile(alongside, sweep.profile(jobs[0][0].model.model_dump()))
+            profile = alongside
+    return [score(plan, profile, results[m], device, out, None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]
+
+
+def alongside_sweep(first: Plan, load, device: str, quick: bool, plans: list):
+    """The profile sweep `validate --profile-alongside` runs between the executor runs, on the model of the
+    first scenario (one profile prices one model: every scenario must have the same)."""
+    from calibration.profile import Sweep
+    from executor.prompts import corpus_ids
+
+    shape = (first.model.num_layers, first.model.hidden_size)
+    for plan in plans:
+        if (plan.model.num_layers, plan.model.hidden_size) != shape:
+            raise ConfigError(f"--profile-alongside measures one model's profile, but {plan.scenario.name} runs "
+                              f"{plan.model.name} and {plans[0].scenario.name} {first.model.name}",
+                              "--profile-alongside")
+    loaded = load(first)
+    return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick)
 
 
 def step_time_ratio(records: list[dict], cost) -> dict:
@@ -359,12 +369,10 @@ def summarize(results: list[dict]) -> dict:
 def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
     """One row per scenario and metric: real, sim, error, the error at each run's own step speed (see
     `at_run_speed`), the real-vs-real spread where measured; on each scenario's first row its executor steps'
-    measured / predicted time (mean over runs) and, with --probe, the machine-speed factor the profile was
-    scaled by."""
+    measured / predicted time (mean over runs)."""
     spread = any("spread_pct" in r["metrics"][metrics[0]] for r in results)
-    probe = any(r.get("machine_speed") for r in results)
     at_speed = any(r["metrics"][metrics[0]].get("error_at_run_speed_pct") is not None for r in results)
-    head = ["scenario", "steps real/pred", *(["speed ×"] if probe else []), "metric", "real", "sim", "error",
+    head = ["scenario", "steps real/pred", "metric", "real", "sim", "error",
             *(["error at the run's step speed"] if at_speed else []), *(["real-vs-real spread"] if spread else [])]
     align = ["---" if h in ("scenario", "metric") else "---:" for h in head]  # text left, numbers right
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -374,9 +382,6 @@ def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
             row = r["metrics"][m]
             first = i == 0
             cells = [r["scenario"] if first else "", f"{np.mean(ratios):.3f}" if first and ratios else ""]
-            if probe:
-                speed = r.get("machine_speed")
-                cells.append(f"{speed['factor']:.3f}" if first and speed else "")
             cells += [m, f"{row['real']:.4g}", f"{row['sim']:.4g}", f"{row['error_pct']:+.1f}%"]
             if at_speed:
                 e = row.get("error_at_run_speed_pct")
@@ -386,7 +391,7 @@ def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         for name in ("tpot_p50_speedup", "throughput_speedup") if r.get("speculative") else ():
             row = r["speculative"][name]
-            cells = ["", "", *([""] if probe else []), name, f"{row['real']:.3g}", f"{row['sim']:.3g}",
+            cells = ["", "", name, f"{row['real']:.3g}", f"{row['sim']:.3g}",
                      f"{row['error_pct']:+.1f}%", *(["-"] if at_speed else []), *(["-"] if spread else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

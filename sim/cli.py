@@ -176,13 +176,14 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              threads: Optional[int] = typer.Option(None, "--threads"),
              repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
                                         "and two or more report the real-vs-real spread"),
-             probe: bool = typer.Option(False, "--probe/--no-probe", help="time the profile's probe steps right before "
-                                        "each executor run and scale the profile by how much slower/faster the "
-                                        "machine ran then (mean over the runs) "
-                                        "(a steady machine: on a noisy one the probe's own spread is ~25%)"),
              real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
                                                       "by an earlier `validate --out DIR` (DIR) instead of running "
-                                                      "them: e.g. to compare a new profile on the same runs")) -> None:
+                                                      "them: e.g. to compare a new profile on the same runs"),
+             alongside: Optional[Path] = typer.Option(None, "--profile-alongside", help="profile the device again "
+                                                      "while validating (a slice of the sweep before each executor "
+                                                      "run and after the last; ~4 min more for SmolLM2 on a CPU), "
+                                                      "write it here and predict with it: profile and runs then "
+                                                      "see the machine in the same minutes")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
         from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
@@ -193,8 +194,11 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
         paths = _scenario_files(scenarios)
         plans = [(path, load_scenario(path)[1]) for path in paths]
+        if alongside is not None and profile_path is not None:
+            raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile",
+                              "--profile")
         prof = profile_path or PROFILES / f"{device}.json"
-        if not prof.exists():
+        if alongside is None and not prof.exists():
             raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
         for path, plan in plans:  # what the simulator and the drafter need, checked before any executor run
             try:
@@ -217,7 +221,8 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                 raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
 
         results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
-                                repeat, load, probe=probe, real_from=recorded)
+                                repeat, load, real_from=recorded, alongside=alongside)
+        prof = alongside or prof
         for result in results:
             _print_validation(result, device, prof, result["runs"])
         drift = _drift_line(results)
@@ -274,9 +279,7 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
     if spec:
         t.add_row("alpha", _num(spec["alpha_real"]), _num(spec["alpha_sim"]), "", "", *(["", ""] if spread else []))
     real = "real (mean of %d executor runs)" % repeat if spread else "real"
-    speed = result.get("machine_speed")
-    scale = f" × {speed['factor']:.3f} (machine speed now vs when profiled)" if speed else ""
-    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}{scale}")
+    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}")
     Console().print(t)
 
 

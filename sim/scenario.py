@@ -66,7 +66,7 @@ class CostModelConfig(StrictModel):
     per_seq_overhead_s: NonNegativeFloat = Field(2e-5, description="per sequence in the step (input prep, sampling)")
     profile: str | None = Field(None, description="a calibration profile JSON (relative to the scenario file)")
     profile_scale: float = Field(1.0, gt=0, description="multiply the profile's step times (a slower or faster "
-                                 "machine of the same kind; `infersim validate` measures it with the profile's probe)")
+                                 "machine of the same kind)")
 
 
 class ExecutorConfig(StrictModel):

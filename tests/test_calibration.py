@@ -47,16 +47,10 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
                                kv_cache={"num_blocks": 128, "block_size": 16},
                                workload={"seed": 3, "num_requests": 20})
     out = tmp_path / "val"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2",
-                               "--probe"])
+    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2"])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 20 and v["runs"] == 2
-    speed = v["machine_speed"]  # probed right before each of the two runs
-    assert len(speed["runs"]) == 2
-    assert all(len(r["probe_now_s"]) == 3 and r["probe_predicted_s"] > 0 for r in speed["runs"])
-    assert speed["factor"] == pytest.approx(sum(r["factor"] for r in speed["runs"]) / 2) and speed["factor"] > 0
-    assert data["probe"]["time_s"] > 0 and len(data["probe"]["times_s"]) == 3  # one per sweep repeat
     assert all(r["all"] > 0 for r in v["step_time_ratio"])
     assert (out / "run1" / "steps.jsonl").exists() and (out / "run2" / "requests.jsonl").exists()
     for name in ("ttft_p50", "tpot_p50", "throughput_out_tok_s", "itl_p50", "e2e_p50"):
@@ -70,15 +64,12 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
     r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(out), "--out", str(again)])
     assert r.exit_code == 0, r.output
     w = json.loads((again / "validation.json").read_text())
-    factor = v["machine_speed"]["factor"]  # v's profile was probe-scaled, w's is not
-    assert w["runs"] == 2 and w["machine_speed"] is None
-    for a, b in zip(w["step_time_ratio"], v["step_time_ratio"]):
-        assert a["all"] == pytest.approx(b["all"] * factor, rel=1e-9)
+    assert w["runs"] == 2
+    assert [a["all"] for a in w["step_time_ratio"]] == pytest.approx([b["all"] for b in v["step_time_ratio"]], rel=1e-9)
     for name, row in w["metrics"].items():
         assert row["real_runs"] == pytest.approx(v["metrics"][name]["real_runs"], rel=1e-12), name
-        # at each run's own step speed both predict with the same step times: the probe's factor drops out
-        assert row["error_at_run_speed_pct"] == pytest.approx(v["metrics"][name]["error_at_run_speed_pct"],
-                                                              rel=1e-6, abs=1e-6), name
+        for key in ("sim", "error_pct", "error_at_run_speed_pct"):
+            assert row[key] == pytest.approx(v["metrics"][name][key], rel=1e-6, abs=1e-6), (name, key)
 
     # a profile twice too slow: the headline TPOT error grows by ~100 points, the error at the runs' step
     # speed does not move (each run's measured ratio halves and cancels the doubling)
@@ -217,3 +208,34 @@ def test_a_gpu_profile_measured_with_graphs_is_refused_for_an_eager_scenario(tmp
         check_graphs([eager_plan], profile, "cuda")
     assert e.value.key_path == "executor.cuda_graphs" and "cuda_graphs true" in e.value.message
     check_graphs([eager_plan], root / "calibration/gpu_runs/2026-11-29-h200/cuda.json", "cuda")  # predates the flag
+
+
+def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path, checkpoint, profile, monkeypatch):
+    """validate --profile-alongside: a slice of the sweep before every executor run and the rest after the last,
+    the profile written and the scenarios predicted with it; the same steps as a sweep run all at once."""
+    import calibration.validate as validate_mod
+    from calibration.profile import Sweep
+    from sim.scenario import load_scenario
+
+    order = []
+    run_until, run_real = Sweep.run_until, validate_mod.run_real
+    monkeypatch.setattr(Sweep, "run_until", lambda self, f: (order.append(("sweep", f)), run_until(self, f))[1])
+    monkeypatch.setattr(validate_mod, "run_real", lambda *a, **k: (order.append(("run", None)), run_real(*a, **k))[1])
+    plans = []
+    for name in ("tiny-a", "tiny-b"):
+        path = write_tiny_scenario(tmp_path, checkpoint, name=name, workload={"num_requests": 6})
+        plans.append((load_scenario(path)[1], tmp_path / "val" / name))
+    prof = tmp_path / "alongside.json"
+    results = validate_mod.validate_many(plans, tmp_path / "unused.json", runs=2, alongside=prof, quick_sweep=True)
+    kinds = [k for k, _ in order]
+    assert kinds[:8] == ["sweep", "run"] * 4 and order[8] == ("sweep", 1.0)  # 4 runs: 5 slices
+    assert [f for k, f in order if k == "sweep"][:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    data, whole = json.loads(prof.read_text()), json.loads(profile.read_text())
+    assert [s["new_tokens"] for s in data["samples"]] == [s["new_tokens"] for s in whole["samples"]]
+    assert data["fit"]["heldout"]["mape"] >= 0 and data["sweep_s"] > 0
+    assert all(r["profile"] == str(prof) and r["requests"]["completed"] == 6 for r in results)
+
+    r = CliRunner().invoke(app, ["validate", str(path), "--profile-alongside", str(prof), "--real-from", str(tmp_path)])
+    assert r.exit_code == 2 and "--real-from" in r.output and r.output.strip().count("\n") == 0
+    r = CliRunner().invoke(app, ["validate", str(path), "--profile-alongside", str(prof), "--profile", str(prof)])
+    assert r.exit_code == 2 and "not with --profile" in r.output
