@@ -11,9 +11,10 @@ max_num_seqs = --batch). For each drafter and setting it runs plain decoding and
 interleaved (plain, spec, plain, spec ... `--repeats` times; the medians are compared) and prints α (the
 per-draft acceptance, maximum likelihood), the mean accepted length per verify step, output tokens/s of
 both, the speedup, and whether the outputs are token for token those of plain greedy decoding.
-Prompt lookup at batch 1 is also run through transformers (`generate` plain and with
-`prompt_lookup_num_tokens` = γ, interleaved the same way) on the same prompts, so both engines' speedups
-are measured side by side on this machine.
+Prompt lookup at batch 1 also runs with its drafts cut to the part that will be accepted (it is given the plain
+run's output): the ceiling of any rule for how many of a match's tokens to draft. And it runs through
+transformers (`generate` plain and with `prompt_lookup_num_tokens` = γ, interleaved the same way) on the same
+prompts, so both engines' speedups are measured side by side on this machine.
 
 Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) and Medusa heads with their
 candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
@@ -77,6 +78,25 @@ def task_prompts(tok, task: str, n: int) -> list[list[int]]:
     chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
              for t in texts]
     return [tok(c, add_special_tokens=False).input_ids for c in chats]
+
+
+class KnownOutputLookup(PromptLookup):
+    """Prompt lookup whose drafts are cut where they would be rejected, because it is given each request's
+    greedy output (from a plain run). Not a drafter to serve with: it measures the ceiling of any rule for how
+    many of a match's tokens to draft, on this machine and these outputs."""
+
+    def __init__(self, references: list[list[int]], **kw):
+        super().__init__(**kw)
+        self.references = references  # prompt + plain greedy output, per request
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        drafts = super().propose(token_ids, k)
+        ref = next(r for r in self.references if r[:len(token_ids)] == token_ids)
+        future = ref[len(token_ids):]
+        n = 0
+        while n < min(len(drafts), len(future)) and drafts[n] == future[n]:
+            n += 1
+        return drafts[:n]
 
 
 def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[float, list[list[int]], dict | None]:
@@ -210,6 +230,14 @@ def main() -> None:
                 print(f"{name:14s} {task:9s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
                       f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}",
                       flush=True)
+                if name == "prompt_lookup" and batch == 1:  # the same matches, drafts cut to what is accepted
+                    refs = [p + o for p, o in zip(prompts, r["plain_outputs"])]
+                    c = compare(model, prompts, max_new, 1, lambda: KnownOutputLookup(refs, max_ngram=3, min_ngram=1),
+                                g, eos, repeats)
+                    rows.append(("prompt_lookup_ceiling", task, load, c))
+                    print(f"{'  ceiling':14s} {task:9s} {load:8s} {c['tokens']:6d} {c['alpha'] or 0:5.2f} "
+                          f"{c['mean_accepted'] or 0:8.2f} {c['plain_tok_s']:11.1f} {c['spec_tok_s']:10.1f} "
+                          f"{c['speedup']:6.2f}x {'yes' if c['identical'] else 'NO'}", flush=True)
                 if hf is not None and name == "prompt_lookup" and batch == 1:
                     h = compare_hf(hf, prompts, max_new, gamma, repeats, r["plain_outputs"])
                     rows.append(("hf_prompt_lookup", task, load, h))
