@@ -239,3 +239,19 @@ def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path
     assert r.exit_code == 2 and "--real-from" in r.output and r.output.strip().count("\n") == 0
     r = CliRunner().invoke(app, ["validate", str(path), "--profile-alongside", str(prof), "--profile", str(prof)])
     assert r.exit_code == 2 and "not with --profile" in r.output
+
+
+def test_profile_alongside_refuses_scenarios_on_different_models():
+    """One profile prices one model: a validation that mixes models cannot measure one alongside (one line, before
+    any model loads)."""
+    from calibration.validate import alongside_sweep
+    from sim.errors import ConfigError
+    from tests.helpers import plan_of, scenario
+
+    small, big = plan_of(scenario(model="SmolLM2-135M")), plan_of(scenario(model="Llama-2-7B"))
+
+    def load(plan):
+        raise AssertionError("no model should load")
+    with pytest.raises(ConfigError, match="one model's profile") as e:
+        alongside_sweep(small, load, "cpu", True, [small, big])
+    assert e.value.key_path == "--profile-alongside"
