@@ -298,7 +298,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     else:
         results = [[] for _ in jobs]
         specs = [generate_requests(plan.scenario.workload, plan.base_dir) for plan, _, _ in jobs]
-        sweep = alongside_sweep(jobs[0][0], load, device, quick_sweep, [plan for plan, _, _ in jobs]) \
+        sweep = alongside_sweep([plan for plan, _, _ in jobs], load, device, quick_sweep) \
             if alongside is not None else None
         slices = max(1, runs) * len(jobs) + 1  # one before each executor run, one after the last
         for i in range(max(1, runs)):
@@ -318,17 +318,18 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             for (plan, out), m, p in zip(plans, main, plain)]
 
 
-def alongside_sweep(first: Plan, load, device: str, quick: bool, plans: list):
+def alongside_sweep(plans: list, load, device: str, quick: bool):
     """The profile sweep `validate --profile-alongside` runs between the executor runs, on the model of the
     first scenario (one profile prices one model: every scenario must have the same)."""
     from calibration.profile import Sweep
     from executor.prompts import corpus_ids
 
+    first = plans[0]
     shape = (first.model.num_layers, first.model.hidden_size)
     for plan in plans:
         if (plan.model.num_layers, plan.model.hidden_size) != shape:
             raise ConfigError(f"--profile-alongside measures one model's profile, but {plan.scenario.name} runs "
-                              f"{plan.model.name} and {plans[0].scenario.name} {first.model.name}",
+                              f"{plan.model.name} and {first.scenario.name} {first.model.name}",
                               "--profile-alongside")
     loaded = load(first)
     return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick)

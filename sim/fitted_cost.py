@@ -89,11 +89,8 @@ class FittedCostModel:
         self._c = tuple(float(coefs.get(f, 0.0)) for f in FEATURES)
 
     def step_time(self, shape: BatchShape) -> float:
-        c0, ct, cd, cp, chp, cbp, chv, csa, cpair, ckv, cfew = self._c
-        p, t = shape.num_prefill, shape.num_new_tokens
-        return (c0 + ct * t + cd * (shape.num_seqs - p) + cp * p + (chp if p else 0.0)
-                + (cbp if p and shape.num_seqs > p else 0.0) + (chv if shape.num_verify else 0.0) + csa * shape.num_sampled + cpair * shape.attn_pairs
-                + ckv * shape.sum_context + (cfew * (self.knot - t) if t < self.knot else 0.0))
+        # the fit's own feature vector, so the priced form cannot drift from the fitted one
+        return sum(c * x for c, x in zip(self._c, features(shape, self.knot)))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew = self._c  # no prefill or verify terms: adding 0.0 is exact

@@ -253,5 +253,5 @@ def test_profile_alongside_refuses_scenarios_on_different_models():
     def load(plan):
         raise AssertionError("no model should load")
     with pytest.raises(ConfigError, match="one model's profile") as e:
-        alongside_sweep(small, load, "cpu", True, [small, big])
+        alongside_sweep([small, big], load, "cpu", True)
     assert e.value.key_path == "--profile-alongside"
