@@ -1,11 +1,15 @@
 """Speculative decoding on the real executor (issue 5): each drafter against plain decoding, side by side.
 
 SmolLM2-135M-Instruct, fp32, greedy, 2 threads, every request stopping at EOS or `--max-new` tokens.
-Three prompt sets, each through the model's chat template:
-  - repeat: repeat a paragraph of the shipped text (the Declaration of Independence) word for word — the
-    task on which transformers' prompt lookup was measured at 3.8x on a reference machine;
-  - rewrite: rewrite such a paragraph in modern English — input-grounded, but the model paraphrases;
-  - open chat: questions whose answers are not in the prompt.
+Five prompt sets, each through the model's chat template:
+  - repeat: repeat a paragraph of plain modern English (notices written for the project, executor/data)
+    word for word — the task on which transformers' prompt lookup was measured at 3.8x on a reference machine;
+    the model copies these nearly verbatim (it drops or adds a comma, a word);
+  - repeat_1776: the same, on paragraphs of the Declaration of Independence, whose 1776 English the model only
+    partly copies (it modernizes it, skips sentences, and on one paragraph falls into a loop);
+  - summarize: summarize a plain paragraph in two sentences — input-grounded, the model reuses its phrases;
+  - rewrite: rewrite a Declaration paragraph in modern English — input-grounded, but the model paraphrases;
+  - chat: open questions whose answers are not in the prompt.
 Two loads: batch 1 (requests one after another) and continuous batching (all submitted at once,
 max_num_seqs = --batch). For each drafter and setting it runs plain decoding and speculative decoding
 interleaved (plain, spec, plain, spec ... `--repeats` times; the medians are compared) and prints α (the
@@ -20,7 +24,7 @@ Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) 
 candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
 saw these prompts (their training prompts exclude paragraphs 0-5 and these questions).
 Usage: python bench/spec_decode.py [--quick] [--gamma 10] [--gamma-cb 4] [--draft-gamma 3] [--batch 8]
-       [--draft DIR] [--medusa DIR] [--only prompt_lookup draft_model medusa] [--tasks repeat rewrite chat]
+       [--draft DIR] [--medusa DIR] [--only prompt_lookup draft_model medusa] [--tasks repeat ... chat]
        [--no-hf]
 Ends with `name: value` headline lines.
 """
@@ -39,7 +43,7 @@ import torch  # noqa: E402
 from executor.engine import Engine, SamplingParams  # noqa: E402
 from executor.kv_cache import KVCache  # noqa: E402
 from executor.host_memory import keep_freed_memory  # noqa: E402
-from executor.prompts import paragraphs  # noqa: E402
+from executor.prompts import paragraphs, plain_paragraphs  # noqa: E402
 from executor.distill import default_draft_dir  # noqa: E402
 from executor.distill import default_medusa_dir  # noqa: E402
 from executor.draft_model import DraftModelDrafter, load_draft  # noqa: E402
@@ -66,13 +70,16 @@ CHAT_QUESTIONS = [
 ]
 
 
-TASKS = {"repeat": "Repeat the following text exactly, word for word:\n\n{p}",
-         "rewrite": "Rewrite the following text in modern English, keeping its meaning:\n\n{p}"}
+REPEAT = "Repeat the following text exactly, word for word:\n\n{p}"
+TASKS = {"repeat": (REPEAT, plain_paragraphs), "repeat_1776": (REPEAT, paragraphs),
+         "summarize": ("Summarize the following text in two sentences:\n\n{p}", plain_paragraphs),
+         "rewrite": ("Rewrite the following text in modern English, keeping its meaning:\n\n{p}", paragraphs)}
 
 
 def task_prompts(tok, task: str, n: int) -> list[list[int]]:
     if task in TASKS:
-        texts = [TASKS[task].format(p=p) for p in paragraphs(n)]
+        template, source = TASKS[task]
+        texts = [template.format(p=p) for p in source(n)]
     else:
         texts = (CHAT_QUESTIONS * (n // len(CHAT_QUESTIONS) + 1))[:n]
     chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
@@ -174,7 +181,7 @@ def main() -> None:
     ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
     ap.add_argument("--only", nargs="+", choices=["prompt_lookup", "draft_model", "medusa"], default=None,
                     help="drafters to run (default: all)")
-    ap.add_argument("--tasks", nargs="+", choices=["repeat", "rewrite", "chat"], default=["repeat", "rewrite", "chat"])
+    ap.add_argument("--tasks", nargs="+", choices=[*TASKS, "chat"], default=[*TASKS, "chat"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
     ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
     ap.add_argument("--max-new", type=int, default=None)
@@ -219,7 +226,7 @@ def main() -> None:
           f"cb{args.batch}) / {args.draft_gamma} (draft model), "
           f"up to {max_new} new tokens, "
           f"median of {repeats} interleaved runs")
-    print(f"{'drafter':14s} {'task':9s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
+    print(f"{'drafter':14s} {'task':11s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
           f"{'spec tok/s':>10s} {'speedup':>7s} identical")
     for name, (make, gamma, gamma_cb) in drafters.items():
         for task in args.tasks:
@@ -227,7 +234,7 @@ def main() -> None:
             for load, batch, g in (("batch1", 1, gamma), (f"cb{args.batch}", args.batch, gamma_cb)):
                 r = compare(model, prompts, max_new, batch, make, g, eos, repeats)
                 rows.append((name, task, load, r))
-                print(f"{name:14s} {task:9s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
+                print(f"{name:14s} {task:11s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
                       f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}",
                       flush=True)
                 if name == "prompt_lookup" and batch == 1:  # the same matches, drafts cut to what is accepted
@@ -235,13 +242,13 @@ def main() -> None:
                     c = compare(model, prompts, max_new, 1, lambda: KnownOutputLookup(refs, max_ngram=3, min_ngram=1),
                                 g, eos, repeats)
                     rows.append(("prompt_lookup_ceiling", task, load, c))
-                    print(f"{'  ceiling':14s} {task:9s} {load:8s} {c['tokens']:6d} {c['alpha'] or 0:5.2f} "
+                    print(f"{'  ceiling':14s} {task:11s} {load:8s} {c['tokens']:6d} {c['alpha'] or 0:5.2f} "
                           f"{c['mean_accepted'] or 0:8.2f} {c['plain_tok_s']:11.1f} {c['spec_tok_s']:10.1f} "
                           f"{c['speedup']:6.2f}x {'yes' if c['identical'] else 'NO'}", flush=True)
                 if hf is not None and name == "prompt_lookup" and batch == 1:
                     h = compare_hf(hf, prompts, max_new, gamma, repeats, r["plain_outputs"])
                     rows.append(("hf_prompt_lookup", task, load, h))
-                    print(f"{'transformers':14s} {task:9s} {load:8s} {'':6s} {'':5s} {'':8s} {h['plain_tok_s']:11.1f} "
+                    print(f"{'transformers':14s} {task:11s} {load:8s} {'':6s} {'':5s} {'':8s} {h['plain_tok_s']:11.1f} "
                           f"{h['spec_tok_s']:10.1f} {h['speedup']:6.2f}x {'yes' if h['identical'] else 'NO'} "
                           f"(plain output = infersim's: {'yes' if h['same_as_infersim'] else 'no'})", flush=True)
     for name, task, load, r in rows:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from importlib.resources import files
 
 CORPUS = "declaration_of_independence.txt"
+PLAIN = "plain_paragraphs.txt"  # modern prose the model copies nearly verbatim (see data/README.md)
 
 
 def corpus_ids(tokenizer) -> list[int]:
@@ -35,3 +36,9 @@ def paragraphs(n: int | None = None) -> list[str]:
         if len(out) == n:
             break
     return [p if len(p.split()) <= 90 else " ".join(p.split()[:90]) for p in out]
+
+
+def plain_paragraphs(n: int | None = None) -> list[str]:
+    """The shipped notices in plain modern English (blank-line separated, 60-70 words each); the first n, or all."""
+    text = (files("executor") / "data" / PLAIN).read_text()
+    return [" ".join(p.split()) for p in text.split("\n\n") if p.strip()][:n]
