@@ -149,3 +149,16 @@ def test_simulated_speculation_under_a_small_kv_cache_keeps_every_request():
     assert report["kv_cache"]["preemptions"] > 0
     assert report["requests"]["completed"] == 80 and report["requests"]["rejected"] == 0
     assert _requested_lengths(sc) == dict(zip(rec.id.tolist(), rec.output_len.tolist()))
+
+
+def test_bench_paragraphs_ship_with_the_package():
+    """bench/spec_decode.py's input-grounded prompts, read from the installed package: the Declaration's passages
+    and the plain notices (whole paragraphs), 40-90 words each."""
+    from executor.prompts import paragraphs, plain_paragraphs
+
+    for source in (paragraphs, plain_paragraphs):
+        texts = source(6)
+        assert len(texts) == 6 and len(set(texts)) == 6
+        assert all(40 <= len(t.split()) <= 90 for t in texts)
+    assert all(t.endswith(".") for t in plain_paragraphs())
+    assert len(plain_paragraphs()) == 8 and not set(plain_paragraphs()) & set(paragraphs())
