@@ -25,7 +25,7 @@ from executor.prompts import prompt_ids
 from executor.serve import check_device
 from executor.speculative import RandomDrafter
 from sim.errors import ConfigError
-from sim.fitted_cost import fit, shape_of
+from sim.fitted_cost import FittedCostModel, fit, shape_of
 from sim.kv_cache import BlockAllocator
 from sim.request import Request
 from sim.scheduler import SchedulerConfig, make_scheduler
@@ -143,8 +143,10 @@ class Sweep:
         self.model, self.corpus, self.device = model, corpus, device
         self.runs = workloads(quick)
         self.results: list[list[list[dict]]] = [[] for _ in self.runs]
+        self.slice_of: list[list[int]] = [[] for _ in self.runs]  # the slice each repeat of a workload ran in
         self.units = [k for _ in range(repeats) for k in range(len(self.runs))]
         self.done = 0
+        self.num_slices = 0
         self.elapsed_s = 0.0  # in the units only: not the warm-up, not whatever runs between slices
 
     def run_until(self, fraction: float) -> None:
@@ -156,13 +158,18 @@ class Sweep:
         for k in self.units[self.done:stop]:
             cfg, work = self.runs[k]
             self.results[k].append(run_workload(profile_engine(self.model, self.device, **cfg), self.corpus, work))
+            self.slice_of[k].append(self.num_slices)
+        if stop > self.done:
+            self.num_slices += 1
         self.done = max(self.done, stop)
         self.elapsed_s += time.perf_counter() - t0
 
-    def samples(self) -> list[dict]:
-        """One record per distinct step of the sweep: its shape and its median time over the repeats."""
-        out = []
-        for reps in self.results:
+    def samples_and_speeds(self) -> tuple[list[dict], list[float]]:
+        """One record per distinct step of the sweep: its shape and its median time over the repeats. Run in
+        slices, each repeat's time is first divided by its slice's speed (below), so that a shape measured only
+        in a slow or a fast minute is not priced at that minute's speed."""
+        out, slices = [], []
+        for reps, where in zip(self.results, self.slice_of):
             for steps in zip(*reps):
                 if any(s["new_tokens"] != steps[0]["new_tokens"] for s in steps):
                     raise RuntimeError("a profiling workload scheduled differently between repeats")
@@ -172,14 +179,37 @@ class Sweep:
                 out.append({"new_tokens": steps[0]["new_tokens"], "context_lens": steps[0]["context_lens"],
                             "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill,
                             "time_s": statistics.median(times), "repeat_times_s": times})
-        return out
+                slices.append(where)
+        speed = self.slice_speeds(out, slices)
+        for s, where in zip(out, slices):
+            s["time_s"] = statistics.median(t / speed[j] for t, j in zip(s["repeat_times_s"], where))
+        return out, speed
+
+    def slice_speeds(self, samples: list[dict], slices: list[list[int]]) -> list[float]:
+        """How fast the machine ran in each slice, relative to the mean over slices: the median, over the slice's
+        steps, of measured over predicted time, with the fit of the raw medians. The slices of
+        `validate --profile-alongside` sit between the executor runs and the machine's speed moved 0.8-1.5x between
+        them (2026-12-01), while each shape is measured in only `repeats` of them: divided by these, the same
+        recorded validations scored 2.1 / 8.4 / 6.2 / 12.7% median TPOT error against 4.2 / 8.7 / 8.7 / 17.4%.
+        All ones when the sweep ran at once."""
+        if self.num_slices < 2:
+            return [1.0] * max(1, self.num_slices)
+        cost = FittedCostModel(**{k: v for k, v in fit_samples(samples).items() if k in ("coefs", "knot")})
+        ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
+        for s, where in zip(samples, slices):
+            pred = cost.step_time(shape_of(s["new_tokens"], s["context_lens"], s["num_sampled"], s["num_prefill"]))
+            for t, j in zip(s["repeat_times_s"], where):
+                ratios[j].append(t / pred)
+        speed = [statistics.median(r) if r else 1.0 for r in ratios]
+        mean = sum(speed) / len(speed)
+        return [v / mean for v in speed]
 
     def profile(self, model_spec: dict) -> dict:
         """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names)."""
         self.run_until(1.0)
-        samples = self.samples()
+        samples, speed = self.samples_and_speeds()
         return {"model": model_spec, "host": device_info(self.device), "measured": measure_device(self.device),
-                "sweep_s": self.elapsed_s, "fit": fit_samples(samples), "samples": samples}
+                "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
 
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3) -> dict:

@@ -255,3 +255,38 @@ def test_profile_alongside_refuses_scenarios_on_different_models():
     with pytest.raises(ConfigError, match="one model's profile") as e:
         alongside_sweep([small, big], load, "cpu", True)
     assert e.value.key_path == "--profile-alongside"
+
+
+def test_a_sweep_run_in_slices_divides_out_each_slices_speed():
+    """validate --profile-alongside runs the sweep in slices between executor runs, and the machine's speed moves
+    between them: a slice that ran 1.5x slow is read off its own steps, and the samples are priced at the mean
+    speed instead of at whichever slices their repeats fell in."""
+    from calibration.profile import Sweep
+    from executor.tiny import tiny_model
+
+    sweep = Sweep(tiny_model(vocab_size=64), list(range(3, 60)), "cpu", quick=True, repeats=2)
+    for f in (0.25, 0.5, 0.75, 1.0):
+        sweep.run_until(f)
+    assert sweep.num_slices == 4
+    factor = [1.0, 1.5, 1.0, 0.8]
+    for reps, where in zip(sweep.results, sweep.slice_of):  # the same machine, every step's time made exact
+        for steps, j in zip(reps, where):
+            for s in steps:
+                s["start_s"], s["end_s"] = 0.0, (1e-3 + 2e-5 * sum(s["new_tokens"])) * factor[j]
+    samples, speed = sweep.samples_and_speeds()
+    mean = sum(factor) / 4
+    assert speed == pytest.approx([f / mean for f in factor], rel=0.03)
+    for s in samples:
+        assert s["time_s"] == pytest.approx((1e-3 + 2e-5 * sum(s["new_tokens"])) * mean, rel=0.03)
+    raw = [abs(s["repeat_times_s"][0] / s["repeat_times_s"][1] - 1) for s in samples]
+    assert max(raw) > 0.2  # without the division, repeats in a slow and a fast slice disagree
+
+
+def test_a_sweep_run_at_once_keeps_its_medians():
+    from calibration.profile import Sweep
+    from executor.tiny import tiny_model
+
+    sweep = Sweep(tiny_model(vocab_size=64), list(range(3, 60)), "cpu", quick=True, repeats=2)
+    sweep.run_until(1.0)
+    samples, speed = sweep.samples_and_speeds()
+    assert speed == [1.0] and all(s["time_s"] == pytest.approx(sum(s["repeat_times_s"]) / 2) for s in samples)
