@@ -25,7 +25,7 @@ from executor.prompts import prompt_ids
 from executor.serve import check_device
 from executor.speculative import RandomDrafter
 from sim.errors import ConfigError
-from sim.fitted_cost import FittedCostModel, fit, shape_of
+from sim.fitted_cost import FittedCostModel, fit, predicted_step_time, shape_of
 from sim.kv_cache import BlockAllocator
 from sim.request import Request
 from sim.scheduler import SchedulerConfig, make_scheduler
@@ -194,10 +194,11 @@ class Sweep:
         All ones when the sweep ran at once."""
         if self.num_slices < 2:
             return [1.0] * max(1, self.num_slices)
-        cost = FittedCostModel(**{k: v for k, v in fit_samples(samples).items() if k in ("coefs", "knot")})
+        first = fit_samples(samples)
+        cost = FittedCostModel(first["coefs"], knot=first["knot"])
         ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
         for s, where in zip(samples, slices):
-            pred = cost.step_time(shape_of(s["new_tokens"], s["context_lens"], s["num_sampled"], s["num_prefill"]))
+            pred = predicted_step_time(s, cost)
             for t, j in zip(s["repeat_times_s"], where):
                 ratios[j].append(t / pred)
         speed = [statistics.median(r) if r else 1.0 for r in ratios]
