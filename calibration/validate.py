@@ -172,7 +172,8 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     specs = generate_requests(plan.scenario.workload, plan.base_dir)  # plain_of(plan) has the same workload
     sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, specs)
     cost = make_cost_model(sim_plan)
-    ratios = [step_time_ratio(steps, cost) for _, steps in runs]
+    spec = plan.scenario.speculative
+    ratios = [step_time_ratio(steps, cost, spec.verify_cost_ratio if spec else 1.0) for _, steps in runs]
     result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "step_time_ratio": ratios}
@@ -335,13 +336,16 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick)
 
 
-def step_time_ratio(records: list[dict], cost) -> dict:
+def step_time_ratio(records: list[dict], cost, verify_cost_ratio: float = 1.0) -> dict:
     """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
-    model), over all steps and split by kind. Near 1 with a large metric error points at the policy or the
-    replay; far from 1, at the cost model or at the machine running faster or slower than when profiled."""
+    model, verify steps times the scenario's verify_cost_ratio, as the simulator charges them), over all steps
+    and split by kind. Near 1 with a large metric error points at the policy or the replay; far from 1, at the
+    cost model or at the machine running faster or slower than when profiled."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
         pred = predicted_step_time(r, cost)
+        if any(q > 1 for q in r["new_tokens"][:r["num_decode"]]):
+            pred *= verify_cost_ratio
         for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
             sums[kind][0] += r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
             sums[kind][1] += pred

@@ -19,7 +19,7 @@ from executor.speculative import PromptLookup
 from sim.cluster import ReplicaTrace, make_cost_model, make_policy
 from sim.errors import ConfigError
 from sim.fitted_cost import load_profile, predicted_step_time
-from sim.metrics import records_from_requests
+from sim.metrics import records_from_requests, request_rates
 from sim.report import build_report, print_summary, write_outputs
 from sim.request import Request
 from sim.scenario import Plan, load_scenario
@@ -134,40 +134,37 @@ MIN_PLAIN_STEPS = 4
 
 
 def draft_cost(records: list, cost=None) -> dict:
-    """Speculation's cost per step as the simulator charges it: overhead ≈ draft_s_per_step + draft_s_per_seq ×
-    requests that drafted, fitted by non-negative least squares over the decode steps that drafted. The overhead
-    is the drafter's time and, given the fitted step-cost model the simulator uses (`cost`), also the verify
-    step's measured time beyond that model's prediction for its shape (the model's linear form does not follow
-    small verify batches exactly: 0.93-1.04x in the shipped calibration serves), so the simulator charges what
-    speculation really costs. That prediction is scaled by how fast the run's plain decode steps went against
-    the model (where it has MIN_PLAIN_STEPS of them): a machine running 15% slow for the whole serve is not
-    speculation's cost, and the simulator does not charge it to plain decoding either."""
+    """Speculation's cost per step as the simulator charges it. The drafter's time ≈ draft_s_per_step +
+    draft_s_per_seq × requests that drafted, fitted by non-negative least squares over the decode steps that
+    drafted: measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
+    Given the fitted step-cost model the simulator uses (`cost`), also verify_cost_ratio: the verify forwards'
+    measured time over that model's prediction for their shapes (its linear form does not follow small verify
+    batches or candidate trees exactly), that prediction scaled by how fast the run's plain decode steps went
+    against the model (where it has MIN_PLAIN_STEPS of them): a machine running 15% slow for the whole serve is
+    not speculation's cost, and the simulator does not charge it to plain decoding either. A ratio, not a time
+    difference, so it carries over to another profile of the same device (`validate --profile-alongside`)."""
     from scipy.optimize import nnls
 
     steps = [r for r in records if r.num_drafted > 0 and not r.num_prefill]
     if len(steps) < 2:
         return {}
     rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in steps], dtype=float)  # verify rows
-    design = np.column_stack([np.ones_like(rows), rows])
-    drafter = np.array([r.draft_s for r in steps])
-    out, overhead = {}, drafter
+    c, _ = nnls(np.column_stack([np.ones_like(rows), rows]), np.array([r.draft_s for r in steps]))
+    out = {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1])}
     if cost is not None:
         def predict(r):
             return predicted_step_time(r.to_json(), cost)
 
-        measured = np.array([r.end_s - r.start_s - r.draft_s for r in steps])
-        pred = np.array([predict(r) for r in steps])
+        measured = sum(r.end_s - r.start_s - r.draft_s for r in steps)
+        pred = sum(predict(r) for r in steps)
         # the machine's speed during this run, read off its plain decode steps, is not speculation's cost
         plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]
         speed = 1.0
         if len(plain) >= MIN_PLAIN_STEPS:
             speed = sum(r.end_s - r.start_s for r in plain) / sum(predict(r) for r in plain)
-        overhead = drafter + measured - pred * speed
-        d, _ = nnls(design, drafter)
-        out = {"verify_step_ratio": float(measured.sum() / pred.sum()), "plain_decode_step_ratio": float(speed),
-               "plain_decode_steps": len(plain), "drafter_s_per_step": float(d[0]), "drafter_s_per_seq": float(d[1])}
-    c, _ = nnls(design, overhead)
-    return {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1]), **out}
+        out.update(verify_cost_ratio=float(measured / (pred * speed)), verify_step_ratio=float(measured / pred),
+                   plain_decode_step_ratio=float(speed), plain_decode_steps=len(plain))
+    return out
 
 
 def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
@@ -278,6 +275,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
                                               "torch": torch.__version__}})
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
+        report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
         if hasattr(engine.drafter, "rank_probs"):
             report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
     if out is not None:

@@ -91,12 +91,14 @@ def speculation_model(plan: Plan, replica: int, draw: int = 0) -> SpeculationMod
                               "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
         return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, spec.draft_s_per_seq,
                                 spec.draft_s_per_step, seed, [tuple(p) for p in spec.medusa_tree],
-                                spec.medusa_rank_probs)
-    if spec.acceptance_rate is None:
+                                spec.medusa_rank_probs, spec.verify_cost_ratio)
+    if spec.acceptance_rate is None and not spec.request_rates:
         raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
-                          "`infersim serve` of the scenario measures it)", "speculative.acceptance_rate")
-    return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate, spec.proposal_rate,
-                            spec.draft_s_per_seq, spec.draft_s_per_step, seed)
+                          "`infersim serve` of the scenario measures it), or request_rates",
+                          "speculative.acceptance_rate")
+    return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate or 0.0, spec.proposal_rate,
+                            spec.draft_s_per_seq, spec.draft_s_per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
+                            request_rates=[tuple(p) for p in spec.request_rates] if spec.request_rates else None)
 
 
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,

@@ -165,3 +165,16 @@ def speculation_summary(spec: np.ndarray, output_len: np.ndarray) -> dict:
             "alpha": estimate_alpha(accepted, rejections),
             "mean_accepted_length": accepted / steps if steps else None,
             "proposal_rate": steps / decode_steps if decode_steps else None}
+
+
+def request_rates(spec: np.ndarray, output_len: np.ndarray) -> list[list[float]]:
+    """[proposal_rate, α] of each request that decoded, rounded to 3 places: the scenario's
+    speculative.request_rates, from per-request (drafted, accepted, verify steps, rejections) and output lengths.
+    α of a request that never drafted is 0 (it is never asked)."""
+    out = []
+    for (_, accepted, steps, rejections), n in zip(spec.tolist(), output_len.tolist()):
+        decode_steps = n - 1 - accepted
+        if decode_steps > 0:
+            out.append([round(steps / decode_steps, 3), round(estimate_alpha(accepted, rejections) or 0.0, 3)])
+    return out
+

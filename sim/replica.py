@@ -80,7 +80,8 @@ class Replica:
                 finished = sched.advance_decode(k)
             else:
                 k = 1
-                clock = self.clock + draft_s + cost.step_time(batch.shape)
+                step_s = cost.step_time(batch.shape)
+                clock = self.clock + draft_s + (spec.verify_time(step_s) if spec and batch.shape.num_verify else step_s)
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 for r in batch.preempted:

@@ -138,7 +138,9 @@ def print_summary(report: dict, console=None) -> None:
                       f"{spec['mean_accepted_length']:.2f} accepted per verify step, drafts on "
                       f"{(spec['proposal_rate'] or 0) * 100:.0f}% of decode steps"
                       + (f"; drafting {spec['draft_s_per_step'] * 1e3:.2f} ms per step + "
-                         f"{spec['draft_s_per_seq'] * 1e3:.2f} ms per request" if "draft_s_per_step" in spec else ""))
+                         f"{spec['draft_s_per_seq'] * 1e3:.2f} ms per request" if "draft_s_per_step" in spec else "")
+                      + (f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile" if "verify_cost_ratio" in spec
+                         else ""))
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")

@@ -117,13 +117,22 @@ class SpeculativeConfig(StrictModel):
                                           "accepted (`infersim serve` measures it); required to simulate")
     proposal_rate: float = Field(1.0, ge=0, le=1, description="simulator: fraction of steps a request gets "
                                  "drafts (prompt lookup finds no match in the rest)")
-    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: speculation's overhead in a step that "
-                                               "drafts, whatever its batch: the drafter's fixed cost (draft_model: "
-                                               "its γ forward passes) and what the verify step costs beyond the "
-                                               "cost model's prediction (`infersim serve --profile` measures it)")
-    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the same overhead per request per step "
-                                              "(ngram: a search in the request's tokens; draft_model: its share "
-                                              "of the γ forward passes; `infersim serve --profile` measures it)")
+    request_rates: list[tuple[Annotated[float, Field(ge=0, le=1)], Annotated[float, Field(ge=0, le=1)]]] | None = \
+        Field(None, description="simulator, ngram and draft_model: [proposal_rate, acceptance_rate] of each request "
+                                "of a calibration serve (`infersim serve` writes them: report.json "
+                                "speculative.request_rates); each simulated request takes one pair for its life, so "
+                                "requests differ as on the executor (prompt lookup: one that copies its prompt "
+                                "drafts often and keeps most, one that does not rarely); instead of the two rates")
+    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time in a step that "
+                                               "drafts, whatever its batch (draft_model: its γ forward passes; "
+                                               "`infersim serve` measures it)")
+    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time per drafting request "
+                                              "per step (ngram: a search in the request's tokens; draft_model: its "
+                                              "share of the γ forward passes; `infersim serve` measures it)")
+    verify_cost_ratio: PositiveFloat = Field(1.0, description="simulator: a verify step's forward over the cost "
+                                             "model's prediction for its shape (`infersim serve --profile` "
+                                             "measures it, scaled by how fast the serve's plain decode steps ran; "
+                                             "a candidate tree's masked attention costs more than chain rows)")
 
     @model_validator(mode="after")
     def _check_ngram(self) -> "SpeculativeConfig":
@@ -136,6 +145,8 @@ class SpeculativeConfig(StrictModel):
             check_tree([tuple(p) for p in self.medusa_tree], depth, MEDUSA_TOPK)
             if self.medusa_rank_probs is not None and len(self.medusa_rank_probs) < depth:
                 raise ValueError(f"medusa_rank_probs needs a row per tree depth ({depth})")
+            if self.request_rates:
+                raise ValueError("request_rates is for ngram and draft_model (Medusa: medusa_rank_probs)")
         return self
 
     @property

@@ -98,9 +98,12 @@ def best_tree(rank_probs: list[list[float]], size: int, topk: int) -> list[tuple
 class SpeculationModel:
     """The simulator's drafter: each step every decoding request gets γ drafts (or, with probability
     1 − proposal_rate, none), each accepted independently with probability α up to the first rejection.
-    A step in which some request drafts costs draft_s_per_step + draft_s_per_seq × drafting requests on top of its
-    verify forward: the drafter's time and the verify step's beyond the profile (`infersim serve --profile`).
-    Seeded: the same scenario draws the same acceptances."""
+    With `request_rates` each request instead takes one calibration request's (proposal_rate, α) for its whole
+    life: requests differ as they do on the executor (a prompt-lookup request that copies its prompt drafts at
+    most steps and keeps most drafts; one that does not, rarely and few), which moves the median request's TPOT.
+    A step in which some request drafts costs the drafter's time, draft_s_per_step + draft_s_per_seq × drafting
+    requests, before its verify forward, which costs verify_cost_ratio × the cost model's prediction (both as
+    `infersim serve --profile` measures them). Seeded: the same scenario draws the same acceptances."""
 
     num_speculative_tokens: int
     acceptance_rate: float
@@ -110,7 +113,10 @@ class SpeculationModel:
     seed: int = 0
     tree: list[tuple[int, ...]] | None = None  # Medusa: the candidate tree (num_speculative_tokens = its nodes)
     rank_probs: list[list[float]] | None = None  # Medusa: per depth, the chance of each candidate rank (+ miss)
+    verify_cost_ratio: float = 1.0
+    request_rates: list[tuple[float, float]] | None = None  # per calibration request: (proposal_rate, α)
     rng: np.random.Generator = field(init=False, repr=False)
+    _rates: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         if self.tree is None:
@@ -121,24 +127,38 @@ class SpeculationModel:
         self.rng = np.random.default_rng(self.seed)
 
     def propose(self, requests) -> float:
-        """Set each request's num_draft for the next step; returns the speculation overhead (as `infersim serve`
+        """Set each request's num_draft for the next step; returns the drafter's time (as `infersim serve`
         fits it): in a step in which some request drafts, a fixed part and a part per drafting request (a draft
-        model's passes run for the whole batch at once; each verify row costs beyond the profile)."""
-        gamma, rate = self.num_speculative_tokens, self.proposal_rate
+        model's passes run for the whole batch at once)."""
+        gamma = self.num_speculative_tokens
         drafting = 0
         for r in requests:
+            rate = self.rates_of(r)[0]
             r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
             drafting += r.num_draft > 0
         return drafting * self.draft_s_per_seq + self.draft_s_per_step if drafting else 0.0
 
+    def rates_of(self, r) -> tuple[float, float]:
+        """(proposal_rate, α) of request r: the scenario's, or the calibration request r drew at its first step."""
+        if not self.request_rates:
+            return self.proposal_rate, self.acceptance_rate
+        if r.id not in self._rates:
+            self._rates[r.id] = self.request_rates[int(self.rng.integers(len(self.request_rates)))]
+        return self._rates[r.id]
+
+    def verify_time(self, step_s: float) -> float:
+        """A verify step's forward time from the cost model's prediction for its shape."""
+        return step_s * self.verify_cost_ratio
+
     def accept(self, rows) -> dict:
         """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""
-        alpha, out = self.acceptance_rate, {}
+        out = {}
         for r in rows:
             d = r.num_draft
             if d and self.tree is not None:
                 out[r] = self._walk(set(self.tree[:d]))
             elif d:
+                alpha = self.rates_of(r)[1]
                 # trials up to the first rejection, less the rejected one; α = 1 never rejects
                 out[r] = d if alpha >= 1.0 else min(d, int(self.rng.geometric(1.0 - alpha)) - 1)
         return out

@@ -122,6 +122,44 @@ def test_drafting_cost_lengthens_every_verify_step():
     assert paid["tpot_s"]["p50"] - free["tpot_s"]["p50"] == pytest.approx(per_token, rel=0.25)
 
 
+def test_verify_cost_ratio_scales_the_verify_forward():
+    """verify_cost_ratio (a verify forward measured over the cost model's prediction) scales only the steps
+    that verify drafts: at low load with α = 0, where every decode step verifies, TPOT scales by about it."""
+    from tests.helpers import run
+
+    sc = _spec_scenario(0.05, alpha=0.0, gamma=2, n=30)
+    base = run(sc)[0]["tpot_s"]["p50"]
+    sc["speculative"]["verify_cost_ratio"] = 1.5
+    assert run(sc)[0]["tpot_s"]["p50"] / base == pytest.approx(1.5, rel=0.03)
+
+
+def test_request_rates_give_each_request_its_own_acceptance():
+    """With request_rates each request keeps one calibration request's (proposal_rate, α): half the requests
+    copy (draft every step, keep almost all), half never draft, so TPOTs split in two where the pooled rates
+    (proposal 0.5, α 0.95) give every request the same; the mean tokens per verify step follow the copiers'."""
+    import numpy as np
+
+    from sim.metrics import per_request_latency, request_rates
+    from tests.helpers import run
+
+    pooled = _spec_scenario(0.05, alpha=0.95, gamma=4, n=40)
+    pooled["speculative"]["proposal_rate"] = 0.5
+    mixed = _spec_scenario(0.05, gamma=4, n=40)
+    mixed["speculative"] = {"num_speculative_tokens": 4, "request_rates": [[1.0, 0.95], [0.0, 0.0]]}
+    report, _, rec = run(mixed)
+    assert report["requests"]["completed"] == 40
+    rates = request_rates(rec.speculation, rec.output_len)
+    copiers = [a for p, a in rates if p > 0]
+    assert 10 <= len(copiers) <= 30 and all(p == 0.0 or p > 0.8 for p, _ in rates)  # the last token never drafts
+    assert np.mean(copiers) == pytest.approx(0.95, abs=0.03)
+    tpot = per_request_latency(rec)["tpot"]
+    fast, slow = np.sort(tpot)[:5], np.sort(tpot)[-5:]
+    assert slow.min() > 2.5 * fast.max()  # plain decoding vs ~4.5 tokens per step
+    pooled_tpot = per_request_latency(run(pooled)[2])["tpot"]
+    assert np.percentile(pooled_tpot, 90) < 1.5 * np.percentile(pooled_tpot, 10)
+    assert run(mixed)[0]["tpot_s"] == report["tpot_s"]  # same seed, same draws
+
+
 def test_speculation_needs_an_acceptance_rate_to_simulate_and_continuous_batching():
     from sim.errors import ConfigError
     from tests.helpers import plan_of, run
