@@ -178,11 +178,20 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "step_time_ratio": ratios}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
-    for name, row in at_run_speed(plan, profile, metrics, run_scales, specs).items():
+    at_speed = sims_at_run_speed(plan, profile, run_scales, specs)
+    for name, row in errors_at_run_speed(metrics, at_speed).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
     if plain_runs:
-        _, _, plain_real, plain_sim = _sim_and_real(plain_of(plan), profile, plain_runs, specs)
+        plain = plain_of(plan)
+        _, _, plain_real, plain_sim = _sim_and_real(plain, profile, plain_runs, specs)
         result["speculative"] = speedup(metrics, sim_m, plain_real, plain_sim)
+        plain_scales = [step_time_ratio(steps, cost)["all"] or None for _, steps in plain_runs]
+        plain_at_speed = [m for m in sims_at_run_speed(plain, profile, plain_scales, specs) if m]
+        at_speed = [m for m in at_speed if m]
+        if at_speed and plain_at_speed:  # each half of the ratio simulated at its own runs' step speed
+            for name, row in speedup(metrics, mean_metrics(at_speed), plain_real, mean_metrics(plain_at_speed)).items():
+                if name.endswith("speedup"):
+                    result["speculative"][name]["error_at_run_speed_pct"] = row["error_pct"]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -190,18 +199,20 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     return result
 
 
-def at_run_speed(plan: Plan, profile: Path, reals: list[dict], scales: list[float | None], specs) -> dict:
-    """Per metric, the simulator's signed % error against each run (mean over the runs) when the profile is
-    scaled by that run's own measured step-time ratio: what is left once the machine's average speed during the
-    run is known. It is a diagnostic (it reads the real run), not a prediction: a large headline error that
-    shrinks here is the cost model or the machine's speed; one that stays is the policy, the replay, or the
-    machine's speed changing within the run. `specs`: the requests of the headline simulation."""
+def sims_at_run_speed(plan: Plan, profile: Path, scales: list[float | None], specs) -> list[dict | None]:
+    """The simulator's metrics with the profile scaled by each run's own measured step-time ratio (None for a
+    run without one): what it predicts once the machine's average speed during that run is known. A
+    diagnostic (it reads the real run), not a prediction: a large headline error that shrinks there is the cost
+    model or the machine's speed; one that stays is the policy, the replay, or the machine's speed changing
+    within the run. `specs`: the requests of the headline simulation."""
+    return [simulated(plan, profile, scale, specs)[2] if scale else None for scale in scales]
+
+
+def errors_at_run_speed(reals: list[dict], sims: list[dict | None]) -> dict:
+    """Per metric, the signed % error of each run's simulation at its own step speed (mean over runs)."""
     errors: dict[str, list[float]] = {name: [] for name, *_ in METRICS}
-    for real, scale in zip(reals, scales):
-        if not scale:
-            continue
-        _, _, sim = simulated(plan, profile, scale, specs)
-        for name, section, key in METRICS:
+    for real, sim in zip(reals, sims):
+        for name, section, key in METRICS if sim else ():
             e = error_pct(pick(sim, section, key), pick(real, section, key))
             if e is not None:
                 errors[name].append(e)
@@ -373,7 +384,7 @@ def summarize(results: list[dict]) -> dict:
 
 def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
     """One row per scenario and metric: real, sim, error, the error at each run's own step speed (see
-    `at_run_speed`), the real-vs-real spread where measured; on each scenario's first row its executor steps'
+    `sims_at_run_speed`), the real-vs-real spread where measured; on each scenario's first row its executor steps'
     measured / predicted time (mean over runs)."""
     spread = any("spread_pct" in r["metrics"][metrics[0]] for r in results)
     at_speed = any(r["metrics"][metrics[0]].get("error_at_run_speed_pct") is not None for r in results)
@@ -396,7 +407,8 @@ def markdown_table(results: list[dict], metrics=HEADLINE) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         for name in ("tpot_p50_speedup", "throughput_speedup") if r.get("speculative") else ():
             row = r["speculative"][name]
-            cells = ["", "", name, f"{row['real']:.3g}", f"{row['sim']:.3g}",
-                     f"{row['error_pct']:+.1f}%", *(["-"] if at_speed else []), *(["-"] if spread else [])]
+            e = row.get("error_at_run_speed_pct")
+            cells = ["", "", name, f"{row['real']:.3g}", f"{row['sim']:.3g}", f"{row['error_pct']:+.1f}%",
+                     *(["-" if e is None else f"{e:+.1f}%"] if at_speed else []), *(["-"] if spread else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

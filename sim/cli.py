@@ -275,7 +275,8 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
     spec = result.get("speculative")
     for name in ("tpot_p50_speedup", "throughput_speedup") if spec else ():
         row = spec[name]
-        t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]), "", *(["", ""] if spread else []))
+        t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]),
+                  _pct(row.get("error_at_run_speed_pct")), *(["", ""] if spread else []))
     if spec:
         t.add_row("alpha", _num(spec["alpha_real"]), _num(spec["alpha_sim"]), "", "", *(["", ""] if spread else []))
     real = "real (mean of %d executor runs)" % repeat if spread else "real"

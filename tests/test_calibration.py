@@ -133,6 +133,7 @@ def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoin
     spec = v["speculative"]
     for name in ("tpot_p50_speedup", "throughput_speedup"):
         assert spec[name]["real"] > 0 and spec[name]["sim"] > 0 and spec[name]["error_pct"] is not None
+        assert spec[name]["error_at_run_speed_pct"] is not None  # each half simulated at its runs' step speed
     assert spec["alpha_sim"] == pytest.approx(0.3, abs=0.15) and 0 <= spec["alpha_real"] <= 1
     assert spec["plain"]["tpot_p50"]["real"] > 0
     assert (out / "plain" / "run1" / "steps.jsonl").exists()
