@@ -182,9 +182,15 @@ class Scheduler:
     def drafting(self) -> bool:
         """Whether decode rows take drafts this step: speculative decoding is on and the batch is not above
         speculative_disable_by_batch_size (a big batch is compute-bound: drafts would cost more than they
-        save). Drafters ask before proposing; the scheduler cuts drafts when it is False."""
+        save), and the step will decode: without chunked prefill a step that admits prompts runs them alone,
+        and drafts made for it would be thrown away. Drafters ask before proposing; the scheduler cuts drafts
+        when it is False."""
         off = self.cfg.speculative_disable_by_batch_size
-        return self.speculative and (off is None or len(self.decoding) <= off)
+        if not self.speculative or (off is not None and len(self.decoding) > off):
+            return False
+        cfg = self.cfg
+        return cfg.enable_chunked_prefill or bool(self.swapped) or not self._admissible(cfg.max_num_batched_tokens,
+                                                                                        chunked=False)
 
     def _decode_tokens(self) -> int:
         """Tokens the decode rows compute this step."""
@@ -291,6 +297,17 @@ class Scheduler:
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
+        picks = self._admissible(budget, chunked)
+        for r, n in picks:
+            self.waiting.popleft()
+            self.kv.allocate(r, r.num_computed + n)
+            r.status = Status.RUNNING
+            self.running[r] = None
+            self.prefilling[r] = None
+        return picks
+
+    def _admissible(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
+        """What `_admit` would take now (the queue and the KV cache left as they are)."""
         if not self.waiting:
             return []
         cfg = self.cfg
@@ -309,12 +326,6 @@ class Scheduler:
             picks.append((r, n))
         if not picks or not self._gate_open(len(picks)):
             return []
-        for r, n in picks:
-            self.waiting.popleft()
-            self.kv.allocate(r, r.num_computed + n)
-            r.status = Status.RUNNING
-            self.running[r] = None
-            self.prefilling[r] = None
         return picks
 
     def _gate_open(self, num_admissible: int) -> bool:

@@ -100,6 +100,28 @@ def test_prefill_first_then_decode_batches_all_running():
     assert third.decode_only and set(third.decode) == {a, b}
 
 
+def test_no_drafting_for_a_step_that_will_run_prompts_alone():
+    """Speculative decoding without chunked prefill: while a waiting prompt can be admitted the next step runs
+    it alone, so drafters are told not to draft; with chunked prefill decodes run beside prompts and draft."""
+    s = make(num_speculative_tokens=3)
+    a, b = reqs([(8, 6), (8, 6)])
+    s.add(a)
+    s.complete_step(s.schedule())
+    assert s.drafting
+    s.add(b)
+    assert not s.drafting
+    step = s.schedule()
+    assert not step.decodes
+    s.complete_step(step)
+    assert s.drafting
+    c = make(num_speculative_tokens=3, enable_chunked_prefill=True, max_num_batched_tokens=64, prefill_chunk_size=16)
+    x, y = reqs([(8, 6), (8, 6)])
+    c.add(x)
+    c.complete_step(c.schedule())
+    c.add(y)
+    assert c.drafting and c.schedule().decodes
+
+
 def test_recompute_preemption_takes_the_newest_and_everyone_finishes():
     s = make(num_blocks=10, block_size=4)
     rs = reqs([(8, 12), (8, 12), (8, 12)])

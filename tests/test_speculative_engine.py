@@ -119,6 +119,36 @@ def test_no_drafts_while_the_batch_is_bigger_than_disable_by_batch_size(model, p
         assert engine.output_ids(r) == want[tuple(p)]
 
 
+def test_no_drafts_are_made_for_a_step_that_runs_a_prompt_alone(model, plain):
+    """Without chunked prefill a step that admits a prompt runs it alone: the drafter is not asked for the
+    decoding requests' drafts then (they would be thrown away), and is again once they decode."""
+    work, want = plain
+
+    class Counting(OracleDrafter):
+        calls = 0
+
+        def propose(self, token_ids, k):
+            Counting.calls += 1
+            return super().propose(token_ids, k)
+
+    engine = make_engine(model, num_speculative_tokens=3)
+    engine.drafter = Counting(want)
+    (p0, n0), (p1, n1) = work[:2]
+    a, b = Request(0, 0.0, len(p0), n0), Request(1, 0.0, len(p1), n1)
+    engine.add(a, p0)
+    engine.step()  # a's prompt
+    engine.step()  # a decodes with drafts
+    assert Counting.calls == 1 and engine.records[-1].num_drafted > 0
+    engine.add(b, p1)
+    prompt_step = engine.step()
+    assert prompt_step.num_prefill == 1 and prompt_step.num_decode == 0 and Counting.calls == 1
+    engine.step()
+    assert Counting.calls == 3  # both decode, both drafted for
+    while engine.scheduler.has_work():
+        engine.step()
+    assert engine.output_ids(a) == want[tuple(p0)] and engine.output_ids(b) == want[tuple(p1)]
+
+
 def test_speculation_under_preemption_keeps_every_request_and_the_output(model, plain):
     """A KV budget too small for every request's drafts: requests are preempted and recomputed; each still
     ends completed with the plain greedy output."""
