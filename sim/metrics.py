@@ -177,4 +177,3 @@ def request_rates(spec: np.ndarray, output_len: np.ndarray) -> list[list[float]]
         if decode_steps > 0:
             out.append([round(steps / decode_steps, 3), round(estimate_alpha(accepted, rejections) or 0.0, 3)])
     return out
-
