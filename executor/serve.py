@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from rich.console import Console
 
 from executor.engine import Engine, SamplingParams
@@ -281,8 +282,49 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     if out is not None:
         write_outputs(out, report, records, [trace], plots=plots)
         write_traces(out, engine, requests)
+        if "speculative" in report:
+            (out / "speculative.yaml").write_text(yaml.dump(
+                {"speculative": calibrated_speculative(plan, report["speculative"])}, Dumper=_FlowLeaves,
+                sort_keys=False, width=110))
     if not quiet:
         print_summary(report, Console())
         if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
+            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
+                            + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
+                               if "speculative" in report else ""))
     return report
+
+
+class _FlowLeaves(yaml.SafeDumper):
+    """YAML with lists of plain values on one line ([0.243, 0.318]), the rest in block style."""
+
+    def represent_list(self, data):
+        flat = all(not isinstance(x, (list, dict)) for x in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_FlowLeaves.add_representer(list, _FlowLeaves.represent_list)
+
+
+def calibrated_speculative(plan: Plan, measured: dict) -> dict:
+    """The scenario's speculative section with what this serve measured in the simulator's fields (per-request
+    rates or Medusa's rank probabilities, the drafter's time, verify_cost_ratio): what `infersim run` of the
+    scenario needs to simulate this drafter on this device."""
+    spec = {"method": plan.scenario.speculative.method, **plan.scenario.speculative.model_dump(
+        exclude_unset=True, exclude_none=True, exclude={"acceptance_rate", "proposal_rate", "request_rates",
+                                                        "medusa_rank_probs", "draft_s_per_step", "draft_s_per_seq",
+                                                        "verify_cost_ratio"})}
+    if spec["method"] == "medusa":
+        spec["medusa_rank_probs"] = [[round(p, 4) for p in row] for row in measured["medusa_rank_probs"]]
+        spec["proposal_rate"] = round(measured["proposal_rate"] or 0.0, 3)
+    elif measured["request_rates"]:
+        spec["request_rates"] = measured["request_rates"]
+    else:  # no request decoded: the pooled rates, if any
+        spec.update(acceptance_rate=round(measured.get("alpha") or 0.0, 3),
+                    proposal_rate=round(measured.get("proposal_rate") or 0.0, 3))
+    for key in ("draft_s_per_step", "draft_s_per_seq"):
+        if key in measured:
+            spec[key] = round(measured[key], 6)
+    if "verify_cost_ratio" in measured:
+        spec["verify_cost_ratio"] = round(measured["verify_cost_ratio"], 3)
+    return spec

@@ -65,10 +65,21 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
     make_student(target, [1], list(range(0, 1000, 2))).save(tmp_path / "draft", {"teacher": "tiny"})
     path = write_tiny_scenario(tmp_path, checkpoint, speculative={
         "method": "draft_model", "draft_model": str(tmp_path / "draft"), "num_speculative_tokens": 3})
-    report = serve_scenario(path, None, quiet=True, plots=False)
+    report = serve_scenario(path, tmp_path / "served", quiet=True, plots=False)
     assert report["requests"]["completed"] == 24
     spec = report["speculative"]
     assert spec["drafted"] > 0 and 0 <= spec["alpha"] <= 1
+    # speculative.yaml: the scenario's section with what was measured; the simulator runs the scenario with it
+    import yaml
+
+    from sim.cluster import simulate
+    from sim.scenario import load_scenario
+    measured = yaml.safe_load((tmp_path / "served" / "speculative.yaml").read_text())["speculative"]
+    assert measured["method"] == "draft_model" and measured["request_rates"] == spec["request_rates"]
+    assert measured["draft_s_per_step"] == pytest.approx(spec["draft_s_per_step"], abs=1e-6)
+    calibrated = write_tiny_scenario(tmp_path, checkpoint, name="calibrated", speculative=measured)
+    simulated = simulate(load_scenario(calibrated)[1])
+    assert sum(r.num_drafted for r in simulated.requests) > 0
     assert spec["draft_s_per_step"] >= 0 and spec["draft_s_per_seq"] >= 0
     assert spec["draft_s_per_step"] + spec["draft_s_per_seq"] > 0
     rates = spec["request_rates"]  # [proposal_rate, α] per request that decoded: what request_rates takes
