@@ -185,12 +185,15 @@ class Scheduler:
         save), and the step will decode: without chunked prefill a step that admits prompts runs them alone,
         and drafts made for it would be thrown away. Drafters ask before proposing; the scheduler cuts drafts
         when it is False."""
-        off = self.cfg.speculative_disable_by_batch_size
-        if not self.speculative or (off is not None and len(self.decoding) > off):
-            return False
         cfg = self.cfg
-        return cfg.enable_chunked_prefill or bool(self.swapped) or not self._admissible(cfg.max_num_batched_tokens,
-                                                                                        chunked=False)
+        return self._may_draft() and (cfg.enable_chunked_prefill or bool(self.swapped)
+                                      or not self._admissible(cfg.max_num_batched_tokens, chunked=False))
+
+    def _may_draft(self) -> bool:
+        """Speculative decoding is on and the batch is not above speculative_disable_by_batch_size (within a
+        step that decodes, all that `drafting` asks)."""
+        off = self.cfg.speculative_disable_by_batch_size
+        return self.speculative and (off is None or len(self.decoding) <= off)
 
     def _decode_tokens(self) -> int:
         """Tokens the decode rows compute this step."""
@@ -224,8 +227,9 @@ class Scheduler:
         are cut to its remaining output, max_model_len and the step's token budget); short of blocks,
         preempt from the end of the running order (possibly the request itself)."""
         preempted: list[Request] = []
-        # every row computes its last token; what is left of the budget (nothing, when not drafting) is for drafts
-        budget = budget - len(self.decoding) if self.drafting else 0
+        # every row computes its last token; what is left of the budget (nothing, when not drafting) is for drafts;
+        # this step decodes, so whether a prompt would run alone (`drafting`'s other question) is settled
+        budget = budget - len(self.decoding) if self._may_draft() else 0
         for r in list(self.decoding.members):
             if r not in self.decoding:
                 continue  # preempted for an earlier row
