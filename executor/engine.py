@@ -44,7 +44,7 @@ class StepRecord:
     swapped_blocks: int
     num_drafted: int = 0  # speculative decoding: drafts verified this step, and how many were accepted
     num_accepted: int = 0
-    draft_s: float = 0.0  # of the step's time, spent proposing drafts
+    draft_s: float = 0.0  # of the step's time, spent proposing drafts (0: the drafter did not run)
 
     def to_json(self) -> dict:
         return self.__dict__
@@ -100,18 +100,19 @@ class Engine:
     def output_ids(self, req: Request) -> list[int]:
         return self.tokens[req][req.prompt_len:]
 
-    def _propose(self) -> None:
+    def _propose(self) -> bool:
         """Drafts for every decoding request, before scheduling (which reserves their KV slots and may
-        cut them to the step's budget)."""
+        cut them to the step's budget); whether the drafter ran."""
         sched = self.scheduler
         if not sched.drafting:
-            return  # the scheduler would cut every draft: do not spend time making them
+            return False  # the scheduler would cut every draft: do not spend time making them
         k = sched.cfg.num_speculative_tokens
         members = list(sched.decoding.members)
         proposals = self.drafter.propose_batch([(r, self.tokens[r], min(k, r.remaining_tokens - 1)) for r in members])
         for r, (d, q) in zip(members, proposals):
             self.drafts[r], self.draft_probs[r] = d, q
             r.num_draft = len(d)
+        return True
 
     def _emit(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]
               ) -> tuple[dict[Request, list[int]], dict[Request, list[int]]]:
@@ -187,9 +188,9 @@ class Engine:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
         sched = self.scheduler
-        if self.drafter is not None:
-            self._propose()
-        draft_s = self.now() - start
+        # 0 where the drafter did not run, so a record tells a drafter that ran and found nothing (prompt
+        # lookup with no n-gram match still searched) from one that was not asked
+        draft_s = self.now() - start if self.drafter is not None and self._propose() else 0.0
         batch = sched.schedule()
         if not batch:
             return None

@@ -136,8 +136,9 @@ MIN_PLAIN_STEPS = 4
 
 def draft_cost(records: list, cost=None) -> dict:
     """Speculation's cost per step as the simulator charges it. The drafter's time ≈ draft_s_per_step +
-    draft_s_per_seq × requests that drafted, fitted by non-negative least squares over the decode steps that
-    drafted: measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
+    draft_s_per_seq × requests that drafted, fitted by non-negative least squares over the decode steps in which
+    the drafter ran, those where it proposed nothing included (prompt lookup searched and found no n-gram):
+    measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
     Given the fitted step-cost model the simulator uses (`cost`), also verify_cost_ratio: the verify forwards'
     measured time over that model's prediction for their shapes (its linear form does not follow small verify
     batches or candidate trees exactly), that prediction scaled by how fast the run's plain decode steps went
@@ -146,11 +147,12 @@ def draft_cost(records: list, cost=None) -> dict:
     difference, so it carries over to another profile of the same device (`validate --profile-alongside`)."""
     from scipy.optimize import nnls
 
-    steps = [r for r in records if r.num_drafted > 0 and not r.num_prefill]
+    ran = [r for r in records if r.draft_s > 0 and not r.num_prefill and r.num_decode]
+    steps = [r for r in ran if r.num_drafted > 0]  # the verify forwards
     if len(steps) < 2:
         return {}
-    rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in steps], dtype=float)  # verify rows
-    c, _ = nnls(np.column_stack([np.ones_like(rows), rows]), np.array([r.draft_s for r in steps]))
+    rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in ran], dtype=float)  # verify rows
+    c, _ = nnls(np.column_stack([np.ones_like(rows), rows]), np.array([r.draft_s for r in ran]))
     out = {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1])}
     if cost is not None:
         def predict(r):
@@ -162,7 +164,7 @@ def draft_cost(records: list, cost=None) -> dict:
         plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]
         speed = 1.0
         if len(plain) >= MIN_PLAIN_STEPS:
-            speed = sum(r.end_s - r.start_s for r in plain) / sum(predict(r) for r in plain)
+            speed = sum(r.end_s - r.start_s - r.draft_s for r in plain) / sum(predict(r) for r in plain)
         out.update(verify_cost_ratio=float(measured / (pred * speed)), verify_step_ratio=float(measured / pred),
                    plain_decode_step_ratio=float(speed), plain_decode_steps=len(plain))
     return out

@@ -123,9 +123,10 @@ class SpeculativeConfig(StrictModel):
                                 "speculative.request_rates); each simulated request takes one pair for its life, so "
                                 "requests differ as on the executor (prompt lookup: one that copies its prompt "
                                 "drafts often and keeps most, one that does not rarely); instead of the two rates")
-    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time in a step that "
-                                               "drafts, whatever its batch (draft_model: its γ forward passes; "
-                                               "`infersim serve` measures it)")
+    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time in a step it runs "
+                                               "for, whatever its batch and whether it finds drafts (ngram: the "
+                                               "search; draft_model: its γ forward passes; `infersim serve` "
+                                               "measures it)")
     draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time per drafting request "
                                               "per step (ngram: a search in the request's tokens; draft_model: its "
                                               "share of the γ forward passes; `infersim serve` measures it)")

@@ -101,9 +101,10 @@ class SpeculationModel:
     With `request_rates` each request instead takes one calibration request's (proposal_rate, α) for its whole
     life: requests differ as they do on the executor (a prompt-lookup request that copies its prompt drafts at
     most steps and keeps most drafts; one that does not, rarely and few), which moves the median request's TPOT.
-    A step in which some request drafts costs the drafter's time, draft_s_per_step + draft_s_per_seq × drafting
-    requests, before its verify forward, which costs verify_cost_ratio × the cost model's prediction (both as
-    `infersim serve --profile` measures them). Seeded: the same scenario draws the same acceptances."""
+    A step in which drafting is on costs the drafter's time, draft_s_per_step + draft_s_per_seq × drafting
+    requests (prompt lookup searches every step, whether or not it finds an n-gram), before its forward; a verify
+    forward costs verify_cost_ratio × the cost model's prediction (both as `infersim serve --profile` measures
+    them). Seeded: the same scenario draws the same acceptances."""
 
     num_speculative_tokens: int
     acceptance_rate: float
@@ -128,7 +129,7 @@ class SpeculationModel:
 
     def propose(self, requests) -> float:
         """Set each request's num_draft for the next step; returns the drafter's time (as `infersim serve`
-        fits it): in a step in which some request drafts, a fixed part and a part per drafting request (a draft
+        fits it): a fixed part in every step the drafter runs for, and a part per drafting request (a draft
         model's passes run for the whole batch at once)."""
         gamma = self.num_speculative_tokens
         drafting = 0
@@ -136,7 +137,7 @@ class SpeculationModel:
             rate = self.rates_of(r)[0]
             r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
             drafting += r.num_draft > 0
-        return drafting * self.draft_s_per_seq + self.draft_s_per_step if drafting else 0.0
+        return drafting * self.draft_s_per_seq + self.draft_s_per_step if requests else 0.0
 
     def rates_of(self, r) -> tuple[float, float]:
         """(proposal_rate, α) of request r: the scenario's, or the calibration request r drew at its first step."""

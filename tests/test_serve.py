@@ -143,6 +143,24 @@ def test_draft_cost_fits_the_drafter_and_the_verify_steps_ratio_to_the_profile()
     assert fit["verify_cost_ratio"] == pytest.approx(1.1) and fit["plain_decode_step_ratio"] == 1.0
 
 
+def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
+    """Prompt lookup's search costs its time in every step it runs, drafts or none: those steps (draft_s > 0,
+    nothing drafted) are in the fit, so draft_s_per_step is the search and draft_s_per_seq what a drafting
+    request adds; steps the drafter was not asked for (draft_s 0) are not."""
+    from executor.engine import StepRecord
+    from executor.serve import draft_cost
+
+    records = []
+    for i, n in enumerate([0, 0, 1, 2, 0, 3] * 3):
+        new, ctx = [4] * n + [1] * (3 - n), [100] * 3
+        records.append(StepRecord(i, 1.0 * i, 1.0 * i + 0.03, new, ctx, 0, 3, 0, 3 + 3 * n, 0, [], 0,
+                                  num_drafted=3 * n, num_accepted=n, draft_s=0.0004 + 0.0001 * n))
+    records += [StepRecord(100 + i, 200.0 + i, 200.03 + i, [1] * 9, [100] * 9, 0, 9, 0, 9, 0, [], 0)
+                for i in range(5)]  # a batch over disable_by_batch_size: the drafter not asked
+    fit = draft_cost(records)
+    assert fit["draft_s_per_step"] == pytest.approx(0.0004) and fit["draft_s_per_seq"] == pytest.approx(0.0001)
+
+
 def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""

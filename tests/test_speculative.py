@@ -122,6 +122,18 @@ def test_drafting_cost_lengthens_every_verify_step():
     assert paid["tpot_s"]["p50"] - free["tpot_s"]["p50"] == pytest.approx(per_token, rel=0.25)
 
 
+def test_a_drafter_that_runs_is_charged_even_when_nobody_drafts():
+    """draft_s_per_step is charged in every step the drafter runs for (prompt lookup searches whether or not
+    it finds an n-gram): with proposal_rate 0 no request drafts, yet each decode step costs that much more."""
+    from tests.helpers import run
+
+    sc = _spec_scenario(0.05, alpha=0.8, gamma=4, n=30)
+    sc["speculative"]["proposal_rate"] = 0.0
+    free = run(sc)[0]["tpot_s"]["p50"]
+    sc["speculative"]["draft_s_per_step"] = 0.002
+    assert run(sc)[0]["tpot_s"]["p50"] - free == pytest.approx(0.002, rel=0.05)
+
+
 def test_verify_cost_ratio_scales_the_verify_forward():
     """verify_cost_ratio (a verify forward measured over the cost model's prediction) scales only the steps
     that verify drafts: at low load with α = 0, where every decode step verifies, TPOT scales by about it."""

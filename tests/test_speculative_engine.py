@@ -142,6 +142,7 @@ def test_no_drafts_are_made_for_a_step_that_runs_a_prompt_alone(model, plain):
     engine.add(b, p1)
     prompt_step = engine.step()
     assert prompt_step.num_prefill == 1 and prompt_step.num_decode == 0 and Counting.calls == 1
+    assert prompt_step.draft_s == 0.0 and engine.records[-2].draft_s > 0  # the record says whether it ran
     engine.step()
     assert Counting.calls == 3  # both decode, both drafted for
     while engine.scheduler.has_work():
@@ -159,6 +160,17 @@ def test_speculation_under_preemption_keeps_every_request_and_the_output(model, 
     for (p, _), r in zip(work, reqs):
         assert engine.output_ids(r) == want[tuple(p)]
     assert engine.scheduler.kv.num_free == 24
+
+
+def test_a_drafter_that_finds_nothing_still_records_its_time(model, plain):
+    """Prompt lookup searches every decode step; where no n-gram matches it proposes nothing, but its time
+    is in the step's draft_s (what the simulator charges as draft_s_per_step), unlike a step it was not
+    asked for (draft_s 0)."""
+    work, _ = plain
+    engine, _ = run(model, work[:2], PromptLookup(3, 3), num_speculative_tokens=3)
+    decodes = [s for s in engine.records if s.num_decode and not s.num_prefill]
+    assert any(s.num_drafted == 0 and s.draft_s > 0 for s in decodes)
+    assert all(s.draft_s == 0.0 for s in engine.records if s.num_prefill and not s.num_decode)
 
 
 def test_draft_model_cache_gives_the_drafts_of_a_fresh_forward(model):
