@@ -172,6 +172,7 @@ class DraftModelDrafter(Drafter):
             self.release(key)
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in items]
         active = [i for i, (_, toks, k) in enumerate(items) if k > 0 and toks]
+        self.fed_tokens = 0
         if not active:
             return out
         seqs, feeds = [], []
@@ -188,6 +189,7 @@ class DraftModelDrafter(Drafter):
             self._reserve(seq, len(toks) + k - 1)
             seqs.append(seq)
             feeds.append(list(toks[same:]))
+        self.fed_tokens = sum(map(len, feeds))
         steps = max(items[i][2] for i in active)
         drafts = [[] for _ in active]
         probs = [[] for _ in active]

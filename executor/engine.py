@@ -45,6 +45,7 @@ class StepRecord:
     num_drafted: int = 0  # speculative decoding: drafts verified this step, and how many were accepted
     num_accepted: int = 0
     draft_s: float = 0.0  # of the step's time, spent proposing drafts (0: the drafter did not run)
+    draft_fed_tokens: int = 0  # tokens the drafter's own model caught up on (Drafter.fed_tokens)
 
     def to_json(self) -> dict:
         return self.__dict__
@@ -191,6 +192,7 @@ class Engine:
         # 0 where the drafter did not run, so a record tells a drafter that ran and found nothing (prompt
         # lookup with no n-gram match still searched) from one that was not asked
         draft_s = self.now() - start if self.drafter is not None and self._propose() else 0.0
+        fed = self.drafter.fed_tokens if draft_s else 0
         batch = sched.schedule()
         if not batch:
             return None
@@ -255,7 +257,7 @@ class Engine:
             num_prefill=len(batch.prefill), num_decode=len(batch.decode), num_padding=len(batch.padding),
             num_sampled=sum(counts), kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
             swapped_blocks=len(batch.swap_out) + len(batch.swap_in), num_drafted=drafted, num_accepted=num_accepted,
-            draft_s=draft_s)
+            draft_s=draft_s, draft_fed_tokens=fed)
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
         return record

@@ -136,9 +136,10 @@ MIN_PLAIN_STEPS = 4
 
 def draft_cost(records: list, cost=None) -> dict:
     """Speculation's cost per step as the simulator charges it. The drafter's time ≈ draft_s_per_step +
-    draft_s_per_seq × requests that drafted, fitted by non-negative least squares over the decode steps in which
-    the drafter ran, those where it proposed nothing included (prompt lookup searched and found no n-gram):
-    measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
+    draft_s_per_seq × requests that drafted + draft_s_per_token × tokens its own model caught up on (a draft
+    model reads a new request's prompt at its first draft), fitted by non-negative least squares over the decode
+    steps in which the drafter ran, those where it proposed nothing included (prompt lookup searched and found no
+    n-gram): measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
     Given the fitted step-cost model the simulator uses (`cost`), also verify_cost_ratio: the verify forwards'
     measured time over that model's prediction for their shapes (its linear form does not follow small verify
     batches or candidate trees exactly), that prediction scaled by how fast the run's plain decode steps went
@@ -152,8 +153,11 @@ def draft_cost(records: list, cost=None) -> dict:
     if len(steps) < 2:
         return {}
     rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in ran], dtype=float)  # verify rows
-    c, _ = nnls(np.column_stack([np.ones_like(rows), rows]), np.array([r.draft_s for r in ran]))
+    fed = np.array([r.draft_fed_tokens for r in ran], dtype=float)
+    c, _ = nnls(np.column_stack([np.ones_like(rows), rows, fed]), np.array([r.draft_s for r in ran]))
     out = {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1])}
+    if fed.any():  # a drafter with a model of its own
+        out["draft_s_per_token"] = float(c[2])
     if cost is not None:
         def predict(r):
             return predicted_step_time(r.to_json(), cost)
@@ -315,6 +319,7 @@ def calibrated_speculative(plan: Plan, measured: dict) -> dict:
     spec = {"method": plan.scenario.speculative.method, **plan.scenario.speculative.model_dump(
         exclude_unset=True, exclude_none=True, exclude={"acceptance_rate", "proposal_rate", "request_rates",
                                                         "medusa_rank_probs", "draft_s_per_step", "draft_s_per_seq",
+                                                        "draft_s_per_token",
                                                         "verify_cost_ratio"})}
     if spec["method"] == "medusa":
         spec["medusa_rank_probs"] = [[round(p, 4) for p in row] for row in measured["medusa_rank_probs"]]
@@ -324,9 +329,9 @@ def calibrated_speculative(plan: Plan, measured: dict) -> dict:
     else:  # no request decoded: the pooled rates, if any
         spec.update(acceptance_rate=round(measured.get("alpha") or 0.0, 3),
                     proposal_rate=round(measured.get("proposal_rate") or 0.0, 3))
-    for key in ("draft_s_per_step", "draft_s_per_seq"):
+    for key in ("draft_s_per_step", "draft_s_per_seq", "draft_s_per_token"):
         if key in measured:
-            spec[key] = round(measured[key], 6)
+            spec[key] = round(measured[key], 8 if key == "draft_s_per_token" else 6)
     if "verify_cost_ratio" in measured:
         spec["verify_cost_ratio"] = round(measured["verify_cost_ratio"], 3)
     return spec

@@ -20,6 +20,10 @@ class Drafter:
     """What the engine asks of a drafter: `propose_batch`, drafts for every decoding request at once. One
     that drafts each sequence on its own only defines `propose(token_ids, k)`."""
 
+    # tokens the drafter's own model read in its last call to catch up on the requests' tokens (a draft model:
+    # a new request's whole prompt, then what was decoded since); 0 for drafters without a model of their own
+    fed_tokens: int = 0
+
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         raise NotImplementedError
 

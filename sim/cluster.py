@@ -98,6 +98,7 @@ def speculation_model(plan: Plan, replica: int, draw: int = 0) -> SpeculationMod
                           "speculative.acceptance_rate")
     return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate or 0.0, spec.proposal_rate,
                             spec.draft_s_per_seq, spec.draft_s_per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
+                            draft_s_per_token=spec.draft_s_per_token,
                             request_rates=[tuple(p) for p in spec.request_rates] if spec.request_rates else None)
 
 

@@ -139,6 +139,8 @@ def print_summary(report: dict, console=None) -> None:
                       f"{(spec['proposal_rate'] or 0) * 100:.0f}% of decode steps"
                       + (f"; drafting {spec['draft_s_per_step'] * 1e3:.2f} ms per step + "
                          f"{spec['draft_s_per_seq'] * 1e3:.2f} ms per request" if "draft_s_per_step" in spec else "")
+                      + (f" + {spec['draft_s_per_token'] * 1e6:.1f} µs per token caught up"
+                         if "draft_s_per_token" in spec else "")
                       + (f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile" if "verify_cost_ratio" in spec
                          else ""))
     per_m = cost["usd_per_million_output_tokens"]

@@ -130,6 +130,10 @@ class SpeculativeConfig(StrictModel):
     draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time per drafting request "
                                               "per step (ngram: a search in the request's tokens; draft_model: its "
                                               "share of the γ forward passes; `infersim serve` measures it)")
+    draft_s_per_token: NonNegativeFloat = Field(0.0, description="simulator, draft_model: the drafter's time per "
+                                                "token its model catches up on (a request's whole context at its "
+                                                "first draft, then the tokens decoded since its last; `infersim "
+                                                "serve` measures it)")
     verify_cost_ratio: PositiveFloat = Field(1.0, description="simulator: a verify step's forward over the cost "
                                              "model's prediction for its shape (`infersim serve --profile` "
                                              "measures it, scaled by how fast the serve's plain decode steps ran; "

@@ -102,7 +102,9 @@ class SpeculationModel:
     life: requests differ as they do on the executor (a prompt-lookup request that copies its prompt drafts at
     most steps and keeps most drafts; one that does not, rarely and few), which moves the median request's TPOT.
     A step in which drafting is on costs the drafter's time, draft_s_per_step + draft_s_per_seq × drafting
-    requests (prompt lookup searches every step, whether or not it finds an n-gram), before its forward; a verify
+    requests (prompt lookup searches every step, whether or not it finds an n-gram) + draft_s_per_token × tokens a
+    draft model catches up on (as the executor's does: a request's whole context at its first draft, afterwards
+    what was decoded since it last fed it, its accepted drafts already cached), before its forward; a verify
     forward costs verify_cost_ratio × the cost model's prediction (both as `infersim serve --profile` measures
     them). Seeded: the same scenario draws the same acceptances."""
 
@@ -116,8 +118,10 @@ class SpeculationModel:
     rank_probs: list[list[float]] | None = None  # Medusa: per depth, the chance of each candidate rank (+ miss)
     verify_cost_ratio: float = 1.0
     request_rates: list[tuple[float, float]] | None = None  # per calibration request: (proposal_rate, α)
+    draft_s_per_token: float = 0.0
     rng: np.random.Generator = field(init=False, repr=False)
     _rates: dict = field(init=False, repr=False, default_factory=dict)
+    _cached: dict = field(init=False, repr=False, default_factory=dict)  # request id -> tokens the draft model holds
 
     def __post_init__(self):
         if self.tree is None:
@@ -137,7 +141,27 @@ class SpeculationModel:
             rate = self.rates_of(r)[0]
             r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
             drafting += r.num_draft > 0
-        return drafting * self.draft_s_per_seq + self.draft_s_per_step if requests else 0.0
+        if not requests:
+            return 0.0
+        fed = self._catch_up(requests) if self.draft_s_per_token else 0
+        return drafting * self.draft_s_per_seq + self.draft_s_per_step + fed * self.draft_s_per_token
+
+    def _catch_up(self, requests) -> int:
+        """Tokens the draft model reads this step before drafting (the executor's DraftModelDrafter): of each
+        request it is asked for, those after the longest prefix it still holds (never the last: its logits give
+        the first draft); then it holds the request's tokens and all drafts but the last (fed to draft the next).
+        Requests not asked for are forgotten, as the executor's drafter forgets them."""
+        fed, cached = 0, {}
+        for r in requests:
+            k = min(self.num_speculative_tokens, r.remaining_tokens - 1)
+            held = self._cached.get(r.id, 0)
+            if k <= 0:
+                cached[r.id] = held
+                continue
+            fed += r.num_tokens - min(held, r.num_tokens - 1)
+            cached[r.id] = r.num_tokens + k - 1
+        self._cached = cached
+        return fed
 
     def rates_of(self, r) -> tuple[float, float]:
         """(proposal_rate, α) of request r: the scenario's, or the calibration request r drew at its first step."""

@@ -161,6 +161,25 @@ def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
     assert fit["draft_s_per_step"] == pytest.approx(0.0004) and fit["draft_s_per_seq"] == pytest.approx(0.0001)
 
 
+def test_draft_cost_fits_a_draft_model_s_catch_up_on_prompts():
+    """A draft model reads a new request's prompt at its first draft (draft_fed_tokens): the fit gives that
+    time per token apart from the per-step and per-request parts; drafters with no model report none."""
+    from executor.engine import StepRecord
+    from executor.serve import draft_cost
+
+    records = []
+    for i, (n, fed) in enumerate([(1, 1), (2, 160), (2, 2), (3, 3), (3, 203), (1, 1), (2, 3), (3, 90)] * 2):
+        new, ctx = [4] * n, [300] * n
+        records.append(StepRecord(i, 1.0 * i, 1.0 * i + 0.05, new, ctx, 0, n, 0, 4 * n, 0, [], 0, num_drafted=3 * n,
+                                  num_accepted=n, draft_s=0.006 + 0.002 * n + 5e-5 * fed, draft_fed_tokens=fed))
+    fit = draft_cost(records)
+    assert fit["draft_s_per_step"] == pytest.approx(0.006) and fit["draft_s_per_seq"] == pytest.approx(0.002)
+    assert fit["draft_s_per_token"] == pytest.approx(5e-5)
+    for r in records:
+        r.draft_fed_tokens = 0
+    assert "draft_s_per_token" not in draft_cost(records)
+
+
 def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""

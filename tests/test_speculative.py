@@ -134,6 +134,27 @@ def test_a_drafter_that_runs_is_charged_even_when_nobody_drafts():
     assert run(sc)[0]["tpot_s"]["p50"] - free == pytest.approx(0.002, rel=0.05)
 
 
+def test_a_draft_model_catches_up_on_what_it_has_not_read():
+    """The simulated draft model reads, before drafting, what the executor's reads: a new request's whole
+    context, then per step the target's token after its accepted drafts (two when all k were accepted; its
+    drafts but the last are already held); a request it was not asked for in a step is forgotten and read
+    again whole; one with a single token left is not drafted for and reads nothing."""
+    from sim.request import Request
+    from sim.speculative import SpeculationModel
+
+    spec = SpeculationModel(4, 0.5, draft_s_per_step=0.001, draft_s_per_token=1e-5)
+    a, b = Request(1, 0.0, 100, 50, num_generated=1), Request(2, 0.0, 40, 50, num_generated=1)
+    assert spec.propose([a]) == pytest.approx(0.001 + spec.draft_s_per_seq + 101 * 1e-5)
+    a.num_generated += 3  # two of four drafts accepted, then the target's own token
+    assert spec._catch_up([a, b]) == 1 + 41
+    a.num_generated += 5  # all four accepted + one: the last draft was never fed
+    b.num_generated += 1  # none accepted
+    assert spec._catch_up([a, b]) == 2 + 1
+    assert spec._catch_up([b]) == 1 and spec._catch_up([a, b]) == a.num_tokens + 1  # a was forgotten
+    a.num_generated = a.max_tokens - 1
+    assert spec._catch_up([a]) == 0
+
+
 def test_verify_cost_ratio_scales_the_verify_forward():
     """verify_cost_ratio (a verify forward measured over the cost model's prediction) scales only the steps
     that verify drafts: at low load with α = 0, where every decode step verifies, TPOT scales by about it."""

@@ -173,6 +173,18 @@ def test_a_drafter_that_finds_nothing_still_records_its_time(model, plain):
     assert all(s.draft_s == 0.0 for s in engine.records if s.num_prefill and not s.num_decode)
 
 
+def test_a_draft_model_records_the_tokens_it_catches_up_on(model, plain):
+    """The first drafting step of a request feeds the draft model its whole context; after that a step feeds
+    one or two tokens per request (the target's token, and the last draft when all were accepted)."""
+    work, _ = plain
+    (p, n), = work[:1]
+    engine, _ = run(model, [(p, n)], draft_drafter(model), num_speculative_tokens=3)
+    drafting = [s for s in engine.records if s.draft_s > 0]
+    assert drafting[0].draft_fed_tokens == len(p) + 1
+    assert all(s.draft_fed_tokens in (1, 2) for s in drafting[1:] if s.num_drafted)
+    assert all(s.draft_fed_tokens == 0 for s in engine.records if s.draft_s == 0)
+
+
 def test_draft_model_cache_gives_the_drafts_of_a_fresh_forward(model):
     """The drafter keeps each request's K/V between steps (accepted drafts stay, rejected ones are
     overwritten): its drafts equal those of a drafter that sees the whole sequence for the first time."""
