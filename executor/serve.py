@@ -24,6 +24,7 @@ from sim.metrics import records_from_requests, request_rates
 from sim.report import build_report, print_summary, write_outputs
 from sim.request import Request
 from sim.scenario import Plan, load_scenario
+from sim.speculative import reference_step_s
 from sim.workload import RequestSpec, generate_requests
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -139,38 +140,42 @@ def draft_cost(records: list, cost=None) -> dict:
     draft_s_per_seq × requests that drafted + draft_s_per_token × tokens its own model caught up on (a draft
     model reads a new request's prompt at its first draft), fitted by non-negative least squares over the decode
     steps in which the drafter ran, those where it proposed nothing included (prompt lookup searched and found no
-    n-gram): measured directly (each record's draft_s), so it holds whatever profile the simulator predicts with.
-    Given the fitted step-cost model the simulator uses (`cost`), also verify_cost_ratio: the verify forwards'
-    measured time over that model's prediction for their shapes (its linear form does not follow small verify
-    batches or candidate trees exactly), that prediction scaled by how fast the run's plain decode steps went
-    against the model (where it has MIN_PLAIN_STEPS of them): a machine running 15% slow for the whole serve is
-    not speculation's cost, and the simulator does not charge it to plain decoding either. A ratio, not a time
-    difference, so it carries over to another profile of the same device (`validate --profile-alongside`)."""
+    n-gram), from what the executor measured of it (each record's draft_s).
+    Given the fitted step-cost model the simulator uses (`cost`), the serve's speed against it is read off its
+    plain decode steps (where it has MIN_PLAIN_STEPS of them): the drafter's times are divided by it and
+    `draft_s_reference_step` says at what speed they are (the model's one-row decode step), so the simulator
+    scales them with its own profile as it does the target's steps — the drafter runs on the same machine, and a
+    serve on a machine running 15% slow would otherwise charge 15% too much on a fast day. Also
+    verify_cost_ratio: the verify forwards' measured time over that model's prediction for their shapes (its
+    linear form does not follow small verify batches or candidate trees exactly), at the same speed. A ratio,
+    not a time difference, so it carries over to another profile of the same device (`validate
+    --profile-alongside`)."""
     from scipy.optimize import nnls
 
     ran = [r for r in records if r.draft_s > 0 and not r.num_prefill and r.num_decode]
     steps = [r for r in ran if r.num_drafted > 0]  # the verify forwards
     if len(steps) < 2:
         return {}
-    rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in ran], dtype=float)  # verify rows
-    fed = np.array([r.draft_fed_tokens for r in ran], dtype=float)
-    c, _ = nnls(np.column_stack([np.ones_like(rows), rows, fed]), np.array([r.draft_s for r in ran]))
-    out = {"draft_s_per_step": float(c[0]), "draft_s_per_seq": float(c[1])}
-    if fed.any():  # a drafter with a model of its own
-        out["draft_s_per_token"] = float(c[2])
+    speed, out = 1.0, {}
     if cost is not None:
         def predict(r):
             return predicted_step_time(r.to_json(), cost)
 
-        measured = sum(r.end_s - r.start_s - r.draft_s for r in steps)
-        pred = sum(predict(r) for r in steps)
         # the machine's speed during this run, read off its plain decode steps, is not speculation's cost
         plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]
-        speed = 1.0
         if len(plain) >= MIN_PLAIN_STEPS:
             speed = sum(r.end_s - r.start_s - r.draft_s for r in plain) / sum(predict(r) for r in plain)
+        measured = sum(r.end_s - r.start_s - r.draft_s for r in steps)
+        pred = sum(predict(r) for r in steps)
         out.update(verify_cost_ratio=float(measured / (pred * speed)), verify_step_ratio=float(measured / pred),
-                   plain_decode_step_ratio=float(speed), plain_decode_steps=len(plain))
+                   plain_decode_step_ratio=float(speed), plain_decode_steps=len(plain),
+                   draft_s_reference_step=reference_step_s(cost))
+    rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in ran], dtype=float)  # verify rows
+    fed = np.array([r.draft_fed_tokens for r in ran], dtype=float)
+    c, _ = nnls(np.column_stack([np.ones_like(rows), rows, fed]), np.array([r.draft_s for r in ran]) / speed)
+    out.update(draft_s_per_step=float(c[0]), draft_s_per_seq=float(c[1]))
+    if fed.any():  # a drafter with a model of its own
+        out["draft_s_per_token"] = float(c[2])
     return out
 
 
@@ -319,7 +324,7 @@ def calibrated_speculative(plan: Plan, measured: dict) -> dict:
     spec = {"method": plan.scenario.speculative.method, **plan.scenario.speculative.model_dump(
         exclude_unset=True, exclude_none=True, exclude={"acceptance_rate", "proposal_rate", "request_rates",
                                                         "medusa_rank_probs", "draft_s_per_step", "draft_s_per_seq",
-                                                        "draft_s_per_token",
+                                                        "draft_s_per_token", "draft_s_reference_step",
                                                         "verify_cost_ratio"})}
     if spec["method"] == "medusa":
         spec["medusa_rank_probs"] = [[round(p, 4) for p in row] for row in measured["medusa_rank_probs"]]
@@ -329,7 +334,7 @@ def calibrated_speculative(plan: Plan, measured: dict) -> dict:
     else:  # no request decoded: the pooled rates, if any
         spec.update(acceptance_rate=round(measured.get("alpha") or 0.0, 3),
                     proposal_rate=round(measured.get("proposal_rate") or 0.0, 3))
-    for key in ("draft_s_per_step", "draft_s_per_seq", "draft_s_per_token"):
+    for key in ("draft_s_per_step", "draft_s_per_seq", "draft_s_per_token", "draft_s_reference_step"):
         if key in measured:
             spec[key] = round(measured[key], 8 if key == "draft_s_per_token" else 6)
     if "verify_cost_ratio" in measured:

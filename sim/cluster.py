@@ -20,7 +20,7 @@ from sim.request import Request
 from sim.router import make_router
 from sim.scenario import Plan
 from sim.scheduler import Scheduler, SchedulerConfig, make_scheduler
-from sim.speculative import SpeculationModel
+from sim.speculative import SpeculationModel, reference_step_s
 from sim.workload import RequestSpec, generate_requests
 
 
@@ -78,27 +78,33 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              block_bytes=plan.block_size * plan.model.kv_bytes_per_token)
 
 
-def speculation_model(plan: Plan, replica: int, draw: int = 0) -> SpeculationModel | None:
+def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostModel | None = None
+                      ) -> SpeculationModel | None:
     """The simulator's drafter for one replica (its own seeded acceptance draws; `draw` picks another
-    sequence of them), or None."""
+    sequence of them), or None. With `draft_s_reference_step` the drafter's times are scaled by how fast
+    `cost` (default: the plan's) runs that reference step against the profile they were measured with."""
     spec = plan.scenario.speculative
     if spec is None:
         return None
     seed = plan.scenario.workload.seed * 1000 + replica + 7919 * draw
+    scale = reference_step_s(cost or make_cost_model(plan)) / spec.draft_s_reference_step \
+        if spec.draft_s_reference_step else 1.0
+    per_seq, per_step, per_token = (scale * spec.draft_s_per_seq, scale * spec.draft_s_per_step,
+                                    scale * spec.draft_s_per_token)
     if spec.method == "medusa":
         if spec.medusa_rank_probs is None:
             raise ConfigError("required to simulate Medusa (per depth, the chance of each candidate rank; "
                               "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
-        return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, spec.draft_s_per_seq,
-                                spec.draft_s_per_step, seed, [tuple(p) for p in spec.medusa_tree],
+        return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, per_seq, per_step, seed,
+                                [tuple(p) for p in spec.medusa_tree],
                                 spec.medusa_rank_probs, spec.verify_cost_ratio)
     if spec.acceptance_rate is None and not spec.request_rates:
         raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
                           "`infersim serve` of the scenario measures it), or request_rates",
                           "speculative.acceptance_rate")
     return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate or 0.0, spec.proposal_rate,
-                            spec.draft_s_per_seq, spec.draft_s_per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
-                            draft_s_per_token=spec.draft_s_per_token,
+                            per_seq, per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
+                            draft_s_per_token=per_token,
                             request_rates=[tuple(p) for p in spec.request_rates] if spec.request_rates else None)
 
 
@@ -119,7 +125,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
             progress(done[0])
 
     replicas = [Replica(env, i, make_policy(plan, eager=not bulk), cost, lambda: pending[0], bulk=bulk,
-                        on_finish=on_finish, speculation=speculation_model(plan, i, spec_draw))
+                        on_finish=on_finish, speculation=speculation_model(plan, i, spec_draw, cost))
                 for i in range(plan.scenario.replicas)]
     router = make_router(plan.scenario.router)
     requests: list[Request] = []

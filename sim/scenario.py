@@ -134,6 +134,13 @@ class SpeculativeConfig(StrictModel):
                                                 "token its model catches up on (a request's whole context at its "
                                                 "first draft, then the tokens decoded since its last; `infersim "
                                                 "serve` measures it)")
+    draft_s_reference_step: NonNegativeFloat = Field(0.0, description="simulator: the draft_s_* times are at the "
+                                                     "speed of a profile whose one-row decode step at context 256 "
+                                                     "takes this long (`infersim serve --profile` writes it: the "
+                                                     "times divided by the serve's own speed against that "
+                                                     "profile); the simulator scales them by its own cost model's "
+                                                     "time for that step, so the drafter follows the profile's "
+                                                     "speed as the target's steps do. 0: the times as given")
     verify_cost_ratio: PositiveFloat = Field(1.0, description="simulator: a verify step's forward over the cost "
                                              "model's prediction for its shape (`infersim serve --profile` "
                                              "measures it, scaled by how fast the serve's plain decode steps ran; "

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sim.fitted_cost import shape_of
+
 
 def _check(alpha: float, gamma: int) -> None:
     if not 0.0 <= alpha <= 1.0:
@@ -92,6 +94,12 @@ def best_tree(rank_probs: list[list[float]], size: int, topk: int) -> list[tuple
         if d < len(rank_probs):
             frontier += [(node + (r,), prob * rank_probs[d][r]) for r in range(min(topk, len(rank_probs[d]) - 1))]
     return sorted(tree, key=lambda p: (len(p), p))
+
+
+def reference_step_s(cost) -> float:
+    """A cost model's time for one request decoding one token at context 256: the unit in which the drafter's
+    measured times travel between profiles (`draft_s_reference_step`)."""
+    return cost.step_time(shape_of([1], [256]))
 
 
 @dataclass

@@ -203,6 +203,9 @@ def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
         t += 1.0
     fit = draft_cost(spec + plain, cost)
     assert fit["plain_decode_step_ratio"] == pytest.approx(1.2) and fit["plain_decode_steps"] == MIN_PLAIN_STEPS
+    # the drafter's 6 ms were at the serve's 1.2x: 5 ms at the profile's speed, which the reference step names
+    assert fit["draft_s_per_step"] == pytest.approx(0.005) and fit["draft_s_per_seq"] == pytest.approx(0.0, abs=1e-9)
+    assert fit["draft_s_reference_step"] == pytest.approx(cost.step_time(shape_of([1], [256])))
     assert fit["verify_cost_ratio"] == pytest.approx(1.05) and fit["verify_step_ratio"] == pytest.approx(1.26)
     few = draft_cost(spec + plain[:MIN_PLAIN_STEPS - 1], cost)
     assert few["plain_decode_step_ratio"] == 1.0 and few["verify_cost_ratio"] == pytest.approx(1.26)

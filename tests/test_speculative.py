@@ -155,6 +155,24 @@ def test_a_draft_model_catches_up_on_what_it_has_not_read():
     assert spec._catch_up([a]) == 0
 
 
+def test_drafter_times_follow_the_profile_s_speed_from_their_reference_step():
+    """Drafter times measured at a profile's speed (draft_s_reference_step: that profile's one-row decode step)
+    are scaled by the simulator's own cost model: against a cost model twice as slow as the reference, the
+    drafter costs twice its given time; with no reference, exactly its given time."""
+    from sim.cluster import make_cost_model
+    from sim.speculative import reference_step_s
+    from tests.helpers import plan_of, run
+
+    sc = _spec_scenario(0.05, alpha=0.8, gamma=4, n=30)
+    sc["speculative"]["proposal_rate"] = 0.0
+    free = run(sc)[0]["tpot_s"]["p50"]
+    sc["speculative"]["draft_s_per_step"] = 0.002
+    given = run(sc)[0]["tpot_s"]["p50"] - free
+    sc["speculative"]["draft_s_reference_step"] = reference_step_s(make_cost_model(plan_of(sc))) / 2
+    doubled = run(sc)[0]["tpot_s"]["p50"] - free
+    assert given == pytest.approx(0.002, rel=0.05) and doubled == pytest.approx(0.004, rel=0.05)
+
+
 def test_verify_cost_ratio_scales_the_verify_forward():
     """verify_cost_ratio (a verify forward measured over the cost model's prediction) scales only the steps
     that verify drafts: at low load with α = 0, where every decode step verifies, TPOT scales by about it."""
