@@ -288,8 +288,8 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     if not real_from:
         check_graphs([plan for plan, _ in plans], None if alongside else profile, device)
     load = load or model_loader(device)
-    # a speculative scenario also runs without speculation (in <out>/plain/), right after it so that both see
-    # the machine in the same state: their ratio is the speedup validated
+    # a speculative scenario also runs without speculation (in <out>/plain/), next to it so that both see the
+    # machine in the same state: their ratio is the speedup validated
     jobs, main, plain = [], [], []
     for k, (plan, out) in enumerate(plans):
         main.append(len(jobs))
@@ -316,11 +316,12 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             if alongside is not None else None
         slices = max(1, runs) * len(jobs) + 1  # one before each executor run, one after the last
         for i in range(max(1, runs)):
-            for k, (plan, out, _) in enumerate(jobs):
+            for n, k in enumerate(run_order(main, plain, i)):
+                plan, out, _ = jobs[k]
                 loaded = load(plan)
                 set_threads(plan, threads)  # before the sweep, which times steps too
                 if sweep is not None:
-                    sweep.run_until((i * len(jobs) + k + 1) / slices)
+                    sweep.run_until((i * len(jobs) + n + 1) / slices)
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
         if sweep is not None:
@@ -330,6 +331,16 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             profile = alongside
     return [score(plan, profile, results[m], device, out, None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]
+
+
+def run_order(main: list[int], plain: list[int | None], repeat: int) -> list[int]:
+    """The jobs of one repeat, scenario by scenario: a speculative scenario's run then its plain baseline, the
+    other way round every second repeat (A B, B A, ...), so that a machine slowing or speeding up through the
+    validation does not land on the same half of every speedup."""
+    order = []
+    for m, p in zip(main, plain):
+        order += [m] if p is None else [m, p] if repeat % 2 == 0 else [p, m]
+    return order
 
 
 def alongside_sweep(plans: list, load, device: str, quick: bool):

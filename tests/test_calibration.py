@@ -242,6 +242,17 @@ def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path
     assert r.exit_code == 2 and "not with --profile" in r.output
 
 
+def test_speculative_runs_and_their_plain_baselines_alternate_which_goes_first():
+    """A B, B A: a speculative scenario's run goes before its plain baseline in odd repeats and after it in even
+    ones, so a drift through the validation does not always land on the plain half of the speedup."""
+    from calibration.validate import run_order
+
+    main, plain = [0, 2, 3], [1, None, 4]  # scenarios: speculative, plain, speculative
+    assert run_order(main, plain, 0) == [0, 1, 2, 3, 4]
+    assert run_order(main, plain, 1) == [1, 0, 2, 4, 3]
+    assert run_order(main, plain, 2) == run_order(main, plain, 0)
+
+
 def test_profile_alongside_refuses_scenarios_on_different_models():
     """One profile prices one model: a validation that mixes models cannot measure one alongside (one line, before
     any model loads)."""
