@@ -189,10 +189,11 @@ class Engine:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
         sched = self.scheduler
+        ran = self.drafter is not None and self._propose()
         # 0 where the drafter did not run, so a record tells a drafter that ran and found nothing (prompt
         # lookup with no n-gram match still searched) from one that was not asked
-        draft_s = self.now() - start if self.drafter is not None and self._propose() else 0.0
-        fed = self.drafter.fed_tokens if draft_s else 0
+        draft_s = self.now() - start if ran else 0.0
+        fed = self.drafter.fed_tokens if ran else 0
         batch = sched.schedule()
         if not batch:
             return None
