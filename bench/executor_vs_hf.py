@@ -31,12 +31,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from executor.engine import Engine, SamplingParams  # noqa: E402
-from executor.kv_cache import KVCache  # noqa: E402
+from executor.cache_engine import KVCache  # noqa: E402
 from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
-from sim.kv_cache import BlockAllocator  # noqa: E402
-from sim.request import Request, Status  # noqa: E402
-from sim.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from sim.workload import load_trace  # noqa: E402
+from sim.policy.block_manager import BlockAllocator  # noqa: E402
+from sim.policy.request import Request, Status  # noqa: E402
+from sim.config.plan import scheduler_config  # noqa: E402
+from sim.policy.scheduler import Scheduler  # noqa: E402
+from sim.config.workload import load_trace  # noqa: E402
 
 THREADS = 2
 NUM_REQUESTS = 64
@@ -98,9 +99,9 @@ def run_infersim(model, prompts, outputs, args) -> tuple[float, list[list[int]],
     total = [p + o for p, o in zip(prompts, outputs)]
     bs = args.block_size
     num_blocks = sum(-(-t // bs) for t in total) + 8  # everything fits: no preemption
-    cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_chunked_prefill=args.chunked, prefill_chunk_size=args.max_num_batched_tokens,
-                          max_model_len=max(2048, max(total)))
+    cfg = scheduler_config(max(2048, max(total)), max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.chunked,
+                           prefill_chunk_size=args.max_num_batched_tokens)
     c = model.config
     model.attn_backend = args.attention
 
@@ -243,7 +244,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(THREADS)
-    from executor.host_memory import keep_freed_memory
+    from executor.malloc_tuning import keep_freed_memory
     from executor.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
 
     # infersim's engine sets this; set here first so all three engines and the rate probes run alike

@@ -21,8 +21,8 @@ import torch
 from calibration.profile import profile_engine
 from executor.prompts import prompt_ids
 from executor.tiny import tiny_config, tiny_model
-from sim.models import catalog_model
-from sim.request import Request
+from sim.config.models import catalog_model
+from sim.policy.request import Request
 
 CORPUS = list(range(1000, 9000))
 

@@ -12,10 +12,11 @@ import os
 import statistics
 import time
 
-from sim.cluster import sim_records, simulate
-from sim.metrics import compute_metrics
-from sim.scenario import make_plan, parse_scenario
-from sim.workload import generate_requests
+from sim.simulator.cluster import sim_records, simulate
+from sim.report.metrics import compute_metrics
+from sim.config.plan import make_plan
+from sim.config.scenario import parse_scenario
+from sim.config.workload import generate_requests
 
 SCENARIO = {"name": "azure-conv-llama2-7b-a100", "model": "Llama-2-7B", "hardware": "A100-80GB",
             "serving": {"batching": "continuous"}, "kv_cache": {"allocator": "paged"},
@@ -25,7 +26,7 @@ SCENARIO = {"name": "azure-conv-llama2-7b-a100", "model": "Llama-2-7B", "hardwar
 def one_run(bulk: bool) -> tuple[float, dict, int]:
     t0 = time.perf_counter()
     plan = make_plan(parse_scenario(SCENARIO))
-    specs = generate_requests(plan.scenario.workload, plan.base_dir)
+    specs = generate_requests(plan.workload, plan.base_dir)
     result = simulate(plan, specs, bulk=bulk)
     metrics = compute_metrics(sim_records(result))
     wall = time.perf_counter() - t0

@@ -41,19 +41,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from executor.engine import Engine, SamplingParams  # noqa: E402
-from executor.kv_cache import KVCache  # noqa: E402
-from executor.host_memory import keep_freed_memory  # noqa: E402
+from executor.cache_engine import KVCache  # noqa: E402
+from executor.malloc_tuning import keep_freed_memory  # noqa: E402
 from executor.prompts import paragraphs, plain_paragraphs  # noqa: E402
-from executor.distill import default_draft_dir  # noqa: E402
-from executor.distill import default_medusa_dir  # noqa: E402
-from executor.draft_model import DraftModelDrafter, load_draft  # noqa: E402
-from executor.medusa import MedusaDrafter, load_medusa  # noqa: E402
-from executor.speculative import PromptLookup  # noqa: E402
+from executor.speculative.training import default_draft_dir  # noqa: E402
+from executor.speculative.training import default_medusa_dir  # noqa: E402
+from executor.speculative.draft_model import DraftModelDrafter, load_draft  # noqa: E402
+from executor.speculative.medusa import MedusaDrafter, load_medusa  # noqa: E402
+from executor.speculative.ngram import PromptLookup  # noqa: E402
 from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
-from sim.kv_cache import BlockAllocator  # noqa: E402
-from sim.metrics import speculation_summary  # noqa: E402
-from sim.request import Request  # noqa: E402
-from sim.scheduler import SchedulerConfig, make_scheduler  # noqa: E402
+from sim.policy.block_manager import BlockAllocator  # noqa: E402
+from sim.report.metrics import speculation_summary  # noqa: E402
+from sim.policy.request import Request  # noqa: E402
+from sim.config.plan import scheduler_config
+from sim.policy.scheduler import make_scheduler  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -108,7 +109,7 @@ class KnownOutputLookup(PromptLookup):
 
 def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[float, list[list[int]], dict | None]:
     """Run the prompts (one at a time if max_num_seqs is 1, else all at once); (seconds, outputs, speculation)."""
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=2048,
+    cfg = scheduler_config(2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                           num_speculative_tokens=gamma if drafter else 0)
     kv = KVCache.for_model(model.config, 1024, 16)
     engine = Engine(model, make_scheduler(cfg, BlockAllocator(1024, 16)), kv,

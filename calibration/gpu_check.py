@@ -21,8 +21,8 @@ from calibration.profile import profile_command
 from calibration.validate import METRICS, markdown_table, model_loader, summarize, validate_many
 from executor import engine
 from executor.serve import check_device
-from sim.errors import ConfigError
-from sim.scenario import load_scenario
+from sim.config.errors import ConfigError
+from sim.config.plan import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = [ROOT / "scenarios/validation/low_load.yaml", ROOT / "scenarios/validation/medium_load.yaml"]

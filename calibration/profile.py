@@ -20,15 +20,16 @@ import torch
 from rich.console import Console
 
 from executor.engine import Engine, SamplingParams
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.prompts import prompt_ids
 from executor.serve import check_device
-from executor.speculative import RandomDrafter
-from sim.errors import ConfigError
-from sim.fitted_cost import FittedCostModel, fit, predicted_step_time, shape_of
-from sim.kv_cache import BlockAllocator
-from sim.request import Request
-from sim.scheduler import SchedulerConfig, make_scheduler
+from executor.speculative.drafter import RandomDrafter
+from sim.config.errors import ConfigError
+from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, shape_of
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.request import Request
+from sim.config.plan import scheduler_config
+from sim.policy.scheduler import make_scheduler
 
 
 def measure_device(device: str) -> dict:
@@ -71,11 +72,11 @@ def device_info(device: str) -> dict:
 
 
 def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
-    """An engine as the sweep builds one: `cfg` is SchedulerConfig fields (+ `draft_rate`), with roomy limits;
+    """An engine as the sweep builds one: `cfg` is scheduler knobs (scheduler_config) (+ `draft_rate`), with roomy limits;
     `use_graphs` as Engine takes it (None: CUDA graphs for decode, prompt and verify steps on a GPU)."""
-    cfg = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
+    cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
-    sched = make_scheduler(SchedulerConfig(**cfg), BlockAllocator(num_blocks, block_size))
+    sched = make_scheduler(scheduler_config(2048, **cfg), BlockAllocator(num_blocks, block_size))
     kv = KVCache.for_model(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
     # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
     # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
@@ -254,7 +255,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     """`infersim profile`: load the model, sweep, fit, write and summarize the profile."""
     from executor.prompts import corpus_ids
     from executor.weights import load_hf_model, smollm2_gguf_path
-    from sim.models import catalog_model, load_hf_config
+    from sim.config.models import catalog_model, load_hf_config
 
     check_device(device)
     if threads:

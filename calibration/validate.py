@@ -7,12 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.cluster import make_cost_model, sim_records, simulate
-from sim.errors import ConfigError
-from sim.fitted_cost import predicted_step_time
-from sim.metrics import RequestRecords, compute_metrics, per_request_latency
-from sim.scenario import Plan, make_plan
-from sim.workload import generate_requests
+from sim.cost.build import make_cost_model
+from sim.simulator.cluster import sim_records, simulate
+from sim.config.errors import ConfigError
+from sim.cost.fitted import predicted_step_time
+from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
+from sim.config.plan import Plan, replan
+from sim.config.workload import generate_requests
 
 METRICS = [("ttft_p50", "ttft_s", "p50"), ("ttft_p90", "ttft_s", "p90"), ("tpot_p50", "tpot_s", "p50"),
            ("tpot_p90", "tpot_s", "p90"), ("itl_p50", "itl_s", "p50"), ("e2e_p50", "e2e_s", "p50"),
@@ -23,9 +24,8 @@ PROFILES = Path(__file__).parent / "profiles"
 
 def with_profile(plan: Plan, profile: Path, scale: float = 1.0) -> Plan:
     """The same plan, predicted with a fitted profile (its step times × `scale`) instead of its own cost model."""
-    sc = plan.scenario
-    cost = sc.cost_model.model_copy(update={"profile": str(profile.resolve()), "profile_scale": scale})
-    return make_plan(sc.model_copy(update={"cost_model": cost}), plan.base_dir)
+    return replan(plan, cost_model={**plan.source["cost_model"], "profile": str(profile.resolve()),
+                                    "profile_scale": scale})
 
 
 def pick(metrics: dict, section: str, key: str) -> float | None:
@@ -88,8 +88,8 @@ def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: P
 
 def read_run(folder: Path):
     """A recorded executor run (the traces `run_real` wrote) as (records, step records)."""
-    from sim.metrics import records_from_requests
-    from sim.request import Request, Status
+    from sim.report.metrics import records_from_requests
+    from sim.policy.request import Request, Status
 
     requests = []
     for line in (folder / "requests.jsonl").read_text().splitlines():
@@ -105,12 +105,12 @@ def read_run(folder: Path):
 
 def plain_of(plan: Plan) -> Plan:
     """The same scenario without speculative decoding: the baseline its speedup is measured against."""
-    return make_plan(plan.scenario.model_copy(update={"speculative": None}), plan.base_dir)
+    return replan(plan, speculative=None)
 
 
 def slo_metrics(plan: Plan, records: RequestRecords) -> dict:
     """compute_metrics under the plan's SLO."""
-    slo = plan.scenario.slo
+    slo = plan.slo
     return compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
 
 
@@ -140,7 +140,7 @@ def simulated(plan: Plan, profile: Path, scale: float, specs) -> tuple[Plan, Req
     """The plan predicted with the profile × `scale` on the requests `specs`: (that plan, records, metrics).
     A speculative plan's metrics are the mean over SPEC_DRAWS acceptance draws (the records: the first's)."""
     sim_plan = with_profile(plan, profile, scale)
-    draws = SPEC_DRAWS if plan.scenario.speculative is not None else 1
+    draws = SPEC_DRAWS if plan.speculative is not None else 1
     recs = [sim_records(simulate(sim_plan, specs, spec_draw=d)) for d in range(draws)]
     return sim_plan, recs[0], mean_metrics([slo_metrics(plan, r) for r in recs])
 
@@ -171,12 +171,12 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     """Simulate the plan with the profile and compare with the executor `runs`
     ((records, step records) each); returns validation.json's content (written to `out` with the CDF plot).
     `plain_runs`: for a speculative scenario, runs without speculation, to validate the speedup too."""
-    specs = generate_requests(plan.scenario.workload, plan.base_dir)  # plain_of(plan) has the same workload
+    specs = generate_requests(plan.workload, plan.base_dir)  # plain_of(plan) has the same workload
     sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, specs)
     cost = make_cost_model(sim_plan)
-    spec = plan.scenario.speculative
+    spec = plan.speculative
     ratios = [step_time_ratio(steps, cost, spec.verify_cost_ratio if spec else 1.0) for _, steps in runs]
-    result = {"scenario": plan.scenario.name, "device": device, "profile": str(profile), "runs": len(runs),
+    result = {"scenario": plan.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "step_time_ratio": ratios}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
@@ -237,7 +237,7 @@ def model_loader(device: str):
     models: dict = {}
 
     def load(plan: Plan):
-        key = (plan.model.name, plan.model.num_layers, plan.model.hidden_size, str(plan.scenario.model))
+        key = (plan.model.model_dump_json(), str(plan.model_checkpoint))
         if key not in models:
             models[key] = load_model(plan, device)
         return models[key]
@@ -261,11 +261,11 @@ def check_graphs(plans: list, profile: Path | None, device: str) -> None:
         except (OSError, json.JSONDecodeError):
             return  # the cost model's own loading says what is wrong with the file
     for plan in plans:
-        runs = plan.scenario.executor.cuda_graphs and engine.CUDA_GRAPHS
+        runs = plan.executor.cuda_graphs and engine.CUDA_GRAPHS
         if measured is not None and measured != runs:
             what = f"{profile} was measured" if profile else "--profile-alongside measures"
             raise ConfigError(f"{what} with cuda_graphs {str(measured).lower()} but "
-                              f"{plan.scenario.name} runs with {str(runs).lower()}; profile again or set "
+                              f"{plan.name} runs with {str(runs).lower()}; profile again or set "
                               f"executor.cuda_graphs: {str(measured).lower()}", "executor.cuda_graphs")
 
 
@@ -294,7 +294,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     for k, (plan, out) in enumerate(plans):
         main.append(len(jobs))
         jobs.append((plan, out, real_from[k] if real_from else None))
-        if plan.scenario.speculative:
+        if plan.speculative:
             plain.append(len(jobs))
             jobs.append((plain_of(plan), None if out is None else out / "plain",
                          real_from[k] / "plain" if real_from else None))
@@ -311,7 +311,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
         results = [recorded_runs(folder) for _, _, folder in jobs]
     else:
         results = [[] for _ in jobs]
-        specs = [generate_requests(plan.scenario.workload, plan.base_dir) for plan, _, _ in jobs]
+        specs = [generate_requests(plan.workload, plan.base_dir) for plan, _, _ in jobs]
         sweep = alongside_sweep([plan for plan, _, _ in jobs], load, device, quick_sweep) \
             if alongside is not None else None
         slices = max(1, runs) * len(jobs) + 1  # one before each executor run, one after the last
@@ -353,8 +353,8 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     shape = (first.model.num_layers, first.model.hidden_size)
     for plan in plans:
         if (plan.model.num_layers, plan.model.hidden_size) != shape:
-            raise ConfigError(f"--profile-alongside measures one model's profile, but {plan.scenario.name} runs "
-                              f"{plan.model.name} and {first.scenario.name} {first.model.name}",
+            raise ConfigError(f"--profile-alongside measures one model's profile, but {plan.name} runs "
+                              f"{plan.model.name} and {first.name} {first.model.name}",
                               "--profile-alongside")
     loaded = load(first)
     return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick)

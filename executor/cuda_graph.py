@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from executor.attention import masked_attention
-from executor.kv_cache import KVCache
-from sim.errors import ConfigError
+from executor.cache_engine import KVCache
+from sim.config.errors import ConfigError
 
 # Batch sizes captured (nano-vllm's choice), cut at the engine's max_num_seqs, which is always one of them.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

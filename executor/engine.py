@@ -13,13 +13,13 @@ import torch
 
 from executor.attention import AttentionMetadata
 from executor.cuda_graph import step_graphs
-from executor.host_memory import keep_freed_memory
-from executor.kv_cache import KVCache
+from executor.malloc_tuning import keep_freed_memory
+from executor.cache_engine import KVCache
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams, sample
-from executor.speculative import tree_depths, tree_mask, verify, verify_tree
-from sim.request import Request
-from sim.scheduler import Scheduler
+from executor.speculative.verify import tree_depths, tree_mask, verify, verify_tree
+from sim.policy.request import Request
+from sim.policy.scheduler import Scheduler
 
 
 # Switch off to run every step eagerly on a GPU too (use_graphs=None then means off; for comparisons).

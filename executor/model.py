@@ -21,7 +21,7 @@ from torch import nn
 
 from executor import native
 from executor.attention import AttentionMetadata, get_backend
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""`infersim serve`: replay a scenario's workload on the real executor, online, and write the same
-report as `infersim run` plus the per-step trace."""
+"""Serving a plan on the real executor: load its weights, build its engine, replay its requests online."""
 from __future__ import annotations
 
 import json
@@ -7,25 +6,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import yaml
-from rich.console import Console
 
+from executor.cache_engine import KVCache
 from executor.engine import Engine, SamplingParams
-from executor.kv_cache import KVCache
 from executor.model import LlamaModel
 from executor.prompts import corpus_ids, prompt_ids
-from executor.speculative import PromptLookup
-from sim.cluster import ReplicaTrace, make_cost_model, make_policy
-from sim.errors import ConfigError
-from sim.fitted_cost import load_profile, predicted_step_time
-from sim.metrics import records_from_requests, request_rates
-from sim.report import build_report, print_summary, write_outputs
-from sim.request import Request
-from sim.scenario import Plan, load_scenario
-from sim.speculative import reference_step_s
-from sim.workload import RequestSpec, generate_requests
+from executor.speculative.ngram import PromptLookup
+from sim.config.errors import ConfigError
+from sim.config.plan import Plan
+from sim.config.workload import RequestSpec
+from sim.policy.build import make_policy
+from sim.policy.request import Request
+from sim.report.metrics import records_from_requests
+from sim.report.trace import ReplicaTrace
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -42,14 +36,12 @@ def load_model(plan: Plan, device: str) -> Loaded:
     `model: {hf_config: DIR}` where DIR holds a llama-family checkpoint (config.json + safetensors)."""
     from executor.weights import load_hf_model, smollm2_gguf_path
 
-    raw = plan.scenario.model
     if plan.model.weight_dtype not in TORCH_DTYPES:
         raise ConfigError(f"the executor runs fp32/fp16/bf16 weights, not {plan.model.weight_dtype}",
                           "model.weight_dtype")
     try:
-        if isinstance(raw, dict) and "hf_config" in raw:
-            folder = plan.base_dir / str(raw["hf_config"])
-            model, hf_config, tokenizer = load_hf_model(folder.parent if folder.suffix == ".json" else folder)
+        if plan.model_checkpoint is not None:
+            model, hf_config, tokenizer = load_hf_model(plan.model_checkpoint)
         elif plan.model.num_layers == 30 and plan.model.hidden_size == 576:  # SmolLM2-135M, any overrides
             model, hf_config, tokenizer = load_hf_model(smollm2_gguf_path())
         else:
@@ -57,7 +49,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
                               "SmolLM2-135M, or {hf_config: DIR} with a checkpoint in DIR", "model")
     except FileNotFoundError as e:
         raise ConfigError(str(e), "model") from None
-    model.attn_backend = plan.scenario.executor.attention
+    model.attn_backend = plan.executor.attention
     model = model.to(device=device, dtype=TORCH_DTYPES[plan.model.weight_dtype])
     eos = getattr(hf_config, "eos_token_id", None)
     return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
@@ -65,7 +57,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
 
 def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
     """An engine with the plan's scheduler and KV allocator and a KV cache of the plan's blocks."""
-    ex = plan.scenario.executor
+    ex = plan.executor
     cfg = loaded.model.config
     dtype = TORCH_DTYPES[plan.model.weight_dtype]
     block_bytes = KVCache.bytes_per_block(cfg, plan.block_size, dtype)
@@ -84,9 +76,9 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
 def drafter_dir(plan: Plan) -> Path:
     """The folder of a draft_model scenario's draft or a medusa scenario's heads (the scenario's, relative to
     it, or the default); a one-line error if there is none."""
-    from executor.distill import default_draft_dir, default_medusa_dir
+    from executor.speculative.training import default_draft_dir, default_medusa_dir
 
-    spec = plan.scenario.speculative
+    spec = plan.speculative
     if spec.method == "medusa":
         name, default, meta, key, cmd = (spec.medusa_heads, default_medusa_dir(), "medusa.json",
                                          "speculative.medusa_heads", "train Medusa heads with `infersim train-medusa")
@@ -101,21 +93,21 @@ def drafter_dir(plan: Plan) -> Path:
 
 def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
     """The scenario's drafter for speculative decoding, or None."""
-    spec = plan.scenario.speculative
+    spec = plan.speculative
     if spec is None:
         return None
     if spec.method == "draft_model":
-        from executor.draft_model import DraftModelDrafter, load_draft
+        from executor.speculative.draft_model import DraftModelDrafter, load_draft
 
         try:
             draft = load_draft(drafter_dir(plan), target)
         except ValueError as e:
             raise ConfigError(str(e), "speculative.draft_model") from None
         return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4),
-                                 max_num_seqs=plan.scenario.serving.max_num_seqs, max_model_len=plan.max_model_len,
-                                 use_graphs=None if plan.scenario.executor.cuda_graphs else False)
+                                 max_num_seqs=plan.scheduler.max_num_seqs, max_model_len=plan.max_model_len,
+                                 use_graphs=None if plan.executor.cuda_graphs else False)
     if spec.method == "medusa":
-        from executor.medusa import MedusaDrafter, load_medusa
+        from executor.speculative.medusa import MedusaDrafter, load_medusa
 
         try:
             heads = load_medusa(drafter_dir(plan), target)
@@ -127,56 +119,6 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
             raise ConfigError(f"{e} (the heads in {drafter_dir(plan)} are {heads.num_heads})",
                               "speculative.medusa_tree") from None
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)
-
-
-# fewer plain decode steps than this: too few to read the run's speed off (taken as 1). A draft-model or Medusa
-# serve has only a handful (requests' last tokens), and they read its speed better than 1 does: in the
-# 2026-11-30 17:21 calibration serves, which ran 12-24% slow, 4 and 6 of them said 1.24 and 1.18.
-MIN_PLAIN_STEPS = 4
-
-
-def draft_cost(records: list, cost=None) -> dict:
-    """Speculation's cost per step as the simulator charges it. The drafter's time ≈ draft_s_per_step +
-    draft_s_per_seq × requests that drafted + draft_s_per_token × tokens its own model caught up on (a draft
-    model reads a new request's prompt at its first draft), fitted by non-negative least squares over the decode
-    steps in which the drafter ran, those where it proposed nothing included (prompt lookup searched and found no
-    n-gram), from what the executor measured of it (each record's draft_s).
-    Given the fitted step-cost model the simulator uses (`cost`), the serve's speed against it is read off its
-    plain decode steps (where it has MIN_PLAIN_STEPS of them): the drafter's times are divided by it and
-    `draft_s_reference_step` says at what speed they are (the model's one-row decode step), so the simulator
-    scales them with its own profile as it does the target's steps — the drafter runs on the same machine, and a
-    serve on a machine running 15% slow would otherwise charge 15% too much on a fast day. Also
-    verify_cost_ratio: the verify forwards' measured time over that model's prediction for their shapes (its
-    linear form does not follow small verify batches or candidate trees exactly), at the same speed. A ratio,
-    not a time difference, so it carries over to another profile of the same device (`validate
-    --profile-alongside`)."""
-    from scipy.optimize import nnls
-
-    ran = [r for r in records if r.draft_s > 0 and not r.num_prefill and r.num_decode]
-    steps = [r for r in ran if r.num_drafted > 0]  # the verify forwards
-    if len(steps) < 2:
-        return {}
-    speed, out = 1.0, {}
-    if cost is not None:
-        def predict(r):
-            return predicted_step_time(r.to_json(), cost)
-
-        # the machine's speed during this run, read off its plain decode steps, is not speculation's cost
-        plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]
-        if len(plain) >= MIN_PLAIN_STEPS:
-            speed = sum(r.end_s - r.start_s - r.draft_s for r in plain) / sum(predict(r) for r in plain)
-        measured = sum(r.end_s - r.start_s - r.draft_s for r in steps)
-        pred = sum(predict(r) for r in steps)
-        out.update(verify_cost_ratio=float(measured / (pred * speed)), verify_step_ratio=float(measured / pred),
-                   plain_decode_step_ratio=float(speed), plain_decode_steps=len(plain),
-                   draft_s_reference_step=reference_step_s(cost))
-    rows = np.array([sum(q > 1 for q in r.new_tokens[:r.num_decode]) for r in ran], dtype=float)  # verify rows
-    fed = np.array([r.draft_fed_tokens for r in ran], dtype=float)
-    c, _ = nnls(np.column_stack([np.ones_like(rows), rows, fed]), np.array([r.draft_s for r in ran]) / speed)
-    out.update(draft_s_per_step=float(c[0]), draft_s_per_seq=float(c[1]))
-    if fed.any():  # a drafter with a model of its own
-        out["draft_s_per_token"] = float(c[2])
-    return out
 
 
 def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
@@ -236,7 +178,7 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
 def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
           loaded: Loaded | None = None):
     """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests)."""
-    if plan.scenario.replicas != 1:
+    if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
     set_threads(plan, threads)
     loaded = loaded or load_model(plan, device)
@@ -251,7 +193,7 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
 
 def set_threads(plan: Plan, threads: int | None = None) -> None:
     """torch's CPU threads: `threads`, else the scenario's executor.threads, else left as they are."""
-    threads = threads or plan.scenario.executor.threads
+    threads = threads or plan.executor.threads
     if threads:
         torch.set_num_threads(threads)
 
@@ -263,80 +205,3 @@ def check_device(device: str, present: bool = True) -> None:
         raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
     if present and device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device here; allowed: --device cpu", "--device")
-
-
-def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
-                   quiet: bool = False, plots: bool = True, profile: Path | None = None) -> dict:
-    """Load, run on the executor, report. Returns report.json's content. `profile` (default: the scenario's
-    cost_model.profile, if any): the fitted step costs the speculative overhead is measured against."""
-    check_device(device)
-    _, plan = load_scenario(path)
-    cost = None  # checked before the run, which takes minutes
-    if profile is not None:
-        cost = load_profile(profile, plan.model, "--profile")
-    elif plan.scenario.cost_model.profile:
-        cost = make_cost_model(plan)
-    try:
-        specs = generate_requests(plan.scenario.workload, plan.base_dir)
-        records, trace, engine, requests, wall = serve(plan, specs, device, threads)
-    except ConfigError as e:
-        raise e.with_file(str(path)) from None
-    report = build_report(plan, records, [trace], wall, engine="executor",
-                          extra={"executor": {"device": device, "threads": torch.get_num_threads(),
-                                              "attention": plan.scenario.executor.attention,
-                                              "torch": torch.__version__}})
-    if "speculative" in report:
-        report["speculative"].update(draft_cost(engine.records, cost))
-        report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
-        if hasattr(engine.drafter, "rank_probs"):
-            report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
-    if out is not None:
-        write_outputs(out, report, records, [trace], plots=plots)
-        write_traces(out, engine, requests)
-        if "speculative" in report:
-            (out / "speculative.yaml").write_text(yaml.dump(
-                {"speculative": calibrated_speculative(plan, report["speculative"])}, Dumper=_FlowLeaves,
-                sort_keys=False, width=110))
-    if not quiet:
-        print_summary(report, Console())
-        if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
-                            + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
-                               if "speculative" in report else ""))
-    return report
-
-
-class _FlowLeaves(yaml.SafeDumper):
-    """YAML with lists of plain values on one line ([0.243, 0.318]), the rest in block style."""
-
-    def represent_list(self, data):
-        flat = all(not isinstance(x, (list, dict)) for x in data)
-        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
-
-
-_FlowLeaves.add_representer(list, _FlowLeaves.represent_list)
-
-
-def calibrated_speculative(plan: Plan, measured: dict) -> dict:
-    """The scenario's speculative section with what this serve measured in the simulator's fields (per-request
-    rates or Medusa's rank probabilities, the drafter's time, verify_cost_ratio): what `infersim run` of the
-    scenario needs to simulate this drafter on this device."""
-    spec = {"method": plan.scenario.speculative.method, **plan.scenario.speculative.model_dump(
-        exclude_unset=True, exclude_none=True, exclude={"acceptance_rate", "proposal_rate", "request_rates",
-                                                        "medusa_rank_probs", "draft_s_per_step", "draft_s_per_seq",
-                                                        "draft_s_per_token", "draft_s_reference_step",
-                                                        "verify_cost_ratio"})}
-    if spec["method"] == "medusa":
-        spec["medusa_rank_probs"] = [[round(p, 4) for p in row] for row in measured["medusa_rank_probs"]]
-        spec["proposal_rate"] = round(measured["proposal_rate"] or 0.0, 3)
-    elif measured["request_rates"]:
-        spec["request_rates"] = measured["request_rates"]
-    else:  # no request decoded: the pooled rates, if any
-        spec.update(acceptance_rate=round(measured.get("alpha") or 0.0, 3),
-                    proposal_rate=round(measured.get("proposal_rate") or 0.0, 3))
-    for key in ("draft_s_per_step", "draft_s_per_seq", "draft_s_per_token", "draft_s_reference_step"):
-        if key in measured:
-            spec[key] = round(measured[key], 8 if key == "draft_s_per_token" else 6)
-    if "verify_cost_ratio" in measured:
-        spec["verify_cost_ratio"] = round(measured["verify_cost_ratio"], 3)
-    return spec

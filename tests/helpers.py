@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import copy
 
-from sim.cluster import sim_records, simulate
-from sim.report import build_report
-from sim.scenario import make_plan, parse_scenario
+from sim.simulator.cluster import sim_records, simulate
+from sim.report.outputs import build_report
+from sim.config.plan import make_plan
+from sim.config.scenario import parse_scenario
 
 BASE = {
     "model": "Llama-2-7B",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from executor.attention import BACKENDS, AttentionMetadata, get_backend
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.tiny import tiny_config
 
 TOL = 1e-5

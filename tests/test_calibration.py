@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app
-from sim.fitted_cost import FittedCostModel, shape_of
+from infersim.cli import app
+from sim.cost.fitted import FittedCostModel, shape_of
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 
@@ -142,17 +142,17 @@ def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoin
 
 
 @pytest.mark.parametrize("folder, profile, runs", [
-    ("2026-11-29-h200", "calibration/gpu_runs/2026-11-29-h200/cuda.json", 2),  # every step eager
+    ("2026-11-29-h200", "docs/runs/2026-11-29-h200/cuda.json", 2),  # every step eager
     ("2026-11-30-h200", "calibration/profiles/cuda.json", 1),  # plain decode steps replayed from CUDA graphs
 ])
 def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path, folder, profile, runs):
-    """calibration/gpu_runs holds the executor runs gpu_check recorded on an H200; `--device cuda --real-from`
+    """docs/runs holds the executor runs gpu_check recorded on an H200; `--device cuda --real-from`
     re-scores them on any machine against the profile measured with them and gives the shipped table."""
     import tarfile
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    shipped = root / "calibration/gpu_runs" / folder
+    shipped = root / "docs/runs" / folder
     with tarfile.open(shipped / "runs.tar.gz") as tar:
         tar.extractall(tmp_path / "runs", filter="data")
     scenarios = [str(root / f"scenarios/validation/{s}.yaml") for s in ("low_load", "medium_load")]
@@ -194,13 +194,12 @@ def test_a_gpu_profile_measured_with_graphs_is_refused_for_an_eager_scenario(tmp
     from pathlib import Path
 
     from calibration.validate import check_graphs
-    from sim.errors import ConfigError
-    from sim.scenario import load_scenario, make_plan
+    from sim.config.errors import ConfigError
+    from sim.config.plan import load_scenario, replan
 
     root = Path(__file__).resolve().parent.parent
     _, plan = load_scenario(root / "scenarios/validation/low_load.yaml")
-    eager = plan.scenario.model_copy(update={"executor": plan.scenario.executor.model_copy(update={"cuda_graphs": False})})
-    eager_plan = make_plan(eager, plan.base_dir)
+    eager_plan = replan(plan, executor={**plan.source["executor"], "cuda_graphs": False})
     profile = tmp_path / "cuda.json"
     profile.write_text(json.dumps({"host": {"device": "cuda", "cuda_graphs": True}}))
     check_graphs([plan], profile, "cuda")
@@ -208,7 +207,7 @@ def test_a_gpu_profile_measured_with_graphs_is_refused_for_an_eager_scenario(tmp
     with pytest.raises(ConfigError) as e:
         check_graphs([eager_plan], profile, "cuda")
     assert e.value.key_path == "executor.cuda_graphs" and "cuda_graphs true" in e.value.message
-    check_graphs([eager_plan], root / "calibration/gpu_runs/2026-11-29-h200/cuda.json", "cuda")  # predates the flag
+    check_graphs([eager_plan], root / "docs/runs/2026-11-29-h200/cuda.json", "cuda")  # predates the flag
 
 
 def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path, checkpoint, profile, monkeypatch):
@@ -216,7 +215,7 @@ def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path
     the profile written and the scenarios predicted with it; the same steps as a sweep run all at once."""
     import calibration.validate as validate_mod
     from calibration.profile import Sweep
-    from sim.scenario import load_scenario
+    from sim.config.plan import load_scenario
 
     order = []
     run_until, run_real = Sweep.run_until, validate_mod.run_real
@@ -257,7 +256,7 @@ def test_profile_alongside_refuses_scenarios_on_different_models():
     """One profile prices one model: a validation that mixes models cannot measure one alongside (one line, before
     any model loads)."""
     from calibration.validate import alongside_sweep
-    from sim.errors import ConfigError
+    from sim.config.errors import ConfigError
     from tests.helpers import plan_of, scenario
 
     small, big = plan_of(scenario(model="SmolLM2-135M")), plan_of(scenario(model="Llama-2-7B"))

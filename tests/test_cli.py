@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app, run_scenario
+from infersim.cli import app
+from infersim.api import run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -188,7 +189,7 @@ def test_missing_scenario_file(tmp_path):
 def test_real_subprocess_exit_codes_and_stderr(tmp_path):
     """The installed `infersim` script: 0 and a report for a good scenario, 2 and one line for a bad one."""
     exe = shutil.which("infersim")
-    cmd = [exe] if exe else [sys.executable, "-m", "sim.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "infersim.cli"]
     out = tmp_path / "out"
     ok = subprocess.run([*cmd, "run", str(SMALL), "--out", str(out), "--quiet", "--no-plots"],
                         capture_output=True, text=True, timeout=120)
@@ -256,7 +257,7 @@ def test_gpu_scripts_without_cuda_say_so_in_one_line(cmd):
 
 
 def test_validate_says_when_the_machine_drifted_from_its_profile():
-    from sim.cli import _drift_line
+    from infersim.cli import _drift_line
 
     def runs(*ratios):
         return [{"step_time_ratio": [{"all": r} for r in ratios]}]

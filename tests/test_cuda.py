@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from executor.draft_model import DraftModelDrafter, make_student
+from executor.speculative.draft_model import DraftModelDrafter, make_student
 from executor.engine import SamplingParams
-from executor.medusa import MedusaDrafter, MedusaHeads
-from executor.speculative import PromptLookup
+from executor.speculative.medusa import MedusaDrafter, MedusaHeads
+from executor.speculative.ngram import PromptLookup
 from executor.tiny import tiny_model
-from sim.request import Status
+from sim.policy.request import Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
 from tests.test_medusa import TREE, OracleTree
 

@@ -9,9 +9,9 @@ import torch
 from executor.attention import AttentionMetadata, sdpa_attention
 from executor.cuda_graph import (DecodeGraphs, GraphMeta, PromptGraphs, VerifyGraphs, graph_decode_attention,
                                  graph_prompt_attention, graph_verify_attention)
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.tiny import tiny_model
-from sim.request import Request, Status
+from sim.policy.request import Request, Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
 
 WORK_LENS = [6, 11, 4, 9, 15, 3, 8, 10]
@@ -132,7 +132,7 @@ def test_graph_prompt_attention_equals_sdpa_on_a_paged_cache(query_len):
 def test_verify_steps_give_the_engines_output(model, gamma):
     """Decode steps whose rows carry prompt-lookup drafts (some rows none, others up to gamma), each row padded at
     its front to gamma + 1 slots: the greedy output of the eager verify path, and the cache it leaves."""
-    from executor.speculative import PromptLookup
+    from executor.speculative.ngram import PromptLookup
 
     work = [(p + p[:5] + p, n) for p, n in zip(prompts(8), WORK_LENS)]  # repeats, so that lookups find drafts
     runs = {}
@@ -186,7 +186,7 @@ def test_captured_shapes_cover_the_engine_limits(model):
 def test_graph_sets_are_shared_by_the_limits_that_shape_them(model):
     """Off the GPU nothing is cached; the sets an engine gets follow its limits (a verify set only with a chain
     drafter and num_speculative_tokens)."""
-    from executor.speculative import PromptLookup
+    from executor.speculative.ngram import PromptLookup
 
     plain = make_engine(model, use_graphs=True, max_num_seqs=8)
     assert plain.graphs.verify is None and plain.graphs.decode.batch_sizes[-1] == 8
@@ -199,7 +199,7 @@ def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
     """Decode and verify rows attended through batched GEMMs (the GPU's path) give the engine's greedy output
     under every policy and with prompt-lookup drafts; masked_attention equals SDPA under a mask."""
     from executor import attention
-    from executor.speculative import PromptLookup
+    from executor.speculative.ngram import PromptLookup
 
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 20, 8, generator=g), torch.randn(2, 3, 20, 8, generator=g)
@@ -234,12 +234,12 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     import weakref
 
     from executor.cuda_graph import GraphSet, step_graphs
-    from sim.scheduler import SchedulerConfig
+    from sim.config.plan import scheduler_config
 
     monkeypatch.setattr(GraphSet, "capture", lambda self, scratch_slot=0: self)
     net = tiny_model(seed=6, num_layers=1, vocab_size=64)
     kv = KVCache.for_model(net.config, 32, 4)
-    cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    cfg = scheduler_config(64, max_num_seqs=4, max_num_batched_tokens=32)
     a, b = step_graphs(net, kv, cfg), step_graphs(net, kv, cfg)
     c = step_graphs(net, kv, dataclasses.replace(cfg, max_num_seqs=8))
     assert a.decode is b.decode and a.prompt is b.prompt and c.decode is not a.decode and c.prompt is a.prompt
@@ -254,8 +254,8 @@ def test_a_failed_capture_is_one_line_with_the_way_out(monkeypatch):
     """Out of GPU memory (or an op that cannot be captured) while capturing: a one-line error on the scenario key
     that turns the graphs off, not a traceback."""
     from executor.cuda_graph import GraphSet, step_graphs
-    from sim.errors import ConfigError
-    from sim.scheduler import SchedulerConfig
+    from sim.config.errors import ConfigError
+    from sim.config.plan import scheduler_config
 
     def fail(self, scratch_slot=0):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
@@ -263,6 +263,6 @@ def test_a_failed_capture_is_one_line_with_the_way_out(monkeypatch):
     monkeypatch.setattr(GraphSet, "capture", fail)
     net = tiny_model(seed=7, num_layers=1, vocab_size=64)
     with pytest.raises(ConfigError) as e:
-        step_graphs(net, KVCache.for_model(net.config, 32, 4), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+        step_graphs(net, KVCache.for_model(net.config, 32, 4), scheduler_config(64, max_num_seqs=4))
     assert e.value.key_path == "executor.cuda_graphs" and "\n" not in e.value.message
     assert "CUDA out of memory. Tried to allocate 2.00 GiB" in e.value.message and "cuda_graphs: false" in e.value.message

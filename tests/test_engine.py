@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from executor.engine import Engine, SamplingParams
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.tiny import tiny_model, to_transformers
-from sim.kv_cache import BlockAllocator
-from sim.request import Request, Status
-from sim.scheduler import SchedulerConfig, make_scheduler
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.request import Request, Status
+from sim.config.plan import scheduler_config
+from sim.policy.scheduler import make_scheduler
 
 torch.set_num_threads(1)
 
@@ -42,7 +43,7 @@ def make_engine(model, num_blocks=64, block_size=4, swap_blocks=0, device="cpu",
     if contiguous:
         block_size = cfg["max_model_len"]
     kv = BlockAllocator(num_blocks, block_size, num_swap_blocks=swap_blocks, contiguous=contiguous)
-    sched = make_scheduler(SchedulerConfig(**cfg), kv)
+    sched = make_scheduler(scheduler_config(cfg.pop("max_model_len"), **cfg), kv)
     c = model.config
     host = KVCache(c.num_layers, swap_blocks, block_size, c.num_kv_heads, c.head_dim) if swap_blocks else None
     return Engine(model, sched, KVCache.for_model(c, num_blocks, block_size, device=device), SamplingParams(),

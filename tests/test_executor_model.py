@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from executor.attention import BACKENDS, AttentionMetadata
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.model import LlamaConfig, rope_inv_freq
 from executor.tiny import llama3_rope_scaling, tiny_config, tiny_model, to_transformers
 

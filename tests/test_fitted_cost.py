@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from sim.errors import ConfigError
-from sim.fitted_cost import FEATURES, FittedCostModel, fit, shape_of
+from sim.config.errors import ConfigError
+from sim.cost.fitted import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import plan_of, run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
@@ -122,7 +122,7 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
     rewrites it; a missing profile is a one-line error, exit 2."""
     from typer.testing import CliRunner
 
-    from sim.cli import app
+    from infersim.cli import app
 
     shapes, _ = synthetic(noise=0.0)
     samples = []

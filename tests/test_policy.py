@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from sim.kv_cache import BlockAllocator
-from sim.models import MODEL_CATALOG
-from sim.request import Request, Status
-from sim.scheduler import Scheduler, SchedulerConfig, StaticScheduler
+from sim.policy.block_manager import BlockAllocator
+from sim.config.models import MODEL_CATALOG
+from sim.policy.request import Request, Status
+from sim.policy.scheduler import Scheduler, StaticScheduler
+from sim.config.plan import scheduler_config
 
 
 def test_kv_bytes_llama2_7b_4096_tokens_is_2_gib():
@@ -59,7 +60,7 @@ def make(num_blocks=64, block_size=4, **cfg):
     cfg.setdefault("max_model_len", 256)
     cfg.setdefault("prefill_chunk_size", cfg["max_num_batched_tokens"])
     kv = BlockAllocator(num_blocks, block_size, num_swap_blocks=cfg.pop("swap_blocks", 0))
-    return Scheduler(SchedulerConfig(**cfg), kv)
+    return Scheduler(scheduler_config(cfg.pop("max_model_len"), **cfg), kv)
 
 
 def reqs(spec):
@@ -195,7 +196,7 @@ def test_max_waiting_tokens_forces_the_prefill():
 
 def test_contiguous_reserves_max_model_len_per_request():
     kv = BlockAllocator(num_blocks=3, block_size=256, contiguous=True)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_model_len=256, prefill_chunk_size=256), kv)
+    s = Scheduler(scheduler_config(256, max_num_batched_tokens=256, prefill_chunk_size=256), kv)
     rs = reqs([(5, 5)] * 5)
     for r in rs:
         s.add(r)
@@ -208,7 +209,7 @@ def test_contiguous_reserves_max_model_len_per_request():
 
 def test_static_batch_pads_and_holds_rows_until_the_longest_ends():
     kv = BlockAllocator(num_blocks=100, block_size=4)
-    s = StaticScheduler(SchedulerConfig(batching="static", batch_size=2, max_model_len=256), kv)
+    s = StaticScheduler(scheduler_config(256, batching="static", batch_size=2), kv)
     a, b, c = reqs([(4, 2), (10, 6), (3, 3)])
     for r in (a, b, c):
         s.add(r)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from sim.errors import ConfigError
-from sim.hardware import HARDWARE_CATALOG
-from sim.models import MODEL_CATALOG
+from sim.config.errors import ConfigError
+from sim.config.hardware import HARDWARE_CATALOG
+from sim.config.models import MODEL_CATALOG
 from tests.helpers import plan_of, scenario
 
 SMOL_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,

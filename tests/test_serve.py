@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from executor.serve import serve_scenario
+from infersim.api import serve_scenario
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 
@@ -49,7 +49,7 @@ def test_too_small_kv_cache_preempts_and_loses_nothing(tmp_path, checkpoint):
 def test_serve_refuses_a_model_without_weights(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("model: Llama-2-7B\nhardware: A100-80GB\nworkload: {trace: {path: builtin:azure_conv}}\n")
-    from sim.errors import ConfigError
+    from sim.config.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         serve_scenario(path, None, quiet=True)
     assert e.value.key_path == "model" and "real weights" in e.value.message
@@ -58,7 +58,7 @@ def test_serve_refuses_a_model_without_weights(tmp_path):
 def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, checkpoint):
     """method: draft_model serves through a draft saved like `infersim distill` saves one; the report has
     α and the measured drafting cost the simulator takes (draft_s_per_step, draft_s_per_seq)."""
-    from executor.draft_model import make_student
+    from executor.speculative.draft_model import make_student
     from executor.weights import load_hf_model
 
     target, _, _ = load_hf_model(checkpoint)
@@ -72,8 +72,8 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
     # speculative.yaml: the scenario's section with what was measured; the simulator runs the scenario with it
     import yaml
 
-    from sim.cluster import simulate
-    from sim.scenario import load_scenario
+    from sim.simulator.cluster import simulate
+    from sim.config.plan import load_scenario
     measured = yaml.safe_load((tmp_path / "served" / "speculative.yaml").read_text())["speculative"]
     assert measured["method"] == "draft_model" and measured["request_rates"] == spec["request_rates"]
     assert measured["draft_s_per_step"] == pytest.approx(spec["draft_s_per_step"], abs=1e-6)
@@ -87,7 +87,7 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
 
     missing = write_tiny_scenario(tmp_path, checkpoint, name="no-draft", speculative={
         "method": "draft_model", "draft_model": "nowhere", "num_speculative_tokens": 3})
-    from sim.errors import ConfigError
+    from sim.config.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         serve_scenario(missing, None, quiet=True)
     assert e.value.key_path == "speculative.draft_model" and "infersim distill" in e.value.message
@@ -96,7 +96,7 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
 def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, checkpoint):
     """method: medusa serves with tree verification through heads saved like `infersim train-medusa` saves
     them; the report has the measured rank probabilities the simulator takes (medusa_rank_probs)."""
-    from executor.medusa import MedusaHeads
+    from executor.speculative.medusa import MedusaHeads
     from executor.weights import load_hf_model
 
     target, _, _ = load_hf_model(checkpoint)
@@ -112,7 +112,7 @@ def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, chec
 
     deep = write_tiny_scenario(tmp_path, checkpoint, name="too-deep", speculative={
         "method": "medusa", "medusa_heads": str(tmp_path / "heads"), "medusa_tree": [[0], [0, 0], [0, 0, 0]]})
-    from sim.errors import ConfigError
+    from sim.config.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         serve_scenario(deep, None, quiet=True)
     assert e.value.key_path == "speculative.medusa_tree"
@@ -122,8 +122,8 @@ def test_draft_cost_fits_the_drafter_and_the_verify_steps_ratio_to_the_profile()
     """The drafter's time is fitted from what the executor measured of it (no profile needed), and the verify
     forwards' time over the fitted model's prediction is their ratio, whatever their size."""
     from executor.engine import StepRecord
-    from executor.serve import draft_cost
-    from sim.fitted_cost import FittedCostModel, shape_of
+    from calibration.speculative import draft_cost
+    from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
     records = []
@@ -148,7 +148,7 @@ def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
     nothing drafted) are in the fit, so draft_s_per_step is the search and draft_s_per_seq what a drafting
     request adds; steps the drafter was not asked for (draft_s 0) are not."""
     from executor.engine import StepRecord
-    from executor.serve import draft_cost
+    from calibration.speculative import draft_cost
 
     records = []
     for i, n in enumerate([0, 0, 1, 2, 0, 3] * 3):
@@ -165,7 +165,7 @@ def test_draft_cost_fits_a_draft_model_s_catch_up_on_prompts():
     """A draft model reads a new request's prompt at its first draft (draft_fed_tokens): the fit gives that
     time per token apart from the per-step and per-request parts; drafters with no model report none."""
     from executor.engine import StepRecord
-    from executor.serve import draft_cost
+    from calibration.speculative import draft_cost
 
     records = []
     for i, (n, fed) in enumerate([(1, 1), (2, 160), (2, 2), (3, 3), (3, 203), (1, 1), (2, 3), (3, 90)] * 2):
@@ -184,8 +184,8 @@ def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""
     from executor.engine import StepRecord
-    from executor.serve import MIN_PLAIN_STEPS, draft_cost
-    from sim.fitted_cost import FittedCostModel, shape_of
+    from calibration.speculative import MIN_PLAIN_STEPS, draft_cost
+    from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
     spec, t = [], 0.0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.cluster import make_cost_model, sim_records, simulate
-from sim.scheduler import BatchShape
+from sim.cost.build import make_cost_model
+from sim.simulator.cluster import sim_records, simulate
+from sim.policy.scheduler import BatchShape
 from tests.helpers import plan_of, run, scenario
 
 MIXED = {"seed": 7, "arrival": {"process": "poisson", "rate": 6.0}, "num_requests": 400,

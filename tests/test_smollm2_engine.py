@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from executor.engine import Engine, SamplingParams
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.prompts import corpus_ids, prompt_ids
-from sim.kv_cache import BlockAllocator
-from sim.request import Request, Status
-from sim.scheduler import SchedulerConfig, make_scheduler
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.request import Request, Status
+from sim.config.plan import scheduler_config
+from sim.policy.scheduler import make_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,8 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
     model, hf, tokenizer = smollm2
     corpus = corpus_ids(tokenizer)
     work = [(prompt_ids(corpus, n, i), m) for i, (n, m) in enumerate([(7, 12), (85, 10), (30, 16), (160, 8)])]
-    cfg = SchedulerConfig(max_num_batched_tokens=64 if chunked else 512, prefill_chunk_size=64 if chunked else 512,
-                          enable_chunked_prefill=chunked, max_model_len=512)
+    cfg = scheduler_config(512, max_num_batched_tokens=64 if chunked else 512,
+                           prefill_chunk_size=64 if chunked else 512, enable_chunked_prefill=chunked)
     kv = BlockAllocator(48, 16)
     c = model.config
     engine = Engine(model, make_scheduler(cfg, kv), KVCache.for_model(c, 48, 16), SamplingParams(), use_graphs=graphs)
@@ -61,14 +62,14 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
 def test_prompt_lookup_verify_steps_through_graph_shapes_equal_plain_decoding(smollm2):
     """Prompt lookup (γ 10) with its verify steps (and the three prompts, packed) through the CUDA graphs' static
     shapes (run eagerly here) gives plain greedy decoding's output on prompts that repeat themselves."""
-    from executor.speculative import PromptLookup
+    from executor.speculative.ngram import PromptLookup
 
     model, _, tokenizer = smollm2
     corpus = corpus_ids(tokenizer)
     work = [((prompt_ids(corpus, n, i) * 2)[:n], m) for i, (n, m) in enumerate([(60, 24), (140, 30), (90, 20)])]
     outs = {}
     for spec in (False, True):
-        cfg = SchedulerConfig(max_num_batched_tokens=512, max_model_len=512, num_speculative_tokens=10 if spec else 0)
+        cfg = scheduler_config(512, max_num_batched_tokens=512, num_speculative_tokens=10 if spec else 0)
         engine = Engine(model, make_scheduler(cfg, BlockAllocator(48, 16)), KVCache.for_model(model.config, 48, 16),
                         SamplingParams(), drafter=PromptLookup(3, 1) if spec else None, use_graphs=spec)
         reqs = [Request(i, 0.0, len(p), m) for i, (p, m) in enumerate(work)]

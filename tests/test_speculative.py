@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from sim.speculative import best_draft_length, expected_accepted_drafts, expected_tokens_per_step, walltime_speedup
+from sim.cost.speculation import best_draft_length, expected_accepted_drafts, expected_tokens_per_step, walltime_speedup
 
 
 def test_expected_tokens_chain():
@@ -63,11 +63,11 @@ def _spec_scenario(rate, alpha=None, gamma=5, max_num_seqs=64, n=120):
 
 
 def _requested_lengths(sc) -> dict:
-    from sim.workload import generate_requests
+    from sim.config.workload import generate_requests
     from tests.helpers import plan_of
 
     plan = plan_of(sc)
-    return {s.id: s.output_len for s in generate_requests(plan.scenario.workload, plan.base_dir)}
+    return {s.id: s.output_len for s in generate_requests(plan.workload, plan.base_dir)}
 
 
 def test_simulated_verify_steps_yield_the_expected_tokens():
@@ -139,8 +139,8 @@ def test_a_draft_model_catches_up_on_what_it_has_not_read():
     context, then per step the target's token after its accepted drafts (two when all k were accepted; its
     drafts but the last are already held); a request it was not asked for in a step is forgotten and read
     again whole; one with a single token left is not drafted for and reads nothing."""
-    from sim.request import Request
-    from sim.speculative import SpeculationModel
+    from sim.policy.request import Request
+    from sim.cost.speculation import SpeculationModel
 
     spec = SpeculationModel(4, 0.5, draft_s_per_step=0.001, draft_s_per_token=1e-5)
     a, b = Request(1, 0.0, 100, 50, num_generated=1), Request(2, 0.0, 40, 50, num_generated=1)
@@ -159,8 +159,8 @@ def test_drafter_times_follow_the_profile_s_speed_from_their_reference_step():
     """Drafter times measured at a profile's speed (draft_s_reference_step: that profile's one-row decode step)
     are scaled by the simulator's own cost model: against a cost model twice as slow as the reference, the
     drafter costs twice its given time; with no reference, exactly its given time."""
-    from sim.cluster import make_cost_model
-    from sim.speculative import reference_step_s
+    from sim.cost.build import make_cost_model
+    from sim.cost.speculation import reference_step_s
     from tests.helpers import plan_of, run
 
     sc = _spec_scenario(0.05, alpha=0.8, gamma=4, n=30)
@@ -190,7 +190,7 @@ def test_request_rates_give_each_request_its_own_acceptance():
     (proposal 0.5, α 0.95) give every request the same; the mean tokens per verify step follow the copiers'."""
     import numpy as np
 
-    from sim.metrics import per_request_latency, request_rates
+    from sim.report.metrics import per_request_latency, request_rates
     from tests.helpers import run
 
     pooled = _spec_scenario(0.05, alpha=0.95, gamma=4, n=40)
@@ -212,7 +212,7 @@ def test_request_rates_give_each_request_its_own_acceptance():
 
 
 def test_speculation_needs_an_acceptance_rate_to_simulate_and_continuous_batching():
-    from sim.errors import ConfigError
+    from sim.config.errors import ConfigError
     from tests.helpers import plan_of, run
 
     sc = _spec_scenario(1.0, alpha=0.7)

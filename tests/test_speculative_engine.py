@@ -9,10 +9,12 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from executor.sampling import SamplingParams, target_probs
-from executor.draft_model import DraftModelDrafter, load_draft, make_student
-from executor.speculative import Drafter, PromptLookup, RandomDrafter, verify
+from executor.speculative.draft_model import DraftModelDrafter, load_draft, make_student
+from executor.speculative.drafter import Drafter, RandomDrafter
+from executor.speculative.ngram import PromptLookup
+from executor.speculative.verify import verify
 from executor.tiny import tiny_model, to_transformers
-from sim.request import Request, Status
+from sim.policy.request import Request, Status
 from tests.test_engine import make_engine, prompts, serve_all
 
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from sim.cli import app
+from infersim.cli import app
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from sim.errors import ConfigError
-from sim.workload import (
-    EmpiricalLength, RequestSpec, WorkloadConfig, generate_requests, load_trace,
-)
+from sim.config.errors import ConfigError
+from sim.config.workload import EmpiricalLength, RequestSpec, WorkloadConfig, generate_requests, load_trace
 
 AZURE = Path(__file__).resolve().parents[1] / "sim" / "data" / "azure_llm_2023_conv.csv"
 FIXED = {"dist": "fixed", "value": 7}

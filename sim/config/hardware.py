@@ -6,8 +6,8 @@ from pathlib import Path
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from sim.errors import ConfigError
-from sim.schema_base import StrictModel
+from sim.config.errors import ConfigError
+from sim.config.schema_base import StrictModel
 
 GiB = 1024**3
 
@@ -60,7 +60,7 @@ HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
 
 def _measured_cpu(spec: HardwareSpec) -> HardwareSpec:
     """The `cpu` entry with the matmul rate and bandwidth `infersim profile` measured, if a profile exists."""
-    path = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cpu.json"
+    path = Path(__file__).resolve().parents[2] / "calibration" / "profiles" / "cpu.json"
     try:
         measured = json.loads(path.read_text())["measured"]
     except (OSError, ValueError, KeyError):

@@ -1,9 +1,8 @@
-"""`infersim`: run scenarios, list the catalogs. Bad input → one line on stderr and exit code 2."""
+"""`infersim`: the command line. Thin: parses flags and calls the application API (infersim.api).
+Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
-import json
 import sys
-from importlib.resources import files
 from pathlib import Path
 from typing import List, Optional
 
@@ -11,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from sim.errors import ConfigError
+from infersim import api
+from sim.config.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
@@ -23,47 +23,6 @@ def _fail(e: ConfigError) -> None:
     raise typer.Exit(2)
 
 
-def default_scenario_path() -> Path:
-    """The scenario `infersim run` uses when given none (shipped inside the package)."""
-    return Path(str(files("sim") / "data" / DEFAULT_SCENARIO))
-
-
-def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool = True) -> dict:
-    """Load, simulate, report. Returns report.json's content."""
-    from sim.cluster import sim_records, simulate
-    from sim.report import build_report, print_summary, write_outputs
-    from sim.scenario import load_scenario
-    from sim.workload import generate_requests
-
-    _, plan = load_scenario(path)
-    try:
-        specs = generate_requests(plan.scenario.workload, plan.base_dir)
-    except ConfigError as e:
-        raise e.with_file(str(path)) from None
-    console = Console(stderr=True)
-    show = not quiet and console.is_terminal and len(specs) >= 2000
-    try:
-        if show:
-            from rich.progress import Progress
-            with Progress(console=console, transient=True) as bar:
-                task = bar.add_task("simulating", total=len(specs))
-                step = max(1, len(specs) // 100)
-                result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
-        else:
-            result = simulate(plan, specs)
-    except ConfigError as e:  # e.g. a setting only the simulator needs
-        raise e.with_file(str(path)) from None
-    records = sim_records(result)
-    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
-    if out is not None:
-        write_outputs(out, report, records, result.replicas, plots=plots)
-    if not quiet:
-        print_summary(report, Console())
-        if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))
-    return report
-
-
 @app.command()
 def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
         out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for report.json, requests.csv, plots"),
@@ -71,7 +30,7 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots")) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
     try:
-        run_scenario(scenario or default_scenario_path(), out, quiet=quiet, plots=not no_plots)
+        api.run_scenario(scenario or api.default_scenario_path(), out, quiet=quiet, plots=not no_plots)
     except ConfigError as e:
         _fail(e)
 
@@ -89,9 +48,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
     try:
-        from executor.serve import serve_scenario
-
-        serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
+        api.serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
         _fail(e)
 
@@ -108,12 +65,7 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
                                        "samples stored in the --out profile, in place")) -> None:
     """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
     try:
-        from calibration.profile import profile_command, refit_command
-
-        if refit:
-            refit_command(out)
-        else:
-            profile_command(device, model, out, threads, quick, repeats)
+        api.profile(device, model, out, threads, quick, repeats, refit=refit)
     except ConfigError as e:
         _fail(e)
 
@@ -131,12 +83,10 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder
         picked = [int(x) for x in layers.split(",") if x.strip()]
     except ValueError:
         _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
-    from executor.distill import distill_command
-
     try:
-        distill_command(out, picked, vocab_size, minutes, max_new, threads)
-    except ValueError as e:
-        _fail(ConfigError(str(e), "--layers"))
+        api.distill(out, picked, vocab_size, minutes, max_new, threads)
+    except ConfigError as e:
+        _fail(e)
 
 
 @app.command("train-medusa")
@@ -152,17 +102,10 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
                  retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
-    from calibration.validate import PROFILES
-    from executor.distill import retree_command, train_medusa_command
-
-    profile = profile or PROFILES / "cpu.json"
-    if retree:
-        try:
-            retree_command(out, profile)
-        except FileNotFoundError as e:
-            _fail(ConfigError(str(e), "--out"))
-        return
-    train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
+    try:
+        api.train_medusa(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
+    except ConfigError as e:
+        _fail(e)
 
 
 @app.command()
@@ -186,81 +129,27 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "see the machine in the same minutes")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     try:
-        from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
-        from executor.serve import check_device, drafter_dir
-        from sim.cluster import speculation_model
-        from sim.scenario import load_scenario
-
-        check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
-        paths = _scenario_files(scenarios)
-        plans = [(path, load_scenario(path)[1]) for path in paths]
-        if alongside is not None and profile_path is not None:
-            raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile",
-                              "--profile")
-        prof = profile_path or PROFILES / f"{device}.json"
-        if alongside is None and not prof.exists():
-            raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-        for path, plan in plans:  # what the simulator and the drafter need, checked before any executor run
-            try:
-                speculation_model(plan, 0)
-                method = plan.scenario.speculative.method if plan.scenario.speculative else None
-                if real_from is None and method in ("draft_model", "medusa"):
-                    drafter_dir(plan)
-            except ConfigError as e:
-                raise e.with_file(str(path)) from None
-        folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
-        recorded = None
-        if real_from is not None:
-            recorded = [real_from if len(plans) == 1 else real_from / path.stem for path, _ in plans]
-        shared = model_loader(device)
-
-        def load(plan):  # a model that will not load is reported against its scenario file
-            try:
-                return shared(plan)
-            except ConfigError as e:
-                raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
-
-        results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
-                                repeat, load, real_from=recorded, alongside=alongside)
-        prof = alongside or prof
-        for result in results:
-            _print_validation(result, device, prof, result["runs"])
-        drift = _drift_line(results)
-        if drift:
-            Console().print(drift)
-        spread = any(r["runs"] > 1 for r in results)
-        if len(results) > 1:
-            summary = summarize(results)
-            t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
-                      *(["median spread %"] if spread else []))
-            for name, row in summary.items():
-                t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
-                          _num(row["median_abs_error_at_run_speed_pct"]),
-                          *([_num(row["median_spread_pct"])] if spread else []))
-            Console().print(f"[bold]{len(results)} scenarios[/]")
-            Console().print(t)
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "summary.json").write_text(json.dumps({"profile": str(prof), "device": device,
-                                                              "summary": summary, "scenarios": results}, indent=2) + "\n")
-                (out / "table.md").write_text(markdown_table(results))
-                Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
+        results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
+                                              alongside)
     except ConfigError as e:
         _fail(e)
-
-
-def _scenario_files(paths: list[Path]) -> list[Path]:
-    """The YAML files named, with each folder expanded to its *.yaml (sorted)."""
-    files = []
-    for p in paths:
-        if p.is_dir():
-            found = sorted(p.glob("*.yaml"))
-            if not found:
-                raise ConfigError(f"{p} holds no *.yaml scenarios", "SCENARIO")
-            files += found
-        else:
-            files.append(p)
-    return files
+    for result in results:
+        _print_validation(result, device, prof, result["runs"])
+    drift = _drift_line(results)
+    if drift:
+        Console().print(drift)
+    if summary is not None:
+        spread = any(r["runs"] > 1 for r in results)
+        t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
+                  *(["median spread %"] if spread else []))
+        for name, row in summary.items():
+            t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
+                      _num(row["median_abs_error_at_run_speed_pct"]),
+                      *([_num(row["median_spread_pct"])] if spread else []))
+        Console().print(f"[bold]{len(results)} scenarios[/]")
+        Console().print(t)
+        if out is not None:
+            Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
 
 
 def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> None:
@@ -314,12 +203,10 @@ def _pct(x) -> str:
 @app.command()
 def models() -> None:
     """List the model catalog."""
-    from sim.models import MODEL_CATALOG
-
     t = Table("params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
               "max_len", "dtype", "KV/token")
     t.columns.insert(0, Column("name", no_wrap=True))
-    for m in MODEL_CATALOG.values():
+    for m in api.model_catalog().values():
         t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size), str(m.num_heads),
                   str(m.num_kv_heads), str(m.head_size), str(m.intermediate_size), str(m.vocab_size),
                   str(m.max_position_embeddings), m.weight_dtype, f"{m.kv_bytes_per_token / 1024:.0f} KiB")
@@ -329,10 +216,8 @@ def models() -> None:
 @app.command()
 def hardware() -> None:
     """List the hardware catalog."""
-    from sim.hardware import HARDWARE_CATALOG
-
     t = Table(Column("name", no_wrap=True), "memory", "bandwidth", "bf16 dense", "int8/fp8", "interconnect", "$/hour")
-    for h in HARDWARE_CATALOG.values():
+    for h in api.hardware_catalog().values():
         t.add_row(h.name, f"{h.memory_gib:.1f} GiB", f"{h.memory_bandwidth / 1e9:,.0f} GB/s",
                   _flops(h.flops("bf16")), _flops(h.flops("int8")),
                   f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s", f"{h.price_per_hour:.2f}")

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.model import LlamaModel
-from executor.speculative import Drafter
+from executor.speculative.drafter import Drafter
 from executor.weights import load_trained, save_trained
-from sim.scenario import MEDUSA_TOPK as TOPK  # candidates kept per head: the widest a tree may branch
-from sim.speculative import check_tree
+from sim.config.scenario import MEDUSA_TOPK as TOPK  # candidates kept per head: the widest a tree may branch
+from sim.config.scenario import check_tree
 
 NAME = "medusa"  # medusa.safetensors, medusa.json
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.metrics import RequestRecords, compute_metrics, per_request_latency
-from sim.scenario import Plan
+from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
+from sim.config.plan import Plan
 
 GiB = 2**30
 
@@ -37,15 +37,14 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                  extra: dict | None = None) -> dict:
     """Assemble report.json. `replicas`: objects with samples, num_blocks, block_size, peak_blocks,
     num_preemptions and step_end (the simulator's ReplicaTrace; the executor fills the same)."""
-    sc = plan.scenario
-    m = compute_metrics(records, sc.slo.ttft_s, sc.slo.tpot_s, sc.slo.quantile)
+    m = compute_metrics(records, plan.slo.ttft_s, plan.slo.tpot_s, plan.slo.quantile)
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
     out_tok_s = m["throughput"]["output_tokens_per_s"]
-    usd_per_hour = plan.hardware.price_per_hour * sc.replicas
+    usd_per_hour = plan.hardware.price_per_hour * plan.replicas
     report = {
-        "scenario": {"name": sc.name, "model": plan.model.name, "hardware": plan.hardware.name,
-                     "replicas": sc.replicas, "router": sc.router, "batching": sc.serving.batching,
-                     "kv_allocator": sc.kv_cache.allocator, "config": sc.model_dump(mode="json")},
+        "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
+                     "replicas": plan.replicas, "router": plan.router, "batching": plan.scheduler.batching,
+                     "kv_allocator": plan.kv_allocator, "config": plan.source},
         "engine": engine,
         **m,
         "kv_cache": {
@@ -96,7 +95,7 @@ def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_requests_csv(out_dir / "requests.csv", records)
     if plots:
-        from sim.plots import write_plots  # matplotlib is slow to import; only when plotting
+        from sim.report.plots import write_plots  # matplotlib is slow to import; only when plotting
         write_plots(out_dir, records, replicas)
 
 

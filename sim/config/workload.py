@@ -19,10 +19,10 @@ from typing import Annotated, Literal, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
-from sim.errors import ConfigError
-from sim.schema_base import StrictModel
+from sim.config.errors import ConfigError
+from sim.config.schema_base import StrictModel
 
-BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"}
+BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv.csv"}
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _MINUTE = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}")
 _TRACE_CACHE: dict = {}  # (resolved path, mtime_ns, size) -> arrays

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sim.metrics import RequestRecords, inter_token_latencies, per_request_latency  # noqa: E402
+from sim.report.metrics import RequestRecords, inter_token_latencies, per_request_latency  # noqa: E402
 
 MAX_POINTS = 4000
 

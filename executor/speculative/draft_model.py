@@ -19,11 +19,11 @@ import torch
 
 from executor.attention import AttentionMetadata
 from executor.cuda_graph import DecodeGraphs, capture_or_explain
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.model import LlamaModel, Linear
 from executor.weights import load_trained, save_trained
 from executor.sampling import SamplingParams, target_probs
-from executor.speculative import Drafter
+from executor.speculative.drafter import Drafter
 
 NAME = "draft"  # draft.safetensors, draft.json
 

@@ -15,25 +15,10 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from sim.decode_set import DecodeSet
-from sim.kv_cache import BlockAllocator
-from sim.request import Request, Status
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    batching: str = "continuous"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    enable_chunked_prefill: bool = False
-    prefill_chunk_size: int = 4096
-    waiting_served_ratio: float | None = None
-    max_waiting_tokens: int | None = None
-    max_model_len: int = 4096
-    preemption: str = "recompute"
-    batch_size: int = 8
-    num_speculative_tokens: int = 0  # most drafts a row verifies per step (0: no speculative decoding)
-    speculative_disable_by_batch_size: int | None = None  # vLLM: no drafts while more requests decode
+from sim.config.plan import SchedulerConfig
+from sim.policy.decode_set import DecodeSet
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.request import Request, Status
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, ValidationInfo, field_validator
 
-from sim.errors import ConfigError
-from sim.schema_base import StrictModel
+from sim.config.errors import ConfigError
+from sim.config.schema_base import StrictModel
 
 WeightDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 

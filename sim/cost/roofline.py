@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sim.hardware import HardwareSpec
-from sim.models import BYTES_PER_PARAM, ModelSpec
-from sim.scheduler import BatchShape
+from sim.config.hardware import HardwareSpec
+from sim.config.models import BYTES_PER_PARAM, ModelSpec
+from sim.policy.scheduler import BatchShape
 
 
 class StepCostModel(Protocol):

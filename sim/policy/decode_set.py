@@ -12,7 +12,7 @@ import heapq
 import itertools
 import math
 
-from sim.request import Request
+from sim.policy.request import Request
 
 
 class DecodeSet:

@@ -25,15 +25,14 @@ prefills.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from sim.cost_model import decode_run
-from sim.errors import ConfigError
-from sim.scheduler import BatchShape
+from sim.cost.roofline import decode_run
+from sim.config.profile import ProfileFile, read_profile
+from sim.policy.scheduler import BatchShape
 
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
             "sampled", "attn_pairs", "kv_tokens", "few_tokens")
@@ -108,25 +107,17 @@ class FittedCostModel:
                                self.knot)
 
     @classmethod
+    def from_profile(cls, prof: ProfileFile) -> "FittedCostModel":
+        return cls(dict(prof.coefs), prof.data, prof.knot)
+
+    @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
-        try:
-            data = json.loads(Path(path).read_text())
-            return cls(dict(data["fit"]["coefs"]), data, int(data["fit"].get("knot", 0)))
-        except FileNotFoundError:
-            raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConfigError(f"{path} is not an infersim profile ({type(e).__name__}: {e})", key_path) from None
+        return cls.from_profile(read_profile(path, None, key_path))
 
 
 def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> FittedCostModel:
     """A fitted model from a profile, checked to be for this model (its coefficients are model-specific)."""
-    cost = FittedCostModel.load(path, key_path)
-    m = cost.meta.get("model", {})
-    if m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers, model.hidden_size):
-        raise ConfigError(f"{path} was measured for {m.get('name')} ({m.get('num_layers')} layers, hidden "
-                          f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
-                          key_path)
-    return cost
+    return FittedCostModel.from_profile(read_profile(path, model, key_path))
 
 
 def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) -> dict:

@@ -1,21 +1,15 @@
 """The scenario a user writes (YAML, pydantic v2, unknown keys are errors) and its resolution."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import (BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
                       model_validator)
 
-from sim.errors import ConfigError
-from sim.hardware import HardwareSpec, catalog_hardware
-from sim.models import ModelSpec, catalog_model, load_hf_config
-from sim.schema_base import StrictModel
-from sim.speculative import check_tree
-from sim.workload import WorkloadConfig
+from sim.config.errors import ConfigError
+from sim.config.schema_base import StrictModel
+from sim.config.workload import WorkloadConfig
 
 
 class ServingConfig(StrictModel):
@@ -84,7 +78,18 @@ class ExecutorConfig(StrictModel):
                                                 "(vLLM's default; false: every step eager, vLLM's enforce_eager)")
 
 
-MEDUSA_TOPK = 10  # candidates per Medusa head (executor.medusa.TOPK)
+MEDUSA_TOPK = 10  # candidates per Medusa head (executor.speculative.medusa.TOPK)
+
+
+def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
+    """A Medusa candidate tree: non-empty paths of candidate ranks, each one's parent listed before it."""
+    seen: set = {()}
+    for p in tree:
+        if not p or len(p) > num_heads or any(not 0 <= r < topk for r in p):
+            raise ValueError(f"tree node {list(p)}: a path of 1..{num_heads} ranks, each in 0..{topk - 1}")
+        if p[:-1] not in seen or p in seen:
+            raise ValueError(f"tree node {list(p)}: its parent must come before it, and each node once")
+        seen.add(p)
 
 
 class SpeculativeConfig(StrictModel):
@@ -196,25 +201,6 @@ class Scenario(StrictModel):
         return self
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A scenario with names resolved, defaults filled in and the memory budget worked out."""
-
-    scenario: Scenario
-    model: ModelSpec
-    hardware: HardwareSpec
-    base_dir: Path
-    max_model_len: int
-    max_num_batched_tokens: int
-    prefill_chunk_size: int
-    weight_bytes: float
-    activation_bytes: float
-    kv_cache_bytes: float
-    block_size: int
-    num_blocks: int
-    num_swap_blocks: int
-
-
 def _loc_to_path(loc: list) -> str:
     out = ""
     for part in loc:
@@ -294,74 +280,6 @@ def validation_error(e: ValidationError, cls: type[BaseModel], prefix: str = "")
     return ConfigError(msg + got_txt, where)
 
 
-def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
-    if isinstance(raw, str):
-        return lookup(raw, kind)
-    raw = dict(raw)
-    base = raw.pop("base", None)
-    merged = {**(lookup(base, f"{kind}.base").model_dump() if base else {}), **raw}
-    try:
-        return spec_cls.model_validate(merged)
-    except ValidationError as e:
-        raise validation_error(e, spec_cls, kind) from None
-
-
-def resolve_model(raw: str | dict, base_dir: Path) -> ModelSpec:
-    if isinstance(raw, dict) and "hf_config" in raw:
-        extra = set(raw) - {"hf_config"}
-        if extra:
-            raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config", "model")
-        return load_hf_config(base_dir / str(raw["hf_config"]))
-    return _resolve(raw, "model", catalog_model, ModelSpec)
-
-
-def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
-    """Resolve names and check the deployment is possible (the model fits, the KV cache holds a request)."""
-    model = resolve_model(scenario.model, base_dir)
-    hw = _resolve(scenario.hardware, "hardware", catalog_hardware, HardwareSpec)
-    sv, kv = scenario.serving, scenario.kv_cache
-    max_model_len = sv.max_model_len or model.max_position_embeddings
-    budget = sv.max_num_batched_tokens or (2048 if sv.enable_chunked_prefill else max(max_model_len, 2048))
-    if sv.batching == "continuous" and not sv.enable_chunked_prefill and budget < max_model_len:
-        raise ConfigError(f"{budget} is smaller than max_model_len ({max_model_len}); without chunked prefill "
-                          "a whole prompt must fit one step: raise it or set enable_chunked_prefill: true",
-                          "serving.max_num_batched_tokens")
-    if sv.batching == "continuous" and budget < sv.max_num_seqs and sv.enable_chunked_prefill:
-        raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
-                          "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
-    act_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}[model.act_dtype]
-    # Peak activations of one forward over the step budget, plus fp32 logits for every sequence.
-    activation = budget * (4 * model.hidden_size + 2 * model.intermediate_size) * act_bytes \
-        + sv.max_num_seqs * model.vocab_size * 4
-    usable = hw.memory_bytes * kv.gpu_memory_utilization
-    kv_bytes = usable - model.weight_bytes - activation
-    if kv_bytes <= 0:
-        raise ConfigError(f"model {model.name} ({model.weight_bytes / 2**30:.1f} GiB of weights + "
-                          f"{activation / 2**30:.1f} GiB activations) does not fit in {hw.name} "
-                          f"({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
-                          f"{kv.gpu_memory_utilization}); allowed: a bigger device, quantized weights "
-                          "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
-    block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    block_bytes = block_size * model.kv_bytes_per_token
-    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes)
-    if num_blocks * block_bytes > kv_bytes:
-        raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
-                          f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
-                          f"{int(kv_bytes // block_bytes)}", "kv_cache.num_blocks")
-    if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
-        raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
-                          f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
-                          "quantized weights", "serving.max_model_len")
-    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) if kv.preemption == "swap" else 0
-    if scenario.cost_model.profile:
-        from sim.fitted_cost import load_profile  # checks the file now, so errors name the scenario
-        load_profile(base_dir / scenario.cost_model.profile, model)
-    return Plan(scenario=scenario, model=model, hardware=hw, base_dir=base_dir, max_model_len=max_model_len,
-                max_num_batched_tokens=budget, prefill_chunk_size=min(sv.prefill_chunk_size or budget, budget),
-                weight_bytes=model.weight_bytes, activation_bytes=activation, kv_cache_bytes=kv_bytes,
-                block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks)
-
-
 def parse_scenario(data: Any) -> Scenario:
     """Validate a scenario dict (already parsed from YAML)."""
     if data is None:
@@ -372,22 +290,3 @@ def parse_scenario(data: Any) -> Scenario:
         return Scenario.model_validate(data)
     except ValidationError as e:
         raise validation_error(e, Scenario) from None
-
-
-def load_scenario(path: str | Path) -> tuple[Scenario, Plan]:
-    """Read, validate and resolve a scenario YAML file; every problem is a one-line ConfigError."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-        scenario = parse_scenario(data)
-        return scenario, make_plan(scenario, path.parent)
-    except FileNotFoundError:
-        raise ConfigError("scenario file not found", file=str(path)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the scenario ({type(e).__name__}: {e})", file=str(path)) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{where}: {getattr(e, 'problem', e)}", file=str(path)) from None
-    except ConfigError as e:
-        raise e.with_file(str(path)) from None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sim.fitted_cost import shape_of
+from sim.cost.fitted import shape_of
 
 
 def _check(alpha: float, gamma: int) -> None:
@@ -55,17 +55,6 @@ def estimate_alpha(accepted: int, rejections: int) -> float | None:
     if accepted + rejections == 0:
         return None
     return accepted / (accepted + rejections)
-
-
-def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
-    """A Medusa candidate tree: non-empty paths of candidate ranks, each one's parent listed before it."""
-    seen: set = {()}
-    for p in tree:
-        if not p or len(p) > num_heads or any(not 0 <= r < topk for r in p):
-            raise ValueError(f"tree node {list(p)}: a path of 1..{num_heads} ranks, each in 0..{topk - 1}")
-        if p[:-1] not in seen or p in seen:
-            raise ValueError(f"tree node {list(p)}: its parent must come before it, and each node once")
-        seen.add(p)
 
 
 def tree_expected_tokens(tree: list[tuple[int, ...]], rank_probs: list[list[float]]) -> float:

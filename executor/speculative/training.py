@@ -30,16 +30,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from executor.draft_model import DraftModel, check_layers, make_student
-from executor.medusa import TOPK, MedusaHeads
+from executor.speculative.draft_model import DraftModel, check_layers, make_student
+from executor.speculative.medusa import TOPK, MedusaHeads
 from executor.engine import Engine
 from executor.sampling import SamplingParams
-from executor.kv_cache import KVCache
+from executor.cache_engine import KVCache
 from executor.model import LlamaModel, apply_rope
 from executor.prompts import corpus_ids, paragraphs, prompt_ids
-from sim.kv_cache import BlockAllocator
-from sim.request import Request
-from sim.scheduler import SchedulerConfig, make_scheduler
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.request import Request
+from sim.config.plan import scheduler_config
+from sim.policy.scheduler import make_scheduler
 
 HELD_OUT_PARAGRAPHS = 6  # bench/spec_decode.py measures on the first six
 INSTRUCTIONS = [
@@ -116,7 +117,7 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new: int, eos: int
              batch: int = 48) -> list[list[int]]:
     """The teacher's greedy answers (stopping at EOS or max_new), served by the executor with continuous
     batching."""
-    cfg = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=2048)
+    cfg = scheduler_config(2048, max_num_seqs=batch, max_num_batched_tokens=2048)
     longest = max(len(p) for p in prompts) + max_new
     num_blocks = batch * -(-longest // 16) + 16
     engine = Engine(model, make_scheduler(cfg, BlockAllocator(num_blocks, 16)),
@@ -450,7 +451,7 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
 
 def default_medusa_dir() -> Path:
     """The Medusa heads shipped for SmolLM2-135M (`infersim train-medusa` writes them by default)."""
-    return Path(__file__).parent / "data" / "medusa-smollm2-135m"
+    return Path(__file__).resolve().parents[1] / "data" / "medusa-smollm2-135m"
 
 
 def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: int = 15,
@@ -458,8 +459,8 @@ def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: i
     """The candidate tree with the most tokens per second at batch 1: for each size, the likeliest nodes
     (best_tree), their expected tokens per verify step over the step's time relative to a plain decode step,
     as the device's fitted profile predicts it (without a profile: a verify row costs as much as a decode)."""
-    from sim.fitted_cost import FittedCostModel, shape_of
-    from sim.speculative import best_tree, tree_expected_tokens
+    from sim.cost.fitted import FittedCostModel, shape_of
+    from sim.cost.speculation import best_tree, tree_expected_tokens
 
     cost = FittedCostModel.load(profile) if profile is not None and Path(profile).is_file() else None
 
@@ -481,7 +482,7 @@ def retree_command(folder: Path | None, profile: Path | None) -> dict:
     and a (new) profile, without training: the best tree size follows what a verify row costs on the device."""
     import json
 
-    from executor.medusa import NAME
+    from executor.speculative.medusa import NAME
 
     meta_file = Path(folder or default_medusa_dir()) / f"{NAME}.json"
     if not meta_file.is_file():

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import simpy
 
-from sim.cost_model import StepCostModel
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.cost.roofline import StepCostModel
+from sim.policy.request import Request
+from sim.policy.scheduler import Scheduler
 
 # Longest run of identical decode steps taken as one event; bounds the work wasted when cut short.
 MAX_BULK_STEPS = 4096

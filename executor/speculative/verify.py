@@ -10,70 +10,9 @@ norm(max(0, p − q)); the emitted tokens are distributed exactly as sampling fr
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from executor.sampling import SamplingParams, greedy, target_probs
-
-
-class Drafter:
-    """What the engine asks of a drafter: `propose_batch`, drafts for every decoding request at once. One
-    that drafts each sequence on its own only defines `propose(token_ids, k)`."""
-
-    # tokens the drafter's own model read in its last call to catch up on the requests' tokens (a draft model:
-    # a new request's whole prompt, then what was decoded since); 0 for drafters without a model of their own
-    fed_tokens: int = 0
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        raise NotImplementedError
-
-    def propose_batch(self, items: list[tuple[object, list[int], int]]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """(drafts, q) per (request, its tokens so far, most drafts); q None: each draft is a point mass."""
-        return [(self.propose(tokens, k), None) for _, tokens, k in items]
-
-
-class PromptLookup(Drafter):
-    """Prompt lookup decoding (transformers' `prompt_lookup_num_tokens`, vLLM's ngram drafter): find the
-    request's last n tokens earlier in its prompt or output, longest n first, and propose what followed
-    that match. Costs no model call; it pays off where the output copies the input (summaries, rewrites,
-    code edits, extraction)."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k draft tokens continuing `token_ids` (none when no n-gram matches)."""
-        if k <= 0 or len(token_ids) < self.min_ngram + 1:
-            return []
-        ids = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            # windows that start early enough to have a continuation, i.e. all but the suffix itself
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the most recent match: nearest context, likeliest continuation
-                return ids[start:start + k].tolist()
-        return []
-
-
-class RandomDrafter(Drafter):
-    """Proposes k uniformly random tokens: almost all rejected. Calibration uses it to time verify steps
-    of every draft length without depending on how well a real drafter matches the text. With `rate` < 1
-    a request drafts only that share of the time (seeded), so verify rows share steps with plain decodes,
-    as with prompt lookup."""
-
-    def __init__(self, vocab_size: int, seed: int = 0, rate: float = 1.0):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"rate must be in [0, 1], got {rate}")
-        self.vocab_size, self.rate = vocab_size, rate
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        if k <= 0 or (self.rate < 1.0 and self.rng.random() >= self.rate):
-            return []
-        return self.rng.integers(0, self.vocab_size, k).tolist()
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,

@@ -5,7 +5,7 @@ max_model_len slot at admission, and the reserved-but-unused part is the waste p
 """
 from __future__ import annotations
 
-from sim.request import Request
+from sim.policy.request import Request
 
 
 class BlockAllocator:

@@ -1,0 +1,222 @@
+"""The application API: run / serve / validate / profile / distill / train-medusa, and the catalogs.
+
+The only place that wires the layers together; the CLI, the dashboard and the benches call it. Every function
+raises ConfigError (one line: file, key path, what is allowed) for bad input.
+"""
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+from pathlib import Path
+
+from rich.console import Console
+
+from sim.config.errors import ConfigError
+from sim.config.plan import Plan, load_scenario
+from sim.config.workload import generate_requests
+from sim.report.outputs import build_report, print_summary, write_outputs
+
+DEFAULT_SCENARIO = "default.yaml"
+
+
+def default_scenario_path() -> Path:
+    """The scenario `infersim run` uses when given none (shipped inside the package)."""
+    return Path(str(files("sim") / "data" / DEFAULT_SCENARIO))
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A scenario file read, validated and resolved."""
+    return load_scenario(path)[1]
+
+
+def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool = True) -> dict:
+    """Load, simulate, report. Returns report.json's content."""
+    from sim.simulator.cluster import sim_records, simulate
+
+    plan = load_plan(path)
+    try:
+        specs = generate_requests(plan.workload, plan.base_dir)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    console = Console(stderr=True)
+    show = not quiet and console.is_terminal and len(specs) >= 2000
+    try:
+        if show:
+            from rich.progress import Progress
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("simulating", total=len(specs))
+                step = max(1, len(specs) // 100)
+                result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
+        else:
+            result = simulate(plan, specs)
+    except ConfigError as e:  # e.g. a setting only the simulator needs
+        raise e.with_file(str(path)) from None
+    records = sim_records(result)
+    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
+    if out is not None:
+        write_outputs(out, report, records, result.replicas, plots=plots)
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))
+    return report
+
+
+def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
+                   quiet: bool = False, plots: bool = True, profile: Path | None = None) -> dict:
+    """Load, run on the executor, report. Returns report.json's content. `profile` (default: the scenario's
+    cost_model.profile, if any): the fitted step costs the speculative overhead is measured against."""
+    import torch
+
+    from calibration.speculative import draft_cost, write_speculative_yaml
+    from executor.serve import check_device, serve, write_traces
+    from sim.cost.build import make_cost_model
+    from sim.cost.fitted import load_profile
+    from sim.report.metrics import request_rates
+
+    check_device(device)
+    plan = load_plan(path)
+    cost = None  # checked before the run, which takes minutes
+    if profile is not None:
+        cost = load_profile(profile, plan.model, "--profile")
+    elif plan.cost.profile is not None:
+        cost = make_cost_model(plan)
+    try:
+        specs = generate_requests(plan.workload, plan.base_dir)
+        records, trace, engine, requests, wall = serve(plan, specs, device, threads)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    report = build_report(plan, records, [trace], wall, engine="executor",
+                          extra={"executor": {"device": device, "threads": torch.get_num_threads(),
+                                              "attention": plan.executor.attention,
+                                              "torch": torch.__version__}})
+    if "speculative" in report:
+        report["speculative"].update(draft_cost(engine.records, cost))
+        report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
+        if hasattr(engine.drafter, "rank_probs"):
+            report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
+    if out is not None:
+        write_outputs(out, report, records, [trace], plots=plots)
+        write_traces(out, engine, requests)
+        if "speculative" in report:
+            write_speculative_yaml(out / "speculative.yaml", plan, report["speculative"])
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
+                            + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
+                               if "speculative" in report else ""))
+    return report
+
+
+def scenario_files(paths: list[Path]) -> list[Path]:
+    """The YAML files named, with each folder expanded to its *.yaml (sorted)."""
+    found_all = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(p.glob("*.yaml"))
+            if not found:
+                raise ConfigError(f"{p} holds no *.yaml scenarios", "SCENARIO")
+            found_all += found
+        else:
+            found_all.append(p)
+    return found_all
+
+
+def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu", profile: Path | None = None,
+             threads: int | None = None, repeat: int = 1, real_from: Path | None = None,
+             alongside: Path | None = None) -> tuple[list[dict], Path, dict | None]:
+    """Run scenarios on the executor and in the simulator: (each scenario's validation.json content, the profile
+    predicted with, the summary over scenarios or None for one). Writes summary.json and table.md under `out`."""
+    from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
+    from executor.serve import check_device, drafter_dir
+    from sim.cost.build import speculation_model
+
+    check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
+    paths = scenario_files(scenarios)
+    plans = [(path, load_plan(path)) for path in paths]
+    if alongside is not None and profile is not None:
+        raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
+    prof = profile or PROFILES / f"{device}.json"
+    if alongside is None and not prof.exists():
+        raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+    for path, plan in plans:  # what the simulator and the drafter need, checked before any executor run
+        try:
+            speculation_model(plan, 0)
+            method = plan.speculative.method if plan.speculative else None
+            if real_from is None and method in ("draft_model", "medusa"):
+                drafter_dir(plan)
+        except ConfigError as e:
+            raise e.with_file(str(path)) from None
+    folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
+    recorded = None
+    if real_from is not None:
+        recorded = [real_from if len(plans) == 1 else real_from / path.stem for path, _ in plans]
+    shared = model_loader(device)
+
+    def load(plan):  # a model that will not load is reported against its scenario file
+        try:
+            return shared(plan)
+        except ConfigError as e:
+            raise e.with_file(str(next((p for p, pl in plans if pl is plan), plans[0][0]))) from None
+
+    results = validate_many([(plan, f) for (_, plan), f in zip(plans, folders)], prof, device, threads,
+                            repeat, load, real_from=recorded, alongside=alongside)
+    prof = alongside or prof
+    summary = summarize(results) if len(results) > 1 else None
+    if summary is not None and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"profile": str(prof), "device": device,
+                                                      "summary": summary, "scenarios": results}, indent=2) + "\n")
+        (out / "table.md").write_text(markdown_table(results))
+    return results, prof, summary
+
+
+def profile(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int,
+            refit: bool = False) -> dict:
+    """Time engine steps of many shapes on the executor and fit the step-cost model (or, with `refit`, fit
+    the samples stored in `out` again); writes the profile JSON."""
+    from calibration.profile import profile_command, refit_command
+
+    return refit_command(out) if refit else profile_command(device, model, out, threads, quick, repeats)
+
+
+def distill(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,
+            threads: int | None) -> None:
+    """Distill SmolLM2-135M into a small draft model (speculative method draft_model)."""
+    from executor.speculative.training import distill_command
+
+    try:
+        distill_command(out, layers, vocab_size, minutes, max_new, threads)
+    except ValueError as e:
+        raise ConfigError(str(e), "--layers") from None
+
+
+def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: float, max_new: int,
+                 threads: int | None, profile: Path | None, retree: bool = False) -> None:
+    """Train Medusa-1 heads on SmolLM2-135M's generations and pick their tree (`retree`: only pick the tree)."""
+    from calibration.validate import PROFILES
+    from executor.speculative.training import retree_command, train_medusa_command
+
+    profile = profile or PROFILES / "cpu.json"
+    if retree:
+        try:
+            retree_command(out, profile)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e), "--out") from None
+        return
+    train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
+
+
+def model_catalog() -> dict:
+    """The model catalog, by name."""
+    from sim.config.models import MODEL_CATALOG
+
+    return dict(MODEL_CATALOG)
+
+
+def hardware_catalog() -> dict:
+    """The hardware catalog, by name."""
+    from sim.config.hardware import HARDWARE_CATALOG
+
+    return dict(HARDWARE_CATALOG)

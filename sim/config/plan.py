@@ -1,0 +1,217 @@
+"""The resolved plan: a scenario with names looked up, every default filled in and the memory budget worked
+out. Every layer reads its knobs from here, never from the raw scenario again."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from sim.config.errors import ConfigError
+from sim.config.hardware import HardwareSpec, catalog_hardware
+from sim.config.models import ModelSpec, catalog_model, load_hf_config
+from sim.config.profile import ProfileFile, read_profile
+from sim.config.scenario import (ExecutorConfig, KVCacheConfig, Scenario, ServingConfig, SLOConfig,
+                                 SpeculativeConfig, parse_scenario, validation_error)
+from sim.config.workload import WorkloadConfig
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The serving knobs the scheduler reads, resolved (`make_plan` derives the step budget and lengths)."""
+
+    batching: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    prefill_chunk_size: int
+    waiting_served_ratio: float | None
+    max_waiting_tokens: int | None
+    max_model_len: int
+    preemption: str
+    batch_size: int
+    num_speculative_tokens: int  # most drafts a row verifies per step (0: no speculative decoding)
+    speculative_disable_by_batch_size: int | None  # vLLM: no drafts while more requests decode
+
+
+def _default(cls, name: str):
+    return cls.model_fields[name].default
+
+
+def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
+    """The scheduler's knobs resolved: those not given take the scenario schema's defaults (ServingConfig,
+    KVCacheConfig; no speculative decoding), and the step budget and prompt chunk follow the same rules as a
+    scenario's (the one place they are written). For plans and for offline engines (profile sweeps, benches)."""
+    unknown = set(knobs) - set(SchedulerConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown scheduler knobs {sorted(unknown)}")
+    k = {name: knobs.get(name, _default(ServingConfig, name)) for name in
+         ("batching", "max_num_seqs", "enable_chunked_prefill", "waiting_served_ratio", "max_waiting_tokens",
+          "batch_size")}
+    budget = knobs.get("max_num_batched_tokens") or (2048 if k["enable_chunked_prefill"] else max(max_model_len, 2048))
+    chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
+    return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,
+                           preemption=knobs.get("preemption", _default(KVCacheConfig, "preemption")),
+                           num_speculative_tokens=knobs.get("num_speculative_tokens", 0),
+                           speculative_disable_by_batch_size=knobs.get("speculative_disable_by_batch_size"))
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """The step-cost model: the roofline's parameters, or a fitted profile (read and checked) that replaces it."""
+
+    compute_efficiency: float
+    memory_efficiency: float
+    step_overhead_s: float
+    per_seq_overhead_s: float
+    profile: ProfileFile | None
+    profile_scale: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A scenario with names resolved, defaults filled in and the memory budget worked out."""
+
+    name: str
+    model: ModelSpec
+    model_checkpoint: Path | None  # `model: {hf_config: ...}`: the folder of its weights, for the executor
+    hardware: HardwareSpec
+    base_dir: Path
+    replicas: int
+    router: str
+    scheduler: SchedulerConfig
+    kv_allocator: str  # paged | contiguous
+    kv_watermark: float
+    weight_bytes: float
+    activation_bytes: float
+    kv_cache_bytes: float
+    block_size: int
+    num_blocks: int
+    num_swap_blocks: int
+    workload: WorkloadConfig
+    slo: SLOConfig
+    cost: CostPlan
+    executor: ExecutorConfig
+    speculative: SpeculativeConfig | None
+    source: dict[str, Any]  # the scenario as validated (JSON form): echoed in reports, the base of `replan`
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    @property
+    def prefill_chunk_size(self) -> int:
+        return self.scheduler.prefill_chunk_size
+
+
+def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
+    if isinstance(raw, str):
+        return lookup(raw, kind)
+    raw = dict(raw)
+    base = raw.pop("base", None)
+    merged = {**(lookup(base, f"{kind}.base").model_dump() if base else {}), **raw}
+    try:
+        return spec_cls.model_validate(merged)
+    except ValidationError as e:
+        raise validation_error(e, spec_cls, kind) from None
+
+
+def resolve_model(raw: str | dict, base_dir: Path) -> tuple[ModelSpec, Path | None]:
+    """The model's architecture, and the folder of its checkpoint where the scenario names one."""
+    if isinstance(raw, dict) and "hf_config" in raw:
+        extra = set(raw) - {"hf_config"}
+        if extra:
+            raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config", "model")
+        path = base_dir / str(raw["hf_config"])
+        return load_hf_config(path), path.parent if path.suffix == ".json" else path
+    return _resolve(raw, "model", catalog_model, ModelSpec), None
+
+
+def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
+    """Resolve names and check the deployment is possible (the model fits, the KV cache holds a request)."""
+    model, checkpoint = resolve_model(scenario.model, base_dir)
+    hw = _resolve(scenario.hardware, "hardware", catalog_hardware, HardwareSpec)
+    sv, kv, spec = scenario.serving, scenario.kv_cache, scenario.speculative
+    max_model_len = sv.max_model_len or model.max_position_embeddings
+    scheduler = scheduler_config(
+        max_model_len, **sv.model_dump(exclude={"max_model_len"}), preemption=kv.preemption,
+        num_speculative_tokens=spec.num_draft_tokens if spec else 0,
+        speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+    budget = scheduler.max_num_batched_tokens
+    if sv.batching == "continuous" and not sv.enable_chunked_prefill and budget < max_model_len:
+        raise ConfigError(f"{budget} is smaller than max_model_len ({max_model_len}); without chunked prefill "
+                          "a whole prompt must fit one step: raise it or set enable_chunked_prefill: true",
+                          "serving.max_num_batched_tokens")
+    if sv.batching == "continuous" and budget < sv.max_num_seqs and sv.enable_chunked_prefill:
+        raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
+                          "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
+    act_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}[model.act_dtype]
+    # Peak activations of one forward over the step budget, plus fp32 logits for every sequence.
+    activation = budget * (4 * model.hidden_size + 2 * model.intermediate_size) * act_bytes \
+        + sv.max_num_seqs * model.vocab_size * 4
+    usable = hw.memory_bytes * kv.gpu_memory_utilization
+    kv_bytes = usable - model.weight_bytes - activation
+    if kv_bytes <= 0:
+        raise ConfigError(f"model {model.name} ({model.weight_bytes / 2**30:.1f} GiB of weights + "
+                          f"{activation / 2**30:.1f} GiB activations) does not fit in {hw.name} "
+                          f"({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
+                          f"{kv.gpu_memory_utilization}); allowed: a bigger device, quantized weights "
+                          "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
+    block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
+    block_bytes = block_size * model.kv_bytes_per_token
+    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes)
+    if num_blocks * block_bytes > kv_bytes:
+        raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
+                          f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
+                          f"{int(kv_bytes // block_bytes)}", "kv_cache.num_blocks")
+    if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
+        raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
+                          f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
+                          "quantized weights", "serving.max_model_len")
+    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) if kv.preemption == "swap" else 0
+    c = scenario.cost_model
+    # read now, so a bad profile is reported against the scenario that names it
+    profile = read_profile(base_dir / c.profile, model) if c.profile else None
+    cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
+                    c.profile_scale)
+    return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
+                replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, kv_allocator=kv.allocator,
+                kv_watermark=kv.watermark, weight_bytes=model.weight_bytes, activation_bytes=activation,
+                kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
+                workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,
+                speculative=spec, source=scenario.model_dump(mode="json"))
+
+
+def plan_of(data: dict, base_dir: Path = Path(".")) -> Plan:
+    """A plan from a scenario mapping (as a YAML file would hold it)."""
+    return make_plan(parse_scenario(data), base_dir)
+
+
+def replan(plan: Plan, **sections: Any) -> Plan:
+    """The same scenario with whole top-level sections replaced (e.g. `speculative=None`), resolved again."""
+    return plan_of({**plan.source, **sections}, plan.base_dir)
+
+
+def load_scenario(path: str | Path) -> tuple[Scenario, Plan]:
+    """Read, validate and resolve a scenario YAML file; every problem is a one-line ConfigError."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+        scenario = parse_scenario(data)
+        return scenario, make_plan(scenario, path.parent)
+    except FileNotFoundError:
+        raise ConfigError("scenario file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the scenario ({type(e).__name__}: {e})", file=str(path)) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"not valid YAML{where}: {getattr(e, 'problem', e)}", file=str(path)) from None
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None

@@ -1,0 +1,49 @@
+"""The cost side of a resolved plan: its step-cost model and the simulator's drafter."""
+from __future__ import annotations
+
+from sim.config.errors import ConfigError
+from sim.config.plan import Plan
+from sim.cost.fitted import FittedCostModel
+from sim.cost.roofline import RooflineCostModel, StepCostModel
+from sim.cost.speculation import SpeculationModel, reference_step_s
+
+
+def make_cost_model(plan: Plan) -> StepCostModel:
+    """The plan's step-cost model: its fitted profile (scaled), else the roofline."""
+    c = plan.cost
+    if c.profile is not None:
+        return FittedCostModel.from_profile(c.profile).scaled(c.profile_scale)
+    return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
+                             memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
+                             per_seq_overhead_s=c.per_seq_overhead_s,
+                             block_bytes=plan.block_size * plan.model.kv_bytes_per_token)
+
+
+def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostModel | None = None
+                      ) -> SpeculationModel | None:
+    """The simulator's drafter for one replica (its own seeded acceptance draws; `draw` picks another
+    sequence of them), or None. With `draft_s_reference_step` the drafter's times are scaled by how fast
+    `cost` (default: the plan's) runs that reference step against the profile they were measured with."""
+    spec = plan.speculative
+    if spec is None:
+        return None
+    seed = plan.workload.seed * 1000 + replica + 7919 * draw
+    scale = reference_step_s(cost or make_cost_model(plan)) / spec.draft_s_reference_step \
+        if spec.draft_s_reference_step else 1.0
+    per_seq, per_step, per_token = (scale * spec.draft_s_per_seq, scale * spec.draft_s_per_step,
+                                    scale * spec.draft_s_per_token)
+    if spec.method == "medusa":
+        if spec.medusa_rank_probs is None:
+            raise ConfigError("required to simulate Medusa (per depth, the chance of each candidate rank; "
+                              "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
+        return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, per_seq, per_step, seed,
+                                [tuple(p) for p in spec.medusa_tree],
+                                spec.medusa_rank_probs, spec.verify_cost_ratio)
+    if spec.acceptance_rate is None and not spec.request_rates:
+        raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
+                          "`infersim serve` of the scenario measures it), or request_rates",
+                          "speculative.acceptance_rate")
+    return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate or 0.0, spec.proposal_rate,
+                            per_seq, per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
+                            draft_s_per_token=per_token,
+                            request_rates=[tuple(p) for p in spec.request_rates] if spec.request_rates else None)
