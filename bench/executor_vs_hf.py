@@ -30,14 +30,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from executor.build import make_engine, run_offline  # noqa: E402
 from executor.engine import Engine, SamplingParams  # noqa: E402
-from executor.cache_engine import KVCache  # noqa: E402
 from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
-from sim.policy.block_manager import BlockAllocator  # noqa: E402
-from sim.policy.request import Request, Status  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
-from sim.policy.scheduler import Scheduler  # noqa: E402
 from sim.config.workload import load_trace  # noqa: E402
+from sim.policy.block_manager import BlockAllocator  # noqa: E402
+from sim.policy.request import Status  # noqa: E402
+from sim.policy.scheduler import Scheduler  # noqa: E402
 
 THREADS = 2
 NUM_REQUESTS = 64
@@ -102,28 +102,19 @@ def run_infersim(model, prompts, outputs, args) -> tuple[float, list[list[int]],
     cfg = scheduler_config(max(2048, max(total)), max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.chunked,
                            prefill_chunk_size=args.max_num_batched_tokens)
-    c = model.config
     model.attn_backend = args.attention
 
     def engine():
-        return Engine(model, Scheduler(cfg, BlockAllocator(num_blocks, bs), eager=True),
-                      KVCache.for_model(c, num_blocks, bs), SamplingParams(ignore_eos=True))
+        return make_engine(model, Scheduler(cfg, BlockAllocator(num_blocks, bs), eager=True),
+                           SamplingParams(ignore_eos=True))
 
-    warm = engine()  # first forwards allocate and pick kernels
-    for i, n in enumerate((64, 300)):
-        warm.add(Request(-1 - i, 0.0, n, 3), list(range(100, 100 + n)))
-    while warm.scheduler.has_work():
-        warm.step()
-    del warm
+    # first forwards allocate and pick kernels
+    run_offline(engine(), [list(range(100, 100 + n)) for n in (64, 300)], [3, 3])
 
     eng = engine()
     t0 = time.perf_counter()
     eng.t0 = t0
-    reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
-    for r, ids in zip(reqs, args.prompt_ids):
-        assert eng.add(r, ids)
-    while eng.scheduler.has_work():
-        eng.step()
+    reqs = run_offline(eng, args.prompt_ids, outputs)
     wall = time.perf_counter() - t0
     assert all(r.status is Status.FINISHED for r in reqs)
     return wall, [eng.output_ids(r) for r in reqs], eng

@@ -12,11 +12,11 @@ import os
 import statistics
 import time
 
-from sim.simulator.cluster import sim_records, simulate
-from sim.report.metrics import compute_metrics
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.config.workload import generate_requests
+from sim.report.metrics import compute_metrics
+from sim.simulator.cluster import sim_records, simulate
 
 SCENARIO = {"name": "azure-conv-llama2-7b-a100", "model": "Llama-2-7B", "hardware": "A100-80GB",
             "serving": {"batching": "continuous"}, "kv_cache": {"allocator": "paged"},

@@ -38,25 +38,25 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor.engine import Engine, SamplingParams  # noqa: E402
-from executor.cache_engine import KVCache  # noqa: E402
+from executor.build import make_engine, run_offline  # noqa: E402
+from executor.engine import SamplingParams  # noqa: E402
 from executor.malloc_tuning import keep_freed_memory  # noqa: E402
 from executor.prompts import paragraphs, plain_paragraphs  # noqa: E402
-from executor.speculative.training import default_draft_dir  # noqa: E402
-from executor.speculative.training import default_medusa_dir  # noqa: E402
 from executor.speculative.draft_model import DraftModelDrafter, load_draft  # noqa: E402
 from executor.speculative.medusa import MedusaDrafter, load_medusa  # noqa: E402
 from executor.speculative.ngram import PromptLookup  # noqa: E402
+from executor.speculative.training import (
+    default_draft_dir,  # noqa: E402
+    default_medusa_dir,  # noqa: E402
+)
 from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
+from sim.config.plan import scheduler_config  # noqa: E402
 from sim.policy.block_manager import BlockAllocator  # noqa: E402
-from sim.report.metrics import speculation_summary  # noqa: E402
-from sim.policy.request import Request  # noqa: E402
-from sim.config.plan import scheduler_config
 from sim.policy.scheduler import make_scheduler  # noqa: E402
-
-import numpy as np  # noqa: E402
+from sim.report.metrics import speculation_summary  # noqa: E402
 
 THREADS = 2
 CHAT_QUESTIONS = [
@@ -111,21 +111,13 @@ def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[f
     """Run the prompts (one at a time if max_num_seqs is 1, else all at once); (seconds, outputs, speculation)."""
     cfg = scheduler_config(2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                           num_speculative_tokens=gamma if drafter else 0)
-    kv = KVCache.for_model(model.config, 1024, 16)
-    engine = Engine(model, make_scheduler(cfg, BlockAllocator(1024, 16)), kv,
-                    SamplingParams(ignore_eos=False), eos_token_id=eos, drafter=drafter)
-    reqs = [Request(i, 0.0, len(p), max_new) for i, p in enumerate(prompts)]
+    engine = make_engine(model, make_scheduler(cfg, BlockAllocator(1024, 16)), SamplingParams(ignore_eos=False),
+                         eos_token_id=eos, drafter=drafter)
     t0 = time.perf_counter()
-    if max_num_seqs == 1:
-        for r, p in zip(reqs, prompts):
-            engine.add(r, p)
-            while engine.scheduler.has_work():
-                engine.step()
+    if max_num_seqs == 1:  # one at a time: each request alone in the engine
+        reqs = [run_offline(engine, [p], [max_new])[0] for p in prompts]
     else:
-        for r, p in zip(reqs, prompts):
-            engine.add(r, p)
-        while engine.scheduler.has_work():
-            engine.step()
+        reqs = run_offline(engine, prompts, [max_new] * len(prompts))
     wall = time.perf_counter() - t0
     spec = np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections) for r in reqs])
     outputs = [engine.output_ids(r) for r in reqs]

@@ -19,16 +19,15 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from executor.engine import Engine, SamplingParams
-from executor.cache_engine import KVCache
+from executor.build import make_engine, run_offline
+from executor.engine import Engine
 from executor.prompts import prompt_ids
 from executor.serve import check_device
 from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
+from sim.config.plan import scheduler_config
 from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, shape_of
 from sim.policy.block_manager import BlockAllocator
-from sim.policy.request import Request
-from sim.config.plan import scheduler_config
 from sim.policy.scheduler import make_scheduler
 
 
@@ -77,19 +76,15 @@ def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None
     cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
     sched = make_scheduler(scheduler_config(2048, **cfg), BlockAllocator(num_blocks, block_size))
-    kv = KVCache.for_model(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
     # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
     # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
     drafter = RandomDrafter(model.config.vocab_size, rate=rate) if cfg.get("num_speculative_tokens") else None
-    return Engine(model, sched, kv, SamplingParams(), drafter=drafter, use_graphs=use_graphs)
+    return make_engine(model, sched, drafter=drafter, use_graphs=use_graphs)
 
 
 def run_workload(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
     """Serve the (prompt, output) requests, all queued at t=0 with prompts cut from `corpus`; the step records."""
-    for i, (p, o) in enumerate(work):
-        engine.add(Request(i, 0.0, p, o), prompt_ids(corpus, p, i))
-    while engine.scheduler.has_work():
-        engine.step()
+    run_offline(engine, [prompt_ids(corpus, p, i) for i, (p, _) in enumerate(work)], [o for _, o in work])
     return [r.to_json() for r in engine.records]
 
 

@@ -11,7 +11,6 @@ from sim.config.plan import Plan
 from sim.cost.fitted import predicted_step_time
 from sim.cost.speculation import reference_step_s
 
-
 # fewer plain decode steps than this: too few to read the run's speed off (taken as 1). A draft-model or Medusa
 # serve has only a handful (requests' last tokens), and they read its speed better than 1 does: in the
 # 2026-11-30 17:21 calibration serves, which ran 12-24% slow, 4 and 6 of them said 1.24 and 1.18.

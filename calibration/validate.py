@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.cost.build import make_cost_model
-from sim.simulator.cluster import sim_records, simulate
 from sim.config.errors import ConfigError
-from sim.cost.fitted import predicted_step_time
-from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.config.plan import Plan, replan
 from sim.config.workload import generate_requests
+from sim.cost.build import make_cost_model
+from sim.cost.fitted import predicted_step_time
+from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
+from sim.simulator.cluster import sim_records, simulate
 
 METRICS = [("ttft_p50", "ttft_s", "p50"), ("ttft_p90", "ttft_s", "p90"), ("tpot_p50", "tpot_s", "p50"),
            ("tpot_p90", "tpot_s", "p90"), ("itl_p50", "itl_s", "p50"), ("e2e_p50", "e2e_s", "p50"),
@@ -88,8 +88,8 @@ def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: P
 
 def read_run(folder: Path):
     """A recorded executor run (the traces `run_real` wrote) as (records, step records)."""
-    from sim.report.metrics import records_from_requests
     from sim.policy.request import Request, Status
+    from sim.report.metrics import records_from_requests
 
     requests = []
     for line in (folder / "requests.jsonl").read_text().splitlines():

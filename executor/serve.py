@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.engine import Engine, SamplingParams
 from executor.model import LlamaModel
@@ -66,11 +67,10 @@ def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
                           f"{plan.num_blocks * block_bytes / 2**30:.1f} GiB of KV cache, more than "
                           f"executor.max_kv_cache_gib ({ex.max_kv_cache_gib}); set kv_cache.num_blocks",
                           "kv_cache.num_blocks")
-    kv = KVCache.for_model(cfg, plan.num_blocks, plan.block_size, dtype, device)
-    host = KVCache.for_model(cfg, plan.num_swap_blocks, plan.block_size, dtype, "cpu") if plan.num_swap_blocks else None
     sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
-    return Engine(loaded.model, make_policy(plan, eager=True), kv, sampling, loaded.eos_token_id, host_cache=host,
-                  drafter=make_drafter(plan, loaded.model, sampling), use_graphs=None if ex.cuda_graphs else False)
+    return make_engine(loaded.model, make_policy(plan, eager=True), sampling, loaded.eos_token_id,
+                       drafter=make_drafter(plan, loaded.model, sampling),
+                       use_graphs=None if ex.cuda_graphs else False)
 
 
 def drafter_dir(plan: Plan) -> Path:

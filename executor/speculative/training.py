@@ -30,16 +30,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from executor.speculative.draft_model import DraftModel, check_layers, make_student
-from executor.speculative.medusa import TOPK, MedusaHeads
-from executor.engine import Engine
-from executor.sampling import SamplingParams
-from executor.cache_engine import KVCache
+from executor.build import make_engine, run_offline
 from executor.model import LlamaModel, apply_rope
 from executor.prompts import corpus_ids, paragraphs, prompt_ids
-from sim.policy.block_manager import BlockAllocator
-from sim.policy.request import Request
+from executor.sampling import SamplingParams
+from executor.speculative.draft_model import DraftModel, check_layers, make_student
+from executor.speculative.medusa import TOPK, MedusaHeads
 from sim.config.plan import scheduler_config
+from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
 
 HELD_OUT_PARAGRAPHS = 6  # bench/spec_decode.py measures on the first six
@@ -120,14 +118,9 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new: int, eos: int
     cfg = scheduler_config(2048, max_num_seqs=batch, max_num_batched_tokens=2048)
     longest = max(len(p) for p in prompts) + max_new
     num_blocks = batch * -(-longest // 16) + 16
-    engine = Engine(model, make_scheduler(cfg, BlockAllocator(num_blocks, 16)),
-                    KVCache.for_model(model.config, num_blocks, 16), eos_token_id=eos)
-    engine.sampling = SamplingParams(ignore_eos=eos is None)
-    reqs = [Request(i, 0.0, len(p), max_new) for i, p in enumerate(prompts)]
-    for r, p in zip(reqs, prompts):
-        engine.add(r, p)
-    while engine.scheduler.has_work():
-        engine.step()
+    engine = make_engine(model, make_scheduler(cfg, BlockAllocator(num_blocks, 16)),
+                         SamplingParams(ignore_eos=eos is None), eos_token_id=eos)
+    reqs = run_offline(engine, prompts, [max_new] * len(prompts))
     return [engine.output_ids(r) for r in reqs]
 
 

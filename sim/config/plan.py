@@ -13,8 +13,16 @@ from sim.config.errors import ConfigError
 from sim.config.hardware import HardwareSpec, catalog_hardware
 from sim.config.models import ModelSpec, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
-from sim.config.scenario import (ExecutorConfig, KVCacheConfig, Scenario, ServingConfig, SLOConfig,
-                                 SpeculativeConfig, parse_scenario, validation_error)
+from sim.config.scenario import (
+    ExecutorConfig,
+    KVCacheConfig,
+    Scenario,
+    ServingConfig,
+    SLOConfig,
+    SpeculativeConfig,
+    parse_scenario,
+    validation_error,
+)
 from sim.config.workload import WorkloadConfig
 
 

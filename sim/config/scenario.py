@@ -4,8 +4,16 @@ from __future__ import annotations
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import (BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.cost.roofline import decode_run
 from sim.config.profile import ProfileFile, read_profile
+from sim.cost.roofline import decode_run
 from sim.policy.scheduler import BatchShape
 
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",

@@ -16,8 +16,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from sim.config.plan import SchedulerConfig
-from sim.policy.decode_set import DecodeSet
 from sim.policy.block_manager import BlockAllocator
+from sim.policy.decode_set import DecodeSet
 from sim.policy.request import Request, Status
 
 

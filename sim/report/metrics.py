@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.policy.request import Request, Status
 from sim.cost.speculation import estimate_alpha
+from sim.policy.request import Request, Status
 
 
 @dataclass

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.config.plan import Plan
+from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 
 GiB = 2**30
 
