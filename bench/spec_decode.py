@@ -193,7 +193,8 @@ def main() -> None:
     draft_dir = args.draft or default_draft_dir()
     try:
         draft = load_draft(draft_dir, model)
-        drafters["draft_model"] = (lambda: DraftModelDrafter(draft), args.draft_gamma, args.draft_gamma)
+        drafters["draft_model"] = (lambda: DraftModelDrafter(draft, SamplingParams(), max_num_seqs=max(1, args.batch),
+                                                                max_model_len=2048), args.draft_gamma, args.draft_gamma)
         print(f"draft model {draft_dir}: {draft.config.num_layers} layers, vocabulary {len(draft.vocab)}")
     except FileNotFoundError:
         print(f"no draft model in {draft_dir} (make one with `infersim distill`): its rows are skipped")

@@ -75,7 +75,7 @@ def test_cuda_speculation_gives_the_plain_greedy_output(cpu_model, drafter):
         d, k = MedusaDrafter(heads, TREE), len(TREE)
     elif drafter == "draft_model":
         d, k = DraftModelDrafter(make_student(model, [1], list(range(200))), SamplingParams(), block_size=4,
-                                 num_blocks=2), 4
+                                 num_blocks=2, max_num_seqs=256, max_model_len=4096), 4
     else:
         d, k = PromptLookup(3, 1), 4
     got, engine = outputs(model, "cuda", drafter=d, num_speculative_tokens=k)

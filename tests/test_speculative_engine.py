@@ -87,7 +87,8 @@ POLICIES = [
 def draft_drafter(model, sampling=SamplingParams()):
     """A 1-layer draft model from the tiny target (its layer 1, a 200-token vocabulary), 2-block pool that
     has to grow."""
-    return DraftModelDrafter(make_student(model, [1], list(range(200))), sampling, block_size=4, num_blocks=2)
+    return DraftModelDrafter(make_student(model, [1], list(range(200))), sampling, block_size=4, num_blocks=2,
+                             max_num_seqs=256, max_model_len=4096)
 
 
 @pytest.mark.parametrize("cfg", POLICIES)
@@ -300,7 +301,7 @@ def test_draft_model_decode_steps_through_graph_shapes_give_the_same_drafts(mode
     accepted = {}
     for graphs in (False, True):
         d = DraftModelDrafter(make_student(model, [1], list(range(200))), SamplingParams(), block_size=4,
-                              num_blocks=2, max_model_len=128, use_graphs=graphs)
+                              num_blocks=2, max_num_seqs=256, max_model_len=128, use_graphs=graphs)
         engine, reqs = run(model, work, d, **cfg)
         for (p, _), r in zip(work, reqs):
             assert engine.output_ids(r) == want[tuple(p)]

@@ -101,9 +101,8 @@ class DraftModelDrafter(Drafter):
     (the target's temperature / top-k / top-p applied to the draft's logits), which `propose_batch` returns
     for rejection sampling."""
 
-    def __init__(self, draft: DraftModel, sampling: SamplingParams = SamplingParams(), block_size: int = 16,
-                 num_blocks: int = 256, max_num_seqs: int = 256, max_model_len: int = 4096,
-                 use_graphs: bool | None = None):
+    def __init__(self, draft: DraftModel, sampling: SamplingParams, *, max_num_seqs: int, max_model_len: int,
+                 block_size: int = 16, num_blocks: int = 256, use_graphs: bool | None = None):
         self.draft = draft
         self.sampling = sampling
         self.device = draft.vocab.device
