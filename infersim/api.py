@@ -129,7 +129,8 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     """Run scenarios on the executor and in the simulator: (each scenario's validation.json content, the profile
     predicted with, the summary over scenarios or None for one). Writes summary.json and table.md under `out`."""
     from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
-    from executor.serve import check_device, drafter_dir
+    from executor.serve import check_device
+    from executor.speculative.build import drafter_dir
     from sim.cost.build import speculation_model
 
     check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
