@@ -54,3 +54,21 @@ def test_impossible_configs_name_the_key(overrides, path):
         plan_of(scenario(**overrides))
     assert e.value.key_path == path
     assert "\n" not in e.value.one_line()
+
+
+@pytest.mark.parametrize("section, key", [
+    ("kv_cache", "swap_space_gib"), ("serving", "waiting_served_ratio"), ("cost_model", "step_overhead_s"),
+    ("hardware", "memory_gib"), ("speculative", "verify_cost_ratio"), ("workload", "duration_s")])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_no_number_is_infinite_or_nan(section, key, value):
+    """Every float a user writes is finite: .inf or .nan is a one-line error at its key, not NaN figures later."""
+    extra = {"kv_cache": {"preemption": "swap", key: value}, "serving": {key: value},
+             "cost_model": {key: value}, "hardware": {"base": "A100-80GB", key: value},
+             "speculative": {"acceptance_rate": 0.5, key: value}}
+    kw = {section: extra[section]} if section != "workload" else {}
+    data = scenario(**kw)
+    if section == "workload":
+        data["workload"] = {k: v for k, v in data["workload"].items() if k != "num_requests"} | {key: value}
+    with pytest.raises(ConfigError) as e:
+        plan_of(data)
+    assert e.value.key_path == f"{section}.{key}" and "finite" in e.value.message
