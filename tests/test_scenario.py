@@ -72,3 +72,36 @@ def test_no_number_is_infinite_or_nan(section, key, value):
     with pytest.raises(ConfigError) as e:
         plan_of(data)
     assert e.value.key_path == f"{section}.{key}" and "finite" in e.value.message
+
+
+@pytest.mark.parametrize("change, key_path", [
+    ({"replicas": 1_000_000}, "replicas"),
+    ({"model": {"base": 12345}}, "model.base"),
+    ({"hardware": {"base": "cpu", "memory_gib": 1e6}}, "hardware"),
+    ({"workload": {"num_requests": 10**12}}, "workload.num_requests"),
+    ({"workload": {"num_requests": None, "duration_s": 1e9}}, "workload"),
+    ({"workload": {"prompt_len": {"dist": "uniform", "min": 1, "max": 10**30}}}, "workload.prompt_len.max"),
+    ({"workload": {"output_len": {"dist": "lognormal", "median": 1e300, "sigma": 1}}}, "workload.output_len.median"),
+])
+def test_limits_are_checked_before_anything_is_allocated(change, key_path):
+    """What a scenario may ask of the tool is bounded (sim/config/limits.py): past a limit, one line at the key."""
+    data = scenario(model="SmolLM2-135M", hardware="cpu")
+    for k, v in change.items():
+        if k == "workload":
+            data["workload"] = {kk: vv for kk, vv in {**data["workload"], **v}.items() if vv is not None}
+        else:
+            data[k] = v
+    with pytest.raises(ConfigError) as e:
+        plan_of(data)
+    assert e.value.key_path == key_path and "\n" not in e.value.message and len(e.value.one_line()) < 300
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/etc/passwd"])
+def test_a_trace_that_is_no_trace_is_refused_without_echoing_it(path):
+    from sim.config.workload import generate_requests
+
+    data = scenario(model="SmolLM2-135M", hardware="cpu")
+    data["workload"] = {"trace": {"path": path}}
+    with pytest.raises(ConfigError) as e:
+        generate_requests(plan_of(data).workload)
+    assert e.value.key_path == "workload.trace.path" and "root:" not in e.value.message

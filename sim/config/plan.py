@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
 from sim.config.hardware import HardwareSpec, catalog_hardware
+from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
@@ -123,6 +124,8 @@ def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
         return lookup(raw, kind)
     raw = dict(raw)
     base = raw.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"a catalog name, not {type(base).__name__} {str(base)[:40]!r}", f"{kind}.base")
     merged = {**(lookup(base, f"{kind}.base").model_dump() if base else {}), **raw}
     try:
         return spec_cls.model_validate(merged)
@@ -183,6 +186,12 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")
     swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) if kv.preemption == "swap" else 0
+    if (num_blocks + swap_blocks) * scenario.replicas > MAX_TOTAL_BLOCKS:
+        raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {scenario.replicas} "
+                          f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
+                          "bigger block_size or a smaller swap_space_gib)",
+                          "kv_cache.num_blocks" if kv.num_blocks else
+                          "kv_cache.swap_space_gib" if swap_blocks > num_blocks else "hardware")
     c = scenario.cost_model
     # read now, so a bad profile is reported against the scenario that names it
     profile = read_profile(base_dir / c.profile, model) if c.profile else None

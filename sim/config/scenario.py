@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from sim.config.errors import ConfigError
+from sim.config.limits import MAX_REPLICAS
 from sim.config.schema_base import StrictModel
 from sim.config.workload import WorkloadConfig
 
@@ -188,7 +189,7 @@ class Scenario(StrictModel):
     model: str | dict[str, Any] = Field(description="catalog name, explicit architecture, {base: NAME, ...} "
                                                     "overrides, or {hf_config: path}")
     hardware: str | dict[str, Any] = Field(description="catalog name, explicit spec, or {base: NAME, ...}")
-    replicas: PositiveInt = 1
+    replicas: PositiveInt = Field(1, le=MAX_REPLICAS)
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
     serving: ServingConfig = ServingConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from sim.config.errors import ConfigError
+from sim.config.limits import MAX_LENGTH, MAX_REQUESTS, MAX_TRACE_BYTES
 from sim.config.schema_base import StrictModel
 
 BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv.csv"}
@@ -52,7 +53,7 @@ class BurstConfig(StrictModel):
     """`count` extra requests that all arrive at `at_s` (simulation seconds)."""
 
     at_s: float = Field(ge=0)
-    count: int = Field(gt=0)
+    count: int = Field(gt=0, le=MAX_REQUESTS)
 
 
 class _Bounded(StrictModel):
@@ -69,7 +70,7 @@ class FixedLength(StrictModel):
     """Every request has length `value`."""
 
     dist: Literal["fixed"]
-    value: int = Field(ge=1)
+    value: int = Field(ge=1, le=MAX_LENGTH)
 
     def sample(self, rng, n, load) -> np.ndarray:
         return np.full(n, self.value, dtype=np.int64)
@@ -79,8 +80,8 @@ class UniformLength(_Bounded):
     """Integers in [min, max], both inclusive."""
 
     dist: Literal["uniform"]
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
+    min: int = Field(ge=1, le=MAX_LENGTH)
+    max: int = Field(ge=1, le=MAX_LENGTH)
 
     def sample(self, rng, n, load) -> np.ndarray:
         return rng.integers(self.min, self.max + 1, size=n, dtype=np.int64)
@@ -90,15 +91,15 @@ class LognormalLength(_Bounded):
     """exp(Normal(ln median, sigma)), rounded to integers and clipped to [min, max]."""
 
     dist: Literal["lognormal"]
-    median: float = Field(gt=0)
-    sigma: float = Field(ge=0)
-    min: int = Field(default=1, ge=1)
-    max: Optional[int] = Field(default=None, ge=1)
+    median: float = Field(gt=0, le=MAX_LENGTH)
+    sigma: float = Field(ge=0, le=100)
+    min: int = Field(default=1, ge=1, le=MAX_LENGTH)
+    max: Optional[int] = Field(default=None, ge=1, le=MAX_LENGTH)
 
     def sample(self, rng, n, load) -> np.ndarray:
         x = np.rint(rng.lognormal(math.log(self.median), self.sigma, size=n))
         # an unbounded tail still has to fit an int64 (a huge sigma overflows to inf)
-        hi = self.max if self.max is not None else 2**31 - 1
+        hi = self.max if self.max is not None else MAX_LENGTH
         return np.clip(x, self.min, hi).astype(np.int64)
 
 
@@ -107,8 +108,8 @@ class ZipfLength(_Bounded):
 
     dist: Literal["zipf"]
     a: float = Field(gt=1)
-    min: int = Field(default=1, ge=1)
-    max: int = Field(ge=1)
+    min: int = Field(default=1, ge=1, le=MAX_LENGTH)
+    max: int = Field(ge=1, le=MAX_LENGTH)
 
     @model_validator(mode="after")
     def _small_support(self):
@@ -128,7 +129,7 @@ class EmpiricalLength(StrictModel):
     """Either `values` (+ optional `weights`, drawn ∝ weight) or a trace `column` to resample."""
 
     dist: Literal["empirical"]
-    values: Optional[list[Annotated[int, Field(ge=1)]]] = None
+    values: Optional[list[Annotated[int, Field(ge=1, le=MAX_LENGTH)]]] = None
     weights: Optional[list[Annotated[float, Field(ge=0)]]] = None
     trace: Optional[str] = Field(default=None, description='CSV path or "builtin:azure_conv"')
     column: Optional[Literal["ContextTokens", "GeneratedTokens"]] = None
@@ -210,7 +211,7 @@ class WorkloadConfig(StrictModel):
     arrival: Optional[ArrivalConfig] = None
     prompt_len: Optional[LengthDist] = None
     output_len: Optional[LengthDist] = None
-    num_requests: Optional[int] = Field(default=None, gt=0)
+    num_requests: Optional[int] = Field(default=None, gt=0, le=MAX_REQUESTS)
     duration_s: Optional[float] = Field(default=None, gt=0)
     bursts: list[BurstConfig] = []
 
@@ -231,6 +232,10 @@ class WorkloadConfig(StrictModel):
                              "'output_len' and one of 'num_requests' / 'duration_s'")
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of 'num_requests' or 'duration_s'")
+        expected = self.num_requests or self.arrival.rate * self.duration_s
+        if expected + sum(b.count for b in self.bursts) > MAX_REQUESTS:
+            raise ValueError(f"about {expected + sum(b.count for b in self.bursts):.3g} requests (rate x duration_s, "
+                             f"num_requests and bursts); allowed: at most {MAX_REQUESTS:,} in one run")
         return self
 
 
@@ -283,6 +288,10 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
         cache_key = None  # open() below reports the problem
     if cache_key in _TRACE_CACHE:
         return _TRACE_CACHE[cache_key]
+    if path.exists() and not path.is_file():  # a device or FIFO (/dev/zero) never ends
+        raise _bad(path, key_path, "not a regular file")
+    if cache_key is not None and cache_key[2] > MAX_TRACE_BYTES:
+        raise _bad(path, key_path, f"{cache_key[2] / 2**20:.0f} MiB; allowed: at most {MAX_TRACE_BYTES // 2**20} MiB")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             rows = [r for r in csv.reader(f) if r]
@@ -291,9 +300,12 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
     header = [h.strip() for h in rows[0]] if rows else []
     missing = [c for c in TRACE_COLUMNS if c not in header]
     if missing:
-        raise _bad(path, key_path, f"missing column(s) {missing}, found {header}")
+        # the header's cells are not echoed: the file may be anything (a user's private file)
+        raise _bad(path, key_path, f"missing column(s) {missing} in its first line ({len(header)} cells)")
     if len(rows) < 2:
         raise _bad(path, key_path, "no data rows")
+    if len(rows) - 1 > MAX_REQUESTS:
+        raise _bad(path, key_path, f"{len(rows) - 1:,} rows; allowed: at most {MAX_REQUESTS:,} requests in one run")
     idx = [header.index(c) for c in TRACE_COLUMNS]
     short = next((i for i, r in enumerate(rows[1:]) if len(r) <= max(idx)), None)
     if short is not None:

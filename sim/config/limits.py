@@ -1,0 +1,8 @@
+"""What one scenario may ask of the tool, checked when it is validated, before anything is allocated: past these
+a run would take minutes to hours or tens of GB before failing (the README's "Limits" lists them)."""
+
+MAX_REQUESTS = 2_000_000  # requests in one run (trace rows, num_requests, rate × duration_s, bursts): ~6 KB each
+MAX_REPLICAS = 10_000
+MAX_TOTAL_BLOCKS = 10_000_000  # KV blocks over all replicas (each replica keeps a free list of its block ids)
+MAX_LENGTH = 10_000_000  # tokens in one prompt or output
+MAX_TRACE_BYTES = 256 * 2**20  # a trace CSV (the Azure conversation trace is under 1 MiB)
