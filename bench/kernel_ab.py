@@ -1,4 +1,4 @@
-"""Two builds of executor/kernels.cpp side by side: the A/B behind every kernel change in the README.
+"""Two builds of executor/kernels.cpp side by side: the A/B behind every kernel change in bench/RESULTS.md.
 
 Builds each source with the flags executor/native.py uses, loads both through ctypes into one process, and
 times their paged decode attention, prompt attention and small-batch projections on the same inputs,

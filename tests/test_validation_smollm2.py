@@ -2,7 +2,7 @@
 scenario online on the executor (twice), predict it with that profile, and the errors stay inside the bound.
 
 Profiling here rather than using the shipped calibration/profiles/cpu.json keeps the test about the method:
-these shared VMs drift 10-20% in speed within an hour (README), and CI may run on another CPU."""
+these shared VMs drift 10-20% in speed within an hour (docs/calibration.md), and CI may run on another CPU."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 # Not the issue's 5%: on these shared 2-core VMs two measurements minutes apart do not agree to 5% (with a
 # profile made two minutes earlier this test measured TPOT p50 +0.3% once and +17% once; throughput -1.6%
-# and -4.3%; README has the real-vs-real spreads). These bounds catch a broken cost model, policy or replay
+# and -4.3%; docs/calibration.md has the real-vs-real spreads). These bounds catch a broken cost model, policy or replay
 # (which missed by 20-80% before they were fixed), not the machine's own drift. Each bound is widened by half
 # the real-vs-real spread of that metric: the simulator cannot be judged more finely than the two real runs
 # agree (a noisy burst once gave TTFT p50 0.34 s and 0.19 s in the two runs, and TPOT -26%); and by how far

@@ -1,4 +1,4 @@
-"""Tests for sim/workload.py: arrival processes, length distributions, trace replay, validation."""
+"""Tests for sim/config/workload.py: arrival processes, length distributions, trace replay, validation."""
 import csv
 from datetime import datetime
 from pathlib import Path
