@@ -130,7 +130,7 @@ def elementwise(reps: int) -> dict[tuple[str, int], float]:
     """torch ms / native ms of a layer's fused elementwise kernels at a few and at thousands of rows."""
     import torch.nn.functional as F
 
-    from executor.model import apply_rope_into
+    from executor.layers import apply_rope_into
 
     g = torch.Generator().manual_seed(0)
     h, kvh, d, hidden, inter = 9, 3, 64, 576, 1536

@@ -304,7 +304,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, L, H, D] -> [B, kvh, L*G, D]: the G query heads sharing a kv head become extra rows,
     so GQA/MQA is a plain batched matmul against the unrepeated K/V."""
-    b, l, h, d = q.shape
+    b, l, h, d = q.shape  # noqa: E741 (batch, length, heads, dim)
     g = h // num_kv_heads
     return q.view(b, l, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, l * g, d)
 

@@ -1,8 +1,9 @@
 """The executor's engine loop: the simulator's scheduler picks every step, the real model runs it.
 
-One `step()` = schedule (shared policy object) → copy swapped blocks → one packed forward over the
-mixed batch (prompt chunks and decodes together) → sample → tell the scheduler. Logits are computed
-only for rows that sample. Every step is recorded with its batch shape and wall-clock time.
+One `step()` = propose drafts → schedule (shared policy object) → run (executor.model_runner: swapped blocks
+copied, one packed forward over the mixed batch of prompt chunks and decodes, logits only for rows that sample) →
+postprocess (sample or verify, stop at EOS, tell the scheduler). Every step is recorded with its batch shape and
+wall-clock time.
 """
 from __future__ import annotations
 
@@ -11,16 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.cuda_graph import step_graphs
-from executor.malloc_tuning import keep_freed_memory
 from executor.cache_engine import KVCache
+from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaModel
+from executor.model_runner import ModelRunner, StepInput
 from executor.sampling import SamplingParams, sample
-from executor.speculative.verify import tree_depths, tree_mask, verify, verify_tree
+from executor.speculative.verify import verify, verify_tree
 from sim.policy.request import Request
-from sim.policy.scheduler import Scheduler
-
+from sim.policy.scheduler import ScheduledBatch, Scheduler
 
 # Switch off to run every step eagerly on a GPU too (use_graphs=None then means off; for comparisons).
 CUDA_GRAPHS = True
@@ -53,7 +52,7 @@ class StepRecord:
 
 @dataclass
 class Engine:
-    """One replica on real hardware."""
+    """One replica on real hardware: the scheduler picks each step, `runner` (executor.model_runner) runs it."""
 
     model: LlamaModel
     scheduler: Scheduler
@@ -67,7 +66,6 @@ class Engine:
     records: list[StepRecord] = field(default_factory=list)
     # (time, running, KV blocks used, KV tokens stored, waiting) after each step, as the simulator samples
     samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
-    _padding_ctx: dict[Request, int] = field(default_factory=dict)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
     # plain decode, lone prompt and chain-verify steps through executor.cuda_graph: None = on a GPU (captured
@@ -77,14 +75,18 @@ class Engine:
     def __post_init__(self):
         keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
         self.device = self.kv_cache.device
-        self.graphs = None
-        if self.use_graphs or (self.use_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"):
-            chains = getattr(self.drafter, "tree_parents", None) is None  # candidate trees verify eagerly
-            self.graphs = step_graphs(self.model, self.kv_cache, self.scheduler.cfg, capture=self.device.type == "cuda",
-                                      verify=self.drafter is not None and chains)
+        graphs = bool(self.use_graphs or (self.use_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"))
+        chains = getattr(self.drafter, "tree_parents", None) is None  # candidate trees verify eagerly
+        self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.cfg, self.host_cache, use_graphs=graphs,
+                                  verify_graphs=self.drafter is not None and chains)
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
+
+    @property
+    def graphs(self):
+        """The runner's captured graph sets (executor.cuda_graph.StepGraphs), or None: every step runs eagerly."""
+        return self.runner.graphs
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -138,98 +140,58 @@ class Engine:
                                 None if q is None else q[:n - 1])
         return out, paths
 
-    def _compact(self, r: Request, base: int, path: list[int]) -> None:
-        """Move the K/V of a tree's accepted nodes to the positions right after its root (base), where the
-        sequence continues; the other nodes' slots are given back by the scheduler."""
-        src = [base + j for j in path]
-        dst = [base + 1 + i for i in range(len(path))]
-        if src == dst:
-            return
-        bs, table = self.kv_cache.block_size, r.block_table
-        slot = lambda pos: table[pos // bs] * bs + pos % bs  # noqa: E731
-        data = self.kv_cache.data
-        flat = data.view(data.shape[0], 2, -1, *data.shape[-2:])
-        flat[:, :, [slot(p) for p in dst]] = flat[:, :, [slot(p) for p in src]]
-
-    def _swap(self, batch) -> None:
-        """Block copies for swapped requests, made before the forward reuses the device blocks."""
-        if not (batch.swap_out or batch.swap_in):
-            return
-        if self.host_cache is None:
-            raise RuntimeError("swap preemption needs a host cache (kv_cache.swap_space_gib > 0)")
-        dev, host = self.kv_cache.data, self.host_cache.data
-        if batch.swap_out:
-            d, h = zip(*batch.swap_out)
-            host[:, :, list(h)] = dev[:, :, list(d)].to(host.device)
-        if batch.swap_in:
-            h, d = zip(*batch.swap_in)
-            dev[:, :, list(d)] = host[:, :, list(h)].to(dev.device)
-
-    def _forward(self, batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts) -> torch.Tensor:
-        """The step's forward, eager: final hidden states of the logit rows (`counts` per sampling row)."""
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device,
-                                       num_decode_rows=len(batch.decode))
-        positions = meta.positions()
-        parents = getattr(self.drafter, "tree_parents", None)
-        if parents is not None:  # candidate trees: node positions are root + depth, attention follows the tree
-            for i, (r, n, ctx) in enumerate(rows[:len(batch.decode)]):
-                if n > 1:
-                    meta.trees[i] = tree_mask(parents[:n - 1])
-                    first = meta.cu_query_lens[i]
-                    positions[first:first + n] = ctx - n + torch.tensor(tree_depths(parents[:n - 1]))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if batch.padding or any(c > 1 for c in counts):  # every position's hidden state, then pick
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)
-            return hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(sampling_rows, counts)
-                           for j in range(c)]]
-        # the model's last layer and the LM head run only for the rows that sample
-        return self.model(input_ids, positions, meta, self.kv_cache, last_of=sampling_rows)
-
     def step(self) -> StepRecord | None:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
-        sched = self.scheduler
         ran = self.drafter is not None and self._propose()
         # 0 where the drafter did not run, so a record tells a drafter that ran and found nothing (prompt
         # lookup with no n-gram match still searched) from one that was not asked
         draft_s = self.now() - start if ran else 0.0
         fed = self.drafter.fed_tokens if ran else 0
-        batch = sched.schedule()
+        batch = self.scheduler.schedule()
         if not batch:
             return None
-        self._swap(batch)
-        rows = batch.rows()
-        for r in batch.padding:  # static batching: finished rows keep computing a token each step
-            self._padding_ctx[r] = self._padding_ctx.get(r, r.num_computed) + 1
-        ids: list[int] = []
-        for r, n, ctx in rows:
-            seq = self.tokens[r]  # a verify row: its last token, then its drafts
-            ids.extend(seq[ctx - n:ctx] if ctx <= len(seq) else seq[ctx - n:] + self.drafts[r][:ctx - len(seq)])
-        for r in batch.padding:
-            ids.append(self.tokens[r][-1])
-        query_lens = [n for _, n, _ in rows] + [1] * len(batch.padding)
-        context_lens = [c for _, _, c in rows] + [self._padding_ctx[r] for r in batch.padding]
-        tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
-        num_decode = len(batch.decode)
-        sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
-        # logit rows per sampling row: all positions of a verify row (each checks the draft after it)
-        counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
-        hidden = None
-        if self.graphs is not None:  # a captured step that fits: one replay instead of the eager forward
-            hidden = self.graphs.run(ids, query_lens, context_lens, tables, num_decode, len(batch.padding),
-                                     sampling_rows)
-        if hidden is None:
-            hidden = self._forward(batch, rows, ids, query_lens, context_lens, tables, sampling_rows, counts)
-        spans, first = [], 0
-        for i, c in zip(sampling_rows, counts):
-            spans.append((rows[i][0], first, c))
-            first += c
-        emitted, paths = self._emit(self.model.compute_logits(hidden), spans) if spans else ({}, {})
-        for r, path in paths.items():
-            self._compact(r, r.num_computed, path)  # the root's position: the scheduler has not advanced r yet
+        step = self.runner.prepare(batch, self.tokens, self.drafts, getattr(self.drafter, "tree_parents", None))
+        hidden, logits = self.runner.run(step)
+        return self._postprocess(batch, step, hidden, logits, start, draft_s, fed)
+
+    def _postprocess(self, batch: ScheduledBatch, step: StepInput, hidden: torch.Tensor, logits: torch.Tensor | None,
+                     start: float, draft_s: float, fed: int) -> StepRecord:
+        """The step's tokens sampled (or its drafts verified) and appended up to EOS, the scheduler told, the step
+        recorded."""
+        spans = step.spans()
+        emitted, paths = self._emit(logits, spans) if spans else ({}, {})
+        for r, path in paths.items():  # the root's position: the scheduler has not advanced r yet
+            self.runner.compact_tree(r.block_table, r.num_computed, path)
         end = self.now()
+        stopped, accepted = self._append(emitted, end)
+        drafted, num_accepted = sum(r.num_draft for r in accepted), sum(accepted.values())
+        if hasattr(self.drafter, "observe"):  # Medusa: the hidden state behind each request's newest token
+            for r, first, _ in spans:
+                if r not in stopped:  # the row that produced it: a tree's last accepted node, else the last kept
+                    k = (paths[r] or [0])[-1] if r in paths else len(emitted[r]) - 1
+                    self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
+        sched = self.scheduler
+        _, finished = sched.complete_step(batch, stopped, accepted)
+        for r in finished:
+            r.finish_s = end
+            self.drafts.pop(r, None)
+            self.draft_probs.pop(r, None)
+        kv = sched.kv
+        record = StepRecord(
+            step=len(self.records), start_s=start, end_s=end, new_tokens=step.query_lens,
+            context_lens=step.context_lens, num_prefill=len(batch.prefill), num_decode=len(batch.decode),
+            num_padding=len(batch.padding), num_sampled=sum(step.counts), kv_blocks_used=kv.num_used,
+            preempted=[r.id for r in batch.preempted], swapped_blocks=len(batch.swap_out) + len(batch.swap_in),
+            num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed)
+        self.records.append(record)
+        self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+        return record
+
+    def _append(self, emitted: dict[Request, list[int]], end: float) -> tuple[set[Request], dict[Request, int]]:
+        """Each request's new tokens appended, cut after EOS (unless ignored) and timed at `end`; the requests that
+        stopped at EOS, and per request that verified drafts how many it accepted."""
         stopped, accepted = set(), {}
-        drafted = num_accepted = 0
         for r, toks in emitted.items():
             if not self.sampling.ignore_eos and self.eos_token_id in toks:
                 toks = toks[:toks.index(self.eos_token_id) + 1]
@@ -240,25 +202,4 @@ class Engine:
                 r.first_token_s = end
             if r.num_draft:
                 accepted[r] = len(toks) - 1
-                drafted += r.num_draft
-                num_accepted += len(toks) - 1
-        if hasattr(self.drafter, "observe"):  # Medusa: the hidden state behind each request's newest token
-            for r, first, _ in spans:
-                if r not in stopped:  # the row that produced it: a tree's last accepted node, else the last kept
-                    k = (paths[r] or [0])[-1] if r in paths else len(emitted[r]) - 1
-                    self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
-        _, finished = sched.complete_step(batch, stopped, accepted)
-        for r in finished:
-            r.finish_s = end
-            self.drafts.pop(r, None)
-            self.draft_probs.pop(r, None)
-        kv = sched.kv
-        record = StepRecord(
-            step=len(self.records), start_s=start, end_s=end, new_tokens=query_lens, context_lens=context_lens,
-            num_prefill=len(batch.prefill), num_decode=len(batch.decode), num_padding=len(batch.padding),
-            num_sampled=sum(counts), kv_blocks_used=kv.num_used, preempted=[r.id for r in batch.preempted],
-            swapped_blocks=len(batch.swap_out) + len(batch.swap_in), num_drafted=drafted, num_accepted=num_accepted,
-            draft_s=draft_s, draft_fed_tokens=fed)
-        self.records.append(record)
-        self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
-        return record
+        return stopped, accepted

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import copy
 
-from sim.simulator.cluster import sim_records, simulate
-from sim.report.outputs import build_report
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
+from sim.report.outputs import build_report
+from sim.simulator.cluster import sim_records, simulate
 
 BASE = {
     "model": "Llama-2-7B",

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from executor.speculative.draft_model import DraftModelDrafter, make_student
 from executor.engine import SamplingParams
+from executor.speculative.draft_model import DraftModelDrafter, make_student
 from executor.speculative.medusa import MedusaDrafter, MedusaHeads
 from executor.speculative.ngram import PromptLookup
 from executor.tiny import tiny_model

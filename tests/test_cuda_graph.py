@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from executor.attention import AttentionMetadata, sdpa_attention
-from executor.cuda_graph import (DecodeGraphs, GraphMeta, PromptGraphs, VerifyGraphs, graph_decode_attention,
-                                 graph_prompt_attention, graph_verify_attention)
 from executor.cache_engine import KVCache
+from executor.cuda_graph import (
+    DecodeGraphs,
+    GraphMeta,
+    PromptGraphs,
+    VerifyGraphs,
+    graph_decode_attention,
+    graph_prompt_attention,
+    graph_verify_attention,
+)
 from executor.tiny import tiny_model
 from sim.policy.request import Request, Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from executor.attention import AttentionMetadata
-from executor.speculative.training import dense_hidden, distill, draft_vocab, teacher_targets
 from executor.cache_engine import KVCache
+from executor.speculative.training import dense_hidden, distill, draft_vocab, teacher_targets
 from executor.tiny import tiny_model
 from tests.test_engine import prompts
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.engine import Engine, SamplingParams
 from executor.cache_engine import KVCache
+from executor.engine import Engine, SamplingParams
 from executor.tiny import tiny_model, to_transformers
+from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status
-from sim.config.plan import scheduler_config
 from sim.policy.scheduler import make_scheduler
 
 torch.set_num_threads(1)

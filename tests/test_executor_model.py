@@ -7,7 +7,8 @@ import torch
 
 from executor.attention import BACKENDS, AttentionMetadata
 from executor.cache_engine import KVCache
-from executor.model import LlamaConfig, rope_inv_freq
+from executor.layers import rope_inv_freq
+from executor.model import LlamaConfig
 from executor.tiny import llama3_rope_scaling, tiny_config, tiny_model, to_transformers
 
 TOL = 1e-4
@@ -258,7 +259,7 @@ def test_missing_smollm2_package_gives_install_hint(monkeypatch):
 def test_fast_paths_equal_plain_forward(monkeypatch):
     """Prepacked oneDNN projections, split gate/up GEMMs, fused norm/rope, in-place residuals and the native
     kernels give the plain per-op forward's logits."""
-    from executor import model as model_module
+    from executor import layers
 
     model = tiny_model(seed=8, num_heads=8, num_kv_heads=2, head_dim=16)
     prompts = random_prompts([13, 1, 29], model.config.vocab_size, seed=3)
@@ -266,7 +267,7 @@ def test_fast_paths_equal_plain_forward(monkeypatch):
     from executor import attention
 
     for name in ("USE_MKLDNN_LINEAR", "FUSED_OPS", "USE_NATIVE_LINEAR", "USE_NATIVE_OPS"):
-        monkeypatch.setattr(model_module, name, False)
+        monkeypatch.setattr(layers, name, False)
     monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
     plain = torch.cat(list(full_forward(model, prompts).values()))
     assert rel_err(fast, plain) < 1e-5
@@ -274,7 +275,7 @@ def test_fast_paths_equal_plain_forward(monkeypatch):
 
 def test_packed_weights_follow_weight_updates():
     """The oneDNN copy of a weight is remade after an in-place update (e.g. load_hf_state_dict)."""
-    from executor.model import Linear
+    from executor.layers import Linear
 
     lin = Linear(8, 6, splits=[2, 4])
     x = torch.randn(3, 8)

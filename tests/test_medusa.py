@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from executor.attention import AttentionMetadata, get_backend
-from executor.speculative.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from executor.sampling import SamplingParams, target_probs
 from executor.speculative.drafter import Drafter
+from executor.speculative.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from executor.speculative.verify import tree_depths, tree_mask, verify_tree
 from executor.tiny import tiny_model
-from sim.policy.request import Status
 from sim.cost.speculation import best_tree, tree_expected_tokens
+from sim.policy.request import Status
 from tests.test_engine import make_engine, prompts, serve_all
 from tests.test_speculative_engine import _chi2_p
 

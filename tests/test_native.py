@@ -4,12 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor import attention, native
-from executor import model as model_module
+from executor import attention, layers, native
 from executor.attention import AttentionMetadata, naive_attention, sdpa_attention
-from executor.model import apply_rope
+from executor.layers import apply_rope
 from executor.tiny import tiny_model
-
 from tests.test_attention import dense_reference, make_batch, rel_err
 from tests.test_executor_model import Sequences, random_prompts
 
@@ -27,7 +25,7 @@ def test_linear_small_equals_matmul(rows, k, n):
 
 def test_linear_repacks_when_the_weight_changes():
     """The panel copy follows in-place updates of the weight (a trained draft model, a refitted head)."""
-    layer = model_module.Linear(24, 40)
+    layer = layers.Linear(24, 40)
     x = torch.randn(3, 24)
     with torch.no_grad():
         first = layer(x)
@@ -149,7 +147,7 @@ def test_model_with_native_kernels_equals_torch_paths(monkeypatch):
     ours = run()
     assert len(calls) == 5, calls  # every kernel ran
     for name in ("USE_NATIVE_OPS", "USE_NATIVE_LINEAR"):
-        monkeypatch.setattr(model_module, name, False)
+        monkeypatch.setattr(layers, name, False)
     monkeypatch.setattr(attention, "USE_NATIVE_ATTENTION", False)
     assert rel_err(ours, run()) < 1e-5
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from sim.policy.block_manager import BlockAllocator
 from sim.config.models import MODEL_CATALOG
+from sim.config.plan import scheduler_config
+from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status
 from sim.policy.scheduler import Scheduler, StaticScheduler
-from sim.config.plan import scheduler_config
 
 
 def test_kv_bytes_llama2_7b_4096_tokens_is_2_gib():

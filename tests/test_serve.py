@@ -72,8 +72,8 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
     # speculative.yaml: the scenario's section with what was measured; the simulator runs the scenario with it
     import yaml
 
-    from sim.simulator.cluster import simulate
     from sim.config.plan import load_scenario
+    from sim.simulator.cluster import simulate
     measured = yaml.safe_load((tmp_path / "served" / "speculative.yaml").read_text())["speculative"]
     assert measured["method"] == "draft_model" and measured["request_rates"] == spec["request_rates"]
     assert measured["draft_s_per_step"] == pytest.approx(spec["draft_s_per_step"], abs=1e-6)
@@ -121,8 +121,8 @@ def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, chec
 def test_draft_cost_fits_the_drafter_and_the_verify_steps_ratio_to_the_profile():
     """The drafter's time is fitted from what the executor measured of it (no profile needed), and the verify
     forwards' time over the fitted model's prediction is their ratio, whatever their size."""
-    from executor.engine import StepRecord
     from calibration.speculative import draft_cost
+    from executor.engine import StepRecord
     from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
@@ -147,8 +147,8 @@ def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
     """Prompt lookup's search costs its time in every step it runs, drafts or none: those steps (draft_s > 0,
     nothing drafted) are in the fit, so draft_s_per_step is the search and draft_s_per_seq what a drafting
     request adds; steps the drafter was not asked for (draft_s 0) are not."""
-    from executor.engine import StepRecord
     from calibration.speculative import draft_cost
+    from executor.engine import StepRecord
 
     records = []
     for i, n in enumerate([0, 0, 1, 2, 0, 3] * 3):
@@ -164,8 +164,8 @@ def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
 def test_draft_cost_fits_a_draft_model_s_catch_up_on_prompts():
     """A draft model reads a new request's prompt at its first draft (draft_fed_tokens): the fit gives that
     time per token apart from the per-step and per-request parts; drafters with no model report none."""
-    from executor.engine import StepRecord
     from calibration.speculative import draft_cost
+    from executor.engine import StepRecord
 
     records = []
     for i, (n, fed) in enumerate([(1, 1), (2, 160), (2, 2), (3, 3), (3, 203), (1, 1), (2, 3), (3, 90)] * 2):
@@ -183,8 +183,8 @@ def test_draft_cost_fits_a_draft_model_s_catch_up_on_prompts():
 def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""
-    from executor.engine import StepRecord
     from calibration.speculative import MIN_PLAIN_STEPS, draft_cost
+    from executor.engine import StepRecord
     from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})

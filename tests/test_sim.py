@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from sim.cost.build import make_cost_model
-from sim.simulator.cluster import sim_records, simulate
 from sim.policy.scheduler import BatchShape
 from tests.helpers import plan_of, run, scenario
 

@@ -139,8 +139,8 @@ def test_a_draft_model_catches_up_on_what_it_has_not_read():
     context, then per step the target's token after its accepted drafts (two when all k were accepted; its
     drafts but the last are already held); a request it was not asked for in a step is forgotten and read
     again whole; one with a single token left is not drafted for and reads nothing."""
-    from sim.policy.request import Request
     from sim.cost.speculation import SpeculationModel
+    from sim.policy.request import Request
 
     spec = SpeculationModel(4, 0.5, draft_s_per_step=0.001, draft_s_per_token=1e-5)
     a, b = Request(1, 0.0, 100, 50, num_generated=1), Request(2, 0.0, 40, 50, num_generated=1)

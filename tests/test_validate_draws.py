@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from calibration.validate import PROFILES, SPEC_DRAWS, mean_metrics, plain_of, simulated, slo_metrics, with_profile
-from sim.simulator.cluster import sim_records, simulate
 from sim.config.plan import load_scenario
+from sim.simulator.cluster import sim_records, simulate
 
 SCENARIO = Path(__file__).parent.parent / "scenarios" / "validation" / "spec_ngram.yaml"
 

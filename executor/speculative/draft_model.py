@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from executor.attention import AttentionMetadata
-from executor.cuda_graph import DecodeGraphs, capture_or_explain
 from executor.cache_engine import KVCache
-from executor.model import LlamaModel, Linear
-from executor.weights import load_trained, save_trained
+from executor.cuda_graph import DecodeGraphs, capture_or_explain
+from executor.layers import Linear
+from executor.model import LlamaModel
 from executor.sampling import SamplingParams, target_probs
 from executor.speculative.drafter import Drafter
+from executor.weights import load_trained, save_trained
 
 NAME = "draft"  # draft.safetensors, draft.json
 

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from executor.build import make_engine, run_offline
-from executor.model import LlamaModel, apply_rope
+from executor.layers import apply_rope
+from executor.model import LlamaModel
 from executor.prompts import corpus_ids, paragraphs, prompt_ids
 from executor.sampling import SamplingParams
 from executor.speculative.draft_model import DraftModel, check_layers, make_student

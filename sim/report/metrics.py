@@ -118,7 +118,7 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
     duration = float(finish.max() - rec.arrival_s.min()) if done.any() else 0.0
     out_tokens = int(rec.output_len[done].sum())
     in_tokens = int(rec.prompt_len[done].sum())
-    rate = (lambda v: v / duration if duration > 0 else 0.0)
+    rate = (lambda v: v / duration if duration > 0 else 0.0)  # noqa: E731
     good = slo_mask(lat, ttft_slo_s, tpot_slo_s)
     reasons: dict[str, int] = {}
     for reason, c in zip(rec.reject_reason, done):
