@@ -14,7 +14,7 @@ from rich.console import Console
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan, load_scenario
 from sim.config.workload import generate_requests
-from sim.report.outputs import build_report, print_summary, write_outputs
+from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
 
 DEFAULT_SCENARIO = "default.yaml"
 
@@ -29,11 +29,28 @@ def load_plan(path: str | Path) -> Plan:
     return load_scenario(path)[1]
 
 
+def prepare_out(out: Path | None) -> None:
+    """Make sure `out` is a folder this process can write, before a run that may take minutes (an error after
+    the run would lose it)."""
+    if out is None:
+        return
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{out} exists and is not a folder", "--out")
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".infersim-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to {out} ({type(e).__name__}: {e.strerror or e})", "--out") from None
+
+
 def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool = True) -> dict:
     """Load, simulate, report. Returns report.json's content."""
     from sim.simulator.cluster import sim_records, simulate
 
     plan = load_plan(path)
+    prepare_out(out)
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
     except ConfigError as e:
@@ -53,6 +70,10 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         raise e.with_file(str(path)) from None
     records = sim_records(result)
     report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
+    try:
+        check_finite(report)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
     if out is not None:
         write_outputs(out, report, records, result.replicas, plots=plots)
     if not quiet:
@@ -76,6 +97,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
 
     check_device(device)
     plan = load_plan(path)
+    prepare_out(out)
     cost = None  # checked before the run, which takes minutes
     if profile is not None:
         cost = load_profile(profile, plan.model, "--profile")
@@ -136,6 +158,7 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
+    prepare_out(out)
     if alongside is not None and profile is not None:
         raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
     prof = profile or PROFILES / f"{device}.json"

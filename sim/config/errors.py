@@ -1,6 +1,9 @@
 """One error type for bad user input: the CLI prints it as one line and exits with code 2."""
 from __future__ import annotations
 
+# what the CLI prints after "infersim: error: " stays within 300 characters
+MAX_LINE = 280
+
 
 class ConfigError(Exception):
     """Bad user input, located by file and key path (e.g. ``serving.max_num_seqs``)."""
@@ -16,6 +19,9 @@ class ConfigError(Exception):
         return ConfigError(self.message, self.key_path, self.file or file)
 
     def one_line(self) -> str:
-        """`file: key.path: what is wrong and what is allowed`, on one line."""
-        parts = [p for p in (self.file, self.key_path) if p]
-        return ": ".join(parts + [" ".join(self.message.split())])
+        """`file: key.path: what is wrong and what is allowed`, on one line of at most MAX_LINE characters (the
+        message is cut, never the file or the key path)."""
+        where = ": ".join([p for p in (self.file, self.key_path) if p] + [""])
+        message = " ".join(self.message.split())
+        room = max(40, MAX_LINE - len(where))
+        return where + (message if len(message) <= room else message[:room - 1] + "…")

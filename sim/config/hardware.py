@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
@@ -16,8 +17,9 @@ class HardwareSpec(StrictModel):
     """One device: dense peak FLOP/s per dtype, memory, and the links around it."""
 
     name: str = "custom"
-    peak_flops: dict[str, PositiveFloat] = Field(description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8")
-    memory_bandwidth: PositiveFloat = Field(description="bytes/s")
+    peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4"], Annotated[float, Field(ge=1e6)]] = Field(
+        description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8, int4")
+    memory_bandwidth: float = Field(ge=1e6, description="bytes/s")
     memory_gib: PositiveFloat
     interconnect_bandwidth: PositiveFloat = Field(64e9, description="device-to-device bytes/s (NVLink or PCIe)")
     interconnect_latency_s: NonNegativeFloat = 5e-6

@@ -6,3 +6,7 @@ MAX_REPLICAS = 10_000
 MAX_TOTAL_BLOCKS = 10_000_000  # KV blocks over all replicas (each replica keeps a free list of its block ids)
 MAX_LENGTH = 10_000_000  # tokens in one prompt or output
 MAX_TRACE_BYTES = 256 * 2**20  # a trace CSV (the Azure conversation trace is under 1 MiB)
+MAX_SCENARIO_BYTES = 4 * 2**20  # a scenario YAML file
+MAX_YAML_NODES = 200_000  # values in a scenario with every alias expanded (a billion-laughs file: ~1e9)
+MAX_YAML_DEPTH = 64  # nesting of a scenario's mappings and lists
+MAX_YAML_STRING = 65_536  # characters in one value

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
@@ -25,6 +24,7 @@ from sim.config.scenario import (
     validation_error,
 )
 from sim.config.workload import WorkloadConfig
+from sim.config.yaml_file import read_yaml
 
 
 @dataclass(frozen=True)
@@ -218,17 +218,9 @@ def replan(plan: Plan, **sections: Any) -> Plan:
 def load_scenario(path: str | Path) -> tuple[Scenario, Plan]:
     """Read, validate and resolve a scenario YAML file; every problem is a one-line ConfigError."""
     path = Path(path)
+    data = read_yaml(path)
     try:
-        data = yaml.safe_load(path.read_text())
         scenario = parse_scenario(data)
         return scenario, make_plan(scenario, path.parent)
-    except FileNotFoundError:
-        raise ConfigError("scenario file not found", file=str(path)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the scenario ({type(e).__name__}: {e})", file=str(path)) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{where}: {getattr(e, 'problem', e)}", file=str(path)) from None
     except ConfigError as e:
         raise e.with_file(str(path)) from None

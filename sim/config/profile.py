@@ -7,6 +7,12 @@ from pathlib import Path
 
 from sim.config.errors import ConfigError
 
+# the fitted step-cost model's terms, in the order of its feature vector (sim.cost.fitted)
+FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
+            "sampled", "attn_pairs", "kv_tokens", "few_tokens")
+_OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
+MAX_KNOT = 4096
+
 
 @dataclass(frozen=True)
 class ProfileFile:
@@ -19,19 +25,56 @@ class ProfileFile:
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
-    """Read a profile; with `model`, check it was measured for that model (its coefficients are model-specific)."""
+    """Read a profile; with `model`, check it was measured for that model (its coefficients are model-specific).
+    A fault inside the file is reported against the file and the key in it; a missing file or one measured for
+    another model against `key_path`, the setting that names it."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-        prof = ProfileFile(path, dict(data["fit"]["coefs"]), int(data["fit"].get("knot", 0)), data)
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} is not a profile file", key_path)
+        if path.exists() and path.stat().st_size > 64 * 2**20:
+            raise ConfigError(f"{path} is {path.stat().st_size / 2**20:.0f} MiB, not an infersim profile", key_path)
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
     except FileNotFoundError:
         raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not an infersim profile ({type(e).__name__}: {e})", key_path) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"not an infersim profile: not readable JSON ({type(e).__name__})", file=str(path)) from None
+    coefs, knot = _check(data, path)
     m = data.get("model", {})
     if model is not None and m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers,
                                                                                     model.hidden_size):
-        raise ConfigError(f"{path} was measured for {m.get('name')} ({m.get('num_layers')} layers, hidden "
+        raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
-    return prof
+    return ProfileFile(path, coefs, knot, data)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a profile may hold")
+
+
+def _check(data, path: Path) -> tuple[dict, int]:
+    """The coefficients and knot of a profile's fit, every one checked: finite, non-negative, known terms."""
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"not an infersim profile: {what}", key, str(path))
+
+    if not isinstance(data, dict):
+        raise bad("", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
+    fit = data.get("fit")
+    if not isinstance(fit, dict) or not isinstance(fit.get("coefs"), dict):
+        raise bad("fit.coefs", "missing: the fitted coefficients (`infersim profile` writes them)")
+    coefs = {}
+    for name, value in fit["coefs"].items():
+        if name not in FEATURES and name not in _OLD_TERMS:
+            raise bad(f"fit.coefs.{str(name)[:40]}", f"unknown term; allowed: {', '.join(FEATURES)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+            raise bad(f"fit.coefs.{name}", f"{str(value)[:40]!r}: a step time in seconds, finite and >= 0")
+        coefs[name] = float(value)
+    knot = fit.get("knot", 0)
+    if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
+        raise bad("fit.knot", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
+    m = data.get("model", {})
+    if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
+                                      for k in ("num_layers", "hidden_size")):
+        raise bad("model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
+    return coefs, knot

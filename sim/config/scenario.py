@@ -171,6 +171,10 @@ class SpeculativeConfig(StrictModel):
             check_tree([tuple(p) for p in self.medusa_tree], depth, MEDUSA_TOPK)
             if self.medusa_rank_probs is not None and len(self.medusa_rank_probs) < depth:
                 raise ValueError(f"medusa_rank_probs needs a row per tree depth ({depth})")
+            for row in self.medusa_rank_probs or []:
+                if not row or max(row) > 1 or not 0 < sum(row) <= 1.01:
+                    raise ValueError("each medusa_rank_probs row is a probability distribution (values in 0..1, "
+                                     "summing to 1)")
             if self.request_rates:
                 raise ValueError("request_rates is for ngram and draft_model (Medusa: medusa_rank_probs)")
         return self
@@ -265,6 +269,13 @@ def _walk(cls: type[BaseModel], loc: tuple) -> tuple[list, object]:
     return path, cur
 
 
+def _short(value, limit: int = 60) -> str:
+    """A value as the error shows it: its repr, cut (an expanded alias can be megabytes)."""
+    text = repr(value) if not isinstance(value, (list, tuple)) or len(value) < 20 else \
+        f"a list of {len(value)} items"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def validation_error(e: ValidationError, cls: type[BaseModel], prefix: str = "") -> ConfigError:
     """Turn pydantic's report into one line: key path, what is wrong, what is allowed."""
     err = e.errors()[0]
@@ -284,7 +295,7 @@ def validation_error(e: ValidationError, cls: type[BaseModel], prefix: str = "")
     if err["type"] in ("string_type", "dict_type") and path in (["model"], ["hardware"]):
         return ConfigError("expected a catalog name or a mapping of keys", where)
     got = err.get("input")
-    got_txt = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+    got_txt = "" if isinstance(got, dict) or got is None else f" (got {_short(got)})"
     msg = err["msg"].removeprefix("Value error, ")
     return ConfigError(msg + got_txt, where)
 

@@ -13,6 +13,7 @@ import csv
 import math
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -253,6 +254,15 @@ def _bad(path: Path, key_path: str, what: str) -> ConfigError:
                        key_path)
 
 
+def _real_minute(m: str) -> bool:
+    """A "YYYY-MM-DD HH:MM" that names a real minute (no month 13, no hour 25)."""
+    try:
+        datetime.strptime(m.replace("T", " "), "%Y-%m-%d %H:%M")
+        return True
+    except ValueError:
+        return False
+
+
 def _num(s: str) -> float:
     try:
         return float(s)
@@ -314,15 +324,15 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
     # Per-row datetime parsing is slow and fromisoformat (< 3.11) rejects 7 fractional digits, so
     # split "YYYY-MM-DD HH:MM" (few distinct values, parsed by numpy) from the seconds (floats).
     minutes = {m: i for i, m in enumerate(dict.fromkeys(t[:16] for t in ts))}
-    good = {m for m in minutes if _MINUTE.fullmatch(m)}
+    good = {m for m in minutes if _MINUTE.fullmatch(m) and _real_minute(m)}
     secs = [t[17:] if t[16:17] == ":" and t[:16] in good else "nan" for t in ts]
     seconds = _column(secs, ts, "TIMESTAMP", "a date-time like 2023-11-16 18:15:46.6805900",
                       lambda v: (v >= 0) & (v < 61), path, key_path)
     base = np.array([m.replace(" ", "T") for m in minutes], dtype="datetime64[m]")
     whole = (base - base.min()).astype(np.int64)[[minutes[t[:16]] for t in ts]]
     arrival = whole * 60.0 + seconds
-    count = "an integer >= 0"
-    is_count = lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))  # noqa: E731
+    count = f"an integer in 0..{MAX_LENGTH:,}"
+    is_count = lambda v: np.isfinite(v) & (v >= 0) & (v <= MAX_LENGTH) & (v == np.round(v))  # noqa: E731
     prompt = _column(ctx, ctx, "ContextTokens", count, is_count, path, key_path)
     output = _column(gen, gen, "GeneratedTokens", count, is_count, path, key_path)
     result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))

@@ -30,12 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.config.profile import ProfileFile, read_profile
+from sim.config.profile import FEATURES, ProfileFile, read_profile
 from sim.cost.roofline import decode_run
 from sim.policy.scheduler import BatchShape
 
-FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
-            "sampled", "attn_pairs", "kv_tokens", "few_tokens")
 # candidate knots of the few_tokens term (0: none); the fit keeps the one with the least training error
 KNOTS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 
@@ -89,10 +90,25 @@ def write_requests_csv(path: Path, rec: RequestRecords) -> None:
                         int(spec[i, 1])])
 
 
+def check_finite(report: dict) -> None:
+    """A run whose own figures came out infinite or NaN is an error, not a report (report.json is strict JSON):
+    raise ConfigError naming the first such figure."""
+    stack = [("", report)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise ConfigError(f"the run's {where} came out {x}: its step times overflow or vanish; check the "
+                              "cost_model and hardware numbers")
+
+
 def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas: list, plots: bool = True) -> None:
     """Write report.json, requests.csv and the PNG plots into `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     write_requests_csv(out_dir / "requests.csv", records)
     if plots:
         from sim.report.plots import write_plots  # matplotlib is slow to import; only when plotting

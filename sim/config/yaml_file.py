@@ -1,0 +1,83 @@
+"""Reading a scenario's YAML within bounds: a size cap, no duplicate keys, and a cap on the document's size with
+every alias expanded (a "billion laughs" file is a few hundred bytes that expand to gigabytes once validated)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from sim.config.errors import ConfigError
+from sim.config.limits import MAX_SCENARIO_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, MAX_YAML_STRING
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping with the same key twice (YAML says so; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"key {str(key)[:60]!r} given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _check_size(node: yaml.Node) -> None:
+    """The document's node count with aliases expanded, its depth and its longest scalar, within the limits."""
+    sizes: dict[int, int] = {}
+    stack = [(node, 1, False)]
+    while stack:  # iterative: a 100,000-deep document must not exhaust Python's stack here
+        n, depth, done = stack.pop()
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        if isinstance(n, yaml.ScalarNode):
+            if len(n.value) > MAX_YAML_STRING:
+                raise ConfigError(f"a value of {len(n.value):,} characters (line {n.start_mark.line + 1}); allowed: "
+                                  f"at most {MAX_YAML_STRING:,}")
+            sizes[id(n)] = 1
+            continue
+        kids = [x for pair in n.value for x in pair] if isinstance(n, yaml.MappingNode) else list(n.value)
+        if done:
+            sizes[id(n)] = 1 + sum(sizes[id(k)] for k in kids)
+            if sizes[id(n)] > MAX_YAML_NODES:
+                raise ConfigError(f"the document expands to more than {MAX_YAML_NODES:,} values (aliases "
+                                  "included); allowed: a scenario of ordinary size")
+        elif id(n) not in sizes:
+            stack.append((n, depth, True))
+            stack.extend((k, depth + 1, False) for k in kids if id(k) not in sizes)
+
+
+def read_yaml(path: Path):
+    """The YAML document in `path`; ConfigError (naming the file) for anything unreadable or out of bounds."""
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise ConfigError("not a regular file", file=str(path))
+        if size > MAX_SCENARIO_BYTES:
+            raise ConfigError(f"{size / 2**20:.1f} MiB; allowed: at most {MAX_SCENARIO_BYTES // 2**20} MiB",
+                              file=str(path))
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read it ({type(e).__name__})", file=str(path)) from None
+    try:
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_size(node)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except RecursionError:
+        raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=str(path)) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = str(getattr(e, "problem", None) or type(e).__name__)[:120]
+        raise ConfigError(f"not valid YAML{where}: {problem}", file=str(path)) from None
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
