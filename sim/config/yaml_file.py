@@ -48,6 +48,22 @@ def _check_size(node: yaml.Node) -> None:
             stack.extend((k, depth + 1, False) for k in kids if id(k) not in sizes)
 
 
+def _check_events(text: str) -> None:
+    """Nesting depth and size from the parser's event stream, before the (recursive) composer builds a tree:
+    PyYAML composes a 5,000-deep document slowly and a 100,000-deep one not at all."""
+    depth = events = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        events += 1
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1})")
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+        if events > MAX_YAML_NODES:
+            raise ConfigError(f"more than {MAX_YAML_NODES:,} values; allowed: a scenario of ordinary size")
+
+
 def read_yaml(path: Path):
     """The YAML document in `path`; ConfigError (naming the file) for anything unreadable or out of bounds."""
     try:
@@ -63,6 +79,7 @@ def read_yaml(path: Path):
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read it ({type(e).__name__})", file=str(path)) from None
     try:
+        _check_events(text)
         loader = _Loader(text)
         try:
             node = loader.get_single_node()
