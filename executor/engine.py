@@ -143,6 +143,8 @@ class Engine:
     def step(self) -> StepRecord | None:
         """Run one engine step; None if the scheduler had nothing to run."""
         start = self.now()
+        for r in self.scheduler.expire(start):  # waited past max_queue_delay_s: rejected, never run
+            self.tokens.pop(r, None)
         ran = self.drafter is not None and self._propose()
         # 0 where the drafter did not run, so a record tells a drafter that ran and found nothing (prompt
         # lookup with no n-gram match still searched) from one that was not asked

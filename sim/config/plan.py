@@ -43,6 +43,8 @@ class SchedulerConfig:
     batch_size: int
     num_speculative_tokens: int  # most drafts a row verifies per step (0: no speculative decoding)
     speculative_disable_by_batch_size: int | None  # vLLM: no drafts while more requests decode
+    max_queue_len: int | None  # admission bound: waiting requests past which an arrival is rejected
+    max_queue_delay_s: float | None  # admission bound: a request not started this long after arriving is rejected
 
 
 def _default(cls, name: str):
@@ -58,7 +60,7 @@ def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
         raise TypeError(f"unknown scheduler knobs {sorted(unknown)}")
     k = {name: knobs.get(name, _default(ServingConfig, name)) for name in
          ("batching", "max_num_seqs", "enable_chunked_prefill", "waiting_served_ratio", "max_waiting_tokens",
-          "batch_size")}
+          "batch_size", "max_queue_len", "max_queue_delay_s")}
     budget = knobs.get("max_num_batched_tokens") or (2048 if k["enable_chunked_prefill"] else max(max_model_len, 2048))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
     return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,

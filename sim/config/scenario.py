@@ -38,6 +38,12 @@ class ServingConfig(StrictModel):
     max_waiting_tokens: PositiveInt | None = Field(
         None, description="TGI: after this many decode steps the waiting requests are admitted regardless")
     max_model_len: PositiveInt | None = Field(None, description="default: the model's max_position_embeddings")
+    max_queue_len: PositiveInt | None = Field(
+        None, description="admission bound: a request that arrives while this many wait is rejected ('queue full'), "
+                          "as a server answers 429; null: the queue is unbounded")
+    max_queue_delay_s: PositiveFloat | None = Field(
+        None, description="admission bound: a request still waiting to start this long after it arrived is "
+                          "rejected ('queue timeout'); null: requests wait as long as it takes")
 
 
 class KVCacheConfig(StrictModel):

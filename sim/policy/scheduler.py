@@ -114,11 +114,34 @@ class Scheduler:
             reason = "prompt_len + max_tokens exceeds max_model_len"
         elif self.kv.blocks_for(total - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
             reason = "needs more KV cache than the whole cache"
+        elif self.cfg.max_queue_len is not None and len(self.waiting) >= self.cfg.max_queue_len:
+            reason = "queue full (max_queue_len)"
         if reason:
             req.status, req.reject_reason = Status.REJECTED, reason
             return False
         self.waiting.append(req)
         return True
+
+    def expire(self, now: float) -> list[Request]:
+        """Reject the waiting requests that have not started within max_queue_delay_s of arriving (either clock
+        calls this before each step with its time); returns them."""
+        delay = self.cfg.max_queue_delay_s
+        if delay is None or not self.waiting:
+            return []
+        gone = [r for r in self.waiting if not r.num_preemptions and r.arrival_s + delay <= now]
+        if gone:
+            dropped = set(gone)
+            self.waiting = deque(r for r in self.waiting if r not in dropped)
+            for r in gone:
+                r.status, r.reject_reason = Status.REJECTED, "queue timeout (max_queue_delay_s)"
+        return gone
+
+    def next_expiry(self) -> float:
+        """When the first waiting request will time out (inf if none can)."""
+        delay = self.cfg.max_queue_delay_s
+        if delay is None:
+            return float("inf")
+        return min((r.arrival_s + delay for r in self.waiting if not r.num_preemptions), default=float("inf"))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -119,6 +119,17 @@ def _fmt(x) -> str:
     return "-" if x is None else (f"{x * 1000:.1f}" if isinstance(x, float) else str(x))
 
 
+def _slo_verdict(slo: dict, requests: dict) -> str:
+    """met / MISSED, and when it is met only because rejected requests are left out of the quantiles, says so."""
+    if not slo["met"]:
+        return "MISSED"
+    if slo.get("met_counting_rejected", True):
+        return "met"
+    share = requests["rejected"] / max(1, requests["arrived"])
+    return (f"met over completed requests only: with the {requests['rejected']} rejected ({share:.1%}) counted as "
+            "misses it is MISSED")
+
+
 def print_summary(report: dict, console=None) -> None:
     """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
     from rich.console import Console
@@ -143,7 +154,7 @@ def print_summary(report: dict, console=None) -> None:
     console.print(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
                   f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s")
     console.print(f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms): "
-                  f"{'met' if slo['met'] else 'MISSED'}; attainment {report['slo_attainment'] * 100:.1f}%")
+                  f"{_slo_verdict(slo, rq)}; attainment {report['slo_attainment'] * 100:.1f}%")
     console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
                   f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
                   f"{kv['capacity_tokens']} tokens")

@@ -56,7 +56,12 @@ class Replica:
 
     def run(self):
         sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
+        timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
+            if timeouts:
+                for r in sched.expire(self.clock):
+                    if self.on_finish:
+                        self.on_finish(r)
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
@@ -68,7 +73,7 @@ class Replica:
                 continue
             step = len(self.step_end)
             if batch.decode_only and self.bulk:
-                horizon = self.next_arrival()
+                horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
                 b, s = batch.shape.num_seqs, batch.shape.sum_context
                 # steps only get slower as contexts grow, so this many reach the next arrival
                 k_max = MAX_BULK_STEPS if horizon == math.inf else \
