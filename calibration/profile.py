@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 
 from executor.build import make_engine, run_offline
+from executor.cpu_load import CpuLoad
 from executor.engine import Engine
 from executor.prompts import prompt_ids
 from executor.serve import check_device
@@ -135,8 +136,11 @@ class Sweep:
     Every workload runs `repeats` times, interleaved (all workloads once, then again) so slow drift of the
     machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has the same shape."""
 
-    def __init__(self, model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3):
+    def __init__(self, model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3,
+                 progress=None):
         self.model, self.corpus, self.device = model, corpus, device
+        self.progress = progress  # progress(units done, units) after each workload run
+        self.load = CpuLoad()  # other processes' CPU while the sweep runs: a busy machine spoils a profile
         self.runs = workloads(quick)
         self.results: list[list[list[dict]]] = [[] for _ in self.runs]
         self.slice_of: list[list[int]] = [[] for _ in self.runs]  # the slice each repeat of a workload ran in
@@ -151,10 +155,14 @@ class Sweep:
         if self.done == 0 and stop > 0:  # warm-up: first forwards allocate
             run_workload(profile_engine(self.model, self.device), self.corpus, [(64, 4)] * 2)
         t0 = time.perf_counter()
-        for k in self.units[self.done:stop]:
+        self.load.sample()  # from here: what ran between slices is not the sweep's
+        for n, k in enumerate(self.units[self.done:stop]):
             cfg, work = self.runs[k]
             self.results[k].append(run_workload(profile_engine(self.model, self.device, **cfg), self.corpus, work))
             self.slice_of[k].append(self.num_slices)
+            self.load.sample()
+            if self.progress is not None:
+                self.progress(self.done + n + 1, len(self.units))
         if stop > self.done:
             self.num_slices += 1
         self.done = max(self.done, stop)
@@ -205,19 +213,38 @@ class Sweep:
         """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names)."""
         self.run_until(1.0)
         samples, speed = self.samples_and_speeds()
-        return {"model": model_spec, "host": device_info(self.device), "measured": measure_device(self.device),
+        host = {**device_info(self.device), "other_processes_cores": round(self.load.mean_others, 2)}
+        return {"model": model_spec, "host": host, "measured": measure_device(self.device),
                 "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
 
 
-def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3) -> dict:
+def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3,
+            progress=None) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
-    return Sweep(model, corpus, device, quick, repeats).profile(model_spec)
+    sweep = Sweep(model, corpus, device, quick, repeats, progress)
+    prof = sweep.profile(model_spec)
+    warning = sweep.load.warning("the profile sweep")
+    if warning:
+        Console(stderr=True).print(warning, style="yellow", highlight=False)
+    return prof
 
 
 def fit_samples(samples: list[dict]) -> dict:
     """The step-cost fit of a profile's stored samples (each step's shape and median time)."""
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
     return fit(shapes, [s["time_s"] for s in samples])
+
+
+def _every_tenth(console: Console):
+    """A progress callback that prints a line at each tenth of the work (readable in a log as on a terminal)."""
+    shown = [0]
+
+    def report(done: int, total: int) -> None:
+        tenth = done * 10 // total
+        if tenth > shown[0]:
+            shown[0] = tenth
+            console.print(f"  {done}/{total} workload runs", highlight=False)
+    return report
 
 
 def refit(prof: dict) -> dict:
@@ -269,7 +296,11 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
         raise ConfigError(f"cannot load {model}: {e}", "--model") from None
     net = net.to(device)
     corpus = corpus_ids(tok)
-    prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats)
+    err = Console(stderr=True)
+    err.print(f"profiling {spec.name} on {device}: {len(workloads(quick))} workloads x {repeats} repeats",
+              highlight=False)
+    prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats,
+                   progress=_every_tenth(err))
     write_profile(out, prof)
     f = prof["fit"]
     Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "

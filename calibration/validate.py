@@ -80,7 +80,12 @@ def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: P
     `out`, also its step and request traces (steps.jsonl, requests.jsonl) there."""
     from executor.serve import serve, write_traces
 
-    records, _, engine, requests, _ = serve(plan, specs, device, threads, loaded=loaded)
+    records, _, engine, requests, _, load = serve(plan, specs, device, threads, loaded=loaded)
+    warning = load.warning(f"the executor run of {plan.name}")
+    if warning:
+        from rich.console import Console
+
+        Console(stderr=True).print(warning, style="yellow", highlight=False)
     if out is not None:
         write_traces(out, engine, requests)
     return records, [r.to_json() for r in engine.records]
@@ -322,6 +327,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                 set_threads(plan, threads)  # before the sweep, which times steps too
                 if sweep is not None:
                     sweep.run_until((i * len(jobs) + n + 1) / slices)
+                _stage(f"{plan.name}: executor run {i + 1} of {max(1, runs)}")
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
         if sweep is not None:
@@ -331,6 +337,12 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             profile = alongside
     return [score(plan, profile, results[m], device, out, None if p is None else results[p])
             for (plan, out), m, p in zip(plans, main, plain)]
+
+
+def _stage(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(text, highlight=False)
 
 
 def run_order(main: list[int], plain: list[int | None], repeat: int) -> list[int]:

@@ -10,6 +10,7 @@ import torch
 
 from executor.build import make_engine
 from executor.cache_engine import KVCache
+from executor.cpu_load import CpuLoad
 from executor.engine import Engine, SamplingParams
 from executor.model import LlamaModel
 from executor.prompts import corpus_ids, prompt_ids
@@ -22,6 +23,7 @@ from sim.policy.request import Request
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
 
+LOAD_EVERY_S = 0.5  # how often a serve reads the machine's load
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -85,21 +87,34 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
     engine.scheduler.kv.peak_used = 0
 
 
-def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int]) -> list[Request]:
-    """Submit each request at its arrival time (wall clock, online) and run steps until all are done."""
+def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
+           adapt_threads: bool = False, progress=None) -> list[Request]:
+    """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
+    sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
+    free. `progress(done, total)` is called as requests end."""
     requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
     engine.t0 = time.perf_counter()
     nxt = 0
+    next_sample = LOAD_EVERY_S
     while nxt < len(requests) or engine.scheduler.has_work():
         now = engine.now()
         while nxt < len(requests) and requests[nxt].arrival_s <= now:
             r = requests[nxt]
             engine.add(r, prompt_ids(corpus, r.prompt_len, r.id))  # a rejection is final and recorded
             nxt += 1
+        if now >= next_sample:
+            next_sample = now + LOAD_EVERY_S
+            others = load.sample() if load is not None else None
+            if adapt_threads and others is not None and load.threads_for(others) != torch.get_num_threads():
+                torch.set_num_threads(load.threads_for(others))
+            if progress is not None:
+                progress(sum(r.is_done for r in requests[:nxt]), len(requests))
         if engine.scheduler.has_work():
             engine.step()
         elif nxt < len(requests):
-            time.sleep(max(0.0, requests[nxt].arrival_s - engine.now()))
+            time.sleep(max(0.0, min(requests[nxt].arrival_s - engine.now(), LOAD_EVERY_S)))
+    if progress is not None:
+        progress(len(requests), len(requests))
     return requests
 
 
@@ -128,26 +143,42 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
 
 
 def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
-          loaded: Loaded | None = None):
-    """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests)."""
+          loaded: Loaded | None = None, stage=None, progress=None):
+    """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests, wall
+    seconds, the CpuLoad sampled during the run). Threads pinned by `threads` or executor.threads stay as they
+    are; otherwise they follow the cores other processes leave free. `stage(text)` is told each stage."""
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
-    set_threads(plan, threads)
-    loaded = loaded or load_model(plan, device)
+    stage = stage or (lambda _: None)
+    pinned = set_threads(plan, threads)
+    if loaded is None:
+        stage("loading the model")
+        loaded = load_model(plan, device)
     engine = build_engine(plan, loaded, device)
     corpus = corpus_ids(loaded.tokenizer)
+    stage("warming up")
     warm_up(engine, corpus)
+    stage(f"serving {len(specs)} requests")
+    load = CpuLoad()
+    threads_before = torch.get_num_threads()
     t0 = time.perf_counter()
-    requests = replay(engine, specs, corpus)
+    try:
+        requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
+                          progress=progress)
+    finally:
+        torch.set_num_threads(threads_before)  # a busy spell must not leave the next run with fewer threads
     wall = time.perf_counter() - t0
-    return records_from_requests(requests), trace_of(engine), engine, requests, wall
+    load.sample()
+    return records_from_requests(requests), trace_of(engine), engine, requests, wall, load
 
 
-def set_threads(plan: Plan, threads: int | None = None) -> None:
-    """torch's CPU threads: `threads`, else the scenario's executor.threads, else left as they are."""
+def set_threads(plan: Plan, threads: int | None = None) -> bool:
+    """torch's CPU threads: `threads`, else the scenario's executor.threads, else left as they are; whether
+    they were pinned."""
     threads = threads or plan.executor.threads
     if threads:
         torch.set_num_threads(threads)
+    return bool(threads)
 
 
 def check_device(device: str, present: bool = True) -> None:

@@ -103,15 +103,23 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
         cost = load_profile(profile, plan.model, "--profile")
     elif plan.cost.profile is not None:
         cost = make_cost_model(plan)
+    err = Console(stderr=True)
+    stage = (lambda text: None) if quiet else (lambda text: err.print(f"{plan.name}: {text}", highlight=False))
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
-        records, trace, engine, requests, wall = serve(plan, specs, device, threads)
+        with _progress(err, quiet, "serving", len(specs)) as progress:
+            records, trace, engine, requests, wall, load = serve(plan, specs, device, threads, stage=stage,
+                                                                 progress=progress)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
+    warning = load.warning("this serve")
+    if warning and not quiet:
+        err.print(warning, style="yellow", highlight=False)
     report = build_report(plan, records, [trace], wall, engine="executor",
                           extra={"executor": {"device": device, "threads": torch.get_num_threads(),
                                               "attention": plan.executor.attention,
-                                              "torch": torch.__version__}})
+                                              "torch": torch.__version__,
+                                              "other_processes_cores": round(load.mean_others, 2)}})
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
         report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
@@ -129,6 +137,29 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
                             + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
                                if "speculative" in report else ""))
     return report
+
+
+class _progress:
+    """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
+
+    def __init__(self, console: Console, quiet: bool, what: str, total: int):
+        self.show = not quiet and console.is_terminal
+        self.console, self.what, self.total = console, what, total
+
+    def __enter__(self):
+        if not self.show:
+            return None
+        from rich.progress import Progress
+
+        self.bar = Progress(console=self.console, transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.what, total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done)
+
+    def __exit__(self, *exc):
+        if self.show:
+            self.bar.__exit__(*exc)
+        return False
 
 
 def scenario_files(paths: list[Path]) -> list[Path]:

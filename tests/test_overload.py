@@ -78,13 +78,14 @@ def checkpoint(tmp_path_factory):
 
 
 def test_executor_under_overload_loses_nothing_and_times_out_with_a_reason(tmp_path, checkpoint):
-    """Online replay far faster than one thread serves (all 48 within ~0.1 s), with a 0.3 s queue bound."""
+    """Online replay far faster than the engine serves (64 arrivals within ~0.1 s, one at a time, ~50 steps
+    each: seconds of work), with a 0.2 s queue bound."""
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-overload",
-                               serving={"max_num_seqs": 2, "max_queue_delay_s": 0.3},
-                               workload={"arrival": {"process": "poisson", "rate": 500.0}, "num_requests": 48,
-                                         "output_len": {"dist": "uniform", "min": 20, "max": 30}})
+                               serving={"max_num_seqs": 1, "max_queue_delay_s": 0.2},
+                               workload={"arrival": {"process": "poisson", "rate": 600.0}, "num_requests": 64,
+                                         "output_len": {"dist": "uniform", "min": 40, "max": 60}})
     report = serve_scenario(path, None, quiet=True, plots=False)
     rq = report["requests"]
-    assert rq["arrived"] == 48 == rq["completed"] + rq["rejected"]
+    assert rq["arrived"] == 64 == rq["completed"] + rq["rejected"]
     assert rq["rejected_by_reason"].get("queue timeout (max_queue_delay_s)", 0) == rq["rejected"] > 0
     assert rq["completed"] > 0

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.build import make_engine, run_offline
+from executor.cpu_load import CpuLoad
 from executor.layers import apply_rope
 from executor.model import LlamaModel
 from executor.prompts import corpus_ids, paragraphs, prompt_ids
@@ -392,6 +394,18 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
                    "heldout_rank_probs": ranks}
 
 
+def stage(text: str) -> None:
+    """One line per stage of a long command, on stderr."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _warn_if_busy(load: CpuLoad, what: str) -> None:
+    load.sample()
+    warning = load.warning(what)
+    if warning:
+        print(warning, file=sys.stderr)
+
+
 def cached_answers(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, max_new: int,
                    log=print) -> list[list[int]]:
     """The teacher's greedy answers, kept in the cache folder (keyed by the prompts, max_new and the weights'
@@ -427,11 +441,15 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
     if threads:
         torch.set_num_threads(threads)
     out = out or default_draft_dir()
+    load = CpuLoad()
+    stage("loading SmolLM2-135M")
     teacher, hf_config, tok = load_smollm2()
     check_layers(teacher, layers)  # before minutes of generation
     eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
     prompts, groups = training_prompts(tok, corpus_ids(tok))
+    stage(f"the teacher's answers to {len(prompts)} prompts (generated once, then cached)")
     answers = cached_answers(teacher, prompts, eos, max_new)
+    stage(f"distilling layers {layers} for up to {minutes:g} minutes")
     student, record = distill(teacher, prompts, eos, layers, vocab_size, minutes, max_new, answers=answers,
                               groups=groups)
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
@@ -439,6 +457,7 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
     student.save(out, record)
     print(f"saved the draft model to {out} ({len(layers)} layers, vocabulary {len(student.vocab)}; held-out "
           f"agreement with the teacher {record['agreement_before']:.3f} -> {record['agreement_after']:.3f})")
+    _warn_if_busy(load, "distillation")
     (out / "distill_log.json").write_text(json.dumps(record, indent=1))
     return record
 
@@ -506,10 +525,14 @@ def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minu
     if threads:
         torch.set_num_threads(threads)
     out = out or default_medusa_dir()
+    load = CpuLoad()
+    stage("loading SmolLM2-135M")
     target, hf_config, tok = load_smollm2()
     eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
     prompts, groups = training_prompts(tok, corpus_ids(tok))
+    stage(f"the target's answers to {len(prompts)} prompts (generated once, then cached)")
     answers = cached_answers(target, prompts, eos, max_new)
+    stage(f"training {num_heads} Medusa heads for up to {minutes:g} minutes, then choosing their tree")
     t0 = time.perf_counter()
     kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 1]
     data = teacher_targets(target, [p + a for p, a, _ in kept], keep_hidden=True)
@@ -521,4 +544,5 @@ def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minu
                    "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60})
     heads.save(out, record)
     print(f"saved {num_heads} Medusa heads to {out}; {summary}")
+    _warn_if_busy(load, "training (its tree is chosen from timed steps)")
     return record

@@ -1,0 +1,75 @@
+"""Other processes' CPU use, read while the executor runs: to size torch's threads to the cores that are free, and
+to say when a timing was taken on a busy machine.
+
+OpenMP threads wait for each other at every parallel region; when another process holds one of their cores, a
+waiting thread spins (or sleeps and wakes) until the descheduled peer runs again, and on these 2-core machines a
+2-thread decode step then took 3-50x its time. One thread per free core keeps the slowdown in proportion to the
+cores taken (measured: 2 threads beside a CPU burner 4.8 s for a run that takes 1.4 s alone; 1 thread 1.6 s).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+# other processes using this many cores' worth of CPU, on average, make a timing unreliable
+BUSY_CORES = 0.5
+
+
+def _busy_jiffies() -> tuple[int, int] | None:
+    """(busy, total) clock ticks over all CPUs since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class CpuLoad:
+    """Cores' worth of CPU that other processes used between calls to `sample()` (machine busy time less this
+    process's own), and torch threads sized to what they leave."""
+
+    def __init__(self, max_threads: int | None = None):
+        self.cores = os.cpu_count() or 1
+        self.max_threads = max_threads or torch.get_num_threads()
+        self._last = self._read()
+        self.samples: list[float] = []
+
+    def _read(self):
+        jiffies = _busy_jiffies()
+        own = os.times()
+        return time.monotonic(), jiffies, own.user + own.system
+
+    def sample(self) -> float | None:
+        """Other processes' cores since the last sample (None where /proc/stat cannot be read)."""
+        now = self._read()
+        (t0, j0, own0), (t1, j1, own1) = self._last, now
+        self._last = now
+        if j0 is None or j1 is None or t1 - t0 < 0.05 or j1[1] == j0[1]:
+            return None
+        busy_share = (j1[0] - j0[0]) / (j1[1] - j0[1])  # of all CPUs' time in the interval
+        others = max(0.0, busy_share * self.cores - (own1 - own0) / (t1 - t0))
+        self.samples.append(others)
+        return others
+
+    def threads_for(self, others: float) -> int:
+        """One thread per core the other processes leave free (at least one, at most max_threads)."""
+        return max(1, min(self.max_threads, round(self.cores - others)))
+
+    @property
+    def mean_others(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.mean_others >= BUSY_CORES
+
+    def warning(self, what: str) -> str | None:
+        """A one-line warning when other processes were busy enough to spoil `what`'s timings, else None."""
+        if not self.busy:
+            return None
+        return (f"warning: other processes used {self.mean_others:.1f} of {self.cores} cores during {what}: its "
+                "timings are the busy machine's, not the executor's (run it on a quiet machine to measure)")
