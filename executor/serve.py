@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from executor.build import make_engine
@@ -121,7 +122,8 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
 def trace_of(engine: Engine) -> ReplicaTrace:
     """The executor's run in the form the report builder takes from a simulated replica."""
     kv = engine.scheduler.kv
-    return ReplicaTrace([r.end_s for r in engine.records], [True] * len(engine.records), engine.samples,
+    return ReplicaTrace(np.array([r.end_s for r in engine.records], float), np.ones(len(engine.records), bool),
+                        np.asarray(engine.samples, float).reshape(-1, 5),
                         kv.num_blocks, kv.block_size, engine.scheduler.num_preemptions, kv.peak_used)
 
 

@@ -68,6 +68,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
             result = simulate(plan, specs)
     except ConfigError as e:  # e.g. a setting only the simulator needs
         raise e.with_file(str(path)) from None
+    del specs  # the requests hold what the report needs
     records = sim_records(result)
     report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
     try:

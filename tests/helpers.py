@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.outputs import build_report
@@ -66,3 +68,26 @@ def write_tiny_scenario(tmp_path, checkpoint, **over):
     path = tmp_path / f"{sc['name']}.yaml"
     path.write_text(yaml.safe_dump(sc))
     return path
+
+
+def token_times(result) -> list[np.ndarray]:
+    """Every completed request's token times written out from the replicas' step tables and its runs of steps
+    (a run's first step, then each step in (first, last] that decoded everyone): the oracle the simulator's
+    weighted inter-token gaps are checked against."""
+    runs: dict[int, list] = {}
+    for trace in result.replicas:
+        for rid, first, last in trace.runs.tolist():
+            runs.setdefault(rid, []).append((trace, first, last))
+    out = []
+    for r in result.requests:
+        if r.token_times or r.status.value != "finished":
+            out.append(np.asarray(r.token_times, float))
+            continue
+        t = []
+        for trace, first, last in sorted(runs[r.id], key=lambda x: x[1]):
+            ends = np.asarray(trace.step_end, float)
+            decode = np.flatnonzero(np.asarray(trace.step_decodes_all, bool))
+            t.append(ends[first])
+            t.extend(ends[decode[(decode > first) & (decode <= last)]])
+        out.append(np.asarray(t))
+    return out

@@ -91,5 +91,5 @@ class BlockAllocator:
         self.allocate(req, num_tokens)
         pairs = list(zip(req.host_block_table, req.block_table))
         self.free_host_blocks.extend(reversed(req.host_block_table))
-        req.host_block_table = []
+        req.host_block_table = ()
         return pairs

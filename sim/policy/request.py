@@ -29,8 +29,9 @@ class Request:
     num_computed: int = 0
     num_generated: int = 0
     block_table: list[int] = field(default_factory=list)
-    host_block_table: list[int] = field(default_factory=list)  # where its KV waits while swapped out
-    swap_pairs: list[tuple[int, int]] = field(default_factory=list)  # block copies of the current step
+    # assigned, never appended to: an empty tuple until then saves two lists a request (a simulated day holds 500k)
+    host_block_table: list[int] | tuple = ()  # where its KV waits while swapped out
+    swap_pairs: list[tuple[int, int]] | tuple = ()  # block copies of the current step
     num_preemptions: int = 0
     replica: int = 0
     reject_reason: str | None = None
@@ -38,7 +39,6 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times: list[float] = field(default_factory=list)
-    runs: list[tuple[int, int]] = field(default_factory=list)
     run_start: int = -1
     sync_step: int = 0
     decode_tag: int = -1

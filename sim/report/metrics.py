@@ -13,10 +13,40 @@ import numpy as np
 from sim.cost.speculation import estimate_alpha
 from sim.policy.request import Request, Status
 
+MAX_CDF_POINTS = 4000  # points kept of the inter-token gaps' CDF, for plots
+
+
+@dataclass(frozen=True)
+class GapSummary:
+    """The inter-token gaps of a run, summarized once (a simulated day has ~1e8 of them): count, mean, numpy's
+    linear percentiles, and their CDF at no more than MAX_CDF_POINTS points."""
+
+    count: int
+    stats: dict  # mean, p50, p90, p99 (None when there are no gaps)
+    cdf_s: np.ndarray
+    cdf_fraction: np.ndarray
+
+
+def summarize_gaps(sample: list[np.ndarray]) -> GapSummary:
+    """GapSummary of [values, weights], the sample in which values[k] occurs weights[k] times (every weight > 0).
+    It empties the list, so each array is freed as its sorted copy replaces it (a simulated day: ~1e7 of each)."""
+    values, weights = sample.pop(0), sample.pop(0)
+    order = np.argsort(values)  # ties may come in any order: equal values, the same percentiles
+    x = values[order]
+    del values
+    w = weights[order]
+    del weights, order
+    cw = np.cumsum(w, dtype=np.int64)
+    del w
+    stats = summarize(x, sorted_cumulative=cw)
+    pick = np.unique(np.linspace(0, len(x) - 1, min(len(x), MAX_CDF_POINTS)).astype(np.int64))
+    n = int(cw[-1]) if len(cw) else 0
+    return GapSummary(n, stats, x[pick].copy(), (cw[pick] / max(n, 1)).astype(float))
+
 
 @dataclass
 class RequestRecords:
-    """Per-request outcomes with every token's time, flat (token_times[offsets[i]:offsets[i+1]])."""
+    """Per-request outcomes, and the inter-token gaps of the completed ones, summarized."""
 
     id: np.ndarray
     replica: np.ndarray
@@ -26,55 +56,71 @@ class RequestRecords:
     completed: np.ndarray
     reject_reason: list[str]
     num_preemptions: np.ndarray
-    token_times: np.ndarray
-    offsets: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    itl: GapSummary
     # speculative decoding, per request: drafts verified, accepted, verify steps, steps ending at a rejection
     speculation: np.ndarray | None = None
 
-    @property
-    def first_token_s(self) -> np.ndarray:
-        has = self.offsets[1:] > self.offsets[:-1]
-        return np.where(has, self.token_times[np.minimum(self.offsets[:-1], len(self.token_times) - 1)], np.nan) \
-            if len(self.token_times) else np.full(len(self.id), np.nan)
 
-    @property
-    def finish_s(self) -> np.ndarray:
-        has = self.offsets[1:] > self.offsets[:-1]
-        return np.where(has, self.token_times[np.maximum(self.offsets[1:] - 1, 0)], np.nan) \
-            if len(self.token_times) else np.full(len(self.id), np.nan)
+def token_gaps(requests: list[Request]) -> list[np.ndarray]:
+    """Every gap between consecutive tokens of each completed request, from the token times kept on it."""
+    gaps = [np.diff(r.token_times) for r in requests if r.status is Status.FINISHED and len(r.token_times) > 1]
+    values = np.concatenate(gaps) if gaps else np.zeros(0)
+    return [values, np.ones(len(values), dtype=np.int64)]
 
 
-def records_from_requests(requests: list[Request], token_times: np.ndarray | None = None,
-                          offsets: np.ndarray | None = None) -> RequestRecords:
-    """Build records. Token times: flat `token_times` with `offsets`, or each request's own list."""
-    if token_times is None:
-        counts = np.array([len(r.token_times) for r in requests], dtype=np.int64)
-        token_times = np.fromiter((t for r in requests for t in r.token_times), float, int(counts.sum()))
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    counts = np.diff(offsets)
+def records_from_requests(requests: list[Request], itl: GapSummary | None = None) -> RequestRecords:
+    """Build records; `itl`: the inter-token gaps where the token times are not kept on the requests (the
+    simulator's bulk decode runs)."""
+    def times(attr: str, k: int) -> np.ndarray:  # token k's time where the request keeps them, else `attr`
+        return np.fromiter((r.token_times[k] if r.token_times else np.nan if getattr(r, attr) is None
+                            else getattr(r, attr) for r in requests), float, len(requests))
+
+    itl = itl if itl is not None else summarize_gaps(token_gaps(requests))
     return RequestRecords(
         id=np.array([r.id for r in requests], dtype=np.int64),
         replica=np.array([r.replica for r in requests], dtype=np.int64),
         arrival_s=np.array([r.arrival_s for r in requests], dtype=float),
         prompt_len=np.array([r.prompt_len for r in requests], dtype=np.int64),
-        output_len=counts,
+        output_len=np.array([len(r.token_times) if r.token_times else r.num_generated for r in requests],
+                            dtype=np.int64),
         completed=np.array([r.status is Status.FINISHED for r in requests], dtype=bool),
         reject_reason=[r.reject_reason or "" for r in requests],
         num_preemptions=np.array([r.num_preemptions for r in requests], dtype=np.int64),
-        token_times=token_times,
-        offsets=offsets,
+        first_token_s=times("first_token_s", 0),
+        finish_s=times("finish_s", -1),
+        itl=itl,
         speculation=np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections)
                               for r in requests], dtype=np.int64).reshape(-1, 4),
     )
 
 
-def summarize(x: np.ndarray) -> dict[str, float | None]:
-    """mean, p50, p90, p99 (numpy's linear percentiles, as vLLM's benchmark); None when empty."""
-    x = x[~np.isnan(x)]
-    if not len(x):
+def summarize(x: np.ndarray, sorted_cumulative: np.ndarray | None = None) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (numpy's linear percentiles, as vLLM's benchmark); None when empty. With
+    `sorted_cumulative`, x is sorted and x[k] occurs sorted_cumulative[k] - sorted_cumulative[k - 1] times: the
+    same numbers as that sample written out."""
+    if sorted_cumulative is None:
+        x = x[~np.isnan(x)]
+        if not len(x):
+            return {"mean": None, "p50": None, "p90": None, "p99": None}
+        p50, p90, p99 = np.percentile(x, [50, 90, 99])
+        return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    cw = sorted_cumulative
+    if not len(cw):
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(x, [50, 90, 99])
-    return {"mean": float(x.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    n = int(cw[-1])
+
+    def at(i: int) -> float:  # the i-th smallest of the written-out sample
+        return float(x[np.searchsorted(cw, i, side="right")])
+
+    out = {"mean": float(np.dot(x, np.diff(cw, prepend=0)) / n)}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        h = (n - 1) * q
+        lo = int(np.floor(h))
+        a, b = at(lo), at(min(lo + 1, n - 1))
+        out[name] = a + (b - a) * (h - lo)
+    return out
 
 
 def per_request_latency(rec: RequestRecords) -> dict[str, np.ndarray]:
@@ -86,16 +132,6 @@ def per_request_latency(rec: RequestRecords) -> dict[str, np.ndarray]:
     done = rec.completed
     return {"ttft": np.where(done, ttft, np.nan), "e2e": np.where(done, e2e, np.nan),
             "tpot": np.where(done, tpot, np.nan)}
-
-
-def inter_token_latencies(rec: RequestRecords) -> np.ndarray:
-    """Every gap between consecutive tokens of the same completed request."""
-    gaps = np.diff(rec.token_times)
-    same = np.ones(len(gaps), dtype=bool)
-    boundaries = rec.offsets[1:-1] - 1  # gap index that would cross from request i to i+1
-    same[boundaries[(boundaries >= 0) & (boundaries < len(gaps))]] = False
-    in_done = np.repeat(rec.completed, rec.output_len)[1:] if len(gaps) else np.zeros(0, bool)
-    return gaps[same & in_done]
 
 
 def slo_mask(lat: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> np.ndarray:
@@ -146,7 +182,7 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
         "duration_s": duration,
         "ttft_s": summarize(lat["ttft"]),
         "tpot_s": summarize(lat["tpot"]),
-        "itl_s": summarize(inter_token_latencies(rec)),
+        "itl_s": dict(rec.itl.stats),
         "e2e_s": summarize(lat["e2e"]),
         "throughput": {"requests_per_s": rate(int(done.sum())), "output_tokens_per_s": rate(out_tokens),
                        "total_tokens_per_s": rate(out_tokens + in_tokens)},

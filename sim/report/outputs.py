@@ -15,13 +15,13 @@ from sim.report.metrics import RequestRecords, compute_metrics, per_request_late
 GiB = 2**30
 
 
-def kv_usage(samples: list[tuple], num_blocks: int, block_size: int) -> dict[str, float]:
+def kv_usage(samples: np.ndarray, num_blocks: int, block_size: int) -> dict[str, float]:
     """Time-weighted KV use of one replica from its (time, running, used blocks, stored tokens, waiting)
     samples, taken at engine events (a run of identical decode steps is one event);
     `reserved_unused` is the reserved-but-unused share (what paging removes)."""
     if len(samples) < 2:
         return {"mean": 0.0, "reserved_unused": 0.0}
-    a = np.asarray(samples, float)
+    a = samples
     dt = np.diff(a[:, 0])
     used = a[:-1, 2]
     total = dt.sum()

@@ -9,15 +9,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sim.report.metrics import RequestRecords, inter_token_latencies, per_request_latency  # noqa: E402
+from sim.report.metrics import RequestRecords, per_request_latency  # noqa: E402
 
 MAX_POINTS = 4000
 
 
 def _cdf(ax, x: np.ndarray, label: str) -> None:
+    """The empirical CDF of x, at most MAX_POINTS points drawn."""
     x = np.sort(x[~np.isnan(x)])
     if len(x):
-        ax.plot(x * 1000, np.arange(1, len(x) + 1) / len(x), label=label)
+        pick = np.unique(np.linspace(0, len(x) - 1, min(len(x), MAX_POINTS)).astype(np.int64))
+        ax.plot(x[pick] * 1000, (pick + 1) / len(x), label=label)
 
 
 def _thin(a: np.ndarray) -> np.ndarray:
@@ -29,7 +31,10 @@ def write_plots(out_dir: Path, rec: RequestRecords, replicas: list) -> list[Path
     lat = per_request_latency(rec)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))):
-        _cdf(ax, inter_token_latencies(rec) if key == "itl" else lat[key], title)
+        if key == "itl":
+            ax.plot(rec.itl.cdf_s * 1000, rec.itl.cdf_fraction, label=title)
+        else:
+            _cdf(ax, lat[key], title)
         ax.set(title=title, xlabel="ms", ylabel="fraction of requests" if key != "itl" else "fraction of gaps")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -40,7 +45,7 @@ def write_plots(out_dir: Path, rec: RequestRecords, replicas: list) -> list[Path
     for name, col, ylabel in (("kv_cache.png", 2, "KV blocks used (%)"), ("batch_size.png", 1, "running sequences")):
         fig, ax = plt.subplots(figsize=(9, 3.6))
         for i, r in enumerate(replicas):
-            a = _thin(np.asarray(r.samples, float)) if r.samples else np.zeros((0, 5))
+            a = _thin(r.samples)
             y = a[:, col] / r.num_blocks * 100 if col == 2 else a[:, col]
             ax.step(a[:, 0], y, where="post", label=f"replica {i}", lw=0.8)
             if col == 1 and len(replicas) == 1:

@@ -1,17 +1,22 @@
 """What metrics and plots need from one replica's run, whichever clock ran it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
 class ReplicaTrace:
     """What metrics and plots need from one replica (the executor fills the same)."""
 
-    step_end: list[float]
-    step_decodes_all: list[bool]
-    samples: list[tuple[float, int, int, int, int]]
+    step_end: np.ndarray  # each step's end time
+    step_decodes_all: np.ndarray  # per step: it decoded every running request
+    samples: np.ndarray  # (events, 5): time, running, KV blocks used, KV tokens stored, waiting
     num_blocks: int
     block_size: int
     num_preemptions: int
     peak_blocks: int
+    # the simulator's runs of steps, (runs, 3): request id, first step, last step (none from the executor, which
+    # keeps every token's time)
+    runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))

@@ -15,7 +15,7 @@ from sim.config.workload import RequestSpec, generate_requests
 from sim.cost.build import make_cost_model, speculation_model
 from sim.policy.build import make_policy, make_router
 from sim.policy.request import Request
-from sim.report.metrics import RequestRecords, records_from_requests
+from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.report.trace import ReplicaTrace
 from sim.simulator.replica import Replica
 
@@ -71,42 +71,63 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     finally:
         if gc_was_enabled:
             gc.enable()
-    traces = [ReplicaTrace(r.step_end, r.step_decodes_all, r.samples, r.scheduler.kv.num_blocks,
+    traces = [ReplicaTrace(np.frombuffer(r.step_end, float), np.frombuffer(r.step_decodes_all, np.int8).view(bool),
+                           np.frombuffer(r.samples, float).reshape(-1, 5), r.scheduler.kv.num_blocks,
                            r.scheduler.kv.block_size, r.scheduler.num_preemptions,
-                           r.scheduler.kv.peak_used) for r in replicas]
+                           r.scheduler.kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3)) for r in replicas]
     return RunResult(requests, traces, time.perf_counter() - t0)
 
 
 def sim_records(result: RunResult) -> RequestRecords:
-    """Rebuild every token's time from the replicas' step tables and each request's runs of steps.
-
-    A run (first, last) holds the token of its first step (a prefill, or a swap-in) and then one token
-    for every step in (first, last] that decoded all running requests. With speculative decoding a step
-    yields a varying number of tokens per request: the replicas keep each token's time on the request.
-    """
+    """The requests' records. With speculative decoding a step yields each request its own number of tokens and
+    the replicas keep every token's time on its request; otherwise the inter-token gaps come from itl_sample."""
     if any(r.token_times for r in result.requests):
         return records_from_requests(result.requests)
-    step_offset = np.cumsum([0] + [len(t.step_end) for t in result.replicas])
-    ends = np.concatenate([np.asarray(t.step_end, float) for t in result.replicas] + [np.zeros(0)])
-    mask = np.concatenate([np.asarray(t.step_decodes_all, bool) for t in result.replicas] + [np.zeros(0, bool)])
-    decode_steps = np.flatnonzero(mask)
-    starts, lasts, owners = [], [], []
-    for i, r in enumerate(result.requests):
-        off = step_offset[r.replica]
-        for first, last in r.runs:
-            starts.append(first + off)
-            lasts.append(last + off)
-            owners.append(i)
-    starts, lasts = np.asarray(starts, np.int64), np.asarray(lasts, np.int64)
-    a = np.searchsorted(decode_steps, starts, side="right")
-    b = np.searchsorted(decode_steps, lasts, side="right")
-    per_run = 1 + (b - a)
-    run_off = np.concatenate([[0], np.cumsum(per_run)])
-    # token j ≥ 1 of a run is decode step a + j - 1; token 0 is the run's first step
-    pos = np.repeat(a - 1 - run_off[:-1], per_run) + np.arange(run_off[-1])
-    idx = decode_steps[np.maximum(pos, 0)] if len(decode_steps) else np.zeros(run_off[-1], np.int64)
-    idx[run_off[:-1]] = starts
-    token_times = ends[idx]
-    counts = np.bincount(np.asarray(owners, np.int64), weights=per_run, minlength=len(result.requests))
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return records_from_requests(result.requests, token_times, offsets)
+    return records_from_requests(result.requests, summarize_gaps(itl_sample(result)))
+
+
+def itl_sample(result: RunResult) -> list[np.ndarray]:
+    """Every completed request's inter-token gaps as a weighted sample (values[k] occurs weights[k] times),
+    rebuilt from the replicas' step tables and each request's runs of steps: memory goes with steps, not tokens.
+
+    A run (first, last) holds the token of its first step (a prefill, or a swap-in) and then one token for every
+    step in (first, last] that decoded all running requests. So the gap between a decode step and the decode step
+    before it is the gap of every run that holds both; a run adds its first gap (first step to its first decode
+    step) and, after a preemption, the gap since its request's previous token.
+    """
+    values, weights = [], []
+    for trace in result.replicas:  # every logged run is of a request that finished: none is cut short
+        if not len(trace.runs):
+            continue
+        ends = np.asarray(trace.step_end, float)
+        decode = np.arange(len(ends), dtype=np.int32)[np.asarray(trace.step_decodes_all, bool)]
+        owner, first, last = trace.runs[:, 0], trace.runs[:, 1], trace.runs[:, 2]
+        a = np.searchsorted(decode, first, side="right")  # the run's tokens after its first: decode[a:b]
+        b = np.searchsorted(decode, last, side="right")
+        has = b > a
+        values.append(ends[decode[a[has]]] - ends[first[has]])  # first step -> first decode step
+        weights.append(np.ones(int(has.sum()), np.int32))
+        # a run after a preemption: from the request's previous token (its last run's last) to this run's first
+        order = np.lexsort((first, owner))
+        o, f = owner[order], first[order]
+        prev_last = np.where(has[order], ends[decode[np.maximum(b[order] - 1, 0)]], ends[f])
+        again = np.flatnonzero(o[1:] == o[:-1]) + 1
+        values.append(ends[f[again]] - prev_last[again - 1])
+        weights.append(np.ones(len(again), np.int32))
+        del order, o, f, prev_last, again
+        cover = np.zeros(len(decode) + 1, np.int32)  # runs holding both decode[j] and decode[j + 1]
+        np.add.at(cover, a[has], 1)
+        np.add.at(cover, b[has] - 1, -1)
+        del a, b, has, owner, first, last
+        np.cumsum(cover, out=cover)
+        cover = cover[:max(0, len(decode) - 1)]
+        held = cover > 0
+        ends_decode = ends[decode]
+        del decode
+        values.append(np.diff(ends_decode)[held] if len(ends_decode) > 1 else np.zeros(0))
+        weights.append(cover[held])
+        del cover, held, ends_decode
+    if not values:
+        return [np.zeros(0), np.zeros(0, np.int32)]
+    values = np.concatenate(values)
+    return [values, np.concatenate(weights)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 
 import simpy
@@ -35,10 +36,13 @@ class Replica:
         self.on_finish = on_finish
         self.speculation = speculation  # sim.speculative.SpeculationModel: drafts and their acceptance
         self.clock = 0.0
-        self.step_end: list[float] = []
-        self.step_decodes_all: list[bool] = []
-        # (time, running sequences, KV blocks used, KV tokens stored, waiting) after each event
-        self.samples: list[tuple[float, int, int, int, int]] = []
+        # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
+        self.step_end = array("d")
+        self.step_decodes_all = array("b")
+        # (time, running sequences, KV blocks used, KV tokens stored, waiting) after each event, flat
+        self.samples = array("d")
+        # each run of steps a request ran without preemption: (request id, first step, last step), flat
+        self.runs = array("q")
         self.wakeup: simpy.Event | None = None
         self.process = env.process(self.run())
 
@@ -80,7 +84,7 @@ class Replica:
                     min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
                 k_max = sched.decode_horizon(max(k_max, 1))
                 k, clock = cost.decode_run(b, s, self.clock, k_max, horizon, self.step_end)
-                self.step_decodes_all.extend([True] * k)
+                self.step_decodes_all.extend(bytes([1]) * k)
                 yield env.timeout(max(0.0, clock - env.now))
                 finished = sched.advance_decode(k)
             else:
@@ -91,7 +95,7 @@ class Replica:
                 self.step_decodes_all.append(batch.decodes)
                 for r in batch.preempted:
                     if r.run_start >= 0:
-                        r.runs.append((r.run_start, step - 1))
+                        self.runs.extend((r.id, r.run_start, step - 1))
                         r.run_start = -1
                 yield env.timeout(max(0.0, clock - env.now))
                 if spec:
@@ -109,10 +113,10 @@ class Replica:
             self.clock = clock
             last = step + k - 1
             for r in finished:
-                r.runs.append((r.run_start, last))
+                self.runs.extend((r.id, r.run_start, last))
                 r.run_start = -1
                 r.finish_s = clock
                 if self.on_finish:
                     self.on_finish(r)
             kv = sched.kv
-            self.samples.append((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+            self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
