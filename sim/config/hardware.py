@@ -24,7 +24,7 @@ class HardwareSpec(StrictModel):
     interconnect_bandwidth: PositiveFloat = Field(64e9, description="device-to-device bytes/s (NVLink or PCIe)")
     interconnect_latency_s: NonNegativeFloat = 5e-6
     host_bandwidth: PositiveFloat = Field(25e9, description="device-to-host bytes/s (PCIe), used by KV swap")
-    price_per_hour: NonNegativeFloat = Field(0.0, description="USD per device-hour")
+    price_per_hour: float = Field(0.0, ge=0, le=1e6, description="USD per device-hour")
 
     def flops(self, dtype: str) -> float:
         """Peak rate for a matmul dtype, falling back to the 16-bit rate."""

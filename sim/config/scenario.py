@@ -69,12 +69,12 @@ class CostModelConfig(StrictModel):
     `profile`, a model fitted to executor measurements (`infersim profile`) replaces the roofline."""
 
     type: Literal["roofline"] = "roofline"
-    compute_efficiency: float = Field(0.6, gt=0, le=1, description="achieved / peak FLOP/s in matmuls")
-    memory_efficiency: float = Field(0.8, gt=0, le=1, description="achieved / peak memory bandwidth")
-    step_overhead_s: NonNegativeFloat = Field(2e-3, description="fixed cost of one engine step (scheduling, launch)")
-    per_seq_overhead_s: NonNegativeFloat = Field(2e-5, description="per sequence in the step (input prep, sampling)")
+    compute_efficiency: float = Field(0.6, ge=0.001, le=1, description="achieved / peak FLOP/s in matmuls")
+    memory_efficiency: float = Field(0.8, ge=0.001, le=1, description="achieved / peak memory bandwidth")
+    step_overhead_s: float = Field(2e-3, ge=0, le=60, description="fixed cost of one engine step (scheduling, launch)")
+    per_seq_overhead_s: float = Field(2e-5, ge=0, le=60, description="per sequence in the step (input prep, sampling)")
     profile: str | None = Field(None, description="a calibration profile JSON (relative to the scenario file)")
-    profile_scale: float = Field(1.0, gt=0, description="multiply the profile's step times (a slower or faster "
+    profile_scale: float = Field(1.0, ge=1e-3, le=1e3, description="multiply the profile's step times (a slower or faster "
                                  "machine of the same kind)")
 
 

@@ -38,8 +38,9 @@ class ArrivalConfig(StrictModel):
     """
 
     process: Literal["poisson", "gamma", "constant"]
-    rate: float = Field(gt=0)
-    cv: Optional[float] = Field(default=None, gt=0)
+    rate: float = Field(gt=0, le=1e6)
+    # outside these the gamma draws underflow to 0 or overflow (shape 1/cv^2)
+    cv: Optional[float] = Field(default=None, ge=1e-3, le=1e3)
 
     @model_validator(mode="after")
     def _cv_only_for_gamma(self) -> "ArrivalConfig":
