@@ -22,9 +22,10 @@ DAY = Path(__file__).resolve().parent / "scenarios" / "azure_conv_day.yaml"
 def run(path: Path) -> tuple[float, float, int]:
     """(wall seconds, peak RSS MiB, requests) of `infersim run PATH --out ...` in a fresh process."""
     with tempfile.TemporaryDirectory() as out:
-        code = ("import resource, sys; from infersim.cli import main; sys.argv = ['infersim', 'run', sys.argv[1], "
+        # the peak is VmHWM, this process image's own: ru_maxrss carries the parent's peak across fork + exec
+        code = ("import sys; from infersim.cli import main; sys.argv = ['infersim', 'run', sys.argv[1], "
                 "'--out', sys.argv[2], '-q']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
-                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+                "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')))")
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", code, str(path), out], capture_output=True, text=True, check=True)
         wall = time.perf_counter() - t0
