@@ -93,6 +93,9 @@ class Plan:
     replicas: int
     router: str
     scheduler: SchedulerConfig
+    tensor_parallel_size: int  # devices per replica
+    sequence_parallel: bool
+    kv_bytes_per_token: float  # on one device of a replica (its share of the KV heads)
     kv_allocator: str  # paged | contiguous
     kv_watermark: float
     weight_bytes: float
@@ -164,20 +167,27 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     if sv.batching == "continuous" and budget < sv.max_num_seqs and sv.enable_chunked_prefill:
         raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
+    tp, sp = scenario.parallel.tensor_parallel_size, scenario.parallel.sequence_parallel
+    kv_heads = _check_tensor_parallel(model, tp)
     act_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}[model.act_dtype]
-    # Peak activations of one forward over the step budget, plus fp32 logits for every sequence.
-    activation = budget * (4 * model.hidden_size + 2 * model.intermediate_size) * act_bytes \
-        + sv.max_num_seqs * model.vocab_size * 4
+    # Peak activations of one forward over the step budget on one device (the MLP's columns, and with sequence
+    # parallelism the hidden-sized regions, split by TP), plus fp32 logits for every sequence (vocab-parallel).
+    activation = budget * (4 * model.hidden_size / (tp if sp else 1) + 2 * model.intermediate_size / tp) * act_bytes \
+        + sv.max_num_seqs * model.vocab_size * 4 / tp
     usable = hw.memory_bytes * kv.gpu_memory_utilization
-    kv_bytes = usable - model.weight_bytes - activation
+    weight_bytes = model.weight_bytes / tp
+    kv_bytes = usable - weight_bytes - activation
     if kv_bytes <= 0:
-        raise ConfigError(f"model {model.name} ({model.weight_bytes / 2**30:.1f} GiB of weights + "
-                          f"{activation / 2**30:.1f} GiB activations) does not fit in {hw.name} "
-                          f"({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
-                          f"{kv.gpu_memory_utilization}); allowed: a bigger device, quantized weights "
+        need = -(-model.weight_bytes // max(usable - activation, 1.0))
+        more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
+        raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
+                          f"{activation / 2**30:.1f} GiB activations per device at tensor_parallel_size {tp}) does not "
+                          f"fit in {hw.name} ({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
+                          f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    block_bytes = block_size * model.kv_bytes_per_token
+    kv_bytes_per_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads
+    block_bytes = block_size * kv_bytes_per_token
     num_blocks = kv.num_blocks or int(kv_bytes // block_bytes)
     if num_blocks * block_bytes > kv_bytes:
         raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
@@ -197,14 +207,32 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     c = scenario.cost_model
     # read now, so a bad profile is reported against the scenario that names it
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
+    if profile is not None and tp > 1:
+        raise ConfigError("a fitted profile prices one device's steps (tensor_parallel_size 1); allowed: the roofline "
+                          "(no cost_model.profile) for tensor parallelism", "parallel.tensor_parallel_size")
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
                     c.profile_scale)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
-                replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, kv_allocator=kv.allocator,
-                kv_watermark=kv.watermark, weight_bytes=model.weight_bytes, activation_bytes=activation,
+                replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
+                sequence_parallel=sp, kv_bytes_per_token=kv_bytes_per_token, kv_allocator=kv.allocator,
+                kv_watermark=kv.watermark, weight_bytes=weight_bytes, activation_bytes=activation,
                 kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
                 workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,
                 speculative=spec, source=scenario.model_dump(mode="json"))
+
+
+def _check_tensor_parallel(model: ModelSpec, tp: int) -> int:
+    """The KV heads one device holds at tensor_parallel_size `tp`: the query heads must split evenly, the KV heads
+    too, or (more devices than KV heads, as vLLM does) each device holds a copy of one."""
+    key = "parallel.tensor_parallel_size"
+    if model.num_heads % tp:
+        ok = [d for d in range(1, min(model.num_heads, 64) + 1) if model.num_heads % d == 0]
+        raise ConfigError(f"{tp} does not divide the {model.num_heads} attention heads of {model.name}; allowed: "
+                          f"{', '.join(map(str, ok))}", key)
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ConfigError(f"{tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads of "
+                          f"{model.name}", key)
+    return max(1, model.num_kv_heads // tp)
 
 
 def plan_of(data: dict, base_dir: Path = Path(".")) -> Plan:

@@ -191,6 +191,15 @@ class SpeculativeConfig(StrictModel):
         return len(self.medusa_tree) if self.method == "medusa" else self.num_speculative_tokens
 
 
+class ParallelConfig(StrictModel):
+    """How one replica spreads over devices (vLLM's names)."""
+
+    tensor_parallel_size: PositiveInt = Field(1, le=64, description="devices a replica's layers are split across "
+                                              "(Megatron-style: heads and MLP columns/rows); two all-reduces a layer")
+    sequence_parallel: bool = Field(False, description="with tensor parallelism: the norm and residual regions "
+                                    "split by tokens too (reduce-scatter + all-gather instead of all-reduce)")
+
+
 class Scenario(StrictModel):
     """One deployment and its traffic: everything `infersim run` needs."""
 
@@ -201,6 +210,7 @@ class Scenario(StrictModel):
     hardware: str | dict[str, Any] = Field(description="catalog name, explicit spec, or {base: NAME, ...}")
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS)
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
+    parallel: ParallelConfig = ParallelConfig()
     serving: ServingConfig = ServingConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
     workload: WorkloadConfig

@@ -16,7 +16,8 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
                              per_seq_overhead_s=c.per_seq_overhead_s,
-                             block_bytes=plan.block_size * plan.model.kv_bytes_per_token)
+                             block_bytes=plan.block_size * plan.kv_bytes_per_token,
+                             tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel)
 
 
 def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostModel | None = None

@@ -48,32 +48,51 @@ class RooflineCostModel:
     - linear layers: 2·params FLOPs per token; all weights and the lm_head read once per step;
     - lm_head FLOPs only for sequences that sample this step;
     - attention: 4·layers·heads·head_dim FLOPs per (query, key) pair, causal within a prompt;
-      K/V read for the whole context, GQA-aware (2·layers·kv_heads·head_dim·bytes per token).
+      K/V read for the whole context, GQA-aware (2·layers·kv_heads·head_dim·bytes per token);
+    - tensor parallelism over n devices: FLOPs, weight and K/V reads split n ways (K/V by KV heads, a copy per
+      device when there are fewer KV heads than devices), plus two ring all-reduces of the step's hidden states
+      per layer, 2(n−1)/n · bytes / link bandwidth + 2(n−1) · link latency each, and the sampled rows' logits
+      gathered from the vocab-parallel lm_head. Sequence parallelism splits the norm and residual traffic too
+      (its reduce-scatter + all-gather move what the all-reduce did).
     """
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, compute_efficiency: float = 0.6,
                  memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
-                 block_bytes: float = 0.0):
+                 block_bytes: float = 0.0, tensor_parallel_size: int = 1, sequence_parallel: bool = False):
+        n = tensor_parallel_size
         act_bytes = 4 if model.act_dtype == "fp32" else 2
         flops = hw.flops(model.act_dtype) * compute_efficiency
         bw = hw.memory_bandwidth * memory_efficiency
-        self.s_per_linear_token = 2 * model.linear_params / flops
-        self.s_per_logit_row = 2 * model.hidden_size * model.vocab_size / flops
+        kv_heads = max(1, model.num_kv_heads // n)  # per device
+        self.s_per_linear_token = 2 * model.linear_params / flops / n
+        self.s_per_logit_row = 2 * model.hidden_size * model.vocab_size / flops / n
         # decoder weights and the lm_head matrix are read once per step (embedding lookups are tiny)
         self.s_weights = (model.linear_params * BYTES_PER_PARAM[model.weight_dtype]
-                          + model.embedding_params * act_bytes) / bw
-        self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw
-        self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops
-        self.s_per_kv_token = model.kv_bytes_per_token / bw
+                          + model.embedding_params * act_bytes) / bw / n
+        self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw / (n if sequence_parallel else 1)
+        self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops / n
+        self.s_per_kv_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads / bw
         self.step_overhead_s = step_overhead_s
         self.per_seq_overhead_s = per_seq_overhead_s
         self.s_per_swap_block = block_bytes / hw.host_bandwidth
+        # communication per step: 2 all-reduces a layer of each token's hidden state, and the logits gather
+        link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
+        ring = 2 * (n - 1) / n
+        self.s_comm_per_token = 2 * model.num_layers * ring * model.hidden_size * act_bytes / link
+        self.s_comm_per_step = 2 * model.num_layers * 2 * (n - 1) * lat + (n - 1) * lat
+        self.s_comm_per_logit_row = (n - 1) / n * model.vocab_size * 4 / link
+        self.parallel = n > 1
+
+    def comm_time(self, tokens: int, sampled: int) -> float:
+        """Tensor parallelism's communication in a step of `tokens` new tokens, `sampled` of them sampling."""
+        return tokens * self.s_comm_per_token + self.s_comm_per_step + sampled * self.s_comm_per_logit_row
 
     def _time(self, tokens: int, seqs: int, sampled: int, attn_pairs: int, kv_tokens: int) -> float:
         linear = max(tokens * self.s_per_linear_token + sampled * self.s_per_logit_row,
                      self.s_weights + tokens * self.s_per_act_token)
         attention = max(attn_pairs * self.s_per_attn_pair, kv_tokens * self.s_per_kv_token)
-        return linear + attention + self.step_overhead_s + seqs * self.per_seq_overhead_s
+        t = linear + attention + self.step_overhead_s + seqs * self.per_seq_overhead_s
+        return t + self.comm_time(tokens, sampled) if self.parallel else t
 
     def step_time(self, shape: BatchShape) -> float:
         return self._time(shape.num_new_tokens, shape.num_seqs, shape.num_sampled, shape.attn_pairs,
@@ -91,6 +110,16 @@ class RooflineCostModel:
         per_ctx = max(self.s_per_attn_pair, self.s_per_kv_token)
         overhead, per_seq = self.step_overhead_s, b * self.per_seq_overhead_s
         s, k, append = sum_context, 0, step_end.append
+        if self.parallel:
+            comm = self.comm_time(b, b)
+            while k < k_max:
+                clock += linear + s * per_ctx + overhead + per_seq + comm
+                append(clock)
+                s += b
+                k += 1
+                if clock >= until:
+                    break
+            return k, clock
         while k < k_max:
             clock += linear + s * per_ctx + overhead + per_seq
             append(clock)

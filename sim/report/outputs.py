@@ -41,10 +41,11 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     m = compute_metrics(records, plan.slo.ttft_s, plan.slo.tpot_s, plan.slo.quantile)
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
     out_tok_s = m["throughput"]["output_tokens_per_s"]
-    usd_per_hour = plan.hardware.price_per_hour * plan.replicas
+    usd_per_hour = plan.hardware.price_per_hour * plan.replicas * plan.tensor_parallel_size
     report = {
         "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
-                     "replicas": plan.replicas, "router": plan.router, "batching": plan.scheduler.batching,
+                     "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
+                     "router": plan.router, "batching": plan.scheduler.batching,
                      "kv_allocator": plan.kv_allocator, "config": plan.source},
         "engine": engine,
         **m,
@@ -54,11 +55,11 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             "reserved_unused_fraction": float(np.mean([u["reserved_unused"] for u in usage])),
             "preemptions": int(sum(r.num_preemptions for r in replicas)),
             "num_blocks": replicas[0].num_blocks, "block_size": replicas[0].block_size,
-            "bytes_per_token": plan.model.kv_bytes_per_token,
+            "bytes_per_token": plan.kv_bytes_per_token,
             "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size,
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
-                       "kv_cache": plan.num_blocks * plan.block_size * plan.model.kv_bytes_per_token / GiB,
+                       "kv_cache": plan.num_blocks * plan.block_size * plan.kv_bytes_per_token / GiB,
                        "device": plan.hardware.memory_gib},
         "cost": {"usd_per_hour": usd_per_hour,
                  "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
@@ -138,7 +139,9 @@ def print_summary(report: dict, console=None) -> None:
     console = console or Console()
     s = report["scenario"]
     rq = report["requests"]
-    console.print(f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}  "
+    tp = s.get("tensor_parallel_size", 1)
+    console.print(f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}"
+                  + (f" × TP{tp}" if tp > 1 else "") + "  "
                   f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
     console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
                   + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))

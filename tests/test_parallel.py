@@ -1,0 +1,113 @@
+"""Tensor parallelism in the simulator: what it checks, what it divides, what it costs in communication, and the
+trade-off every serving engineer expects (lower latency per token, more dollars per token at low load)."""
+from __future__ import annotations
+
+import pytest
+
+from sim.config.errors import ConfigError
+from sim.cost.build import make_cost_model
+from sim.policy.scheduler import BatchShape
+from tests.helpers import plan_of, run, scenario
+
+LOW_LOAD = {"seed": 2, "arrival": {"process": "poisson", "rate": 0.5}, "num_requests": 60,
+            "prompt_len": {"dist": "fixed", "value": 512}, "output_len": {"dist": "fixed", "value": 128}}
+
+
+def tp(n: int, **kw) -> dict:
+    return scenario(parallel={"tensor_parallel_size": n}, **kw)
+
+
+@pytest.mark.parametrize("model, n, what", [
+    ("Llama-2-7B", 3, "does not divide the 32 attention heads"),
+    ("SmolLM2-135M", 2, "does not divide the 9 attention heads"),
+    ({"base": "Llama-3-8B", "num_heads": 32, "num_kv_heads": 8}, 12, "does not divide"),
+])
+def test_tensor_parallel_size_must_split_the_heads(model, n, what):
+    with pytest.raises(ConfigError) as e:
+        plan_of(tp(n, model=model, hardware="H100-SXM"))
+    assert e.value.key_path == "parallel.tensor_parallel_size" and what in e.value.message
+
+
+def test_more_devices_than_kv_heads_keeps_a_copy_of_one_per_device():
+    """Llama-3-70B has 8 KV heads: at TP 16 each device holds one KV head (vLLM replicates), no error."""
+    p8 = plan_of(tp(8, model="Llama-3-70B", hardware="H100-SXM"))
+    p16 = plan_of(tp(16, model="Llama-3-70B", hardware="H100-SXM"))
+    assert p8.kv_bytes_per_token == p16.kv_bytes_per_token == p8.model.kv_bytes_per_token / 8
+
+
+def test_a_model_too_big_for_one_device_says_how_many_it_needs():
+    with pytest.raises(ConfigError) as e:
+        plan_of(scenario(model="Llama-2-70B", hardware="A100-80GB"))
+    assert e.value.key_path == "hardware" and "tensor_parallel_size of 2 or more" in e.value.message
+    plan = plan_of(tp(2, model="Llama-2-70B", hardware="A100-80GB"))
+    assert plan.weight_bytes == pytest.approx(plan.model.weight_bytes / 2) and plan.num_blocks > 0
+
+
+def test_tensor_parallelism_splits_weights_and_kv_per_device():
+    one, two = plan_of(tp(1)), plan_of(tp(2))
+    assert two.weight_bytes == one.weight_bytes / 2
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token / 2
+    # half the weights and half the KV per token on each device: more than twice the tokens fit
+    assert two.num_blocks > 2 * one.num_blocks
+
+
+def test_all_reduce_is_priced_as_a_ring():
+    """Two ring all-reduces of the hidden states a layer: 2(n-1)/n · bytes / bandwidth + 2(n-1) · latency each."""
+    plan = plan_of(tp(4, model="Llama-2-7B", hardware="A100-80GB"))
+    cost, m, hw = make_cost_model(plan), plan.model, plan.hardware
+    tokens, n = 100, 4
+    per_all_reduce = 2 * (n - 1) / n * tokens * m.hidden_size * 2 / hw.interconnect_bandwidth \
+        + 2 * (n - 1) * hw.interconnect_latency_s
+    gather = (n - 1) / n * m.vocab_size * 4 / hw.interconnect_bandwidth + (n - 1) * hw.interconnect_latency_s / 1
+    assert cost.comm_time(tokens, 0) == pytest.approx(2 * m.num_layers * per_all_reduce + (n - 1) *
+                                                      hw.interconnect_latency_s)
+    assert cost.comm_time(tokens, 1) - cost.comm_time(tokens, 0) == pytest.approx(gather - (n - 1) *
+                                                                                  hw.interconnect_latency_s)
+
+
+def test_a_slower_link_costs_only_when_devices_talk():
+    """The same step on NVLink and on a PCIe-class link: equal at TP 1, slower over PCIe at TP 4."""
+    shape = BatchShape(num_seqs=8, num_new_tokens=8, sum_context=8 * 600, attn_pairs=8 * 600, num_sampled=8)
+    times = {}
+    for n in (1, 4):
+        for link in (600e9, 32e9):
+            hw = {"base": "A100-80GB", "interconnect_bandwidth": link}
+            times[n, link] = make_cost_model(plan_of(tp(n, hardware=hw))).step_time(shape)
+    assert times[1, 600e9] == times[1, 32e9]
+    assert times[4, 32e9] > times[4, 600e9]
+
+
+def test_bulk_decode_runs_equal_single_steps_under_tensor_parallelism():
+    a, _, _ = run(tp(4, workload=LOW_LOAD), bulk=True)
+    b, _, _ = run(tp(4, workload=LOW_LOAD), bulk=False)
+    assert a["tpot_s"] == b["tpot_s"] and a["ttft_s"] == b["ttft_s"]
+
+
+def test_tensor_parallelism_lowers_latency_per_token_and_raises_cost_per_token_at_low_load():
+    """Llama-2-13B on A100s at 0.5 requests/s: each doubling of TP cuts TPOT (each device reads half the weights)
+    but the devices sit mostly idle, so the dollars per token go up."""
+    reports = {n: run(tp(n, model="Llama-2-13B", hardware="A100-80GB", workload=LOW_LOAD))[0] for n in (1, 2, 4)}
+    tpot = [reports[n]["tpot_s"]["p50"] for n in (1, 2, 4)]
+    usd = [reports[n]["cost"]["usd_per_million_output_tokens"] for n in (1, 2, 4)]
+    assert tpot[0] > tpot[1] > tpot[2]
+    assert usd[0] < usd[1] < usd[2]
+    assert reports[4]["cost"]["usd_per_hour"] == 4 * reports[1]["cost"]["usd_per_hour"]
+    assert reports[4]["scenario"]["tensor_parallel_size"] == 4
+
+
+def test_sequence_parallelism_shrinks_activation_memory_and_traffic():
+    plain, sp = plan_of(tp(4)), plan_of(scenario(parallel={"tensor_parallel_size": 4, "sequence_parallel": True}))
+    assert sp.activation_bytes < plain.activation_bytes and sp.num_blocks >= plain.num_blocks
+    shape = BatchShape(num_seqs=1, num_new_tokens=2048, sum_context=2048, attn_pairs=2048 * 2049 // 2,
+                       num_sampled=1, num_prefill=1)
+    assert make_cost_model(sp).step_time(shape) <= make_cost_model(plain).step_time(shape)
+
+
+def test_a_fitted_profile_is_for_one_device():
+    from pathlib import Path
+
+    profile = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cpu.json"
+    with pytest.raises(ConfigError) as e:
+        plan_of(scenario(model="SmolLM2-135M", hardware="cpu", parallel={"tensor_parallel_size": 3},
+                         cost_model={"profile": str(profile)}))
+    assert e.value.key_path == "parallel.tensor_parallel_size" and "roofline" in e.value.message
