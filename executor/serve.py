@@ -151,9 +151,10 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     are; otherwise they follow the cores other processes leave free. `stage(text)` is told each stage."""
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
-    if plan.tensor_parallel_size != 1:
-        raise ConfigError("the executor runs tensor_parallel_size 1 so far; the simulator prices larger ones",
-                          "parallel.tensor_parallel_size")
+    for key, size in (("tensor_parallel_size", plan.tensor_parallel_size),
+                      ("pipeline_parallel_size", plan.pipeline_parallel_size)):
+        if size != 1:
+            raise ConfigError(f"the executor runs {key} 1 so far; the simulator prices larger ones", f"parallel.{key}")
     stage = stage or (lambda _: None)
     pinned = set_threads(plan, threads)
     if loaded is None:

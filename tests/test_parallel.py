@@ -111,3 +111,83 @@ def test_a_fitted_profile_is_for_one_device():
         plan_of(scenario(model="SmolLM2-135M", hardware="cpu", parallel={"tensor_parallel_size": 3},
                          cost_model={"profile": str(profile)}))
     assert e.value.key_path == "parallel.tensor_parallel_size" and "roofline" in e.value.message
+
+
+# -- pipeline parallelism ---------------------------------------------------------------------------------------
+
+SATURATED = {"seed": 2, "arrival": {"process": "poisson", "rate": 60.0}, "num_requests": 400,
+             "prompt_len": {"dist": "fixed", "value": 512}, "output_len": {"dist": "fixed", "value": 128}}
+
+
+def pp(p: int, engines: int | None = None, **kw) -> dict:
+    par = {"pipeline_parallel_size": p} | ({"virtual_engines": engines} if engines else {})
+    return scenario(model="Llama-2-13B", hardware="A100-80GB", parallel=par, **kw)
+
+
+def test_pipeline_checks_and_sizes():
+    with pytest.raises(ConfigError) as e:
+        plan_of(pp(41))
+    assert e.value.key_path == "parallel.pipeline_parallel_size" and "40 layers" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        plan_of(pp(2, engines=3))
+    assert e.value.key_path == "parallel.virtual_engines"
+    one, four = plan_of(pp(1)), plan_of(pp(4))
+    assert four.weight_bytes == pytest.approx(one.weight_bytes / 4)
+    assert four.kv_bytes_per_token == pytest.approx(one.kv_bytes_per_token / 4)
+    assert four.virtual_engines == 4 and four.num_blocks * 4 > 3 * one.num_blocks  # each engine: a share
+
+
+def test_a_lone_step_fills_and_drains_the_pipeline():
+    """One request alone: its prefill passes 4 stages of a quarter of the step each and 3 sends between them."""
+    import simpy
+
+    from sim.simulator.pipeline import Pipeline
+
+    env = simpy.Environment()
+    pipe = Pipeline(env, 4, send_s_per_token=1e-6, send_latency_s=1e-4)
+    env.process(pipe.traverse(0.8, tokens=100))
+    env.run()
+    assert env.now == pytest.approx(0.8 + 3 * (100 * 1e-6 + 1e-4))
+    assert pipe.utilization(env.now) == pytest.approx(0.8 / (4 * env.now))
+
+
+def test_steady_state_one_step_per_stage_time():
+    """As many batches in flight as stages, each step 0.4 s: once full, one step ends every 0.1 s."""
+    import simpy
+
+    from sim.simulator.pipeline import Pipeline
+
+    env = simpy.Environment()
+    pipe = Pipeline(env, 4, send_s_per_token=0.0, send_latency_s=0.0)
+    ends = []
+
+    def engine():
+        for _ in range(20):
+            yield from pipe.traverse(0.4, tokens=1)
+            ends.append(env.now)
+
+    for _ in range(4):
+        env.process(engine())
+    env.run()
+    gaps = [b - a for a, b in zip(sorted(ends)[8:], sorted(ends)[9:])]
+    assert max(gaps) == pytest.approx(0.1) and min(gaps) == pytest.approx(0.1)
+
+
+def test_pipeline_bubble_shrinks_with_batches_in_flight():
+    """At saturation one batch in flight leaves 3 of 4 stages idle (GPipe's (p-1)/(m+p-1) = 3/4); one per stage
+    nearly fills them, and throughput follows."""
+    reports = {m: run(pp(4, engines=m, workload=SATURATED))[0] for m in (1, 2, 4)}
+    util = [reports[m]["pipeline"]["stage_utilization"] for m in (1, 2, 4)]
+    tput = [reports[m]["throughput"]["output_tokens_per_s"] for m in (1, 2, 4)]
+    assert util[0] == pytest.approx(0.25, abs=0.03) and util[0] < util[1] < util[2] and util[2] > 0.85
+    assert tput[2] > 3 * tput[0]
+    for r in reports.values():
+        assert r["requests"]["completed"] == 400
+
+
+def test_pipeline_does_not_cut_latency_at_low_load_but_multiplies_cost():
+    low = {"seed": 2, "arrival": {"process": "poisson", "rate": 0.2}, "num_requests": 20,
+           "prompt_len": {"dist": "fixed", "value": 512}, "output_len": {"dist": "fixed", "value": 128}}
+    one, four = run(pp(1, workload=low))[0], run(pp(4, workload=low))[0]
+    assert four["tpot_s"]["p50"] == pytest.approx(one["tpot_s"]["p50"], rel=0.02)  # the same layers, in turn
+    assert four["cost"]["usd_per_hour"] == 4 * one["cost"]["usd_per_hour"]

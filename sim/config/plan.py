@@ -93,8 +93,10 @@ class Plan:
     replicas: int
     router: str
     scheduler: SchedulerConfig
-    tensor_parallel_size: int  # devices per replica
+    tensor_parallel_size: int
     sequence_parallel: bool
+    pipeline_parallel_size: int  # stages; a replica has tensor_parallel_size x pipeline_parallel_size devices
+    virtual_engines: int  # batches a pipelined replica keeps in flight, each its own scheduler and num_blocks
     kv_bytes_per_token: float  # on one device of a replica (its share of the KV heads)
     kv_allocator: str  # paged | contiguous
     kv_watermark: float
@@ -169,6 +171,15 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
     tp, sp = scenario.parallel.tensor_parallel_size, scenario.parallel.sequence_parallel
     kv_heads = _check_tensor_parallel(model, tp)
+    pp = scenario.parallel.pipeline_parallel_size
+    engines = scenario.parallel.virtual_engines or pp
+    if pp > model.num_layers:
+        raise ConfigError(f"{pp} stages for the {model.num_layers} layers of {model.name}; allowed: at most "
+                          f"{model.num_layers}", "parallel.pipeline_parallel_size")
+    if engines > pp:
+        raise ConfigError(f"{engines} batches in flight through {pp} stages; allowed: 1..{pp} (one per stage fills "
+                          "the pipeline)", "parallel.virtual_engines")
+    stage_layers = -(-model.num_layers // pp)  # the largest stage's share sizes every device
     act_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}[model.act_dtype]
     # Peak activations of one forward over the step budget on one device (the MLP's columns, and with sequence
     # parallelism the hidden-sized regions, split by TP), plus fp32 logits for every sequence (vocab-parallel).
@@ -176,6 +187,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         + sv.max_num_seqs * model.vocab_size * 4 / tp
     usable = hw.memory_bytes * kv.gpu_memory_utilization
     weight_bytes = model.weight_bytes / tp
+    if pp > 1:
+        weight_bytes = weight_bytes * stage_layers / model.num_layers
     kv_bytes = usable - weight_bytes - activation
     if kv_bytes <= 0:
         need = -(-model.weight_bytes // max(usable - activation, 1.0))
@@ -186,19 +199,19 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    kv_bytes_per_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads
+    kv_bytes_per_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads * stage_layers / model.num_layers
     block_bytes = block_size * kv_bytes_per_token
-    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes)
-    if num_blocks * block_bytes > kv_bytes:
+    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes) // engines
+    if num_blocks * engines * block_bytes > kv_bytes:
         raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
                           f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
-                          f"{int(kv_bytes // block_bytes)}", "kv_cache.num_blocks")
+                          f"{int(kv_bytes // block_bytes) // engines}", "kv_cache.num_blocks")
     if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
         raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")
-    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) if kv.preemption == "swap" else 0
-    if (num_blocks + swap_blocks) * scenario.replicas > MAX_TOTAL_BLOCKS:
+    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) // engines if kv.preemption == "swap" else 0
+    if (num_blocks + swap_blocks) * scenario.replicas * engines > MAX_TOTAL_BLOCKS:
         raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {scenario.replicas} "
                           f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
                           "bigger block_size or a smaller swap_space_gib)",
@@ -207,14 +220,16 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     c = scenario.cost_model
     # read now, so a bad profile is reported against the scenario that names it
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
-    if profile is not None and tp > 1:
-        raise ConfigError("a fitted profile prices one device's steps (tensor_parallel_size 1); allowed: the roofline "
-                          "(no cost_model.profile) for tensor parallelism", "parallel.tensor_parallel_size")
+    if profile is not None and tp * pp > 1:
+        raise ConfigError("a fitted profile prices one device's steps (tensor and pipeline parallel size 1); allowed: "
+                          "the roofline (no cost_model.profile) for parallel layouts",
+                          "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size")
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
                     c.profile_scale)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
-                sequence_parallel=sp, kv_bytes_per_token=kv_bytes_per_token, kv_allocator=kv.allocator,
+                sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,
+                kv_bytes_per_token=kv_bytes_per_token, kv_allocator=kv.allocator,
                 kv_watermark=kv.watermark, weight_bytes=weight_bytes, activation_bytes=activation,
                 kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
                 workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,

@@ -198,6 +198,11 @@ class ParallelConfig(StrictModel):
                                               "(Megatron-style: heads and MLP columns/rows); two all-reduces a layer")
     sequence_parallel: bool = Field(False, description="with tensor parallelism: the norm and residual regions "
                                     "split by tokens too (reduce-scatter + all-gather instead of all-reduce)")
+    pipeline_parallel_size: PositiveInt = Field(1, le=64, description="stages a replica's layers are split into, "
+                                                "each on its own tensor-parallel group of devices")
+    virtual_engines: PositiveInt | None = Field(None, le=64, description="with pipeline parallelism: batches in "
+                                                "flight (vLLM: one per stage; fewer leave stages idle: the bubble); "
+                                                "each has its own scheduler and share of the KV blocks")
 
 
 class Scenario(StrictModel):

@@ -41,10 +41,11 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     m = compute_metrics(records, plan.slo.ttft_s, plan.slo.tpot_s, plan.slo.quantile)
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
     out_tok_s = m["throughput"]["output_tokens_per_s"]
-    usd_per_hour = plan.hardware.price_per_hour * plan.replicas * plan.tensor_parallel_size
+    usd_per_hour = plan.hardware.price_per_hour * plan.replicas * plan.tensor_parallel_size * plan.pipeline_parallel_size
     report = {
         "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
                      "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
+                     "pipeline_parallel_size": plan.pipeline_parallel_size,
                      "router": plan.router, "batching": plan.scheduler.batching,
                      "kv_allocator": plan.kv_allocator, "config": plan.source},
         "engine": engine,
@@ -59,13 +60,21 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size,
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
-                       "kv_cache": plan.num_blocks * plan.block_size * plan.kv_bytes_per_token / GiB,
+                       "kv_cache": plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
+                       / GiB,
                        "device": plan.hardware.memory_gib},
         "cost": {"usd_per_hour": usd_per_hour,
                  "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
         "engine_steps": int(sum(len(r.step_end) for r in replicas)),
         "wall_time_s": wall_time_s,
     }
+    if plan.pipeline_parallel_size > 1:
+        busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
+        duration = report["duration_s"]
+        report["pipeline"] = {
+            "stages": plan.pipeline_parallel_size, "virtual_engines": plan.virtual_engines,
+            # share of the stages' time spent computing: 1 - the bubble (and the idle time between requests)
+            "stage_utilization": float(np.mean([sum(b) / (len(b) * duration) for b in busy])) if duration else 0.0}
     if extra:
         report.update(extra)
     return report
@@ -141,7 +150,8 @@ def print_summary(report: dict, console=None) -> None:
     rq = report["requests"]
     tp = s.get("tensor_parallel_size", 1)
     console.print(f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}"
-                  + (f" × TP{tp}" if tp > 1 else "") + "  "
+                  + (f" × TP{tp}" if tp > 1 else "") + (f" × PP{s['pipeline_parallel_size']}"
+                                                         if s.get("pipeline_parallel_size", 1) > 1 else "") + "  "
                   f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
     console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
                   + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))

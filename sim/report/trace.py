@@ -20,3 +20,5 @@ class ReplicaTrace:
     # the simulator's runs of steps, (runs, 3): request id, first step, last step (none from the executor, which
     # keeps every token's time)
     runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    # a pipelined replica's stages: the time each computed (the same list on each of its virtual engines)
+    pipeline_busy_s: list | None = None

@@ -17,6 +17,7 @@ from sim.policy.build import make_policy, make_router
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.report.trace import ReplicaTrace
+from sim.simulator.pipeline import Pipeline
 from sim.simulator.replica import Replica
 
 
@@ -27,6 +28,14 @@ class RunResult:
     wall_time_s: float
     engine: str = "sim"
     extra: dict = field(default_factory=dict)
+
+
+def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
+    """The stages of one pipelined replica: activations of hidden_size cross the hardware's link between them."""
+    act_bytes = 4 if plan.model.act_dtype == "fp32" else 2
+    hw = plan.hardware
+    return Pipeline(env, plan.pipeline_parallel_size, plan.model.hidden_size * act_bytes / hw.interconnect_bandwidth,
+                    hw.interconnect_latency_s)
 
 
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
@@ -45,9 +54,12 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
         if progress:
             progress(done[0])
 
+    engines = plan.virtual_engines  # per replica: 1, or the batches a pipelined replica keeps in flight
+    pipelines = [make_pipeline(env, plan) if plan.pipeline_parallel_size > 1 else None for _ in range(plan.replicas)]
     replicas = [Replica(env, i, make_policy(plan, eager=not bulk), cost, lambda: pending[0], bulk=bulk,
-                        on_finish=on_finish, speculation=speculation_model(plan, i, spec_draw, cost))
-                for i in range(plan.replicas)]
+                        on_finish=on_finish, speculation=speculation_model(plan, i, spec_draw, cost),
+                        pipeline=pipelines[i // engines])
+                for i in range(plan.replicas * engines)]
     router = make_router(plan.router)
     requests: list[Request] = []
 
@@ -75,6 +87,9 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
                            np.frombuffer(r.samples, float).reshape(-1, 5), r.scheduler.kv.num_blocks,
                            r.scheduler.kv.block_size, r.scheduler.num_preemptions,
                            r.scheduler.kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3)) for r in replicas]
+    if plan.pipeline_parallel_size > 1:
+        for i, trace in enumerate(traces):
+            trace.pipeline_busy_s = pipelines[i // engines].busy_s  # one list per replica, shared by its engines
     return RunResult(requests, traces, time.perf_counter() - t0)
 
 

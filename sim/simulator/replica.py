@@ -26,7 +26,7 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
                  next_arrival: Callable[[], float], bulk: bool = True,
-                 on_finish: Callable[[Request], None] | None = None, speculation=None):
+                 on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -35,6 +35,7 @@ class Replica:
         self.bulk = bulk
         self.on_finish = on_finish
         self.speculation = speculation  # sim.speculative.SpeculationModel: drafts and their acceptance
+        self.pipeline = pipeline  # sim.simulator.pipeline.Pipeline: this engine is one of its virtual engines
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -76,7 +77,7 @@ class Replica:
                 self.wakeup = None
                 continue
             step = len(self.step_end)
-            if batch.decode_only and self.bulk:
+            if batch.decode_only and self.bulk and self.pipeline is None:
                 horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
                 b, s = batch.shape.num_seqs, batch.shape.sum_context
                 # steps only get slower as contexts grow, so this many reach the next arrival
@@ -91,6 +92,9 @@ class Replica:
                 k = 1
                 step_s = cost.step_time(batch.shape)
                 clock = self.clock + draft_s + (spec.verify_time(step_s) if spec and batch.shape.num_verify else step_s)
+                if self.pipeline is not None:  # the stages decide when the step ends: they may be busy
+                    yield from self.pipeline.traverse(clock - self.clock, batch.shape.num_new_tokens)
+                    clock = env.now
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 for r in batch.preempted:
