@@ -394,6 +394,18 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
                    "heldout_rank_probs": ranks}
 
 
+def _load_smollm2(threads: int | None):
+    """SmolLM2-135M for distillation or Medusa training: (model, tokenizer, its EOS token id)."""
+    from executor.weights import load_smollm2
+
+    if threads:
+        torch.set_num_threads(threads)
+    stage("loading SmolLM2-135M")
+    model, hf_config, tok = load_smollm2()
+    eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
+    return model, tok, eos
+
+
 def stage(text: str) -> None:
     """One line per stage of a long command, on stderr."""
     print(text, file=sys.stderr, flush=True)
@@ -436,16 +448,10 @@ def default_draft_dir() -> Path:
 def distill_command(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,
                     threads: int | None) -> dict:
     """`infersim distill`: SmolLM2-135M's draft model, saved to `out` (default: default_draft_dir())."""
-    from executor.weights import load_smollm2
-
-    if threads:
-        torch.set_num_threads(threads)
     out = out or default_draft_dir()
     load = CpuLoad()
-    stage("loading SmolLM2-135M")
-    teacher, hf_config, tok = load_smollm2()
+    teacher, tok, eos = _load_smollm2(threads)
     check_layers(teacher, layers)  # before minutes of generation
-    eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
     prompts, groups = training_prompts(tok, corpus_ids(tok))
     stage(f"the teacher's answers to {len(prompts)} prompts (generated once, then cached)")
     answers = cached_answers(teacher, prompts, eos, max_new)
@@ -520,15 +526,9 @@ def pick_tree(record: dict, profile: Path | None) -> str:
 def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minutes: float, max_new: int,
                          threads: int | None, profile: Path | None) -> dict:
     """`infersim train-medusa`: Medusa heads for SmolLM2-135M and the candidate tree chosen for them."""
-    from executor.weights import load_smollm2
-
-    if threads:
-        torch.set_num_threads(threads)
     out = out or default_medusa_dir()
     load = CpuLoad()
-    stage("loading SmolLM2-135M")
-    target, hf_config, tok = load_smollm2()
-    eos = hf_config.eos_token_id[0] if isinstance(hf_config.eos_token_id, list) else hf_config.eos_token_id
+    target, tok, eos = _load_smollm2(threads)
     prompts, groups = training_prompts(tok, corpus_ids(tok))
     stage(f"the target's answers to {len(prompts)} prompts (generated once, then cached)")
     answers = cached_answers(target, prompts, eos, max_new)

@@ -110,18 +110,9 @@ class RooflineCostModel:
         per_ctx = max(self.s_per_attn_pair, self.s_per_kv_token)
         overhead, per_seq = self.step_overhead_s, b * self.per_seq_overhead_s
         s, k, append = sum_context, 0, step_end.append
-        if self.parallel:
-            comm = self.comm_time(b, b)
-            while k < k_max:
-                clock += linear + s * per_ctx + overhead + per_seq + comm
-                append(clock)
-                s += b
-                k += 1
-                if clock >= until:
-                    break
-            return k, clock
+        comm = self.comm_time(b, b) if self.parallel else 0.0  # x + 0.0 == x: single devices stay bit-identical
         while k < k_max:
-            clock += linear + s * per_ctx + overhead + per_seq
+            clock += linear + s * per_ctx + overhead + per_seq + comm
             append(clock)
             s += b
             k += 1
