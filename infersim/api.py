@@ -55,17 +55,10 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         specs = generate_requests(plan.workload, plan.base_dir)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
-    console = Console(stderr=True)
-    show = not quiet and console.is_terminal and len(specs) >= 2000
+    n, step = len(specs), max(1, len(specs) // 100)
     try:
-        if show:
-            from rich.progress import Progress
-            with Progress(console=console, transient=True) as bar:
-                task = bar.add_task("simulating", total=len(specs))
-                step = max(1, len(specs) // 100)
-                result = simulate(plan, specs, progress=lambda n: n % step == 0 and bar.update(task, completed=n))
-        else:
-            result = simulate(plan, specs)
+        with _progress(Console(stderr=True), quiet or n < 2000, "simulating", n) as bar:
+            result = simulate(plan, specs, progress=bar and (lambda done: done % step == 0 and bar(done, n)))
     except ConfigError as e:  # e.g. a setting only the simulator needs
         raise e.with_file(str(path)) from None
     del specs  # the requests hold what the report needs

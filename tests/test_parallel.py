@@ -148,7 +148,7 @@ def test_a_lone_step_fills_and_drains_the_pipeline():
     env.process(pipe.traverse(0.8, tokens=100))
     env.run()
     assert env.now == pytest.approx(0.8 + 3 * (100 * 1e-6 + 1e-4))
-    assert pipe.utilization(env.now) == pytest.approx(0.8 / (4 * env.now))
+    assert sum(pipe.busy_s) / (4 * env.now) == pytest.approx(0.8 / (4 * env.now))
 
 
 def test_steady_state_one_step_per_stage_time():

@@ -52,6 +52,11 @@ class ModelSpec(StrictModel):
         return "fp32" if self.weight_dtype == "fp32" else ("bf16" if self.weight_dtype == "bf16" else "fp16")
 
     @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation element."""
+        return 4 if self.act_dtype == "fp32" else 2
+
+    @property
     def kv_bytes_per_element(self) -> float:
         return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.kv_dtype or self.act_dtype]
 

@@ -180,7 +180,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         raise ConfigError(f"{engines} batches in flight through {pp} stages; allowed: 1..{pp} (one per stage fills "
                           "the pipeline)", "parallel.virtual_engines")
     stage_layers = -(-model.num_layers // pp)  # the largest stage's share sizes every device
-    act_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}[model.act_dtype]
+    act_bytes = model.act_bytes
     # Peak activations of one forward over the step budget on one device (the MLP's columns, and with sequence
     # parallelism the hidden-sized regions, split by TP), plus fp32 logits for every sequence (vocab-parallel).
     activation = budget * (4 * model.hidden_size / (tp if sp else 1) + 2 * model.intermediate_size / tp) * act_bytes \

@@ -60,7 +60,7 @@ class RooflineCostModel:
                  memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
                  block_bytes: float = 0.0, tensor_parallel_size: int = 1, sequence_parallel: bool = False):
         n = tensor_parallel_size
-        act_bytes = 4 if model.act_dtype == "fp32" else 2
+        act_bytes = model.act_bytes
         flops = hw.flops(model.act_dtype) * compute_efficiency
         bw = hw.memory_bandwidth * memory_efficiency
         kv_heads = max(1, model.num_kv_heads // n)  # per device

@@ -32,9 +32,8 @@ class RunResult:
 
 def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
     """The stages of one pipelined replica: activations of hidden_size cross the hardware's link between them."""
-    act_bytes = 4 if plan.model.act_dtype == "fp32" else 2
-    hw = plan.hardware
-    return Pipeline(env, plan.pipeline_parallel_size, plan.model.hidden_size * act_bytes / hw.interconnect_bandwidth,
+    hw, m = plan.hardware, plan.model
+    return Pipeline(env, plan.pipeline_parallel_size, m.hidden_size * m.act_bytes / hw.interconnect_bandwidth,
                     hw.interconnect_latency_s)
 
 

@@ -36,7 +36,3 @@ class Pipeline:
                 self.busy_s[i] += stage_s
             if i < self.num_stages - 1:
                 yield self.env.timeout(send_s)
-
-    def utilization(self, duration_s: float) -> float:
-        """Share of the stages' time spent computing over `duration_s` (1 − the bubble)."""
-        return sum(self.busy_s) / (self.num_stages * duration_s) if duration_s > 0 else 0.0
