@@ -63,7 +63,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         raise e.with_file(str(path)) from None
     del specs  # the requests hold what the report needs
     records = sim_records(result)
-    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim")
+    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim", extra=result.extra)
     try:
         check_finite(report)
     except ConfigError as e:

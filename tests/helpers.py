@@ -39,7 +39,7 @@ def run(data: dict, bulk: bool = True):
     plan = plan_of(data)
     result = simulate(plan, bulk=bulk)
     rec = sim_records(result)
-    report = build_report(plan, rec, result.replicas, wall_time_s=0.0)
+    report = build_report(plan, rec, result.replicas, wall_time_s=0.0, extra=result.extra)
     return report, result, rec
 
 

@@ -29,6 +29,9 @@ from sim.config.scenario import (
     CostModelConfig,
     ExecutorConfig,
     KVCacheConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    PoolConfig,
     ServingConfig,
     SLOConfig,
     SpeculativeConfig,
@@ -173,6 +176,7 @@ def scenario_cases() -> list[tuple[str, object]]:
         for k, v in change.items():
             d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) and k != "workload" else v
         cases.append((f"semantic[{i}]", d))
+    cases += pool_cases()
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n"
     for prev, n in zip("abcdefgh", "bcdefghi"):
         bomb += f"{n}: &{n} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
@@ -182,6 +186,41 @@ def scenario_cases() -> list[tuple[str, object]]:
            "huge-value": "name: " + "x" * 100_000 + "\n", "python-tag": "model: !!python/object:os.system x\n",
            "binary": bytes(range(256)) * 4, "null-bytes": "model: a\x00b\n", "anchor-loop": "a: &a [*a]\n"}
     cases += [(f"yaml.{k}", v) for k, v in raw.items()]
+    return cases
+
+
+def pool_cases() -> list[tuple[str, dict]]:
+    """Disaggregated pools broken every way the schema allows, and the layouts that cannot run."""
+    pools = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    cases = []
+
+    def with_pools(value) -> dict:
+        d = copy.deepcopy(BASE)
+        d["pools"] = value
+        return d
+
+    for name, field in PoolConfig.model_fields.items():
+        for i, v in enumerate(bad_values(field)):
+            cases.append((f"pools.decode.{name}[{i}]", with_pools({**pools, "decode": {"replicas": 1, name: v}})))
+    for name, field in KVTransferConfig.model_fields.items():
+        for i, v in enumerate(bad_values(field)):
+            cases.append((f"pools.kv_transfer.{name}[{i}]", with_pools({**pools, "kv_transfer": {name: v}})))
+    for section, cls in (("serving", ServingConfig), ("kv_cache", KVCacheConfig), ("parallel", ParallelConfig)):
+        for name, field in cls.model_fields.items():
+            for i, v in enumerate(bad_values(field)[:3]):
+                cases.append((f"pools.prefill.{section}.{name}[{i}]",
+                              with_pools({**pools, "prefill": {"replicas": 1, section: {name: v}}})))
+    broken = {"not-a-mapping": "yes", "no-decode": {"prefill": {"replicas": 1}}, "unknown-pool": {**pools, "mixed": {}},
+              "unknown-key": {**pools, "decode": {"replicas": 1, "gpus": 4}},
+              "shorter-decode": {**pools, "decode": {"serving": {"max_model_len": 64}}},
+              "static": {**pools, "decode": {"serving": {"batching": "static"}}},
+              "too-small": {**pools, "decode": {"hardware": {"base": "cpu", "memory_gib": 0.1}}},
+              "no-kv-room": {**pools, "prefill": {"kv_cache": {"gpu_memory_utilization": 0.011}}},
+              "tp-heads": {**pools, "decode": {"parallel": {"tensor_parallel_size": 2}}},
+              "pp-layers": {**pools, "prefill": {"parallel": {"pipeline_parallel_size": 31}}}}
+    cases += [(f"pools.{k}", with_pools(v)) for k, v in broken.items()]
+    cases.append(("pools.top-replicas", {**with_pools(pools), "replicas": 2}))
+    cases.append(("pools.speculative", {**with_pools(pools), "speculative": {"acceptance_rate": 0.5}}))
     return cases
 
 

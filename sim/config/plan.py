@@ -2,7 +2,7 @@
 out. Every layer reads its knobs from here, never from the raw scenario again."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,9 @@ class Plan:
     executor: ExecutorConfig
     speculative: SpeculativeConfig | None
     source: dict[str, Any]  # the scenario as validated (JSON form): echoed in reports, the base of `replan`
+    # disaggregated: the prefill and decode pools, each resolved as a plan of its own; the plan's own replica fields
+    # are the decode pool's
+    pools: Pools | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -124,6 +127,63 @@ class Plan:
     @property
     def prefill_chunk_size(self) -> int:
         return self.scheduler.prefill_chunk_size
+
+
+@dataclass(frozen=True)
+class Pools:
+    """A disaggregated cluster: each pool as a plan of its own, and the KV-transfer link between them."""
+
+    prefill: Plan
+    decode: Plan
+    kv_bandwidth: float  # bytes/s between one device of a prefill replica and its counterpart in a decode replica
+    kv_latency_s: float
+
+    @property
+    def kv_links(self) -> int:
+        """Device pairs a transfer spreads over: each device of the smaller replica sends or takes its shard."""
+        return min(p.tensor_parallel_size * p.pipeline_parallel_size for p in (self.prefill, self.decode))
+
+    def transfer_s(self, num_tokens: int) -> float:
+        """Time to move `num_tokens` tokens of KV from a prefill replica to a decode replica."""
+        kv_bytes = num_tokens * self.prefill.model.kv_bytes_per_token
+        return kv_bytes / (self.kv_bandwidth * self.kv_links) + self.kv_latency_s
+
+
+POOL_KEYS = ("replicas", "hardware", "router", "parallel", "serving", "kv_cache")
+
+
+def _pool_scenario(scenario: Scenario, name: str) -> Scenario:
+    """The scenario one pool runs: the pool's keys over the scenario's (serving and kv_cache key by key)."""
+    pool = getattr(scenario.pools, name)
+    kv = scenario.kv_cache if pool.kv_cache is None else KVCacheConfig.model_validate(
+        {**scenario.kv_cache.model_dump(), **pool.kv_cache.model_dump(exclude_unset=True)})
+    return scenario.model_copy(update={
+        "replicas": pool.replicas, "hardware": pool.hardware if pool.hardware is not None else scenario.hardware,
+        "router": pool.router or scenario.router, "parallel": pool.parallel or scenario.parallel,
+        "serving": scenario.pools_serving(name), "kv_cache": kv, "pools": None})
+
+
+def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
+    """The plan of a disaggregated scenario: each pool resolved as a plan, errors located in the pool."""
+    plans = {}
+    for name in ("prefill", "decode"):
+        try:
+            plans[name] = make_plan(_pool_scenario(scenario, name), base_dir)
+        except ConfigError as e:
+            where = e.key_path
+            if where.split(".")[0].split("[")[0] in POOL_KEYS:
+                where = f"pools.{name}.{where}"
+            raise ConfigError(e.message, where, e.file) from None
+    p, d = plans["prefill"], plans["decode"]
+    if d.max_model_len < p.max_model_len:
+        raise ConfigError(f"{d.max_model_len} is less than the prefill pool's {p.max_model_len}: a request the "
+                          "prefill pool admits must fit a decode instance", "pools.decode.serving.max_model_len")
+    link = scenario.pools.kv_transfer
+    bandwidth = link.bandwidth or min(p.hardware.interconnect_bandwidth, d.hardware.interconnect_bandwidth)
+    latency = link.latency_s if link.latency_s is not None else \
+        max(p.hardware.interconnect_latency_s, d.hardware.interconnect_latency_s)
+    return replace(d, name=scenario.name, source=scenario.model_dump(mode="json"),
+                   pools=Pools(p, d, bandwidth, latency))
 
 
 def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
@@ -153,6 +213,8 @@ def resolve_model(raw: str | dict, base_dir: Path) -> tuple[ModelSpec, Path | No
 
 def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     """Resolve names and check the deployment is possible (the model fits, the KV cache holds a request)."""
+    if scenario.pools is not None:
+        return _make_pools(scenario, base_dir)
     model, checkpoint = resolve_model(scenario.model, base_dir)
     hw = _resolve(scenario.hardware, "hardware", catalog_hardware, HardwareSpec)
     sv, kv, spec = scenario.serving, scenario.kv_cache, scenario.speculative

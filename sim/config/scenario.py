@@ -205,6 +205,37 @@ class ParallelConfig(StrictModel):
                                                 "each has its own scheduler and share of the KV blocks")
 
 
+class PoolConfig(StrictModel):
+    """One pool of a disaggregated cluster (DistServe, Splitwise): its own devices, count, parallelism, serving knobs
+    and router. Keys left out take the scenario's; `serving` and `kv_cache` override only the keys they set."""
+
+    replicas: PositiveInt = Field(1, le=MAX_REPLICAS, description="instances in the pool")
+    hardware: str | dict[str, Any] | None = Field(None, description="default: the scenario's hardware")
+    router: Literal["round_robin", "least_outstanding"] | None = Field(None, description="which instance of the pool "
+                                                                       "takes a request; default: the scenario's")
+    parallel: ParallelConfig | None = Field(None, description="default: the scenario's parallel")
+    serving: ServingConfig | None = Field(None, description="keys set here override the scenario's serving")
+    kv_cache: KVCacheConfig | None = Field(None, description="keys set here override the scenario's kv_cache")
+
+
+class KVTransferConfig(StrictModel):
+    """The link a finished prefill's KV crosses to its decode instance (one per device pair of the two replicas)."""
+
+    bandwidth: float | None = Field(None, ge=1e6, le=1e15, description="bytes/s per device pair; default: the slower "
+                                    "pool hardware's interconnect_bandwidth")
+    latency_s: NonNegativeFloat | None = Field(None, le=60, description="per transfer; default: the pools' "
+                                               "interconnect_latency_s")
+
+
+class PoolsConfig(StrictModel):
+    """Disaggregated serving: prompts run on the prefill pool, which hands each request with its KV to a decode
+    instance once that has memory for it; the decode pool generates the rest of the output."""
+
+    prefill: PoolConfig
+    decode: PoolConfig
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+
+
 class Scenario(StrictModel):
     """One deployment and its traffic: everything `infersim run` needs."""
 
@@ -223,6 +254,8 @@ class Scenario(StrictModel):
     cost_model: CostModelConfig = CostModelConfig()
     executor: ExecutorConfig = ExecutorConfig()
     speculative: SpeculativeConfig | None = None
+    pools: PoolsConfig | None = Field(None, description="disaggregated prefill and decode pools instead of one "
+                                      "replica set (then replicas is set per pool)")
 
     @model_validator(mode="after")
     def _check_static(self) -> "Scenario":
@@ -232,7 +265,23 @@ class Scenario(StrictModel):
             raise ValueError("speculative decoding needs batching: continuous")
         if self.speculative and self.speculative.method == "medusa" and self.executor.attention not in ("sdpa", "naive"):
             raise ValueError("Medusa's tree attention runs on executor.attention sdpa or naive")
+        if self.pools is not None:
+            if self.replicas != 1:
+                raise ValueError("with pools, replicas is set per pool (pools.prefill.replicas, pools.decode.replicas)")
+            for name in ("prefill", "decode"):
+                sv = self.pools_serving(name)
+                if sv.batching == "static":
+                    raise ValueError(f"pools.{name}: disaggregated pools need batching: continuous")
+            if self.speculative is not None:
+                raise ValueError("speculative decoding with pools is not supported yet; allowed: one of the two")
         return self
+
+    def pools_serving(self, name: str) -> ServingConfig:
+        """The serving knobs of pool `name`: the scenario's, with the keys the pool sets overriding them."""
+        own = getattr(self.pools, name).serving
+        if own is None:
+            return self.serving
+        return ServingConfig.model_validate({**self.serving.model_dump(), **own.model_dump(exclude_unset=True)})
 
 
 def _loc_to_path(loc: list) -> str:
@@ -273,10 +322,13 @@ def _walk(cls: type[BaseModel], loc: tuple) -> tuple[list, object]:
     for part in loc:
         members = _members(cur)
         if members is not None:
-            cur = _tag_member(members, part) if isinstance(part, str) else None
-            if cur is not None or (isinstance(part, str) and not part.isidentifier()) or part in (
+            tagged = _tag_member(members, part) if isinstance(part, str) else None
+            if tagged is not None or (isinstance(part, str) and not part.isidentifier()) or part in (
                     "str", "int", "float", "bool", "list", "dict"):
+                cur = tagged
                 continue
+            models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+            cur = models[0] if len(models) == 1 else None  # an optional section: its model
         if isinstance(part, int):
             path.append(part)
             args = get_args(cur)

@@ -64,8 +64,12 @@ class BlockAllocator:
             del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
-        self.free_blocks.extend(reversed(req.block_table))
+        self.release(req.block_table)
         req.block_table = []
+
+    def release(self, block_table: list[int]) -> None:
+        """Give back the blocks of a table no request holds any more (a handed-off prefill's, once sent)."""
+        self.free_blocks.extend(reversed(block_table))
 
     @property
     def num_free_swap_blocks(self) -> int:

@@ -15,6 +15,7 @@ def make_allocator(plan: Plan) -> BlockAllocator:
                           num_swap_blocks=plan.num_swap_blocks, contiguous=plan.kv_allocator == "contiguous")
 
 
-def make_policy(plan: Plan, eager: bool = True) -> Scheduler:
-    """The scheduler + KV allocator pair one replica runs (the simulator's replica and the executor's engine)."""
-    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager)
+def make_policy(plan: Plan, eager: bool = True, hand_off: bool = False) -> Scheduler:
+    """The scheduler + KV allocator pair one replica runs (the simulator's replica and the executor's engine);
+    `hand_off`: a disaggregated prefill instance's, which hands requests on after their prompt."""
+    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager, hand_off=hand_off)

@@ -9,6 +9,7 @@ class Status(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    TRANSFERRING = "transferring"  # disaggregated: prefilled, its KV on the way to (or waiting for) a decode instance
     FINISHED = "finished"
     REJECTED = "rejected"
 

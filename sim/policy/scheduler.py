@@ -8,6 +8,10 @@ Speculative decoding (num_speculative_tokens > 0): a decoding request's row carr
 the drafts proposed for it (request.num_draft, set by the drafter before the step); the step reserves KV
 for all of them, and afterwards the caller says how many drafts were accepted; the slots of rejected
 ones are given back.
+Disaggregated serving: a prefill instance's scheduler (`hand_off`) hands a request whose prompt is done to the
+caller instead of decoding it, keeping its blocks until the caller has sent its KV (`take_handoffs`, `release`); a
+decode instance's scheduler queues handed-off requests (`add_prefilled`), reserves their blocks when it has room
+(`reserve_transfers`: the caller copies the KV in) and, once `received`, decodes them like a swapped-in request.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ class ScheduledBatch:
     decodes: bool = True  # this step decodes every decoding request (False: a prefill-only step)
     decode_only: bool = False  # nothing but decodes: the next steps repeat it until something changes
     preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)  # and received (disaggregated): their first decode
+    received: list[Request] = field(default_factory=list)  # of swapped_in, those whose KV came from a prefill pool
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies, first
     padding: list[Request] = field(default_factory=list)  # static batching: finished rows still computed
@@ -89,10 +94,16 @@ class Scheduler:
     costs O(events), not O(batch); the executor keeps them current.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True):
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False):
         self.cfg = cfg
         self.kv = kv
         self.eager = eager
+        self.hand_off = hand_off  # a prefill instance: prompts done are handed to a decode instance
+        self.sending: dict[Request, list[int]] = {}  # handed off, KV not yet sent: the blocks it still holds
+        self.outbox: list[Request] = []  # handed off since the caller last took them
+        self.incoming: deque[Request] = deque()  # prefilled elsewhere, waiting for blocks here
+        self.receiving: dict[Request, None] = {}  # blocks reserved, KV on its way
+        self.ready: deque[Request] = deque()  # KV arrived, joins the decodes at the next decode step
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}  # admission order: preemption takes from the end
         self.prefilling: dict[Request, None] = {}  # running, prompt not fully computed (chunked)
@@ -144,11 +155,63 @@ class Scheduler:
         return min((r.arrival_s + delay for r in self.waiting if not r.num_preemptions), default=float("inf"))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        """Whether a step could run now (a request still arriving from a prefill instance cannot)."""
+        return bool(self.waiting or self.running or self.swapped or self.ready)
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.incoming) + \
+            len(self.receiving) + len(self.ready)
+
+    # -- disaggregated hand-off -------------------------------------------------------------------
+    def take_handoffs(self) -> list[Request]:
+        """Prefill instance: the requests handed off since the last call (their blocks in `sending`)."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    def release(self, req: Request) -> None:
+        """Prefill instance: `req`'s KV has been sent; its blocks are free again."""
+        self.kv.release(self.sending.pop(req))
+
+    def add_prefilled(self, req: Request) -> bool:
+        """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
+        reject it with a reason if it can never be served here."""
+        reason = None
+        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
+            reason = "prompt_len + max_tokens exceeds the decode pool's max_model_len"
+        elif self.kv.blocks_for(req.prompt_len + req.max_tokens - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
+            reason = "needs more KV cache than the decode instance's whole cache"
+        if reason:
+            req.status, req.reject_reason = Status.REJECTED, reason
+            return False
+        req.status = Status.TRANSFERRING
+        self.incoming.append(req)
+        return True
+
+    def reserve_transfers(self) -> list[Request]:
+        """Decode instance: reserve blocks for queued hand-offs (FCFS, within max_num_seqs and the free blocks above
+        the watermark); the caller copies each one's KV into its block_table and then calls `received`."""
+        out: list[Request] = []
+        free = self.kv.num_free - self.kv.watermark_blocks
+        slots = self.cfg.max_num_seqs - len(self.running) - len(self.receiving) - len(self.ready)
+        while self.incoming and len(out) < slots:
+            r = self.incoming[0]
+            need = self.kv.extra_blocks(r, r.num_computed + 1)
+            if need > free:
+                break
+            self.incoming.popleft()
+            self.kv.allocate(r, r.num_computed + 1)  # the prompt's KV and the first output token's
+            free -= need
+            self.receiving[r] = None
+            out.append(r)
+        if out:
+            self.kv.note_peak()
+        return out
+
+    def received(self, req: Request) -> None:
+        """Decode instance: `req`'s KV is in its blocks; it decodes from the next decode step."""
+        del self.receiving[req]
+        self.ready.append(req)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -173,9 +236,11 @@ class Scheduler:
             budget -= sum(n for _, n in prefill)
             swapped_in = [] if preempted else self._swap_in(budget)
             budget -= len(swapped_in)
+            received = [] if preempted else self._join_received(budget)
+            budget -= len(received)
             admitted = [] if preempted or self.swapped else self._admit(budget, chunked=True)
             self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
-            return self._batch(prefill + admitted, True, preempted, swapped_in)
+            return self._batch(prefill + admitted, True, preempted, swapped_in, received)
         if not self.swapped:
             admitted = self._admit(budget, chunked=False)
             if admitted:
@@ -183,8 +248,9 @@ class Scheduler:
                 return self._batch(admitted, False, [], [])
         preempted = self._grow_decodes(budget)
         swapped_in = [] if preempted else self._swap_in(budget - self._decode_tokens())
+        received = [] if preempted else self._join_received(budget - self._decode_tokens() - len(swapped_in))
         self.steps_since_admission += 1
-        return self._batch([], True, preempted, swapped_in)
+        return self._batch([], True, preempted, swapped_in, received)
 
     @property
     def drafting(self) -> bool:
@@ -307,6 +373,18 @@ class Scheduler:
             budget -= 1
         return out
 
+    def _join_received(self, budget: int) -> list[Request]:
+        """Requests whose KV has arrived join the decodes (their blocks were reserved with the transfer)."""
+        out = []
+        while self.ready and budget > 0:
+            r = self.ready.popleft()
+            r.status = Status.RUNNING
+            self.running[r] = None
+            self.decoding.join(r, self._block_capacity(r))
+            out.append(r)
+            budget -= 1
+        return out
+
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
         picks = self._admissible(budget, chunked)
@@ -325,7 +403,7 @@ class Scheduler:
         cfg = self.cfg
         picks: list[tuple[Request, int]] = []
         free = self.kv.num_free - self.kv.watermark_blocks
-        slots = cfg.max_num_seqs - len(self.running)
+        slots = cfg.max_num_seqs - len(self.running) - len(self.receiving) - len(self.ready)
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0:
                 break
@@ -352,7 +430,7 @@ class Scheduler:
     def _block_capacity(self, r: Request) -> int | None:
         return None if self.kv.contiguous else len(r.block_table) * self.kv.block_size
 
-    def _batch(self, prefill, decodes, preempted, swapped_in) -> ScheduledBatch:
+    def _batch(self, prefill, decodes, preempted, swapped_in, received=()) -> ScheduledBatch:
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         b = len(self.decoding) if decodes else 0
         verify = 0
@@ -363,14 +441,16 @@ class Scheduler:
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
         swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
         swap_in = [p for r in swapped_in for p in r.swap_pairs]
+        if received:
+            swapped_in = swapped_in + received
         shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
                            len(swap_out) + len(swap_in), len(prefill), verify)
         decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling \
             and not self.speculative  # speculative rows advance unevenly: no run of identical steps
         # the simulator never reads plain decode rows: skip the O(batch) copy there
         rows = list(self.decoding.members) if decodes and (self.eager or self.speculative) else []
-        return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, swap_out=swap_out,
-                              swap_in=swap_in)
+        return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, list(received),
+                              swap_out=swap_out, swap_in=swap_in)
 
     # -- after the step -------------------------------------------------------------------------
     def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = (),
@@ -396,6 +476,8 @@ class Scheduler:
             started.append(r)
             if r.num_generated >= r.max_tokens or r in stopped:
                 finished.append(self._finish(r))
+            elif self.hand_off:
+                self._hand_off(r)
             else:
                 dec.join(r, self._block_capacity(r))
         for r in dec.pop_finished():
@@ -429,6 +511,13 @@ class Scheduler:
             if r.num_generated >= r.max_tokens:
                 done.append(r)
         return done
+
+    def _hand_off(self, r: Request) -> None:
+        """A prefill instance's request with its first token: off to a decode instance, its blocks kept to send."""
+        del self.running[r]
+        r.status = Status.TRANSFERRING
+        self.sending[r], r.block_table = r.block_table, []
+        self.outbox.append(r)
 
     def _finish(self, r: Request) -> Request:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
@@ -544,5 +633,8 @@ class StaticScheduler(Scheduler):
         return finished
 
 
-def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True) -> Scheduler:
-    return (StaticScheduler if cfg.batching == "static" else Scheduler)(cfg, kv, eager)
+def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False) -> Scheduler:
+    """The scheduler for `cfg.batching`; `hand_off`: a disaggregated prefill instance's (continuous batching)."""
+    if cfg.batching == "static":
+        return StaticScheduler(cfg, kv, eager)
+    return Scheduler(cfg, kv, eager, hand_off)

@@ -39,9 +39,14 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     """Assemble report.json. `replicas`: objects with samples, num_blocks, block_size, peak_blocks,
     num_preemptions and step_end (the simulator's ReplicaTrace; the executor fills the same)."""
     m = compute_metrics(records, plan.slo.ttft_s, plan.slo.tpot_s, plan.slo.quantile)
+    all_replicas = replicas
+    if plan.pools is not None:  # the decode pool holds the long-lived KV: the kv_cache section is its
+        replicas = [r for r in replicas if r.pool == "decode"]
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
     out_tok_s = m["throughput"]["output_tokens_per_s"]
-    usd_per_hour = plan.hardware.price_per_hour * plan.replicas * plan.tensor_parallel_size * plan.pipeline_parallel_size
+    pool_plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
+    usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size
+                       for p in pool_plans)
     report = {
         "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
                      "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
@@ -65,9 +70,13 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                        "device": plan.hardware.memory_gib},
         "cost": {"usd_per_hour": usd_per_hour,
                  "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
-        "engine_steps": int(sum(len(r.step_end) for r in replicas)),
+        "engine_steps": int(sum(len(r.step_end) for r in all_replicas)),
         "wall_time_s": wall_time_s,
     }
+    if plan.pools is not None:
+        report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
+        report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
+                           for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
     if plan.pipeline_parallel_size > 1:
         busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
         duration = report["duration_s"]
@@ -78,6 +87,22 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     if extra:
         report.update(extra)
     return report
+
+
+def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
+    """One pool of a disaggregated cluster: its layout, how busy its engines were, its KV use and cost."""
+    usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
+    devices = plan.replicas * plan.tensor_parallel_size * plan.pipeline_parallel_size
+    return {"replicas": plan.replicas, "hardware": plan.hardware.name,
+            "tensor_parallel_size": plan.tensor_parallel_size, "pipeline_parallel_size": plan.pipeline_parallel_size,
+            "devices": devices, "router": plan.router,
+            # share of the run each engine spent in steps, averaged over the pool's engines
+            "utilization": float(np.mean([r.busy_s for r in replicas]) / duration_s) if duration_s else 0.0,
+            "kv_peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
+            "kv_mean_utilization": float(np.mean([u["mean"] for u in usage])),
+            "preemptions": int(sum(r.num_preemptions for r in replicas)),
+            "engine_steps": int(sum(len(r.step_end) for r in replicas)),
+            "usd_per_hour": plan.hardware.price_per_hour * devices}
 
 
 def write_requests_csv(path: Path, rec: RequestRecords) -> None:
@@ -171,6 +196,17 @@ def print_summary(report: dict, console=None) -> None:
     console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
                   f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
                   f"{kv['capacity_tokens']} tokens")
+    for name, pool in report.get("pools", {}).items():
+        console.print(f"{name} pool: {pool['replicas']}× {pool['hardware']}"
+                      + (f" × TP{pool['tensor_parallel_size']}" if pool["tensor_parallel_size"] > 1 else "")
+                      + (f" × PP{pool['pipeline_parallel_size']}" if pool["pipeline_parallel_size"] > 1 else "")
+                      + f", busy {pool['utilization'] * 100:.1f}%, KV peak {pool['kv_peak_utilization'] * 100:.1f}%, "
+                      f"{pool['preemptions']} preemptions")
+    kvt = report.get("kv_transfer")
+    if kvt:
+        console.print(f"KV transfer: {kvt['transfers']} transfers, {kvt['bytes'] / 2**30:.2f} GiB; on the link "
+                      f"p50 {_fmt(kvt['transfer_s']['p50'])} ms, p99 {_fmt(kvt['transfer_s']['p99'])} ms; hand-off to "
+                      f"transfer (decode instance's next step, its memory, the link) p50 {_fmt(kvt['wait_s']['p50'])} ms, p99 {_fmt(kvt['wait_s']['p99'])} ms")
     spec = report.get("speculative")
     if spec:
         console.print(f"speculative: {spec['accepted']}/{spec['drafted']} drafts accepted, α {spec['alpha']:.3f}, "

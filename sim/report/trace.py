@@ -22,3 +22,8 @@ class ReplicaTrace:
     runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     # a pipelined replica's stages: the time each computed (the same list on each of its virtual engines)
     pipeline_busy_s: list | None = None
+    pool: str | None = None  # disaggregated: "prefill" or "decode"
+    busy_s: float = 0.0  # time spent in steps
+    # disaggregated decode instance: each handed-off request's gap from its first token (in the prefill pool) to
+    # its second (here)
+    handoff_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0))

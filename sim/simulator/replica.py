@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable
 
 import simpy
@@ -26,7 +27,9 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
                  next_arrival: Callable[[], float], bulk: bool = True,
-                 on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None):
+                 on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None,
+                 on_handoff: Callable[[Replica, list[Request]], None] | None = None,
+                 on_reserve: Callable[[Replica, list[Request]], None] | None = None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -36,6 +39,11 @@ class Replica:
         self.on_finish = on_finish
         self.speculation = speculation  # sim.speculative.SpeculationModel: drafts and their acceptance
         self.pipeline = pipeline  # sim.simulator.pipeline.Pipeline: this engine is one of its virtual engines
+        self.on_handoff = on_handoff  # disaggregated prefill instance: takes the requests handed off by a step
+        self.on_reserve = on_reserve  # disaggregated decode instance: starts the KV transfers it reserved blocks for
+        self.busy_s = 0.0  # time spent in steps
+        self.handoff_gaps = array("d")  # disaggregated decode instance: first token (prefill pool) to the second
+        self.in_run = False  # in a run of decode steps that `wake` may cut short
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -59,6 +67,25 @@ class Replica:
             self.wakeup.succeed(req.arrival_s)
         return accepted
 
+    def wake(self) -> None:
+        """Something this replica waits for happened now (a hand-off, a transfer done, blocks released): an idle
+        engine looks again, one in a run of decode steps stops it at the step in flight."""
+        if self.wakeup is not None and not self.wakeup.triggered:
+            self.wakeup.succeed(self.env.now)
+        elif self.in_run:
+            self.in_run = False
+            self.process.interrupt()
+
+    def _cut_run(self, first: int, k: int) -> tuple[int, float]:
+        """A run of k decode steps from step `first` interrupted now: the steps that ended by now and the one in
+        flight stay, the rest are dropped. Returns (steps kept, their end)."""
+        ends = self.step_end
+        done = bisect_left(ends, self.env.now, first, first + k) - first  # steps that ended before now
+        kept = min(k, done + 1)
+        del ends[first + kept:]
+        del self.step_decodes_all[first + kept:]
+        return kept, ends[-1]
+
     def run(self):
         sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
         timeouts = sched.cfg.max_queue_delay_s is not None
@@ -67,10 +94,13 @@ class Replica:
                 for r in sched.expire(self.clock):
                     if self.on_finish:
                         self.on_finish(r)
+            if sched.incoming:
+                self.on_reserve(self, sched.reserve_transfers())
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
-                if sched.has_work():  # an empty engine can always take the head of its queue
+                # an empty engine can always take the head of its queue, unless blocks wait to be sent
+                if sched.has_work() and not sched.sending:
                     raise RuntimeError(f"replica {self.index}: work queued but nothing schedulable")
                 self.wakeup = env.event()
                 self.clock = max(self.clock, (yield self.wakeup))
@@ -86,7 +116,14 @@ class Replica:
                 k_max = sched.decode_horizon(max(k_max, 1))
                 k, clock = cost.decode_run(b, s, self.clock, k_max, horizon, self.step_end)
                 self.step_decodes_all.extend(bytes([1]) * k)
-                yield env.timeout(max(0.0, clock - env.now))
+                self.in_run = k > 1
+                try:
+                    yield env.timeout(max(0.0, clock - env.now))
+                except simpy.Interrupt:
+                    k, clock = self._cut_run(step, k)
+                    yield env.timeout(max(0.0, clock - env.now))
+                self.in_run = False
+                self.busy_s += clock - self.clock
                 finished = sched.advance_decode(k)
             else:
                 k = 1
@@ -97,6 +134,7 @@ class Replica:
                     clock = env.now
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
+                self.busy_s += clock - self.clock
                 for r in batch.preempted:
                     if r.run_start >= 0:
                         self.runs.extend((r.id, r.run_start, step - 1))
@@ -114,6 +152,10 @@ class Replica:
                     r.run_start = step
                     if r.first_token_s is None:
                         r.first_token_s = clock
+                for r in batch.received:
+                    self.handoff_gaps.append(clock - r.first_token_s)
+                if sched.outbox:
+                    self.on_handoff(self, sched.take_handoffs())
             self.clock = clock
             last = step + k - 1
             for r in finished:

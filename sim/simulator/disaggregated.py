@@ -1,0 +1,123 @@
+"""Disaggregated serving (DistServe, Splitwise) in SimPy: a prefill pool and a decode pool of replicas.
+
+A request arrives at a prefill instance (the prefill pool's router), whose step computes its prompt and first token;
+the instance then hands it off (the prefill pool's scheduler keeps its blocks) to a decode instance (the decode
+pool's router). The decode instance queues it until it has blocks for its KV, reserves them, and the KV crosses the
+link (one transfer at a time into each decode instance: `Pools.transfer_s`); then the prefill instance frees its
+blocks and the request joins the decode instance's next decode step. Time waiting for decode memory and on the link
+lands in the gap between the first token and the second, as it does on real clusters.
+"""
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections.abc import Callable
+
+import numpy as np
+import simpy
+
+from sim.config.plan import Plan
+from sim.config.workload import RequestSpec, generate_requests
+from sim.policy.build import make_router
+from sim.policy.request import Request
+from sim.simulator.engines import Done, RunResult, make_engines, run_env, trace_of
+from sim.simulator.replica import Replica
+
+
+class KVTransfers:
+    """The hand-off between the pools: routing to a decode instance, the links, and what crossed them."""
+
+    def __init__(self, env: simpy.Environment, plan: Plan, done: Done):
+        self.env, self.pools, self.done = env, plan.pools, done
+        self.router = make_router(plan.pools.decode.router)
+        self.decode: list[Replica] = []
+        self.link_free_at: list[float] = []  # per decode instance: when its link takes the next transfer
+        self.source: dict[Request, tuple[Replica, float]] = {}  # handed off: its prefill instance, when
+        self.seconds = array("d")  # per transfer: time on the link
+        self.waits = array("d")  # per transfer: hand-off to the link (decode memory, then the link's queue)
+        self.tokens = 0
+
+    def attach(self, decode: list[Replica]) -> None:
+        self.decode = decode
+        self.link_free_at = [0.0] * len(decode)
+
+    def hand_off(self, prefill: Replica, reqs: list[Request]) -> None:
+        """Replica.on_handoff: each request to a decode instance's queue."""
+        for r in reqs:
+            d = self.router.pick(self.decode)
+            replica = self.decode[d]
+            if not replica.scheduler.add_prefilled(r):
+                prefill.scheduler.release(r)
+                prefill.wake()
+                self.done(r)
+                continue
+            r.replica = replica.index
+            self.source[r] = (prefill, self.env.now)
+            replica.wake()
+
+    def start(self, replica: Replica, reqs: list[Request]) -> None:
+        """Replica.on_reserve: blocks reserved for these requests on `replica`; their KV goes over its link."""
+        d = replica.index - self.decode[0].index
+        now = self.env.now
+        for r in reqs:
+            begin = max(now, self.link_free_at[d])
+            seconds = self.pools.transfer_s(r.num_computed)
+            self.link_free_at[d] = begin + seconds
+            self.seconds.append(seconds)
+            self.waits.append(begin - self.source[r][1])
+            self.tokens += r.num_computed
+            self.env.process(self._arrive(r, replica, begin + seconds))
+
+    def _arrive(self, r: Request, replica: Replica, at: float):
+        yield self.env.timeout(at - self.env.now)
+        prefill, _ = self.source.pop(r)
+        prefill.scheduler.release(r)
+        prefill.wake()
+        replica.scheduler.received(r)
+        replica.wake()
+
+    def summary(self) -> dict:
+        """The report's kv_transfer section."""
+        secs, waits = np.frombuffer(self.seconds, float), np.frombuffer(self.waits, float)
+        stats = lambda a: {"mean": float(a.mean()), "p50": float(np.quantile(a, 0.5)),  # noqa: E731
+                           "p99": float(np.quantile(a, 0.99))} if len(a) else {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+        return {"transfers": len(secs), "bytes": self.tokens * self.pools.prefill.model.kv_bytes_per_token,
+                "link_bandwidth": self.pools.kv_bandwidth, "links_per_transfer": self.pools.kv_links,
+                "transfer_s": stats(secs), "wait_s": stats(waits)}
+
+
+def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
+                   progress: Callable[[int], None] | None = None) -> RunResult:
+    """Simulate a disaggregated plan's workload until every request has completed or been rejected."""
+    t0 = time.perf_counter()
+    specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
+    env = simpy.Environment()
+    pending = [math.inf]
+    done = Done(progress)
+    link = KVTransfers(env, plan, done)
+    pools = plan.pools
+    prefill, p_pipes = make_engines(env, pools.prefill, lambda: pending[0], bulk, done, on_handoff=link.hand_off)
+    # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)
+    decode, d_pipes = make_engines(env, pools.decode, lambda: math.inf, bulk, done, first_index=len(prefill),
+                                   on_reserve=link.start)
+    link.attach(decode)
+    router = make_router(pools.prefill.router)
+    requests: list[Request] = []
+
+    def arrivals():
+        for spec in specs:
+            pending[0] = spec.arrival_s
+            if spec.arrival_s > env.now:
+                yield env.timeout(spec.arrival_s - env.now)
+            req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
+            requests.append(req)
+            if not prefill[router.pick(prefill)].add(req):
+                done()
+        pending[0] = math.inf
+
+    env.process(arrivals())
+    run_env(env)
+    traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
+        [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]
+    return RunResult(requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()})

@@ -1,0 +1,82 @@
+"""What both cluster shapes are built from: a plan's replicas as SimPy engines, their traces, the run itself."""
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from sim.config.plan import Plan
+from sim.cost.build import make_cost_model, speculation_model
+from sim.policy.build import make_policy
+from sim.policy.request import Request
+from sim.report.trace import ReplicaTrace
+from sim.simulator.pipeline import Pipeline
+from sim.simulator.replica import Replica
+
+
+@dataclass
+class RunResult:
+    requests: list[Request]
+    replicas: list[ReplicaTrace]
+    wall_time_s: float
+    engine: str = "sim"
+    extra: dict = field(default_factory=dict)
+
+
+def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
+    """The stages of one pipelined replica: activations of hidden_size cross the hardware's link between them."""
+    hw, m = plan.hardware, plan.model
+    return Pipeline(env, plan.pipeline_parallel_size, m.hidden_size * m.act_bytes / hw.interconnect_bandwidth,
+                    hw.interconnect_latency_s)
+
+
+def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], float], bulk: bool,
+                 on_finish: Callable[[Request], None], spec_draw: int = 0, first_index: int = 0,
+                 **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
+    """The plan's replicas as SimPy engines (a pipelined replica: one per virtual engine, sharing its stages), and
+    each replica's pipeline. `hooks`: the disaggregated hand-off callbacks (see Replica)."""
+    cost = make_cost_model(plan)
+    engines = plan.virtual_engines  # per replica: 1, or the batches a pipelined replica keeps in flight
+    pipelines = [make_pipeline(env, plan) if plan.pipeline_parallel_size > 1 else None for _ in range(plan.replicas)]
+    replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off="on_handoff" in hooks),
+                        cost, next_arrival, bulk=bulk, on_finish=on_finish,
+                        speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
+                        **hooks)
+                for i in range(plan.replicas * engines)]
+    return replicas, pipelines
+
+
+def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = None) -> ReplicaTrace:
+    """What the report needs from one simulated engine."""
+    kv = r.scheduler.kv
+    return ReplicaTrace(np.frombuffer(r.step_end, float), np.frombuffer(r.step_decodes_all, np.int8).view(bool),
+                        np.frombuffer(r.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
+                        r.scheduler.num_preemptions, kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3),
+                        pipeline.busy_s if pipeline is not None else None, pool, r.busy_s,
+                        np.frombuffer(r.handoff_gaps, float))
+
+
+def run_env(env: simpy.Environment) -> None:
+    """Run the simulation to its end, the garbage collector paused."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the run allocates millions of small objects and frees none of them in cycles
+    try:
+        env.run()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+class Done:
+    """Counts requests that ended (completed or rejected), telling `progress`."""
+
+    def __init__(self, progress: Callable[[int], None] | None):
+        self.count, self.progress = 0, progress
+
+    def __call__(self, _: Request | None = None) -> None:
+        self.count += 1
+        if self.progress:
+            self.progress(self.count)
