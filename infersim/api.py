@@ -6,15 +6,19 @@ raises ConfigError (one line: file, key path, what is allowed) for bad input.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
 from rich.console import Console
 
 from sim.config.errors import ConfigError
-from sim.config.plan import Plan, load_scenario
+from sim.config.plan import Plan, load_scenario, plan_of
 from sim.config.workload import generate_requests
+from sim.report.metrics import RequestRecords
 from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
+from sim.report.trace import ReplicaTrace
 
 DEFAULT_SCENARIO = "default.yaml"
 
@@ -45,6 +49,33 @@ def prepare_out(out: Path | None) -> None:
         raise ConfigError(f"cannot write to {out} ({type(e).__name__}: {e.strerror or e})", "--out") from None
 
 
+@dataclass
+class Outcome:
+    """One simulated scenario: the resolved plan, report.json's content, the per-request records and the replicas'
+    traces (each pool's replicas, with pools)."""
+
+    plan: Plan
+    report: dict
+    records: RequestRecords
+    traces: list[ReplicaTrace]
+
+
+def simulate_data(data: dict, base_dir: Path = Path("."), *,
+                  progress: Callable[[int, int], None] | None = None) -> Outcome:
+    """Validate, resolve and simulate a scenario mapping (as a YAML file holds it; paths relative to `base_dir`).
+    `progress(done, total)` is called as requests finish (about 100 times); an exception it raises aborts the run."""
+    from sim.simulator.cluster import sim_records, simulate
+
+    plan = plan_of(data, base_dir)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    n, step = len(specs), max(1, len(specs) // 100)
+    result = simulate(plan, specs, progress=progress and (lambda done: done % step == 0 and progress(done, n)))
+    records = sim_records(result)
+    report = build_report(plan, records, result.replicas, result.wall_time_s, engine="sim", extra=result.extra)
+    check_finite(report)
+    return Outcome(plan, report, records, result.replicas)
+
+
 def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool = True) -> dict:
     """Load, simulate, report. Returns report.json's content."""
     from sim.simulator.cluster import sim_records, simulate
@@ -57,7 +88,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         raise e.with_file(str(path)) from None
     n, step = len(specs), max(1, len(specs) // 100)
     try:
-        with _progress(Console(stderr=True), quiet or n < 2000, "simulating", n) as bar:
+        with progress_bar(Console(stderr=True), quiet or n < 2000, "simulating", n) as bar:
             result = simulate(plan, specs, progress=bar and (lambda done: done % step == 0 and bar(done, n)))
     except ConfigError as e:  # e.g. a setting only the simulator needs
         raise e.with_file(str(path)) from None
@@ -101,7 +132,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     stage = (lambda text: None) if quiet else (lambda text: err.print(f"{plan.name}: {text}", highlight=False))
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
-        with _progress(err, quiet, "serving", len(specs)) as progress:
+        with progress_bar(err, quiet, "serving", len(specs)) as progress:
             records, trace, engine, requests, wall, load = serve(plan, specs, device, threads, stage=stage,
                                                                  progress=progress)
     except ConfigError as e:
@@ -133,7 +164,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     return report
 
 
-class _progress:
+class progress_bar:
     """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
 
     def __init__(self, console: Console, quiet: bool, what: str, total: int):

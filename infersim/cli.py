@@ -201,6 +201,83 @@ def _pct(x) -> str:
 
 
 @app.command()
+def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, target, space, search"),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for search.json, search.md, pareto.png"),
+           backend: str = typer.Option("local", "--backend", help="local (processes on this machine) or ray"),
+           address: Optional[str] = typer.Option(None, "--address", help="ray: the cluster (default: a local Ray)"),
+           workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: processes (default: cores)"),
+           quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
+    """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
+    from infersim import search as srch
+
+    console = Console()
+    try:
+        found = srch.load_search_spec(spec)
+        api.prepare_out(out)
+        n = len(srch.configurations(found))
+        with api.progress_bar(Console(stderr=True), quiet, "configurations", n) as bar:
+            result = srch.run_search(found, backend, workers, progress=bar, address=address)
+    except ConfigError as e:
+        _fail(e.with_file(str(spec)) if e.key_path.startswith(("space", "target", "search", "scenario")) else e)
+    if out is not None:
+        srch.write_outputs(out, result)
+    if quiet:
+        return
+    keep = [0, 1, 4, 5, 6, 8, 9]  # search.md has every column; the terminal the ones that decide
+    t = Table(*(srch.HEADER[i] for i in keep[:-1]), Column(srch.HEADER[-1], overflow="fold"),
+              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} req/s ({result.probes} "
+              f"probes, {result.wall_s:.1f} s)")
+    for row in srch.table_rows(result)[:30]:
+        t.add_row(*(row[i] for i in keep))
+    console.print(t)
+    best = result.recommended
+    if best is None:
+        console.print(f"[bold red]no configuration carries {result.target_rate:.3g} req/s within the SLOs[/]")
+    else:
+        console.print(f"[bold]recommended:[/] {best.label}: ${best.usd_per_hour:.2f}/h, capacity "
+                      f"{best.capacity_rps:.3g} req/s (margin {best.capacity_rps / result.target_rate - 1:+.0%})")
+    if out is not None:
+        console.print(f"wrote {out}/search.json, search.md, pareto.png")
+
+
+@app.command()
+def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (the first one's workload runs on all)"),
+            sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=V1,V2,...: one scenario, one key swept"),
+            out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for compare.json, compare.md, cdf.png"),
+            quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
+    """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
+    from infersim import compare as cmp
+    from sim.config.yaml_file import read_yaml
+
+    try:
+        items = []
+        for path in scenarios:
+            data = read_yaml(path)
+            if not isinstance(data, dict):
+                raise ConfigError("a scenario is a mapping of keys", file=str(path))
+            items.append((path.stem, data))
+        if sweep is not None:
+            if len(items) != 1:
+                raise ConfigError("--sweep takes exactly one scenario", "--sweep")
+            items = cmp.sweep(items[0][1], *cmp.parse_sweep(sweep))
+        elif len(items) < 2:
+            raise ConfigError("give two or more scenarios, or one and --sweep KEY=V1,V2")
+        api.prepare_out(out)
+        results = cmp.compare_data(items, scenarios[0].parent)
+    except ConfigError as e:
+        _fail(e)
+    if out is not None:
+        cmp.write_outputs(out, results)
+    if not quiet:
+        t = Table("configuration", *(c[0] for c in cmp.COLUMNS), title="on the workload of " + str(scenarios[0]))
+        for row in cmp.table(results):
+            t.add_row(*row)
+        Console().print(t)
+        if out is not None:
+            Console().print(f"wrote {out}/compare.json, compare.md, cdf.png")
+
+
+@app.command()
 def models() -> None:
     """List the model catalog."""
     t = Table("params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",

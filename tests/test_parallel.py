@@ -191,3 +191,16 @@ def test_pipeline_does_not_cut_latency_at_low_load_but_multiplies_cost():
     one, four = run(pp(1, workload=low))[0], run(pp(4, workload=low))[0]
     assert four["tpot_s"]["p50"] == pytest.approx(one["tpot_s"]["p50"], rel=0.02)  # the same layers, in turn
     assert four["cost"]["usd_per_hour"] == 4 * one["cost"]["usd_per_hour"]
+
+
+@pytest.mark.parametrize("engines, rate", [(1, 0.3), (1, 8.0), (2, 0.3), (2, 2.0)])
+def test_bulk_decode_runs_equal_single_steps_under_pipeline_parallelism(engines, rate):
+    """A virtual engine with the stages to itself runs its decode steps as one event; the predictions are exactly
+    the step-by-step ones."""
+    data = pp(2, engines=engines, workload={"seed": 1, "arrival": {"process": "poisson", "rate": rate},
+                                            "num_requests": 120,
+                                            "prompt_len": {"dist": "lognormal", "median": 400, "sigma": 0.8},
+                                            "output_len": {"dist": "lognormal", "median": 150, "sigma": 0.8}})
+    bulk, single = run(data)[0], run(data, bulk=False)[0]
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "requests", "pipeline", "engine_steps"):
+        assert bulk[key] == single[key], key

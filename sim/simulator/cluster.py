@@ -20,16 +20,18 @@ __all__ = ["Done", "RunResult", "make_pipeline", "simulate", "sim_records", "itl
 
 
 def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
-             progress: Callable[[int], None] | None = None, spec_draw: int = 0) -> RunResult:
-    """Simulate the plan's workload (or `specs`) until every request has completed or been rejected.
+             progress: Callable[[int], None] | None = None, spec_draw: int = 0,
+             watch: Callable[[Request | None], bool] | None = None) -> RunResult:
+    """Simulate the plan's workload (or `specs`) until every request has completed or been rejected, or until
+    `watch`, told of each request that ends (None: rejected on arrival), returns True (`RunResult.stopped`).
     `spec_draw`: which seeded sequence of speculative acceptance draws to use (0: the scenario's own)."""
     if plan.pools is not None:
-        return simulate_pools(plan, specs, bulk, progress)
+        return simulate_pools(plan, specs, bulk, progress, watch)
     t0 = time.perf_counter()
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
     pending = [math.inf]  # arrival time of the next request not yet handed to a replica
-    done = Done(progress)
+    done = Done(env, progress, watch)
     replicas, pipelines = make_engines(env, plan, lambda: pending[0], bulk, done, spec_draw)
     router = make_router(plan.router)
     requests: list[Request] = []
@@ -46,10 +48,10 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
         pending[0] = math.inf
 
     env.process(arrivals())
-    run_env(env)
+    run_env(env, done.stop)
     engines = plan.virtual_engines
     traces = [trace_of(r, pipelines[i // engines]) for i, r in enumerate(replicas)]
-    return RunResult(requests, traces, time.perf_counter() - t0)
+    return RunResult(requests, traces, time.perf_counter() - t0, stopped=bool(done.stop and done.stop.triggered))
 
 
 def sim_records(result: RunResult) -> RequestRecords:

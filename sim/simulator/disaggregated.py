@@ -88,13 +88,15 @@ class KVTransfers:
 
 
 def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
-                   progress: Callable[[int], None] | None = None) -> RunResult:
-    """Simulate a disaggregated plan's workload until every request has completed or been rejected."""
+                   progress: Callable[[int], None] | None = None,
+                   watch: Callable[[Request | None], bool] | None = None) -> RunResult:
+    """Simulate a disaggregated plan's workload until every request has completed or been rejected (or `watch`
+    stops it: see cluster.simulate)."""
     t0 = time.perf_counter()
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
     pending = [math.inf]
-    done = Done(progress)
+    done = Done(env, progress, watch)
     link = KVTransfers(env, plan, done)
     pools = plan.pools
     prefill, p_pipes = make_engines(env, pools.prefill, lambda: pending[0], bulk, done, on_handoff=link.hand_off)
@@ -117,7 +119,8 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
         pending[0] = math.inf
 
     env.process(arrivals())
-    run_env(env)
+    run_env(env, done.stop)
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]
-    return RunResult(requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()})
+    return RunResult(requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()},
+                     stopped=bool(done.stop and done.stop.triggered))

@@ -24,6 +24,7 @@ class RunResult:
     wall_time_s: float
     engine: str = "sim"
     extra: dict = field(default_factory=dict)
+    stopped: bool = False  # ended early by `watch`: some requests never finished
 
 
 def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
@@ -46,6 +47,9 @@ def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], 
                         speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
                         **hooks)
                 for i in range(plan.replicas * engines)]
+    for i, pipeline in enumerate(pipelines):
+        if pipeline is not None:
+            pipeline.engines = replicas[i * engines:(i + 1) * engines]
     return replicas, pipelines
 
 
@@ -59,24 +63,32 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
                         np.frombuffer(r.handoff_gaps, float))
 
 
-def run_env(env: simpy.Environment) -> None:
-    """Run the simulation to its end, the garbage collector paused."""
+def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:
+    """Run the simulation to its end (or until `until` fires), the garbage collector paused."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the run allocates millions of small objects and frees none of them in cycles
     try:
-        env.run()
+        env.run(until=until)
+    except RuntimeError as e:  # every request ended before `until` fired: the natural end
+        if until is None or until.triggered or not str(e).startswith("No scheduled events left"):
+            raise
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 class Done:
-    """Counts requests that ended (completed or rejected), telling `progress`."""
+    """Counts requests that ended (completed or rejected; a rejection at arrival is reported as None), telling
+    `progress`; `watch(request)` returning True stops the run early (`stop` fires: e.g. an SLO already missed)."""
 
-    def __init__(self, progress: Callable[[int], None] | None):
-        self.count, self.progress = 0, progress
+    def __init__(self, env: simpy.Environment, progress: Callable[[int], None] | None = None,
+                 watch: Callable[[Request | None], bool] | None = None):
+        self.count, self.progress, self.watch = 0, progress, watch
+        self.stop = env.event() if watch is not None else None
 
-    def __call__(self, _: Request | None = None) -> None:
+    def __call__(self, req: Request | None = None) -> None:
         self.count += 1
         if self.progress:
             self.progress(self.count)
+        if self.watch is not None and self.watch(req) and not self.stop.triggered:
+            self.stop.succeed()

@@ -1,13 +1,17 @@
-"""Pipeline parallelism: a replica's layers in `p` stages on their own devices, each stage a SimPy resource that
-one batch holds at a time. A step of a virtual engine (vLLM's name for the batches a pipelined replica keeps in
+"""Pipeline parallelism: a replica's layers in `p` stages on their own devices, each stage computing one batch at a
+time. A step of a virtual engine (vLLM's name for the batches a pipelined replica keeps in
 flight) passes through the stages in order, holding each for its share of the step's time and then sending its
 activations to the next stage over the link. With as many virtual engines as stages the stages stay busy (the
-steady state); a lone batch pays every stage and every send while the other stages idle: the bubble."""
+steady state); a lone batch pays every stage and every send while the other stages idle: the bubble. Stages serve steps first come first served and a step's sends keep its place (one
+stream between two stages), so steps keep their stage-0 order through every stage: a step's whole passage is known
+when it enters, and costs one event instead of two per stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import simpy
+
+from sim.policy.scheduler import BatchShape
 
 
 @dataclass
@@ -18,21 +22,53 @@ class Pipeline:
     num_stages: int
     send_s_per_token: float  # activations of one token over the link between stages
     send_latency_s: float
-    stages: list = field(init=False)
+    free_at: list = field(init=False)  # per stage: when it finishes the steps that entered before
     busy_s: list = field(init=False)  # per stage: time it computed
+    engines: list = field(default_factory=list)  # its virtual engines (sim.simulator.replica.Replica)
 
     def __post_init__(self):
-        self.stages = [simpy.Resource(self.env, capacity=1) for _ in range(self.num_stages)]
+        self.free_at = [0.0] * self.num_stages
         self.busy_s = [0.0] * self.num_stages
 
-    def traverse(self, step_s: float, tokens: int):
-        """SimPy process body: one step of `step_s` (the whole model's time) through every stage."""
-        stage_s = step_s / self.num_stages
-        send_s = tokens * self.send_s_per_token + self.send_latency_s
-        for i, stage in enumerate(self.stages):
-            with stage.request() as turn:
-                yield turn
-                yield self.env.timeout(stage_s)
-                self.busy_s[i] += stage_s
+    def alone(self, engine) -> bool:
+        """No step in flight and no other virtual engine with work: `engine`'s steps pass without waiting."""
+        return max(self.free_at) <= self.env.now and \
+            not any(e is not engine and e.scheduler.has_work() for e in self.engines)
+
+    def decode_run(self, cost, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+                   step_end) -> tuple[int, float]:
+        """StepCostModel.decode_run through the stages, for an engine that has them to itself (`alone`)."""
+        k = 0
+        priced = getattr(cost, "pipeline_stages", None)
+        while k < k_max:
+            stages = priced(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs)) if priced else None
+            clock = self.passage(cost.decode_time(num_seqs, sum_context), num_seqs, clock, stages)
+            step_end.append(clock)
+            sum_context += num_seqs
+            k += 1
+            if clock >= until:
+                break
+        return k, clock
+
+    def passage(self, step_s: float, tokens: int, start: float | None = None, stages=None) -> float:
+        """A step of `step_s` (the whole model's time) entering stage 0 at `start` (default now): when it leaves the
+        last stage. `stages`: (each stage's time, the send between stages, the return to stage 0) where the cost
+        model prices the stages itself (a fitted profile's, sim/cost/parallel.py); else each stage holds an equal
+        share and the send crosses the hardware's link."""
+        if stages is None:
+            stage_times = [step_s / self.num_stages] * self.num_stages
+            send_s, back_s = tokens * self.send_s_per_token + self.send_latency_s, 0.0
+        else:
+            stage_times, send_s, back_s = stages
+        t = self.env.now if start is None else start
+        for i, stage_s in enumerate(stage_times):
+            t = max(t, self.free_at[i]) + stage_s
+            self.free_at[i] = t
+            self.busy_s[i] += stage_s
             if i < self.num_stages - 1:
-                yield self.env.timeout(send_s)
+                t += send_s
+        return t + back_s
+
+    def traverse(self, step_s: float, tokens: int, stages=None):
+        """SimPy process body: one step through every stage."""
+        yield self.env.timeout(self.passage(step_s, tokens, stages=stages) - self.env.now)

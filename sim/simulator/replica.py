@@ -107,14 +107,19 @@ class Replica:
                 self.wakeup = None
                 continue
             step = len(self.step_end)
-            if batch.decode_only and self.bulk and self.pipeline is None:
+            # a pipelined engine runs a bulk run only while it has the stages to itself until the next arrival (a decode
+            # pool's hand-offs could cut it short after the stages were booked: not there)
+            if batch.decode_only and self.bulk and (self.pipeline is None or (
+                    self.on_reserve is None and self.pipeline.alone(self))):
                 horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
                 b, s = batch.shape.num_seqs, batch.shape.sum_context
                 # steps only get slower as contexts grow, so this many reach the next arrival
                 k_max = MAX_BULK_STEPS if horizon == math.inf else \
                     min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
                 k_max = sched.decode_horizon(max(k_max, 1))
-                k, clock = cost.decode_run(b, s, self.clock, k_max, horizon, self.step_end)
+                run = cost.decode_run if self.pipeline is None else \
+                    lambda *a: self.pipeline.decode_run(cost, *a)  # noqa: E731
+                k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
                 self.step_decodes_all.extend(bytes([1]) * k)
                 self.in_run = k > 1
                 try:
@@ -128,9 +133,12 @@ class Replica:
             else:
                 k = 1
                 step_s = cost.step_time(batch.shape)
-                clock = self.clock + draft_s + (spec.verify_time(step_s) if spec and batch.shape.num_verify else step_s)
+                step_s = draft_s + (spec.verify_time(step_s) if spec and batch.shape.num_verify else step_s)
+                clock = self.clock + step_s
                 if self.pipeline is not None:  # the stages decide when the step ends: they may be busy
-                    yield from self.pipeline.traverse(clock - self.clock, batch.shape.num_new_tokens)
+                    priced = getattr(cost, "pipeline_stages", None)  # a cost model that prices each stage
+                    stages = priced(batch.shape, step_s) if priced else None
+                    yield from self.pipeline.traverse(step_s, batch.shape.num_new_tokens, stages)
                     clock = env.now
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)

@@ -1,0 +1,125 @@
+"""`infersim compare`: several configurations on one workload, one table and overlaid latency CDFs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from infersim.api import Outcome, simulate_data
+from infersim.search import apply
+from sim.config.errors import ConfigError
+from sim.report.metrics import per_request_latency
+
+# (label, report path) of each table column
+COLUMNS = [("TTFT p50 ms", ("ttft_s", "p50"), 1e3), ("TTFT p90 ms", ("ttft_s", "p90"), 1e3),
+           ("TPOT p50 ms", ("tpot_s", "p50"), 1e3), ("TPOT p90 ms", ("tpot_s", "p90"), 1e3),
+           ("E2E p90 s", ("e2e_s", "p90"), 1.0), ("out tok/s", ("throughput", "output_tokens_per_s"), 1.0),
+           ("goodput req/s", ("goodput_requests_per_s",), 1.0), ("SLO att.", ("slo_attainment",), 1.0),
+           ("$/h", ("cost", "usd_per_hour"), 1.0), ("$/1M tok", ("cost", "usd_per_million_output_tokens"), 1.0)]
+
+
+def sweep(base: dict, key: str, values: list) -> list[tuple[str, dict]]:
+    """One configuration per value of a dotted scenario key (`serving.max_num_seqs`), labelled by the value."""
+    return [(f"{key}={v}", apply(base, key, v)) for v in values]
+
+
+def parse_sweep(text: str) -> tuple[str, list]:
+    """`KEY=V1,V2,...` (each value read as YAML: numbers, true/false, null, [1, 3])."""
+    key, sep, rest = text.partition("=")
+    if not sep or not key or not rest:
+        raise ConfigError(f"expected KEY=V1,V2,... (e.g. serving.max_num_seqs=64,256); got {text!r}", "--sweep")
+    try:
+        values = [yaml.safe_load(v) for v in _split_top(rest)]
+    except yaml.YAMLError:
+        raise ConfigError(f"cannot read the values in {rest!r}", "--sweep") from None
+    return key.strip(), values
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets ([1, 3] stays one value)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur]
+
+
+def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), progress=None
+                 ) -> list[tuple[str, Outcome]]:
+    """Simulate each (label, scenario data) on the first one's workload and SLOs; `progress(done, total)` between
+    configurations. A configuration that cannot run is a ConfigError naming its label."""
+    if len(items) < 1:
+        raise ConfigError("nothing to compare: give two or more scenarios, or one and --sweep")
+    workload, slo = items[0][1].get("workload"), items[0][1].get("slo")
+    out = []
+    for i, (label, data) in enumerate(items):
+        data = {**data, "workload": workload, **({"slo": slo} if slo is not None else {})}
+        try:
+            out.append((label, simulate_data(data, base_dir)))
+        except ConfigError as e:
+            raise ConfigError(e.message, e.key_path, e.file or label) from None
+        if progress:
+            progress(i + 1, len(items))
+    return out
+
+
+def value(report: dict, path: tuple, scale: float):
+    v = report
+    for p in path:
+        v = v.get(p) if isinstance(v, dict) else None
+    return None if v is None else v * scale
+
+
+def table(results: list[tuple[str, Outcome]]) -> list[list[str]]:
+    rows = []
+    for label, o in results:
+        cells = [label]
+        for _, path, scale in COLUMNS:
+            v = value(o.report, path, scale)
+            cells.append("-" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}")
+        rows.append(cells)
+    return rows
+
+
+def write_outputs(out: Path, results: list[tuple[str, Outcome]]) -> None:
+    """compare.json (each configuration's report), compare.md (the table) and cdf.png (TTFT, TPOT, E2E overlaid)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps({label: o.report for label, o in results}, indent=2,
+                                                 allow_nan=False) + "\n")
+    header = ["configuration"] + [c[0] for c in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in table(results)]
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    write_cdf_png(out / "cdf.png", results)
+
+
+def write_cdf_png(path: Path, results: list[tuple[str, Outcome]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, unit in zip(axes, ("ttft", "tpot", "e2e"), ("s", "ms", "s")):
+        for label, o in results:
+            x = per_request_latency(o.records)[key]
+            x = np.sort(x[~np.isnan(x)]) * (1e3 if unit == "ms" else 1.0)
+            if len(x):
+                ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label, lw=1.2)
+        slo = results[0][1].report["slo"].get(f"{key}_s") if key != "e2e" else None
+        if slo:
+            ax.axvline(slo * (1e3 if unit == "ms" else 1.0), ls="--", c="k", lw=0.8, label="SLO")
+        ax.set_xlabel(f"{key.upper()} ({unit})")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

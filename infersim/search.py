@@ -1,0 +1,510 @@
+"""`infersim search`: the cheapest deployment that meets the SLOs at the traffic, over a space of configurations.
+
+A search spec names a base scenario, a target (a rate the deployment must carry, SLOs on TTFT/TPOT quantiles) and a
+space: dotted scenario keys, each with the values to try. Every combination is a configuration. Those that cannot
+run (the model does not fit, TP does not divide the heads, more devices than allowed) are pruned with their reason
+before anything is simulated. For each of the others, its capacity: the highest arrival rate on a geometric grid at
+which the workload's first `max_requests` requests, their arrival gaps scaled to that rate, still meet the SLOs
+(counting rejected requests as misses), found by an exponential then a binary search on the grid, each probe
+stopped as soon as enough requests have missed to decide it. The grid and the search depend on the configuration
+alone, so the results are the same in any order, on any backend. Then: cost per hour and per million output tokens
+at capacity, latency at the target rate, the Pareto fronts, the recommendation and why each other one lost.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
+
+from sim.config.errors import ConfigError
+from sim.config.plan import Plan, make_plan
+from sim.config.scenario import SLOConfig, parse_scenario, validation_error
+from sim.config.schema_base import StrictModel
+from sim.config.workload import RequestSpec, generate_requests
+from sim.config.yaml_file import read_yaml
+
+MAX_CONFIGURATIONS = 10_000
+# keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
+WHOLE = ("speculative", "pools", "model", "hardware", "workload")
+
+
+class SearchTarget(StrictModel):
+    """What the deployment must do: carry `rate` requests/s (default: the workload's mean rate) within the SLOs
+    (default: the scenario's slo)."""
+
+    rate: PositiveFloat | None = Field(None, le=1e6, description="requests/s the deployment must carry")
+    slo: SLOConfig | None = Field(None, description="ttft_s, tpot_s, quantile; default: the scenario's slo")
+
+
+class SearchSettings(StrictModel):
+    max_requests: PositiveInt = Field(1500, le=200_000, description="requests a probe simulates (the workload's first)")
+    precision: float = Field(0.05, ge=0.005, le=1.0, description="rate grid step: capacity is found within it")
+    min_rate: PositiveFloat = Field(0.01, le=1e6, description="the grid's lowest rate (requests/s)")
+    max_rate: PositiveFloat = Field(1e5, le=1e7, description="the grid's highest rate (requests/s)")
+    max_devices: PositiveInt | None = Field(None, le=1_000_000, description="prune configurations with more devices")
+
+
+class SearchSpec(StrictModel):
+    """A search spec as the user writes it (YAML)."""
+
+    name: str = "search"
+    scenario: str | dict[str, Any] = Field(description="the base scenario: a file (relative to the spec) or a mapping")
+    target: SearchTarget = SearchTarget()
+    space: dict[str, list[Any]] = Field(description="dotted scenario keys, each with the values to try; 'pools': "
+                                                    "null (colocated) or [prefill, decode] replicas")
+    search: SearchSettings = SearchSettings()
+
+
+@dataclass
+class Search:
+    """A spec resolved: the base scenario's data and folder, the target, the settings."""
+
+    name: str
+    base: dict
+    base_dir: Path
+    space: dict[str, list]
+    target_rate: float
+    slo: SLOConfig
+    settings: SearchSettings
+
+
+@dataclass
+class ConfigResult:
+    """One configuration's outcome (pruned, or its capacity, costs and latency at the target rate)."""
+
+    label: str
+    overrides: dict
+    scenario: dict  # the full scenario data, ready to run or open in the dashboard
+    status: str = "ok"  # ok | pruned
+    reason: str = ""  # pruned: why; else why it lost (empty for the recommended one)
+    devices: int = 0
+    usd_per_hour: float = 0.0
+    capacity_rps: float = 0.0  # 0: misses the SLOs even at the grid's lowest rate
+    missed_at_rps: float | None = None  # the grid rate just above capacity (None: met at the grid's top)
+    usd_per_million_tokens: float | None = None  # at capacity
+    ttft_p90_s: float | None = None  # at the target rate (the SLO's quantile)
+    tpot_p90_s: float | None = None
+    meets_at_target: bool = False
+    probes: int = 0
+    pareto: bool = False  # on the cost-vs-capacity front
+    pareto_latency: bool = False  # on the cost-vs-TPOT front (at the target rate, among those that meet it)
+
+
+@dataclass
+class SearchResult:
+    name: str
+    target_rate: float
+    slo: dict
+    rows: list[ConfigResult]
+    recommended: ConfigResult | None
+    wall_s: float = 0.0
+    probes: int = 0
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "target_rate": self.target_rate, "slo": self.slo, "settings": self.settings,
+                "recommended": self.recommended.label if self.recommended else None,
+                "margin": self.recommended.capacity_rps / self.target_rate - 1 if self.recommended else None,
+                "configurations": len(self.rows), "probes": self.probes, "wall_s": self.wall_s,
+                "rows": [asdict(r) for r in self.rows]}
+
+
+# -- the spec ---------------------------------------------------------------------------------------------------
+def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
+    """Validate a search spec mapping and resolve its base scenario; every problem is a one-line ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a search spec is a mapping with scenario, space (and target, search); got "
+                          f"{type(data).__name__}")
+    try:
+        spec = SearchSpec.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e, SearchSpec) from None
+    if isinstance(spec.scenario, str):
+        path = base_dir / spec.scenario
+        base, scenario_dir = read_yaml(path), path.parent
+        if not isinstance(base, dict):
+            raise ConfigError("the base scenario file is not a mapping of keys", "scenario")
+    else:
+        base, scenario_dir = dict(spec.scenario), base_dir
+    try:
+        scenario = parse_scenario(base)
+    except ConfigError as e:
+        raise ConfigError(e.message, f"scenario.{e.key_path}" if e.key_path else "scenario") from None
+    for key, values in spec.space.items():
+        if not values:
+            raise ConfigError("give at least one value to try", f"space.{key}")
+        if key.split(".")[0] not in type(scenario).model_fields:
+            raise ConfigError(f"not a scenario key; allowed: {', '.join(type(scenario).model_fields)} (dotted: "
+                              "serving.max_num_seqs)", f"space.{key}")
+        if key == "pools" and any(v is not None and not _is_ratio(v) and not isinstance(v, dict) for v in values):
+            raise ConfigError("each value: null (colocated), [prefill replicas, decode replicas] or a pools mapping",
+                              "space.pools")
+    count = math.prod(len(v) for v in spec.space.values())
+    if count > MAX_CONFIGURATIONS:
+        raise ConfigError(f"{count:,} configurations; allowed: at most {MAX_CONFIGURATIONS:,}", "space")
+    rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
+    slo = spec.target.slo or scenario.slo
+    if slo.ttft_s is None and slo.tpot_s is None:
+        raise ConfigError("the search needs an SLO: give target.slo (or the scenario's slo) a ttft_s or tpot_s",
+                          "target.slo")
+    return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search)
+
+
+def load_search_spec(path: str | Path) -> Search:
+    path = Path(path)
+    try:
+        return parse_search_spec(read_yaml(path), path.parent)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+
+
+def _is_ratio(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x > 0 for x in v)
+
+
+def _probe_specs(scenario, base_dir: Path, n: int) -> list[RequestSpec]:
+    specs = generate_requests(scenario.workload, base_dir)[:n]
+    if len(specs) < 2:
+        raise ConfigError("the workload has fewer than 2 requests: no rate to search", "scenario.workload")
+    return specs
+
+
+def _mean_rate(specs: list[RequestSpec]) -> float:
+    span = specs[-1].arrival_s - specs[0].arrival_s
+    return (len(specs) - 1) / span if span > 0 else float(len(specs))
+
+
+# -- configurations ---------------------------------------------------------------------------------------------
+def apply(base: dict, key: str, value) -> dict:
+    """`base` with one dotted key set (a copy); `pools: [P, D]` sets the pools' replicas, `model.weight_dtype` on a
+    catalog name becomes {base: name, weight_dtype: ...}."""
+    data = json.loads(json.dumps(base))
+    parts = key.split(".")
+    if parts == ["pools"]:
+        if value is None:
+            data.pop("pools", None)
+        elif _is_ratio(value):
+            pools = data.get("pools") or {"prefill": {}, "decode": {}}
+            pools["prefill"] = {**pools.get("prefill", {}), "replicas": value[0]}
+            pools["decode"] = {**pools.get("decode", {}), "replicas": value[1]}
+            data["pools"] = pools
+            data.pop("replicas", None)
+        else:
+            data["pools"] = value
+        return data
+    if parts[0] in ("model", "hardware") and len(parts) > 1 and isinstance(data.get(parts[0]), str):
+        data[parts[0]] = {"base": data[parts[0]]}
+    node = data
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+    return data
+
+
+def configurations(search: Search) -> list[tuple[str, dict, dict]]:
+    """(label, overrides, scenario data) for every combination of the space's values, in the space's order."""
+    keys = list(search.space)
+    out = []
+    for values in itertools.product(*(search.space[k] for k in keys)):
+        data = search.base
+        for k, v in zip(keys, values):
+            data = apply(data, k, v)
+        overrides = dict(zip(keys, values))
+        label = " ".join(f"{_short(k)}={_value_label(v)}" for k, v in overrides.items())
+        data = {**data, "name": f"{search.name}: {label}", "slo": search.slo.model_dump(mode="json")}
+        out.append((label, overrides, data))
+    return out
+
+
+def _short(key: str) -> str:
+    return {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}.get(key, key.split(".")[-1])
+
+
+def _value_label(v) -> str:
+    if v is None:
+        return "none" if not isinstance(v, list) else ""
+    if _is_ratio(v):
+        return f"{v[0]}:{v[1]}"
+    if isinstance(v, dict):
+        return v.get("method") or v.get("name") or v.get("base") or json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def devices_of(plan: Plan) -> int:
+    plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
+    return sum(p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size for p in plans)
+
+
+def usd_per_hour(plan: Plan) -> float:
+    plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
+    return sum(p.hardware.price_per_hour * p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size
+               for p in plans)
+
+
+# -- one configuration's capacity (runs in a worker) ------------------------------------------------------------
+@dataclass(frozen=True)
+class Probe:
+    """Everything a worker needs to search one configuration."""
+
+    label: str
+    overrides: dict
+    data: dict
+    base_dir: str
+    specs: tuple  # (arrival_s, prompt_len, output_len) of the probe requests, at the workload's own rate
+    target_rate: float
+    settings: dict
+
+
+def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
+    """The probe requests with their arrival gaps scaled so that they arrive at `rate` requests/s on average."""
+    first = specs[0][0]
+    span = specs[-1][0] - first
+    factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
+    return [RequestSpec(i, (a - first) * factor, p, o) for i, (a, p, o) in enumerate(specs)]
+
+
+def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> tuple[bool, dict | None]:
+    """Simulate `specs` on `plan`: (whether the SLOs hold, counting rejected requests as misses; the report's
+    metrics when the run went to its end). With `early_stop` the run stops once more requests have missed a target
+    than its quantile allows: the SLO cannot hold any more."""
+    from sim.report.metrics import compute_metrics
+    from sim.simulator.cluster import sim_records, simulate
+
+    slo = plan.slo
+    allowed = (1 - slo.quantile) * len(specs) + 1
+    misses = [0, 0]
+
+    def watch(r) -> bool:
+        if r is None or r.first_token_s is None:
+            misses[0] += 1
+            misses[1] += 1
+        else:
+            if slo.ttft_s is not None and r.first_token_s - r.arrival_s > slo.ttft_s:
+                misses[0] += 1
+            if slo.tpot_s is not None and r.max_tokens > 1 and \
+                    (r.finish_s - r.first_token_s) / (r.max_tokens - 1) > slo.tpot_s:
+                misses[1] += 1
+        return misses[0] > allowed or misses[1] > allowed
+
+    result = simulate(plan, specs, watch=watch if early_stop else None)
+    if result.stopped:
+        return False, None
+    metrics = compute_metrics(sim_records(result), slo.ttft_s, slo.tpot_s, slo.quantile)
+    return metrics["slo"]["met_counting_rejected"], metrics
+
+
+def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:
+    """The configuration's row, pruned with the reason if it cannot run, and its plan if it can."""
+    row = ConfigResult(probe.label, probe.overrides, probe.data)
+    try:
+        plan = make_plan(parse_scenario(probe.data), Path(probe.base_dir))
+    except ConfigError as e:
+        return replace(row, status="pruned", reason=e.one_line()), None
+    row.devices, row.usd_per_hour = devices_of(plan), usd_per_hour(plan)
+    limit = probe.settings.get("max_devices")
+    if limit is not None and row.devices > limit:
+        return replace(row, status="pruned", reason=f"{row.devices} devices; allowed: at most {limit}"), None
+    return row, plan
+
+
+def search_one(probe: Probe) -> ConfigResult:
+    """Search one configuration that can run (a top-level function: local processes and Ray workers run it)."""
+    row, plan = prune(probe)
+    if plan is None:
+        return row
+    settings = SearchSettings(**probe.settings)
+    step = math.log1p(settings.precision)
+    top = int(math.floor(math.log(settings.max_rate / settings.min_rate) / step))
+    rate = lambda k: settings.min_rate * math.exp(k * step)  # noqa: E731
+    memo: dict[int, tuple[bool, dict | None]] = {}
+
+    def meets(k: int) -> bool:
+        if k not in memo:
+            memo[k] = run_probe(plan, scaled(probe.specs, rate(k)))
+        return memo[k][0]
+
+    # at the target rate, stopped early too: a configuration that misses there has no latency worth comparing
+    ok, metrics = run_probe(plan, scaled(probe.specs, probe.target_rate))
+    row.meets_at_target = ok
+    if ok:
+        q = metrics["slo"]
+        row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
+    # bracket the capacity on the grid from the grid point at the target rate, by doubling jumps
+    k0 = min(top, max(0, int(round(math.log(probe.target_rate / settings.min_rate) / step))))
+    jump = max(1, int(round(math.log(2) / step)))
+    if meets(k0):
+        lo, hi = k0, None
+        while hi is None:
+            k = min(top, lo + jump)
+            if k == lo:
+                break
+            if meets(k):
+                lo, jump = k, jump * 2
+            else:
+                hi = k
+    else:
+        lo, hi = None, k0
+        while lo is None:
+            k = max(0, hi - jump)
+            if k == hi:
+                break
+            if meets(k):
+                lo = k
+            else:
+                hi, jump = k, jump * 2
+    if lo is not None and hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    row.probes = len(memo) + 1
+    row.capacity_rps = rate(lo) if lo is not None else 0.0
+    row.missed_at_rps = rate(hi) if hi is not None else None
+    if lo is not None:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
+        tokens_s = memo[lo][1]["throughput"]["output_tokens_per_s"]
+        row.usd_per_million_tokens = row.usd_per_hour / 3600 / tokens_s * 1e6 if tokens_s else None
+    return row
+
+
+# -- the whole search ---------------------------------------------------------------------------------------------
+def probes_of(search: Search) -> list[Probe]:
+    scenario = parse_scenario(search.base)
+    specs = tuple((s.arrival_s, s.prompt_len, s.output_len)
+                  for s in _probe_specs(scenario, search.base_dir, search.settings.max_requests))
+    return [Probe(label, overrides, data, str(search.base_dir), specs, search.target_rate,
+                  search.settings.model_dump())
+            for label, overrides, data in configurations(search)]
+
+
+def run_search(search: Search, backend: str = "local", workers: int | None = None,
+               progress: Callable[[int, int], None] | None = None, cancel=None, address: str | None = None
+               ) -> SearchResult:
+    """Search every configuration on `backend` ("local": processes on this machine; "ray": a Ray cluster at
+    `address`, or a local one); `progress(done, total)` as configurations finish; `cancel` (a threading.Event) stops
+    the search between configurations (ConfigError)."""
+    from infersim.backends import map_unordered
+
+    t0 = time.perf_counter()
+    probes = probes_of(search)
+    rows: list[ConfigResult | None] = [None] * len(probes)
+    todo, seen = [], {}
+    for i, probe in enumerate(probes):  # pruned before anything is simulated; a repeated deployment once
+        key = json.dumps({k: v for k, v in probe.data.items() if k != "name"}, sort_keys=True)
+        row, plan = prune(probe)
+        if plan is None:
+            rows[i] = row
+        elif key in seen:
+            rows[i] = replace(row, status="pruned", reason=f"the same deployment as {probes[seen[key]].label}")
+        else:
+            seen[key] = i
+            todo.append(i)
+    done = len(probes) - len(todo)
+    for j, row in map_unordered(search_one, [probes[i] for i in todo], backend, workers, address):
+        rows[todo[j]] = row
+        done += 1
+        if progress:
+            progress(done, len(probes))
+        if cancel is not None and cancel.is_set():
+            raise ConfigError("search cancelled")
+    result = rank(search, rows)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
+    """Mark the Pareto fronts, pick the cheapest configuration that carries the target rate, say why others lost."""
+    ok = [r for r in rows if r.status == "ok"]
+    for r in ok:
+        r.pareto = not any(o is not r and o.usd_per_hour <= r.usd_per_hour and o.capacity_rps >= r.capacity_rps
+                           and (o.usd_per_hour < r.usd_per_hour or o.capacity_rps > r.capacity_rps) for o in ok)
+    meeting = [r for r in ok if r.meets_at_target and r.tpot_p90_s is not None]
+    for r in meeting:
+        r.pareto_latency = not any(o is not r and o.usd_per_hour <= r.usd_per_hour and o.tpot_p90_s <= r.tpot_p90_s
+                                   and (o.usd_per_hour < r.usd_per_hour or o.tpot_p90_s < r.tpot_p90_s)
+                                   for o in meeting)
+    able = [r for r in ok if r.capacity_rps >= search.target_rate]
+    best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, r.label)) if able else None
+    target = search.target_rate
+    for r in ok:
+        if r is best:
+            continue
+        if r.capacity_rps < target:
+            at = f"{r.missed_at_rps:.3g}" if r.missed_at_rps is not None else "the grid's top"
+            r.reason = (f"SLO missed at {at} req/s: capacity {r.capacity_rps:.3g} < target {target:.3g}"
+                        if r.capacity_rps else f"SLO missed even at {search.settings.min_rate:g} req/s")
+        else:
+            r.reason = f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more" \
+                if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
+    return SearchResult(search.name, target, search.slo.model_dump(mode="json"), rows, best,
+                        probes=sum(r.probes for r in rows), settings=search.settings.model_dump())
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+def table_rows(result: SearchResult) -> list[list[str]]:
+    """The Pareto table (every configuration, cheapest first, pruned last) as strings."""
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    ordered = sorted(result.rows, key=lambda r: (r.status != "ok", r.usd_per_hour, -r.capacity_rps, r.label))
+    out = []
+    for r in ordered:
+        mark = "*" if r is result.recommended else ("P" if r.pareto else "")
+        out.append([mark, r.label, r.status, str(r.devices or "-"), num(r.usd_per_hour, ".2f"),
+                    num(r.capacity_rps if r.status == "ok" else None, ".3g"), num(r.usd_per_million_tokens, ".3f"),
+                    num(r.ttft_p90_s, ".3f"), num(None if r.tpot_p90_s is None else r.tpot_p90_s * 1e3, ".1f"),
+                    r.reason])
+    return out
+
+
+HEADER = ["", "configuration", "status", "devices", "$/h", "capacity req/s", "$/1M tok", "TTFT q s (target)",
+          "TPOT q ms (target)", "why not / note"]
+
+
+def write_outputs(out: Path, result: SearchResult) -> None:
+    """search.json, search.md (the table) and pareto.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "search.json").write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in table_rows(result)]
+    (out / "search.md").write_text("\n".join(lines) + "\n")
+    write_pareto_png(out / "pareto.png", result)
+
+
+def write_pareto_png(path: Path, result: SearchResult) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result.rows if r.status == "ok"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, ys, ylabel, front in ((a, [r.capacity_rps for r in ok], "capacity (req/s within the SLOs)", "pareto"),
+                                  (b, [(r.tpot_p90_s or np.nan) * 1e3 for r in ok], "TPOT at the SLO quantile (ms, "
+                                   "target rate)", "pareto_latency")):
+        xs = [r.usd_per_hour for r in ok]
+        ax.scatter(xs, ys, s=14, c="#bbbbbb", label="configuration")
+        pts = sorted((x, y) for r, x, y in zip(ok, xs, ys) if getattr(r, front))
+        if pts:
+            ax.plot(*zip(*pts), "o-", c="#1f77b4", ms=5, label="Pareto front")
+        if result.recommended is not None:
+            r = result.recommended
+            ax.scatter([r.usd_per_hour], [r.capacity_rps if front == "pareto" else (r.tpot_p90_s or np.nan) * 1e3],
+                       s=90, marker="*", c="#d62728", zorder=5, label=f"recommended: {r.label}")
+        ax.set_xlabel("$ per hour")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    a.axhline(result.target_rate, ls="--", c="#2ca02c", lw=1, label=f"target {result.target_rate:.3g} req/s")
+    a.legend(fontsize=7)
+    fig.suptitle(f"{result.name}: {len(result.rows)} configurations", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

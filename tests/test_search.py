@@ -1,0 +1,137 @@
+"""`infersim search` and `infersim compare`: configurations, pruning, the capacity bisection, the recommendation, the
+backends agreeing, and the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from infersim.cli import app
+from infersim.search import apply, parse_search_spec, probes_of, run_probe, run_search, scaled
+from sim.config.errors import ConfigError
+from sim.config.plan import make_plan
+from sim.config.scenario import parse_scenario
+
+BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
+        "workload": {"seed": 5, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 300,
+                     "prompt_len": {"dist": "lognormal", "median": 500, "sigma": 0.6, "max": 3000},
+                     "output_len": {"dist": "lognormal", "median": 120, "sigma": 0.6, "max": 1000}},
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "quantile": 0.9}}
+
+
+def spec(**space) -> dict:
+    return {"name": "t", "scenario": BASE, "target": {"rate": 3.0}, "space": space,
+            "search": {"max_requests": 200, "precision": 0.1}}
+
+
+def test_configurations_apply_dotted_keys_and_prune_what_cannot_run():
+    search = parse_search_spec(spec(**{"hardware": ["A100-80GB", {"base": "L4", "memory_gib": 8}],
+                                       "parallel.tensor_parallel_size": [1, 3]}))
+    result = run_search(search, workers=1)
+    by = {r.label: r for r in result.rows}
+    assert len(by) == 4
+    assert by["hardware=A100-80GB tp=3"].status == "pruned" and "does not divide the 32" in by[
+        "hardware=A100-80GB tp=3"].reason
+    assert by["hardware=L4 tp=1"].status == "pruned" and "does not fit" in by["hardware=L4 tp=1"].reason
+    assert by["hardware=A100-80GB tp=1"].status == "ok" and by["hardware=A100-80GB tp=1"].probes > 2
+    # the pruned are never simulated
+    assert by["hardware=L4 tp=1"].probes == by["hardware=A100-80GB tp=3"].probes == 0
+
+
+def test_apply_sets_keys_pools_ratios_and_model_dtype():
+    data = apply(BASE, "serving.max_num_seqs", 64)
+    assert data["serving"] == {"max_num_seqs": 64} and "serving" not in BASE
+    assert apply(BASE, "model.weight_dtype", "int8")["model"] == {"base": "Llama-2-7B", "weight_dtype": "int8"}
+    pools = apply({**BASE, "replicas": 1}, "pools", [2, 3])["pools"]
+    assert pools == {"prefill": {"replicas": 2}, "decode": {"replicas": 3}}
+    assert "pools" not in apply({**BASE, "pools": pools}, "pools", None)
+
+
+def test_capacity_is_the_last_grid_rate_that_meets_the_slos():
+    search = parse_search_spec(spec(replicas=[1, 2]))
+    result = run_search(search, workers=1)
+    one, two = result.rows
+    assert two.capacity_rps > 1.5 * one.capacity_rps
+    probe = probes_of(search)[0]
+    plan = make_plan(parse_scenario(probe.data))
+    assert run_probe(plan, scaled(probe.specs, one.capacity_rps))[0]
+    assert not run_probe(plan, scaled(probe.specs, one.missed_at_rps))[0]
+    assert one.missed_at_rps == pytest.approx(one.capacity_rps * 1.1)
+
+
+@pytest.mark.parametrize("rate", [1.0, 3.0, 6.0, 12.0])
+def test_stopping_a_probe_early_never_changes_its_verdict(rate):
+    probe = probes_of(parse_search_spec(spec(replicas=[1])))[0]
+    plan = make_plan(parse_scenario(probe.data))
+    specs = scaled(probe.specs, rate)
+    assert run_probe(plan, specs)[0] == run_probe(plan, specs, early_stop=False)[0]
+
+
+def test_the_recommendation_is_the_cheapest_that_carries_the_target_and_the_others_say_why():
+    search = parse_search_spec(spec(hardware=["L4", "A100-80GB", "H100-SXM"], replicas=[1, 2]))
+    result = run_search(search, workers=1)
+    best = result.recommended
+    able = [r for r in result.rows if r.status == "ok" and r.capacity_rps >= 3.0]
+    assert best is not None and best.usd_per_hour == min(r.usd_per_hour for r in able)
+    for r in result.rows:
+        if r is not best:
+            assert r.reason.startswith(("SLO missed", "carries the target", "as cheap"))
+    assert any(r.pareto for r in result.rows) and best.meets_at_target
+    assert json.dumps(result.to_json())
+
+
+def test_same_results_in_one_process_in_several_and_on_ray():
+    search = parse_search_spec(spec(hardware=["A100-80GB", "H100-SXM"], pools=[None, [1, 1]]))
+    rows = lambda r: [{k: v for k, v in row.items()} for row in r.to_json()["rows"]]  # noqa: E731
+    one = rows(run_search(search, workers=1))
+    two = rows(run_search(search, workers=2))
+    ray = rows(run_search(search, backend="ray"))
+    assert one == two == ray
+
+
+def test_bad_specs_are_one_line_errors():
+    for bad, where in [({**spec(), "space": {"no_such": [1]}}, "space.no_such"),
+                       ({**spec(), "space": {"replicas": []}}, "space.replicas"),
+                       ({**spec(), "space": {"pools": [[1]]}}, "space.pools"),
+                       ({**spec(replicas=[1]), "target": {"rate": -1}}, "target.rate"),
+                       ({**spec(replicas=[1]), "scenario": {**BASE, "slo": {}}}, "target.slo"),
+                       ({**spec(replicas=list(range(1, 200)), hardware=["a"] * 60)}, "space")]:
+        with pytest.raises(ConfigError) as e:
+            parse_search_spec(bad)
+        assert e.value.key_path == where
+
+
+def test_cli_search_writes_the_table_json_and_plot(tmp_path):
+    import yaml
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec(hardware=["A100-80GB", "H100-SXM"])))
+    r = CliRunner().invoke(app, ["search", str(path), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    assert "recommended:" in r.output
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"search.json", "search.md", "pareto.png"}
+    (tmp_path / "bad.yaml").write_text("scenario: x.yaml\nspace: {replicas: [1]}\n")
+    r = CliRunner().invoke(app, ["search", str(tmp_path / "bad.yaml")])
+    assert r.exit_code == 2 and "x.yaml" in r.output and "Traceback" not in r.output
+
+
+def test_cli_compare_two_files_and_a_sweep(tmp_path):
+    import yaml
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(yaml.safe_dump(BASE))
+    b.write_text(yaml.safe_dump({**BASE, "hardware": "H100-SXM", "workload": {"trace": {"path": "nowhere.csv"}}}))
+    r = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    reports = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert set(reports) == {"a", "b"}  # b ran on a's workload (its own trace path is never read)
+    assert reports["a"]["requests"]["arrived"] == reports["b"]["requests"]["arrived"] == 300
+    assert reports["b"]["tpot_s"]["p50"] < reports["a"]["tpot_s"]["p50"]
+    r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "serving.max_num_seqs=4,64", "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    swept = json.loads((tmp_path / "s" / "compare.json").read_text())
+    assert swept["serving.max_num_seqs=4"]["ttft_s"]["p90"] > swept["serving.max_num_seqs=64"]["ttft_s"]["p90"]
+    assert (tmp_path / "s" / "cdf.png").exists()
+    r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "max_num_seqs"])
+    assert r.exit_code == 2 and "--sweep" in r.output
