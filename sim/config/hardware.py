@@ -25,6 +25,8 @@ class HardwareSpec(StrictModel):
     interconnect_latency_s: NonNegativeFloat = 5e-6
     host_bandwidth: PositiveFloat = Field(25e9, description="device-to-host bytes/s (PCIe), used by KV swap")
     price_per_hour: float = Field(0.0, ge=0, le=1e6, description="USD per device-hour")
+    sparse_tensor_cores: bool = Field(False, description="2:4 structured sparsity runs at twice the dense rate "
+                                      "(NVIDIA Ampere and later)")
 
     def flops(self, dtype: str) -> float:
         """Peak rate for a matmul dtype, falling back to the 16-bit rate."""
@@ -35,19 +37,19 @@ class HardwareSpec(StrictModel):
         return self.memory_gib * GiB
 
 
-def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9):
+def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9, fp8=True):
+    rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": fp8_int8} | ({"fp8": fp8_int8} if fp8 else {})
     return HardwareSpec(
-        name=name, memory_gib=mem_gib, memory_bandwidth=bw,
-        peak_flops={"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": fp8_int8, "fp8": fp8_int8},
+        name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
         interconnect_bandwidth=link, interconnect_latency_s=link_latency, host_bandwidth=host_bw,
-        price_per_hour=price)
+        price_per_hour=price, sparse_tensor_cores=True)
 
 
 # Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi).
 # Prices: rough 2024-25 on-demand USD per GPU-hour at GPU clouds; they vary by provider, set your own.
 HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
-    _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 600e9, 1.29),
-    _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 600e9, 1.79),
+    _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 600e9, 1.29, fp8=False),  # Ampere: int8, no fp8
+    _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 600e9, 1.79, fp8=False),
     _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 900e9, 2.99, host_bw=50e9),
     _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 900e9, 3.79, host_bw=50e9),
     _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6),

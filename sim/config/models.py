@@ -10,10 +10,13 @@ from pydantic import Field, PositiveInt, ValidationInfo, field_validator
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
 
-WeightDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+WeightDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 
-# Bytes per weight; int8/int4 carry one fp16 scale and zero point per group of 128 (GPTQ/AWQ style).
-BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
+# Bytes per weight; int8/int4 carry one fp16 scale and zero point per group of 128 (GPTQ/AWQ style); fp8 (e4m3) one
+# scale per output channel (negligible).
+BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 4 / 128, "int4": 0.5 + 4 / 128}
+# 2:4 structured sparsity stored compressed (sparse kernels): the 2 kept values of every 4, plus a 2-bit index each
+SPARSE_METADATA_BYTES = 2 * 2 / 8 / 4
 
 
 class ModelSpec(StrictModel):
@@ -29,8 +32,12 @@ class ModelSpec(StrictModel):
     vocab_size: PositiveInt
     max_position_embeddings: PositiveInt = 4096
     weight_dtype: WeightDtype = "fp16"
-    kv_dtype: Literal["fp32", "fp16", "bf16", "fp8"] | None = Field(
-        default=None, description="KV cache element type; default: the activation dtype")
+    kv_dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] | None = Field(
+        default=None, description="KV cache element type; default: the activation dtype (int8: a scale per block "
+                                  "and head)")
+    sparsity: Literal["none", "2:4"] = Field("none", description="2:4: decoder weights pruned to 2 of every 4 "
+                                             "(magnitude); compressed and computed at twice the rate on hardware "
+                                             "with sparse tensor cores, stored and computed dense elsewhere")
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
 
@@ -48,8 +55,19 @@ class ModelSpec(StrictModel):
 
     @property
     def act_dtype(self) -> str:
-        """Activations and matmuls run in this dtype (int8/int4 are weight-only quantization)."""
+        """Activations run in this dtype (int8/int4 are weight-only quantization; fp8 weights keep 16-bit
+        activations between layers)."""
         return "fp32" if self.weight_dtype == "fp32" else ("bf16" if self.weight_dtype == "bf16" else "fp16")
+
+    def matmul_dtype(self, hw_dtypes) -> str:
+        """The dtype the linear layers multiply in on hardware with peak rates for `hw_dtypes`: fp8 weights with fp8
+        activations where the hardware has fp8 tensor cores (W8A8), else the activation dtype (weight-only
+        quantization: weights dequantized on the fly)."""
+        return "fp8" if self.weight_dtype == "fp8" and "fp8" in hw_dtypes else self.act_dtype
+
+    def dequantizes(self, hw_dtypes) -> bool:
+        """Whether its linear layers dequantize weights to a wider dtype before multiplying."""
+        return self.weight_dtype in ("int8", "int4", "fp8") and self.matmul_dtype(hw_dtypes) != self.weight_dtype
 
     @property
     def act_bytes(self) -> int:
@@ -58,6 +76,8 @@ class ModelSpec(StrictModel):
 
     @property
     def kv_bytes_per_element(self) -> float:
+        if self.kv_dtype == "int8":  # plus a 4-byte scale per 16-token block and head
+            return 1 + 4 / (16 * self.head_size)
         return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.kv_dtype or self.act_dtype]
 
     @property
@@ -85,12 +105,23 @@ class ModelSpec(StrictModel):
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
         return self.linear_params + self.embedding_params + lm_head + self.hidden_size
 
+    def bytes_per_linear_param(self, sparse_kernels: bool = False) -> float:
+        """Bytes a decoder weight takes: its dtype's, or 2:4-compressed where `sparse_kernels` run it."""
+        b = BYTES_PER_PARAM[self.weight_dtype]
+        return b / 2 + SPARSE_METADATA_BYTES if self.sparsity == "2:4" and sparse_kernels else b
+
     @property
     def weight_bytes(self) -> float:
-        """Decoder layers at weight_dtype; embeddings and lm_head stay in the activation dtype."""
+        """Decoder layers at weight_dtype (2:4 sparse weights stored dense); embeddings and lm_head stay in the
+        activation dtype."""
+        return self.weight_bytes_on(False)
+
+    def weight_bytes_on(self, sparse_kernels: bool) -> float:
+        """weight_bytes on hardware with (True) or without 2:4 sparse kernels."""
         act = BYTES_PER_PARAM[self.act_dtype]
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.linear_params * BYTES_PER_PARAM[self.weight_dtype] + (self.embedding_params + lm_head) * act
+        return self.linear_params * self.bytes_per_linear_param(sparse_kernels) + \
+            (self.embedding_params + lm_head) * act
 
 
 def _spec(name, layers, hidden, heads, kv_heads, inter, vocab, max_pos, **kw) -> ModelSpec:
@@ -108,6 +139,14 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
     _spec("Mistral-7B", 32, 4096, 32, 8, 14336, 32000, 32768, weight_dtype="bf16"),
     _spec("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, rope_theta=100000.0,
           tie_word_embeddings=True, weight_dtype="bf16"),
+    # smaller models distilled or pruned from a bigger one: plan "the 70B in int4" against "a distilled 8B in fp16"
+    _spec("Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256, 131072, rope_theta=500000.0, weight_dtype="bf16"),
+    _spec("Llama-3.2-3B", 28, 3072, 24, 8, 8192, 128256, 131072, rope_theta=500000.0, tie_word_embeddings=True,
+          weight_dtype="bf16"),
+    _spec("Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, 131072, rope_theta=500000.0, tie_word_embeddings=True,
+          weight_dtype="bf16"),
+    _spec("Llama-3.1-Minitron-4B-Width", 32, 3072, 32, 8, 9216, 128256, 131072, rope_theta=500000.0,
+          weight_dtype="bf16"),
 ]}
 
 

@@ -248,12 +248,13 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     activation = budget * (4 * model.hidden_size / (tp if sp else 1) + 2 * model.intermediate_size / tp) * act_bytes \
         + sv.max_num_seqs * model.vocab_size * 4 / tp
     usable = hw.memory_bytes * kv.gpu_memory_utilization
-    weight_bytes = model.weight_bytes / tp
+    model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
+    weight_bytes = model_bytes / tp
     if pp > 1:
         weight_bytes = weight_bytes * stage_layers / model.num_layers
     kv_bytes = usable - weight_bytes - activation
     if kv_bytes <= 0:
-        need = -(-model.weight_bytes // max(usable - activation, 1.0))
+        need = -(-model_bytes // max(usable - activation, 1.0))
         more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
         raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
                           f"{activation / 2**30:.1f} GiB activations per device at tensor_parallel_size {tp}) does not "

@@ -8,8 +8,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from sim.config.hardware import HardwareSpec
-from sim.config.models import BYTES_PER_PARAM, ModelSpec
+from sim.config.models import ModelSpec
 from sim.policy.scheduler import BatchShape
+
+# Weight-only quantized matmuls (int8/int4, fp8 without fp8 tensor cores) dequantize each weight tile before the
+# 16-bit multiply: ~15% over the dense kernel where they are compute-bound (Marlin / AWQ kernels at large batch),
+# nothing where they stream weights (the fewer bytes are the gain there).
+DEQUANT_OVERHEAD = 0.15
 
 
 class StepCostModel(Protocol):
@@ -64,10 +69,15 @@ class RooflineCostModel:
         flops = hw.flops(model.act_dtype) * compute_efficiency
         bw = hw.memory_bandwidth * memory_efficiency
         kv_heads = max(1, model.num_kv_heads // n)  # per device
-        self.s_per_linear_token = 2 * model.linear_params / flops / n
+        # the linear layers: fp8 tensor cores where weights and hardware have them, 2:4 sparse tensor cores at twice
+        # the rate, and weight-only quantization paying to dequantize the weights it streams
+        sparse = model.sparsity == "2:4" and hw.sparse_tensor_cores
+        linear_flops = hw.flops(model.matmul_dtype(hw.peak_flops)) * compute_efficiency * (2 if sparse else 1)
+        dequant = 1 + DEQUANT_OVERHEAD if model.dequantizes(hw.peak_flops) else 1.0
+        self.s_per_linear_token = 2 * model.linear_params / linear_flops / n * dequant
         self.s_per_logit_row = 2 * model.hidden_size * model.vocab_size / flops / n
         # decoder weights and the lm_head matrix are read once per step (embedding lookups are tiny)
-        self.s_weights = (model.linear_params * BYTES_PER_PARAM[model.weight_dtype]
+        self.s_weights = (model.linear_params * model.bytes_per_linear_param(sparse)
                           + model.embedding_params * act_bytes) / bw / n
         self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw / (n if sequence_parallel else 1)
         self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops / n
