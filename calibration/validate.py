@@ -75,6 +75,20 @@ def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> Non
     plt.close(fig)
 
 
+# the percentiles validation.json keeps of each latency, real and simulated: the CDF overlays' data (dashboard)
+CDF_LEVELS = np.linspace(0, 1, 101)
+
+
+def latency_quantiles(real: RequestRecords, sim: RequestRecords) -> dict:
+    """TTFT, TPOT and E2E (s) at every percentile, of the real run and of the simulation (None: no request)."""
+    out: dict = {"levels": [round(float(q), 2) for q in CDF_LEVELS]}
+    for name, rec in (("real", real), ("sim", sim)):
+        lat = per_request_latency(rec)
+        out[name] = {f"{k}_s": np.nanquantile(lat[k], CDF_LEVELS).tolist() if (~np.isnan(lat[k])).any() else None
+                     for k in ("ttft", "tpot", "e2e")}
+    return out
+
+
 def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: Path | None = None):
     """One executor run of the plan's workload: (report-ready records, its step records as dicts); with
     `out`, also its step and request traces (steps.jsonl, requests.jsonl) there."""
@@ -183,7 +197,7 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     ratios = [step_time_ratio(steps, cost, spec.verify_cost_ratio if spec else 1.0) for _, steps in runs]
     result = {"scenario": plan.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
-              "step_time_ratio": ratios}
+              "step_time_ratio": ratios, "latency_cdf": latency_quantiles(runs[0][0], sim_rec)}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
     at_speed = sims_at_run_speed(plan, profile, run_scales, specs)
     for name, row in errors_at_run_speed(metrics, at_speed).items():

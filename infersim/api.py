@@ -288,6 +288,27 @@ def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: flo
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
 
 
+def dashboard(port: int) -> None:
+    """Serve the Streamlit dashboard (dashboard/app.py) on `port`: this process becomes the Streamlit server."""
+    import importlib.util
+    import os
+    import sys
+
+    missing = [m for m in ("streamlit", "plotly") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"the dashboard needs {' and '.join(missing)}: pip install 'infersim[dashboard]'",
+                          "dashboard")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    args = [sys.executable, "-m", "streamlit", "run", str(root / "dashboard" / "app.py"), "--server.port", str(port),
+            "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false",
+            "--browser.serverAddress", "localhost",  # no look-up of this machine's external address
+            "--client.toolbarMode", "viewer"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, args, env)  # one process: stopping `infersim dashboard` stops the server
+
+
 def model_catalog() -> dict:
     """The model catalog, by name."""
     from sim.config.models import MODEL_CATALOG

@@ -311,6 +311,15 @@ def _wide_console() -> Console:
     return c if c.is_terminal else Console(width=200)
 
 
+@app.command()
+def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="port to serve on")) -> None:
+    """Serve the Streamlit dashboard (What-if, Compare, Search, Validation) at http://localhost:PORT."""
+    try:
+        api.dashboard(port)
+    except ConfigError as e:
+        _fail(e)
+
+
 def main() -> None:
     app()
 

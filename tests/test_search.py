@@ -14,7 +14,7 @@ from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 
 BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
-        "workload": {"seed": 5, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 300,
+        "workload": {"seed": 5, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 600,
                      "prompt_len": {"dist": "lognormal", "median": 500, "sigma": 0.6, "max": 3000},
                      "output_len": {"dist": "lognormal", "median": 120, "sigma": 0.6, "max": 1000}},
         "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "quantile": 0.9}}
@@ -22,7 +22,7 @@ BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
 
 def spec(**space) -> dict:
     return {"name": "t", "scenario": BASE, "target": {"rate": 3.0}, "space": space,
-            "search": {"max_requests": 200, "precision": 0.1}}
+            "search": {"max_requests": 600, "precision": 0.1}}
 
 
 def test_configurations_apply_dotted_keys_and_prune_what_cannot_run():
@@ -126,7 +126,7 @@ def test_cli_compare_two_files_and_a_sweep(tmp_path):
     assert r.exit_code == 0, r.output
     reports = json.loads((tmp_path / "c" / "compare.json").read_text())
     assert set(reports) == {"a", "b"}  # b ran on a's workload (its own trace path is never read)
-    assert reports["a"]["requests"]["arrived"] == reports["b"]["requests"]["arrived"] == 300
+    assert reports["a"]["requests"]["arrived"] == reports["b"]["requests"]["arrived"] == 600
     assert reports["b"]["tpot_s"]["p50"] < reports["a"]["tpot_s"]["p50"]
     r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "serving.max_num_seqs=4,64", "--out", str(tmp_path / "s")])
     assert r.exit_code == 0, r.output

@@ -1,0 +1,316 @@
+"""The scenario as widgets: each section of a scenario file a group of inputs that start at a seed mapping's values
+and read back into a new mapping. Keys no widget covers keep the seed's values."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard.seeds import saved, upload_dir
+from infersim import api
+from sim.config.limits import MAX_REPLICAS, MAX_REQUESTS
+
+AS_SEEDED = "as in the scenario"
+LENGTHS = ("fixed", "uniform", "lognormal", "zipf")
+BUILTIN = "builtin:azure_conv"
+UPLOAD = "upload a CSV"
+# what a section switched on starts from when the seed has none
+PROMPT_LEN = {"dist": "lognormal", "median": 512, "sigma": 0.8, "max": 4096}
+OUTPUT_LEN = {"dist": "lognormal", "median": 128, "sigma": 0.8, "max": 1024}
+
+
+class Form:
+    """Widgets keyed `prefix::seed digest::name`: a seed of other content makes new widgets, which start at its
+    values (the browser keeps a widget's state for as long as its key lives)."""
+
+    def __init__(self, prefix: str, seed: dict):
+        digest = hashlib.sha1(json.dumps(seed, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        self.prefix = f"{prefix}::{digest}"
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}::{name}"
+
+    def integer(self, label: str, name: str, value, lo: int = 1, hi: int | None = None, optional: bool = False,
+                help: str | None = None) -> int | None:
+        """An integer input (`optional`: may be left empty, None)."""
+        value = None if value is None else _clip(int(value), lo, hi)
+        return st.number_input(label, min_value=lo, max_value=hi, value=value, step=1, key=self.key(name),
+                               help=help, placeholder="default" if optional else None)
+
+    def number(self, label: str, name: str, value, lo: float = 0.0, hi: float | None = None, step: float = 0.1,
+               optional: bool = False, help: str | None = None) -> float | None:
+        """A float input; bounds the schema puts tighter (e.g. > 0) are left to its one-line message."""
+        value = None if value is None else _clip(float(value), lo, hi)
+        return st.number_input(label, min_value=lo, max_value=hi, value=value, step=step, format="%g",
+                               key=self.key(name), help=help, placeholder="none" if optional else None)
+
+    def choice(self, label: str, name: str, options: list, current, help: str | None = None):
+        """A selectbox starting at `current` (the first option when it is not one)."""
+        index = options.index(current) if current in options else 0
+        return st.selectbox(label, options, index=index, key=self.key(name), help=help)
+
+
+def _clip(x, lo, hi):
+    return max(lo, x) if hi is None else min(hi, max(lo, x))
+
+
+def _short(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _catalog(f: Form, label: str, name: str, names: list[str], current):
+    """A catalog name, or the seed's own entry (an explicit spec, `{base: ...}` overrides) kept as it is."""
+    own = not (isinstance(current, str) and current in names)
+    options = ([AS_SEEDED] if own else []) + names
+    pick = st.selectbox(label, options, index=0 if own else options.index(current), key=f.key(name),
+                        format_func=lambda o: f"{AS_SEEDED}: {_short(current)}" if o == AS_SEEDED else o)
+    return current if pick == AS_SEEDED else pick
+
+
+def set_sections(data: dict, sections: dict) -> dict:
+    """`data` with each section replaced; a section set to None is removed."""
+    for k, v in sections.items():
+        if v is None:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    return data
+
+
+def deployment(f: Form, seed: dict) -> dict:
+    """Model, hardware, replicas or disaggregated pools, router, parallelism and speculative decoding."""
+    out: dict = {}
+    c1, c2 = st.columns(2)
+    with c1:
+        out["model"] = _catalog(f, "Model", "model", list(api.model_catalog()), seed.get("model"))
+    with c2:
+        out["hardware"] = _catalog(f, "Hardware", "hardware", list(api.hardware_catalog()), seed.get("hardware"))
+    pools = seed.get("pools")
+    disaggregated = st.toggle("Disaggregated prefill / decode pools", value=pools is not None, key=f.key("pools.on"),
+                              help="DistServe / Splitwise: prompts run on the prefill pool, which hands each "
+                                   "request's KV to the decode pool; each pool's other keys come from the scenario")
+    c1, c2, c3 = st.columns(3)
+    if disaggregated:
+        pools = copy.deepcopy(pools) if pools else {"prefill": {}, "decode": {}}
+        for col, name in ((c1, "prefill"), (c2, "decode")):
+            with col:
+                pools.setdefault(name, {})["replicas"] = f.integer(f"{name.title()} replicas", f"pools.{name}.replicas",
+                                                                   pools[name].get("replicas", 1), hi=MAX_REPLICAS)
+        out["pools"], out["replicas"] = pools, None
+    else:
+        with c1:
+            out["replicas"] = f.integer("Replicas", "replicas", seed.get("replicas", 1), hi=MAX_REPLICAS)
+        out["pools"] = None
+    with c3:
+        out["router"] = f.choice("Router", "router", ["round_robin", "least_outstanding"], seed.get("router"))
+    parallel = dict(seed.get("parallel") or {})
+    c1, c2 = st.columns(2)
+    with c1:
+        parallel["tensor_parallel_size"] = f.integer("tensor_parallel_size", "parallel.tp",
+                                                     parallel.get("tensor_parallel_size", 1), hi=64)
+    with c2:
+        parallel["pipeline_parallel_size"] = f.integer("pipeline_parallel_size", "parallel.pp",
+                                                       parallel.get("pipeline_parallel_size", 1), hi=64)
+    out["parallel"] = parallel
+    out["speculative"] = speculative(f, seed.get("speculative"))
+    return out
+
+
+def speculative(f: Form, seeded: dict | None) -> dict | None:
+    """Speculative decoding on or off, with its acceptance rate α and draft length γ (None: off)."""
+    if not st.toggle("Speculative decoding", value=seeded is not None, key=f.key("speculative.on")):
+        return None
+    spec = dict(seeded or {"method": "ngram"})
+    rates = spec.pop("request_rates", None)  # one α for every request replaces the per-request pairs
+    alpha = spec.get("acceptance_rate")
+    if alpha is None:
+        alpha = sum(r[1] for r in rates) / len(rates) if rates else 0.7
+    c1, c2 = st.columns(2)
+    with c1:
+        spec["acceptance_rate"] = st.slider("Acceptance rate α", 0.0, 1.0, float(alpha), 0.01,
+                                            key=f.key("speculative.alpha"))
+    with c2:
+        spec["num_speculative_tokens"] = f.integer("Draft length γ", "speculative.gamma",
+                                                   spec.get("num_speculative_tokens", 5), hi=64)
+    return spec
+
+
+def policy(f: Form, seed: dict) -> dict:
+    """The serving section (batching, step budget, chunked prefill) and the KV cache's allocator and preemption."""
+    serving = dict(seed.get("serving") or {})
+    kv = dict(seed.get("kv_cache") or {})
+    c1, c2 = st.columns(2)
+    with c1:
+        serving["batching"] = f.choice("Batching", "serving.batching", ["continuous", "static"],
+                                       serving.get("batching"))
+    with c2:
+        if serving["batching"] == "static":
+            serving["batch_size"] = f.integer("batch_size", "serving.batch_size", serving.get("batch_size", 8))
+        else:
+            serving["max_num_seqs"] = f.integer("max_num_seqs", "serving.max_num_seqs",
+                                                serving.get("max_num_seqs", 256))
+    c1, c2 = st.columns(2)
+    with c1:
+        budget = f.integer("max_num_batched_tokens", "serving.budget", serving.get("max_num_batched_tokens"),
+                           optional=True, help="empty: 2048 with chunked prefill, else max(max_model_len, 2048)")
+    serving["max_num_batched_tokens"] = budget
+    with c2:
+        serving["enable_chunked_prefill"] = st.checkbox("Chunked prefill", bool(serving.get("enable_chunked_prefill")),
+                                                        key=f.key("serving.chunked"))
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        kv["allocator"] = f.choice("KV allocator", "kv.allocator", ["paged", "contiguous"], kv.get("allocator"))
+    with c2:
+        kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", 16), hi=4096)
+    with c3:
+        kv["preemption"] = f.choice("Preemption", "kv.preemption", ["recompute", "swap"], kv.get("preemption"))
+    return {"serving": {k: v for k, v in serving.items() if v is not None}, "kv_cache": kv}
+
+
+def _length(f: Form, name: str, label: str, seeded: dict | None, fallback: dict) -> dict:
+    """A length distribution: its kind, then its parameters (the seed's own kind, e.g. empirical, kept as is)."""
+    seeded = seeded or fallback
+    own = seeded.get("dist") not in LENGTHS
+    options = ([AS_SEEDED] if own else []) + list(LENGTHS)
+    dist = f.choice(f"{label} distribution", f"{name}.dist", options, AS_SEEDED if own else seeded["dist"])
+    if dist == AS_SEEDED:
+        return seeded
+    was = seeded if seeded.get("dist") == dist else {}
+    c1, c2, c3 = st.columns(3)
+    if dist == "fixed":
+        with c1:
+            return {"dist": "fixed", "value": f.integer(f"{label}: value", f"{name}.value", was.get("value", 256))}
+    if dist == "uniform":
+        with c1:
+            lo = f.integer(f"{label}: min", f"{name}.min", was.get("min", 16))
+        with c2:
+            hi = f.integer(f"{label}: max", f"{name}.max", was.get("max", 512))
+        return {"dist": "uniform", "min": lo, "max": hi}
+    if dist == "lognormal":
+        with c1:
+            median = f.number(f"{label}: median", f"{name}.median", was.get("median", 256), step=16.0)
+        with c2:
+            sigma = f.number(f"{label}: sigma", f"{name}.sigma", was.get("sigma", 0.8))
+        with c3:
+            top = f.integer(f"{label}: max", f"{name}.max", was.get("max"), optional=True)
+        return {"dist": "lognormal", "median": median, "sigma": sigma, "min": was.get("min", 1),
+                **({"max": top} if top is not None else {})}
+    with c1:
+        a = f.number(f"{label}: a (> 1)", f"{name}.a", was.get("a", 1.5))
+    with c2:
+        lo = f.integer(f"{label}: min", f"{name}.min", was.get("min", 1))
+    with c3:
+        hi = f.integer(f"{label}: max", f"{name}.max", was.get("max", 2048))
+    return {"dist": "zipf", "a": a, "min": lo, "max": hi}
+
+
+def workload(f: Form, seeded: dict) -> dict | None:
+    """Synthetic traffic (arrival process, rate, cv, lengths, number of requests) or a trace (the built-in Azure
+    conversation hour, the scenario's own file or an uploaded CSV) with its time scale; None until a trace is
+    uploaded."""
+    w = copy.deepcopy(seeded)
+    mode = st.radio("Traffic", ["synthetic", "trace"], index=1 if "trace" in w else 0, horizontal=True,
+                    key=f.key("workload.mode"))
+    w["seed"] = f.integer("Random seed", "workload.seed", w.get("seed", 0), lo=0)
+    if mode == "trace":
+        return _trace(f, w)
+    arrival = w.pop("arrival", None) or {"process": "poisson", "rate": 1.0}
+    duration = w.pop("duration_s", None)
+    w.pop("trace", None)
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        process = f.choice("Arrival process", "workload.process", ["poisson", "gamma", "constant"], arrival["process"])
+    with c2:
+        rate = f.number("Rate (requests/s)", "workload.rate", arrival.get("rate", 1.0), step=0.5)
+    new = {"process": process, "rate": rate}
+    if process == "gamma":
+        with c3:
+            new["cv"] = f.number("cv", "workload.cv", arrival.get("cv") or 2.0, step=0.5,
+                                 help="coefficient of variation of the gaps: 1 is Poisson, > 1 bursty")
+    w["arrival"] = new
+    count = w.pop("num_requests", None)
+    c1, c2 = st.columns(2)
+    with c1:
+        by = st.radio("Run for", ["requests", "seconds"], index=1 if duration else 0, horizontal=True,
+                      key=f.key("workload.by"))
+    with c2:
+        if by == "seconds":
+            w["duration_s"] = f.number("Duration (s)", "workload.duration_s", duration or 300.0, step=60.0)
+        else:
+            w["num_requests"] = f.integer("Number of requests", "workload.num_requests",
+                                          count or round(arrival.get("rate", 1.0) * (duration or 0)) or 200,
+                                          hi=MAX_REQUESTS)
+    w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
+    w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
+    return w
+
+
+def _trace(f: Form, w: dict) -> dict | None:
+    for k in ("arrival", "prompt_len", "output_len", "num_requests", "duration_s"):
+        w.pop(k, None)
+    trace = dict(w.get("trace") or {"path": BUILTIN})
+    options = [BUILTIN, UPLOAD] + ([trace["path"]] if trace["path"] != BUILTIN else [])
+    source = f.choice("Trace", "workload.trace", options, trace["path"],
+                      help="a CSV with the Azure LLM trace 2023 columns TIMESTAMP, ContextTokens, GeneratedTokens")
+    if source == UPLOAD:
+        upload = st.file_uploader("Trace CSV", type=["csv"], key=f.key("workload.upload"))
+        if upload is None:
+            st.info("Upload a CSV with the columns TIMESTAMP, ContextTokens, GeneratedTokens.")
+            return None
+        source = str(saved(upload))
+    trace["path"] = source
+    c1, c2 = st.columns(2)
+    with c1:
+        trace["time_scale"] = f.number("Time scale", "workload.time_scale", trace.get("time_scale", 1.0), step=0.5,
+                                       help="divides the gaps between arrivals: 2 is twice the load")
+    with c2:
+        trace["max_requests"] = f.integer("Most requests", "workload.max_requests", trace.get("max_requests"),
+                                          optional=True, help="the first N rows (empty: all of them)")
+    w["trace"] = {k: v for k, v in trace.items() if v is not None}
+    return w
+
+
+def slo(f: Form, seeded: dict | None) -> dict:
+    """The latency targets (seconds; empty: none) and the quantile that must meet them."""
+    s = dict(seeded or {})
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        s["ttft_s"] = f.number("TTFT target (s)", "slo.ttft_s", s.get("ttft_s"), step=0.1, optional=True)
+    with c2:
+        s["tpot_s"] = f.number("TPOT target (s)", "slo.tpot_s", s.get("tpot_s"), step=0.01, optional=True)
+    with c3:
+        s["quantile"] = f.number("Quantile", "slo.quantile", s.get("quantile", 0.9), hi=1.0, step=0.05)
+    return {k: v for k, v in s.items() if v is not None}
+
+
+def scenario(prefix: str, seed: dict) -> dict | None:
+    """Every section as widgets in tabs; the scenario they describe (None until a trace upload arrives)."""
+    f = Form(prefix, seed)
+    data = copy.deepcopy(seed)
+    tabs = st.tabs(["Deployment", "Policy", "Workload", "SLO"])
+    with tabs[0]:
+        set_sections(data, deployment(f, seed))
+    with tabs[1]:
+        set_sections(data, policy(f, seed))
+    with tabs[2]:
+        w = workload(f, seed.get("workload") or {})
+    with tabs[3]:
+        data["slo"] = slo(f, seed.get("slo"))
+    if w is None:
+        return None
+    data["workload"] = w
+    return data
+
+
+def portable(data: dict) -> dict:
+    """The scenario as a file to download: an uploaded trace named by its file name (kept beside the YAML)."""
+    trace = (data.get("workload") or {}).get("trace") or {}
+    path = Path(str(trace.get("path", "")))
+    if path.is_absolute() and path.parent == upload_dir():
+        data = copy.deepcopy(data)
+        data["workload"]["trace"]["path"] = path.name
+    return data

@@ -1,0 +1,108 @@
+"""Validation: validation.json files of `infersim validate` runs (CPU and GPU), simulator vs real executor per
+metric, the errors side by side, and each run's latency CDFs overlaid."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts
+from dashboard.seeds import REPO
+from sim.config.errors import ConfigError
+
+SPEEDUPS = ("tpot_p50_speedup", "throughput_speedup")  # a speculative run's extra rows
+MAX_BYTES = 16 * 2**20
+
+
+def found() -> dict[str, Path]:
+    """validation.json files under runs/ and docs/runs/, by their path in the repository, newest folder first."""
+    paths = sorted((REPO / "runs").rglob("validation.json"), reverse=True)
+    paths += sorted((REPO / "docs" / "runs").rglob("*validation.json"), reverse=True)
+    return {str(p.relative_to(REPO)): p for p in paths}
+
+
+def parse(text: bytes, name: str) -> dict:
+    """A validation.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"{len(text) / 2**20:.1f} MiB; allowed: at most {MAX_BYTES // 2**20} MiB", file=name)
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"not JSON ({type(e).__name__}: {str(e)[:80]})", file=name) from None
+    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+        raise ConfigError("no 'metrics' mapping: not a validation.json of `infersim validate`", file=name)
+    for metric, row in data["metrics"].items():
+        if not isinstance(row, dict) or not {"real", "sim", "error_pct"} <= set(row):
+            raise ConfigError("each metric has real, sim and error_pct", f"metrics.{metric}", name)
+        if not all(v is None or isinstance(v, (int, float)) for v in (row["real"], row["sim"], row["error_pct"])):
+            raise ConfigError("real, sim and error_pct are numbers (or null)", f"metrics.{metric}", name)
+    return data
+
+
+def table(data: dict) -> pd.DataFrame:
+    """One row per metric: real, simulated, the signed errors, and the spread over repeated runs."""
+    rows = dict(data["metrics"])
+    rows.update({k: v for k, v in (data.get("speculative") or {}).items() if k in SPEEDUPS and isinstance(v, dict)})
+    return pd.DataFrame([{"metric": name, "real": r.get("real"), "sim": r.get("sim"), "error %": r.get("error_pct"),
+                          "error % at the run's step speed": r.get("error_at_run_speed_pct"),
+                          **({"spread %": r["spread_pct"]} if "spread_pct" in r else {})}
+                         for name, r in rows.items()]).set_index("metric")
+
+
+def plot_beside(path: Path | None) -> Path | None:
+    """The CDF plot `infersim validate` wrote beside the file (runs without CDF data in their JSON)."""
+    if path is None:
+        return None
+    stem = path.name.removesuffix("validation.json").rstrip(".")
+    for candidate in (path.parent / "latency_cdf_sim_vs_real.png", path.parent / f"{stem}.latency_cdf.png"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def show(label: str, data: dict, path: Path | None) -> None:
+    """One validation: what ran, the per-metric table, the CDF overlay."""
+    st.subheader(label)
+    req = data.get("requests") or {}
+    st.caption(f"scenario {data.get('scenario', '?')} on {data.get('device', '?')}, {data.get('runs', 1)} executor "
+               f"run(s), {req.get('completed', '?')} of {req.get('arrived', '?')} requests completed; profile "
+               f"{data.get('profile', '?')}")
+    ratios = [r["all"] for r in data.get("step_time_ratio") or [] if isinstance(r, dict) and r.get("all")]
+    if ratios:  # the CLI's drift line: far from 1, the machine's speed changed since profiling
+        st.caption(f"Executor steps ran {', '.join(f'{r:.2f}' for r in ratios)}× the profile's prediction for their "
+                   "shapes; the 'at the run's step speed' column takes that out.")
+    st.dataframe(table(data).style.format("{:.4g}", na_rep="-"))
+    cdf = data.get("latency_cdf")
+    if isinstance(cdf, dict) and {"levels", "real", "sim"} <= set(cdf):
+        curves = {name: charts.quantile_curves(cdf["levels"], cdf[name]) for name in ("real", "sim")}
+        st.plotly_chart(charts.latency_cdfs(curves, None, height=300), key=f"validation.cdf.{label}")
+    elif (png := plot_beside(path)) is not None:
+        st.image(str(png), caption=f"{png.name}: real vs simulated latency CDFs")
+    else:
+        st.caption("No CDF data in this file (older `infersim validate` runs keep it in a PNG beside it).")
+
+
+st.title("Validation")
+st.caption("Simulator vs the real executor, from `infersim validate --out DIR` (DIR/validation.json).")
+files = found()
+picked = st.multiselect("validation.json files", list(files), default=list(files)[:3], key="validation.files")
+uploads = st.file_uploader("or upload validation.json files", type=["json"], accept_multiple_files=True,
+                           key="validation.upload")
+loaded = []
+for label in picked:
+    try:
+        loaded.append((label, parse(files[label].read_bytes(), label), files[label]))
+    except (ConfigError, OSError) as e:
+        st.error(e.one_line() if isinstance(e, ConfigError) else f"{label}: cannot read it ({e.strerror})")
+for upload in uploads or []:
+    try:
+        loaded.append((upload.name, parse(upload.getvalue(), upload.name), None))
+    except ConfigError as e:
+        st.error(e.one_line())
+if not loaded:
+    st.info("Pick or upload a validation.json (`infersim validate SCENARIO --out DIR` writes DIR/validation.json).")
+    st.stop()
+errors = {label: {name: row.get("error_pct") for name, row in data["metrics"].items()} for label, data, _ in loaded}
+st.plotly_chart(charts.errors_by_metric(errors), key="validation.errors")
+for label, data, path in loaded:
+    show(label, data, path)
