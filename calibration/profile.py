@@ -14,6 +14,8 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -71,16 +73,42 @@ def device_info(device: str) -> dict:
     return info
 
 
+def profile_policy(num_blocks=512, block_size=16, **cfg):
+    """The scheduler (and block allocator) a sweep's engine runs: `cfg` is scheduler knobs (scheduler_config), with
+    roomy limits."""
+    cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
+    return make_scheduler(scheduler_config(2048, **cfg), BlockAllocator(num_blocks, block_size))
+
+
 def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
     """An engine as the sweep builds one: `cfg` is scheduler knobs (scheduler_config) (+ `draft_rate`), with roomy limits;
     `use_graphs` as Engine takes it (None: CUDA graphs for decode, prompt and verify steps on a GPU)."""
-    cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
     rate = cfg.pop("draft_rate", 1.0)
-    sched = make_scheduler(scheduler_config(2048, **cfg), BlockAllocator(num_blocks, block_size))
+    sched = profile_policy(num_blocks, block_size, **cfg)
     # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
     # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
     drafter = RandomDrafter(model.config.vocab_size, rate=rate) if cfg.get("num_speculative_tokens") else None
     return make_engine(model, sched, drafter=drafter, use_graphs=use_graphs)
+
+
+@contextmanager
+def engines(model, device: str, parallel: dict | None = None) -> Iterator:
+    """make(**cfg) -> an engine for one workload run: in this process, or over a tensor- or pipeline-parallel
+    process group (`parallel`: {"tensor_parallel_size": n} or {"pipeline_parallel_size": p}, one batch in flight)
+    started for the block, each rank with this process's torch threads; with the group's worker pids."""
+    if not parallel:
+        yield (lambda **cfg: profile_engine(model, device, **cfg)), []
+        return
+    from executor.distributed.pipeline import pipeline
+    from executor.distributed.tensor_parallel import tensor_parallel
+
+    threads = torch.get_num_threads()
+    if parallel.get("tensor_parallel_size", 1) > 1:
+        with tensor_parallel(model, parallel["tensor_parallel_size"], threads) as tp:
+            yield (lambda **cfg: tp.engine(profile_policy(**cfg))), tp.group.pids
+    else:
+        with pipeline(model, parallel["pipeline_parallel_size"], threads) as pipe:
+            yield (lambda **cfg: pipe.engine([profile_policy(**cfg)])), pipe.group.pids
 
 
 def run_workload(engine: Engine, corpus: list[int], work: list[tuple[int, int]]) -> list[dict]:
@@ -137,11 +165,13 @@ class Sweep:
     machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has the same shape."""
 
     def __init__(self, model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3,
-                 progress=None):
+                 progress=None, parallel: dict | None = None):
         self.model, self.corpus, self.device = model, corpus, device
         self.progress = progress  # progress(units done, units) after each workload run
         self.load = CpuLoad()  # other processes' CPU while the sweep runs: a busy machine spoils a profile
-        self.runs = workloads(quick)
+        # through a parallel engine (each slice starts its process group): the parallel engines run no drafters
+        self.parallel = parallel
+        self.runs = [r for r in workloads(quick) if not (parallel and r[0].get("num_speculative_tokens"))]
         self.results: list[list[list[dict]]] = [[] for _ in self.runs]
         self.slice_of: list[list[int]] = [[] for _ in self.runs]  # the slice each repeat of a workload ran in
         self.units = [k for _ in range(repeats) for k in range(len(self.runs))]
@@ -152,21 +182,24 @@ class Sweep:
     def run_until(self, fraction: float) -> None:
         """Run units until `fraction` of the sweep is done (1.0: all of it)."""
         stop = min(len(self.units), round(fraction * len(self.units)))
-        if self.done == 0 and stop > 0:  # warm-up: first forwards allocate
-            run_workload(profile_engine(self.model, self.device), self.corpus, [(64, 4)] * 2)
-        t0 = time.perf_counter()
-        self.load.sample()  # from here: what ran between slices is not the sweep's
-        for n, k in enumerate(self.units[self.done:stop]):
-            cfg, work = self.runs[k]
-            self.results[k].append(run_workload(profile_engine(self.model, self.device, **cfg), self.corpus, work))
-            self.slice_of[k].append(self.num_slices)
-            self.load.sample()
-            if self.progress is not None:
-                self.progress(self.done + n + 1, len(self.units))
-        if stop > self.done:
-            self.num_slices += 1
-        self.done = max(self.done, stop)
-        self.elapsed_s += time.perf_counter() - t0
+        if stop <= self.done:
+            return
+        with engines(self.model, self.device, self.parallel) as (make, workers):
+            if self.done == 0 or self.parallel:  # warm-up: first forwards (of a new group's processes) allocate
+                run_workload(make(), self.corpus, [(64, 4)] * 2)
+            self.load.workers = workers  # the group's CPU is the sweep's own
+            t0 = time.perf_counter()
+            self.load.sample()  # from here: what ran between slices is not the sweep's
+            for n, k in enumerate(self.units[self.done:stop]):
+                cfg, work = self.runs[k]
+                self.results[k].append(run_workload(make(**cfg), self.corpus, work))
+                self.slice_of[k].append(self.num_slices)
+                self.load.sample()
+                if self.progress is not None:
+                    self.progress(self.done + n + 1, len(self.units))
+            self.elapsed_s += time.perf_counter() - t0
+        self.num_slices += 1
+        self.done = stop
 
     def samples_and_speeds(self) -> tuple[list[dict], list[float]]:
         """One record per distinct step of the sweep: its shape and its median time over the repeats. Run in
@@ -182,11 +215,15 @@ class Sweep:
                 times = [s["end_s"] - s["start_s"] for s in steps]
                 out.append({"new_tokens": steps[0]["new_tokens"], "context_lens": steps[0]["context_lens"],
                             "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill,
-                            "time_s": statistics.median(times), "repeat_times_s": times})
+                            "time_s": statistics.median(times), "repeat_times_s": times,
+                            "repeat_forward_s": [s.get("forward_s") for s in steps]})
                 slices.append(where)
         speed = self.slice_speeds(out, slices)
         for s, where in zip(out, slices):
             s["time_s"] = statistics.median(t / speed[j] for t, j in zip(s["repeat_times_s"], where))
+            forward = s.pop("repeat_forward_s")
+            if None not in forward:  # a pipelined engine's steps have stages instead
+                s["forward_s"] = statistics.median(t / speed[j] for t, j in zip(forward, where))
         return out, speed
 
     def slice_speeds(self, samples: list[dict], slices: list[list[int]]) -> list[float]:
@@ -210,18 +247,27 @@ class Sweep:
         return [v / mean for v in speed]
 
     def profile(self, model_spec: dict) -> dict:
-        """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names)."""
+        """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names), with the
+        communication the executor's parallel engines use measured on the CPU (executor/distributed/comm_bench.py)."""
         self.run_until(1.0)
         samples, speed = self.samples_and_speeds()
         host = {**device_info(self.device), "other_processes_cores": round(self.load.mean_others, 2)}
-        return {"model": model_spec, "host": host, "measured": measure_device(self.device),
+        prof = {"model": model_spec, "host": host, "measured": measure_device(self.device),
                 "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
+        if self.parallel:
+            prof["parallel"] = self.parallel  # it prices steps of this layout as they are, no composition
+        elif self.device == "cpu":
+            from executor.distributed.comm_bench import measure_comm
+
+            prof["comm"] = measure_comm(model_spec["hidden_size"], torch.get_num_threads())
+        return prof
 
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3,
-            progress=None) -> dict:
-    """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names)."""
-    sweep = Sweep(model, corpus, device, quick, repeats, progress)
+            progress=None, parallel: dict | None = None) -> dict:
+    """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names); `parallel`: through that
+    tensor- or pipeline-parallel layout of the executor."""
+    sweep = Sweep(model, corpus, device, quick, repeats, progress, parallel)
     prof = sweep.profile(model_spec)
     warning = sweep.load.warning("the profile sweep")
     if warning:
@@ -230,9 +276,13 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
 
 
 def fit_samples(samples: list[dict]) -> dict:
-    """The step-cost fit of a profile's stored samples (each step's shape and median time)."""
+    """The step-cost fit of a profile's stored samples (each step's shape and median time), and as its `forward`
+    the same fit of the steps' time in the model runner (what a parallel layout splits; the rest is host work)."""
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
-    return fit(shapes, [s["time_s"] for s in samples])
+    out = fit(shapes, [s["time_s"] for s in samples])
+    if all(s.get("forward_s") for s in samples):
+        out["forward"] = fit(shapes, [s["forward_s"] for s in samples])
+    return out
 
 
 def _every_tenth(console: Console):
@@ -273,17 +323,39 @@ def write_profile(path: Path, prof: dict) -> None:
     path.write_text(json.dumps(prof, indent=1) + "\n")
 
 
-def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int = 3) -> dict:
-    """`infersim profile`: load the model, sweep, fit, write and summarize the profile."""
+def layout_of(plan) -> dict | None:
+    """A plan's parallel layout as a profile records it, or None for one device."""
+    if plan.tensor_parallel_size > 1:
+        return {"tensor_parallel_size": plan.tensor_parallel_size}
+    if plan.pipeline_parallel_size > 1:
+        return {"pipeline_parallel_size": plan.pipeline_parallel_size}
+    return None
+
+
+def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int = 3,
+                    scenario: Path | None = None) -> dict:
+    """`infersim profile`: load the model, sweep, fit, write and summarize the profile. `scenario`: profile the
+    executor as that scenario runs it (its model and weights, its tensor- or pipeline-parallel layout, its threads)."""
     from executor.prompts import corpus_ids
     from executor.weights import load_hf_model, smollm2_gguf_path
     from sim.config.models import catalog_model, load_hf_config
 
     check_device(device)
+    parallel = None
+    if scenario is not None:
+        from executor.serve import load_model
+        from sim.config.plan import load_scenario
+
+        _, plan = load_scenario(scenario)
+        threads = threads or plan.executor.threads
+        parallel = layout_of(plan)
     if threads:
         torch.set_num_threads(threads)
     try:
-        if model.lower() == "smollm2-135m":
+        if scenario is not None:
+            loaded = load_model(plan, device)
+            net, tok, spec = loaded.model, loaded.tokenizer, plan.model
+        elif model.lower() == "smollm2-135m":
             net, _, tok = load_hf_model(smollm2_gguf_path())
             spec = catalog_model("SmolLM2-135M").model_copy(update={"weight_dtype": "fp32"})
         else:
@@ -297,10 +369,11 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     net = net.to(device)
     corpus = corpus_ids(tok)
     err = Console(stderr=True)
-    err.print(f"profiling {spec.name} on {device}: {len(workloads(quick))} workloads x {repeats} repeats",
+    where = f" through {parallel}" if parallel else ""
+    err.print(f"profiling {spec.name} on {device}{where}: {len(workloads(quick))} workloads x {repeats} repeats",
               highlight=False)
     prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats,
-                   progress=_every_tenth(err))
+                   progress=_every_tenth(err), parallel=parallel)
     write_profile(out, prof)
     f = prof["fit"]
     Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "

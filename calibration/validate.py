@@ -92,9 +92,11 @@ def latency_quantiles(real: RequestRecords, sim: RequestRecords) -> dict:
 def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: Path | None = None):
     """One executor run of the plan's workload: (report-ready records, its step records as dicts); with
     `out`, also its step and request traces (steps.jsonl, requests.jsonl) there."""
+    from executor.disaggregated import serve_pools
     from executor.serve import serve, write_traces
 
-    records, _, engine, requests, _, load = serve(plan, specs, device, threads, loaded=loaded)
+    run = serve if plan.pools is None else serve_pools  # disaggregated: a process per instance
+    records, _, engine, requests, _, load = run(plan, specs, device, threads, loaded=loaded)
     warning = load.warning(f"the executor run of {plan.name}")
     if warning:
         from rich.console import Console
@@ -102,6 +104,8 @@ def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: P
         Console(stderr=True).print(warning, style="yellow", highlight=False)
     if out is not None:
         write_traces(out, engine, requests)
+        if plan.pools is not None:  # disaggregated: every KV transfer too
+            engine.write_transfers(out)
     return records, [r.to_json() for r in engine.records]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -28,20 +29,32 @@ def _busy_jiffies() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (0 once it has exited, or where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class CpuLoad:
     """Cores' worth of CPU that other processes used between calls to `sample()` (machine busy time less this
-    process's own), and torch threads sized to what they leave."""
+    process's own and its `workers'`: the pids of a multi-process serve's other ranks), and torch threads sized to
+    what they leave."""
 
-    def __init__(self, max_threads: int | None = None):
+    def __init__(self, max_threads: int | None = None, workers: Sequence[int] = ()):
         self.cores = os.cpu_count() or 1
         self.max_threads = max_threads or torch.get_num_threads()
+        self.workers = list(workers)
         self._last = self._read()
         self.samples: list[float] = []
 
     def _read(self):
         jiffies = _busy_jiffies()
         own = os.times()
-        return time.monotonic(), jiffies, own.user + own.system
+        return time.monotonic(), jiffies, own.user + own.system + sum(map(_cpu_seconds, self.workers))
 
     def sample(self) -> float | None:
         """Other processes' cores since the last sample (None where /proc/stat cannot be read)."""

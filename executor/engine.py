@@ -45,9 +45,24 @@ class StepRecord:
     num_accepted: int = 0
     draft_s: float = 0.0  # of the step's time, spent proposing drafts (0: the drafter did not run)
     draft_fed_tokens: int = 0  # tokens the drafter's own model caught up on (Drafter.fed_tokens)
+    forward_s: float | None = None  # of the step's time, in the model runner (the forward; on a GPU until queued)
+    # pipeline parallelism: the batch in flight that ran the step, and each stage's (start, end) on the step's clock
+    virtual_engine: int | None = None
+    stages: list[tuple[float, float]] | None = None
 
     def to_json(self) -> dict:
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if v is not None}  # fields a layout does not use: absent
+
+
+@dataclass
+class PendingStep:
+    """A step scheduled and prepared but not yet run (Engine.begin_step): what Engine.finish_step needs."""
+
+    batch: ScheduledBatch
+    step: StepInput
+    start: float
+    draft_s: float
+    fed: int
 
 
 @dataclass
@@ -71,14 +86,17 @@ class Engine:
     # plain decode, lone prompt and chain-verify steps through executor.cuda_graph: None = on a GPU (captured
     # graphs); True elsewhere runs the same static-shape forward eagerly (what the tests check it against)
     use_graphs: bool | None = None
+    # makes the runner, called as ModelRunner is (executor.distributed: a sharded or pipelined runner); None: ModelRunner
+    runner_factory: object | None = None
 
     def __post_init__(self):
         keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
         self.device = self.kv_cache.device
         graphs = bool(self.use_graphs or (self.use_graphs is None and CUDA_GRAPHS and self.device.type == "cuda"))
         chains = getattr(self.drafter, "tree_parents", None) is None  # candidate trees verify eagerly
-        self.runner = ModelRunner(self.model, self.kv_cache, self.scheduler.cfg, self.host_cache, use_graphs=graphs,
-                                  verify_graphs=self.drafter is not None and chains)
+        self.runner = (self.runner_factory or ModelRunner)(self.model, self.kv_cache, self.scheduler.cfg,
+                                                           self.host_cache, use_graphs=graphs,
+                                                           verify_graphs=self.drafter is not None and chains)
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
@@ -140,8 +158,21 @@ class Engine:
                                 None if q is None else q[:n - 1])
         return out, paths
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
     def step(self) -> StepRecord | None:
         """Run one engine step; None if the scheduler had nothing to run."""
+        pending = self.begin_step()
+        if pending is None:
+            return None
+        t = time.perf_counter()
+        hidden, logits = self.runner.run(pending.step)
+        return self.finish_step(pending, hidden, logits, time.perf_counter() - t)
+
+    def begin_step(self) -> PendingStep | None:
+        """The first half of a step: expire, propose drafts, schedule, prepare the inputs (None: nothing to run).
+        A pipelined engine runs the forward elsewhere and calls `finish_step` when the last stage answers."""
         start = self.now()
         for r in self.scheduler.expire(start):  # waited past max_queue_delay_s: rejected, never run
             self.tokens.pop(r, None)
@@ -154,13 +185,13 @@ class Engine:
         if not batch:
             return None
         step = self.runner.prepare(batch, self.tokens, self.drafts, getattr(self.drafter, "tree_parents", None))
-        hidden, logits = self.runner.run(step)
-        return self._postprocess(batch, step, hidden, logits, start, draft_s, fed)
+        return PendingStep(batch, step, start, draft_s, fed)
 
-    def _postprocess(self, batch: ScheduledBatch, step: StepInput, hidden: torch.Tensor, logits: torch.Tensor | None,
-                     start: float, draft_s: float, fed: int) -> StepRecord:
-        """The step's tokens sampled (or its drafts verified) and appended up to EOS, the scheduler told, the step
-        recorded."""
+    def finish_step(self, pending: PendingStep, hidden: torch.Tensor, logits: torch.Tensor | None,
+                    forward_s: float | None = None) -> StepRecord:
+        """The second half of a step, given its forward's output (and how long the forward took): the step's
+        tokens sampled (or its drafts verified) and appended up to EOS, the scheduler told, the step recorded."""
+        batch, step, start, draft_s, fed = pending.batch, pending.step, pending.start, pending.draft_s, pending.fed
         spans = step.spans()
         emitted, paths = self._emit(logits, spans) if spans else ({}, {})
         for r, path in paths.items():  # the root's position: the scheduler has not advanced r yet
@@ -185,7 +216,7 @@ class Engine:
             context_lens=step.context_lens, num_prefill=len(batch.prefill), num_decode=len(batch.decode),
             num_padding=len(batch.padding), num_sampled=sum(step.counts), kv_blocks_used=kv.num_used,
             preempted=[r.id for r in batch.preempted], swapped_blocks=len(batch.swap_out) + len(batch.swap_in),
-            num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed)
+            num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed, forward_s=forward_s)
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
         return record

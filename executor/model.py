@@ -134,19 +134,31 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: KVCache, last_of: list[int] | None = None, attention=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCache, last_of: list[int] | None = None, attention=None,
+                hidden: torch.Tensor | None = None, final: bool = True) -> torch.Tensor:
         """Run one step over T packed tokens; returns the final-normed hidden states [T, hidden].
 
         `last_of`: indices of sequences whose last new token is all the caller needs (the rows that
         sample); then the result is [len(last_of), hidden], and the last layer computes attention, MLP
         and norm for those rows only — every other row's last-layer output only ever fed its own logits
         (its K/V, which later tokens read, are still written). `attention`: a backend for this call instead of
-        the model's (a CUDA graph's static-shape decode attention)."""
+        the model's (a CUDA graph's static-shape decode attention).
+
+        A pipeline stage runs some of the layers: `hidden`, the residual stream [T, hidden] an earlier stage
+        returned, replaces the embedding of `input_ids` (and is updated in place); `final=False` returns the
+        residual stream after this model's layers instead of the final-normed hidden states."""
         backend = attention or (get_backend(self.attn_backend) if isinstance(self.attn_backend, str)
                                 else self.attn_backend)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.angles(positions, x, kv_caches.layer(0)[0], meta.slot_mapping)
+        if not final:
+            if last_of is not None:
+                raise ValueError("last_of picks the rows of the final hidden states: not with final=False")
+            delta = None
+            for layer in self.layers:
+                x, delta = layer(x, rope, meta, kv_caches, backend, delta=delta)
+            return x if delta is None else x.add_(delta)  # the next stage starts from the whole residual stream
         rows, idx = None, None
         if last_of is not None:
             idx = [meta.cu_query_lens[i + 1] - 1 for i in last_of]

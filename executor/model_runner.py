@@ -101,20 +101,25 @@ class ModelRunner:
             hidden = self._forward(step)
         return hidden, self.model.compute_logits(hidden) if step.sampling_rows else None
 
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        """The step's forward, eager: final hidden states of the logit rows (`step.counts` per sampling row)."""
+    def _forward(self, step: StepInput, hidden: torch.Tensor | None = None, final: bool = True) -> torch.Tensor:
+        """The step's forward, eager: final hidden states of the logit rows (`step.counts` per sampling row).
+        A pipeline stage's (executor.distributed.pipeline): `hidden`, the residual stream from the stage before,
+        instead of the token ids; `final=False`: the residual stream after this stage's layers, every row."""
         meta = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables,
                                        self.kv_cache.block_size, self.device, num_decode_rows=step.num_decode)
         positions = meta.positions()
         if step.tree_parents is not None:
             self._attend_trees(step, meta, positions)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        input_ids = None if hidden is not None else torch.tensor(step.input_ids, dtype=torch.long,
+                                                                 device=self.device)
+        if not final:
+            return self.model(input_ids, positions, meta, self.kv_cache, hidden=hidden, final=False)
         if step.num_padding or any(c > 1 for c in step.counts):  # every position's hidden state, then pick
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)
-            return hidden[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(step.sampling_rows, step.counts)
-                           for j in range(c)]]
+            out = self.model(input_ids, positions, meta, self.kv_cache, hidden=hidden)
+            return out[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(step.sampling_rows, step.counts)
+                        for j in range(c)]]
         # the model's last layer and the LM head run only for the rows that sample
-        return self.model(input_ids, positions, meta, self.kv_cache, last_of=step.sampling_rows)
+        return self.model(input_ids, positions, meta, self.kv_cache, last_of=step.sampling_rows, hidden=hidden)
 
     @staticmethod
     def _attend_trees(step: StepInput, meta: AttentionMetadata, positions: torch.Tensor) -> None:

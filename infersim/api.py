@@ -115,10 +115,12 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     import torch
 
     from calibration.speculative import draft_cost, write_speculative_yaml
+    from executor.disaggregated import serve_pools
+    from executor.distributed.launch import WorkerError
     from executor.serve import check_device, serve, write_traces
     from sim.cost.build import make_cost_model
     from sim.cost.fitted import load_profile
-    from sim.report.metrics import request_rates
+    from sim.report.metrics import records_from_requests, request_rates
 
     check_device(device)
     plan = load_plan(path)
@@ -133,32 +135,48 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
         with progress_bar(err, quiet, "serving", len(specs)) as progress:
-            records, trace, engine, requests, wall, load = serve(plan, specs, device, threads, stage=stage,
-                                                                 progress=progress)
+            run = serve if plan.pools is None else serve_pools  # disaggregated: a process per instance
+            records, traces, engine, requests, wall, load = run(plan, specs, device, threads, stage=stage,
+                                                                progress=progress)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
+    except WorkerError as e:  # a worker process died: what completed before it, and one line
+        done = sum(r.status.value == "finished" for r in e.requests)
+        if out is not None:
+            write_traces(out, e.engine, e.requests)
+            if plan.pools is not None:  # disaggregated: the report of what completed, and the KV transfers
+                partial = records_from_requests(e.requests)
+                write_outputs(out, build_report(plan, partial, e.engine.traces, e.engine.wall_s, engine="executor",
+                                                extra=e.engine.sections), partial, e.engine.traces, plots=False)
+                e.engine.write_transfers(out)
+        where = f" (their traces in {out})" if out is not None else ""
+        raise WorkerError(f"{e}; {done} of {len(e.requests)} requests completed before it{where}", e.rank) from None
     warning = load.warning("this serve")
     if warning and not quiet:
         err.print(warning, style="yellow", highlight=False)
-    report = build_report(plan, records, [trace], wall, engine="executor",
+    report = build_report(plan, records, traces, wall, engine="executor",
                           extra={"executor": {"device": device, "threads": torch.get_num_threads(),
                                               "attention": plan.executor.attention,
                                               "torch": torch.__version__,
-                                              "other_processes_cores": round(load.mean_others, 2)}})
+                                              "other_processes_cores": round(load.mean_others, 2)},
+                                 **(engine.sections if plan.pools is not None else {})})
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
         report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
         if hasattr(engine.drafter, "rank_probs"):
             report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
     if out is not None:
-        write_outputs(out, report, records, [trace], plots=plots)
+        write_outputs(out, report, records, traces, plots=plots)
         write_traces(out, engine, requests)
+        if plan.pools is not None:
+            engine.write_transfers(out)
         if "speculative" in report:
             write_speculative_yaml(out / "speculative.yaml", plan, report["speculative"])
     if not quiet:
         print_summary(report, Console())
         if out is not None:
             Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
+                            + (", transfers.jsonl" if plan.pools is not None else "")
                             + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
                                if "speculative" in report else ""))
     return report
@@ -253,12 +271,12 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
 
 
 def profile(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int,
-            refit: bool = False) -> dict:
+            refit: bool = False, scenario: Path | None = None) -> dict:
     """Time engine steps of many shapes on the executor and fit the step-cost model (or, with `refit`, fit
-    the samples stored in `out` again); writes the profile JSON."""
+    the samples stored in `out` again); writes the profile JSON. `scenario`: as that scenario runs the executor."""
     from calibration.profile import profile_command, refit_command
 
-    return refit_command(out) if refit else profile_command(device, model, out, threads, quick, repeats)
+    return refit_command(out) if refit else profile_command(device, model, out, threads, quick, repeats, scenario)
 
 
 def distill(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,

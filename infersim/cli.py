@@ -47,10 +47,15 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
                                                  "per step is measured against its predicted verify steps")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
+    from executor.distributed.launch import WorkerError
+
     try:
         api.serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
         _fail(e)
+    except WorkerError as e:  # a worker process of a parallel serve failed: one line, the partial traces written
+        print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -62,10 +67,13 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             repeats: int = typer.Option(3, "--repeats", min=1, help="runs of each workload; a step's time is "
                                         "the median over them"),
             refit: bool = typer.Option(False, "--refit", help="no sweep: fit the step-cost model again on the "
-                                       "samples stored in the --out profile, in place")) -> None:
+                                       "samples stored in the --out profile, in place"),
+            scenario: Optional[Path] = typer.Option(None, "--scenario", help="profile the executor as this scenario "
+                                                    "runs it: its model (random_weights too), its tensor- or "
+                                                    "pipeline-parallel layout, its threads")) -> None:
     """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
     try:
-        api.profile(device, model, out, threads, quick, repeats, refit=refit)
+        api.profile(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
     except ConfigError as e:
         _fail(e)
 
@@ -128,11 +136,16 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "write it here and predict with it: profile and runs then "
                                                       "see the machine in the same minutes")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
+    from executor.distributed.launch import WorkerError
+
     try:
         results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
                                               alongside)
     except ConfigError as e:
         _fail(e)
+    except WorkerError as e:  # a worker process of a parallel or disaggregated serve failed: one line
+        print(f"infersim: error: {e}", file=sys.stderr)
+        raise typer.Exit(1)
     for result in results:
         _print_validation(result, device, prof, result["runs"])
     drift = _drift_line(results)

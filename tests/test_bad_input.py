@@ -307,6 +307,23 @@ def profile_cases() -> list[tuple[str, str]]:
             node = node[p]
         node[path[-1]] = v
         cases.append((f"field[{i}]", json.dumps(d)))
+    # the parts pricing parallel steps needs: the forward's fit and the measured communication
+    comm = {"fit": {"all_reduce_shm": {"latency_s": 4e-05, "s_per_byte": 3e-10}}}
+    for i, (section, v) in enumerate([("comm", "fast"), ("comm", {"fit": [1]}), ("comm", {"fit": {"teleport": {}}}),
+                                      ("comm", {"fit": {"send_gloo": 3}}),
+                                      ("comm", {"fit": {"send_gloo": {"latency_s": -1, "s_per_byte": 0}}}),
+                                      ("comm", {"fit": {"send_gloo": {"latency_s": "NaN", "s_per_byte": 0}}}),
+                                      ("comm", {"fit": {"send_gloo": {"latency_s": 1e-4}}}),
+                                      ("forward", {"coefs": {"step": -1.0}}), ("forward", {"coefs": [1]}),
+                                      ("forward", {"coefs": {"no_such_term": 1.0}}),
+                                      ("forward", {"coefs": {"step": 0.01}, "knot": "x"})]):
+        d = copy.deepcopy(good)
+        d["comm"] = comm
+        if section == "comm":
+            d["comm"] = v
+        else:
+            d["fit"]["forward"] = v
+        cases.append((f"{section}[{i}]", json.dumps(d)))
     d = copy.deepcopy(good)
     del d["fit"]
     cases += [("no-fit", json.dumps(d)), ("list", "[1, 2]"), ("empty", ""), ("truncated", PROFILE.read_text()[:500]),

@@ -283,10 +283,14 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     c = scenario.cost_model
     # read now, so a bad profile is reported against the scenario that names it
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
-    if profile is not None and tp * pp > 1:
-        raise ConfigError("a fitted profile prices one device's steps (tensor and pipeline parallel size 1); allowed: "
-                          "the roofline (no cost_model.profile) for parallel layouts",
-                          "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size")
+    if profile is not None and tp * pp > 1:  # priced by composition (sim/cost/parallel.py), as the executor runs it
+        key = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
+        if tp > 1 and pp > 1:
+            raise ConfigError("a fitted profile prices tensor or pipeline parallelism, not both; allowed: the roofline "
+                              "(no cost_model.profile) for both", key)
+        if profile.forward is None or profile.comm is None:
+            raise ConfigError(f"{profile.path} has no forward fit or communication measurements, which pricing "
+                              "parallel steps needs; profile again (`infersim profile`), or use the roofline", key)
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
                     c.profile_scale)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,

@@ -14,14 +14,22 @@ _OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
 MAX_KNOT = 4096
 
 
+# the communication a profile may have measured (executor/distributed/comm_bench.py): op -> fitted latency and slope
+COMM_OPS = ("all_reduce_shm", "gather_shm", "all_reduce_gloo", "send_gloo", "message_gloo")
+
+
 @dataclass(frozen=True)
 class ProfileFile:
-    """The fitted step-cost coefficients of one device and model, and everything else the file records."""
+    """The fitted step-cost coefficients of one device and model, and everything else the file records.
+    `forward`: the same fit of the steps' forward alone (coefficients, knot), and `comm`: per operation its
+    latency_s and s_per_byte — what pricing tensor- and pipeline-parallel steps needs; None where not measured."""
 
     path: Path
     coefs: dict
     knot: int
     data: dict
+    forward: tuple[dict, int] | None = None
+    comm: dict | None = None
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
@@ -40,13 +48,15 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"not an infersim profile: not readable JSON ({type(e).__name__})", file=str(path)) from None
     coefs, knot = _check(data, path)
+    forward = _check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
+    comm = _check_comm(data["comm"], path) if "comm" in data else None
     m = data.get("model", {})
     if model is not None and m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers,
                                                                                     model.hidden_size):
         raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
-    return ProfileFile(path, coefs, knot, data)
+    return ProfileFile(path, coefs, knot, data, forward, comm)
 
 
 def _no_constant(name: str):
@@ -54,27 +64,52 @@ def _no_constant(name: str):
 
 
 def _check(data, path: Path) -> tuple[dict, int]:
-    """The coefficients and knot of a profile's fit, every one checked: finite, non-negative, known terms."""
-    def bad(key: str, what: str) -> ConfigError:
-        return ConfigError(f"not an infersim profile: {what}", key, str(path))
-
+    """The coefficients and knot of a profile's fit, and the model it names, checked."""
     if not isinstance(data, dict):
-        raise bad("", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
-    fit = data.get("fit")
-    if not isinstance(fit, dict) or not isinstance(fit.get("coefs"), dict):
-        raise bad("fit.coefs", "missing: the fitted coefficients (`infersim profile` writes them)")
-    coefs = {}
-    for name, value in fit["coefs"].items():
-        if name not in FEATURES and name not in _OLD_TERMS:
-            raise bad(f"fit.coefs.{str(name)[:40]}", f"unknown term; allowed: {', '.join(FEATURES)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
-            raise bad(f"fit.coefs.{name}", f"{str(value)[:40]!r}: a step time in seconds, finite and >= 0")
-        coefs[name] = float(value)
-    knot = fit.get("knot", 0)
-    if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
-        raise bad("fit.knot", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
+        raise _bad(path, "", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
+    coefs, knot = _check_fit(data.get("fit"), path, "fit")
     m = data.get("model", {})
     if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
                                       for k in ("num_layers", "hidden_size")):
-        raise bad("model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
+        raise _bad(path, "model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
     return coefs, knot
+
+
+def _bad(path: Path, key: str, what: str) -> ConfigError:
+    return ConfigError(f"not an infersim profile: {what}", key, str(path))
+
+
+def _seconds(value, path: Path, key: str, what: str = "a time in seconds") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+        raise _bad(path, key, f"{str(value)[:40]!r}: {what}, finite and >= 0")
+    return float(value)
+
+
+def _check_fit(fit, path: Path, key: str) -> tuple[dict, int]:
+    """A fit section's coefficients and knot, every one checked: finite, non-negative, known terms."""
+    if not isinstance(fit, dict) or not isinstance(fit.get("coefs"), dict):
+        raise _bad(path, f"{key}.coefs", "missing: the fitted coefficients (`infersim profile` writes them)")
+    coefs = {}
+    for name, value in fit["coefs"].items():
+        if name not in FEATURES and name not in _OLD_TERMS:
+            raise _bad(path, f"{key}.coefs.{str(name)[:40]}", f"unknown term; allowed: {', '.join(FEATURES)}")
+        coefs[name] = _seconds(value, path, f"{key}.coefs.{name}", "a step time in seconds")
+    knot = fit.get("knot", 0)
+    if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
+        raise _bad(path, f"{key}.knot", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
+    return coefs, knot
+
+
+def _check_comm(comm, path: Path) -> dict:
+    """The measured communication: per known operation, latency_s and s_per_byte (finite, >= 0)."""
+    fits = comm.get("fit") if isinstance(comm, dict) else None
+    if not isinstance(fits, dict):
+        raise _bad(path, "comm.fit", "missing: the fitted costs of each communication (`infersim profile` writes them)")
+    out = {}
+    for op, fit in fits.items():
+        if op not in COMM_OPS:
+            raise _bad(path, f"comm.fit.{str(op)[:40]}", f"unknown operation; allowed: {', '.join(COMM_OPS)}")
+        if not isinstance(fit, dict):
+            raise _bad(path, f"comm.fit.{op}", "a mapping with latency_s and s_per_byte")
+        out[op] = {k: _seconds(fit.get(k), path, f"comm.fit.{op}.{k}") for k in ("latency_s", "s_per_byte")}
+    return out

@@ -82,7 +82,8 @@ class ExecutorConfig(StrictModel):
     """How `infersim serve` runs the scenario on real hardware (the simulator ignores it)."""
 
     attention: Literal["naive", "sdpa", "flash", "paged"] = "sdpa"
-    threads: PositiveInt | None = Field(None, description="torch CPU threads; default: all cores")
+    threads: PositiveInt | None = Field(None, description="torch CPU threads (per process with tensor or pipeline "
+                                                          "parallelism); default: all cores, shared among the processes")
     temperature: NonNegativeFloat = Field(0.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -91,6 +92,9 @@ class ExecutorConfig(StrictModel):
     max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
     cuda_graphs: bool = Field(True, description="on a GPU, replay plain decode steps from captured CUDA graphs "
                                                 "(vLLM's default; false: every step eager, vLLM's enforce_eager)")
+    random_weights: bool = Field(False, description="serve the scenario's model architecture with seeded random "
+                                 "weights (executor.seed) instead of real ones: for timing a shape no checkpoint here "
+                                 "has; the outputs are noise, so keep ignore_eos")
 
 
 MEDUSA_TOPK = 10  # candidates per Medusa head (executor.speculative.medusa.TOPK)

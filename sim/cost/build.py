@@ -4,15 +4,22 @@ from __future__ import annotations
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.cost.fitted import FittedCostModel
+from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.roofline import RooflineCostModel, StepCostModel
 from sim.cost.speculation import SpeculationModel, reference_step_s
 
 
 def make_cost_model(plan: Plan) -> StepCostModel:
-    """The plan's step-cost model: its fitted profile (scaled), else the roofline."""
+    """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan composed with
+    the profile's communication, sim/cost/parallel.py), else the roofline."""
     c = plan.cost
     if c.profile is not None:
-        return FittedCostModel.from_profile(c.profile).scaled(c.profile_scale)
+        fitted = FittedCostModel.from_profile(c.profile)
+        if plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+            coefs, knot = c.profile.forward
+            fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot), c.profile.comm, plan.model,
+                                             plan.tensor_parallel_size, plan.pipeline_parallel_size)
+        return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
                              per_seq_overhead_s=c.per_seq_overhead_s,

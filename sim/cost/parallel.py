@@ -1,0 +1,114 @@
+"""Tensor- and pipeline-parallel steps priced from a one-device fitted profile: the step's forward split over the
+devices, its host work (scheduling, input preparation, sampling) left on the driver, plus the communication the
+profile measured on the machine (executor/distributed/comm_bench.py).
+
+The profile's `fit` prices a whole step on one device and its `fit.forward` the part in the model runner; their
+difference is the host work. Tensor parallelism over n ranks (Megatron, as executor/distributed/tensor_parallel.py
+runs it): host + forward / n + the step message's broadcast + two all-reduces a layer of the tokens' hidden states
+(the last layer's of the sampling rows only) + the gather of the sampled rows' vocabulary slices. Pipeline
+parallelism over p stages (executor/distributed/pipeline.py): stage k runs its share of the layers — the forward's
+per-token and attention terms by layer count, its fixed (weight-streaming) terms by the share of the weights it
+holds — and stage 0 also the host work and the LM head (the sampled-rows term and the head's weights); the residual
+stream crosses between stages and the sampling rows' hidden states come back. A step alone takes the sum of it all
+(`step_time`); the simulator's pipeline (sim/simulator/pipeline.py) holds each stage for its own time
+(`pipeline_stages`), so batches in flight overlap as they do on the executor.
+"""
+from __future__ import annotations
+
+from sim.config.models import ModelSpec
+from sim.config.profile import FEATURES
+from sim.cost.fitted import FittedCostModel, features
+from sim.cost.roofline import decode_run
+from sim.policy.scheduler import BatchShape
+
+# terms of the forward fit that scale with the layers a device runs (the rest: the step's fixed cost and the
+# few-token kink, i.e. streaming the weights, by the weights it holds; the sampled rows: the LM head)
+LAYER_TERMS = ("new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
+               "attn_pairs", "kv_tokens")
+WEIGHT_TERMS = ("step", "few_tokens")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers of each pipeline stage: an even split, the later stages taking the extra ones (stage 0 also schedules,
+    samples and runs the LM head). The executor splits its stages with this."""
+    per, extra = divmod(num_layers, pp)
+    return [per + (1 if s >= pp - extra else 0) for s in range(pp)]
+
+
+def _comm(fit: dict, nbytes: float) -> float:
+    return fit["latency_s"] + fit["s_per_byte"] * nbytes
+
+
+class ParallelFittedCostModel:
+    """A fitted profile's step costs for a replica of `tensor_parallel_size` x `pipeline_parallel_size` devices
+    (one of them > 1, as the executor runs them)."""
+
+    def __init__(self, total: FittedCostModel, forward: FittedCostModel, comm: dict, model: ModelSpec,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+        self.total, self.forward, self.comm = total, forward, comm
+        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
+        self.token_bytes = model.hidden_size * model.act_bytes
+        self.logit_row_bytes = -(-model.vocab_size // self.tp) * 4  # a rank's vocabulary slice, fp32
+        self.num_layers = model.num_layers
+        layers = stage_layers(model.num_layers, self.pp)
+        weights = [n * model.params_per_layer for n in layers]
+        weights[0] += model.embedding_params  # the LM head lives with the embedding on stage 0
+        self.layer_share = [n / model.num_layers for n in layers]
+        self.weight_share = [w / sum(weights) for w in weights]
+        self._layer = [f in LAYER_TERMS for f in FEATURES]
+        self._weight = [f in WEIGHT_TERMS for f in FEATURES]
+        self._sampled = FEATURES.index("sampled")
+        self.model = model
+
+    def _terms(self, shape: BatchShape) -> tuple[list[float], float]:
+        """The forward fit's terms for this shape (coefficient x feature, in FEATURES order) and the host time."""
+        f = self.forward
+        x = features(shape, f.knot)
+        terms = [c * v for c, v in zip(f._c, x)]
+        host = max(0.0, self.total.step_time(shape) - sum(terms))
+        return terms, host
+
+    def _tensor_parallel(self, shape: BatchShape) -> float:
+        terms, host = self._terms(shape)
+        c, n, tokens = self.comm, self.tp, shape.num_new_tokens
+        rows = shape.num_sampled if shape.num_sampled else tokens  # the last layer runs the sampling rows only
+        comm = (_comm(c["message_gloo"], 0) + (2 * self.num_layers - 2) * _comm(c["all_reduce_shm"], tokens *
+                self.token_bytes) + 2 * _comm(c["all_reduce_shm"], rows * self.token_bytes))
+        if shape.num_sampled:
+            comm += _comm(c["gather_shm"], shape.num_sampled * self.logit_row_bytes)
+        return host + sum(terms) / n + comm
+
+    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> tuple[list[float], float, float]:
+        """(each stage's time, the send between consecutive stages, the return of the sampling rows' hidden states
+        to stage 0). `step_s`: the replica's time for the step, if more than step_time (drafting, verify cost):
+        the difference goes to stage 0."""
+        terms, host = self._terms(shape)
+        layer = sum(t for t, on in zip(terms, self._layer) if on)
+        weight = sum(t for t, on in zip(terms, self._weight) if on)
+        stages = [ls * layer + ws * weight for ls, ws in zip(self.layer_share, self.weight_share)]
+        stages[0] += host + terms[self._sampled]
+        send = _comm(self.comm["send_gloo"], shape.num_new_tokens * self.token_bytes)
+        back = _comm(self.comm["send_gloo"], shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
+        if step_s is not None:
+            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
+        return stages, send, back
+
+    def step_time(self, shape: BatchShape) -> float:
+        if self.pp > 1:
+            stages, send, back = self.pipeline_stages(shape)
+            return sum(stages) + (self.pp - 1) * send + back
+        return self._tensor_parallel(shape)
+
+    def scaled(self, factor: float) -> "ParallelFittedCostModel":
+        """Every cost, communication included, `factor` times as long (the machine slower or faster than profiled)."""
+        if factor == 1.0:
+            return self
+        comm = {op: {k: v * factor for k, v in fit.items()} for op, fit in self.comm.items()}
+        return ParallelFittedCostModel(self.total.scaled(factor), self.forward.scaled(factor), comm, self.model,
+                                       self.tp, self.pp)
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+
+    def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
+        return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
