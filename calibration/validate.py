@@ -11,7 +11,7 @@ from sim.config.errors import ConfigError
 from sim.config.plan import Plan, replan
 from sim.config.workload import generate_requests
 from sim.cost.build import make_cost_model
-from sim.cost.fitted import predicted_step_time
+from sim.cost.fitted import predicted_step_time, shape_of
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.simulator.cluster import sim_records, simulate
 
@@ -375,33 +375,45 @@ def run_order(main: list[int], plain: list[int | None], repeat: int) -> list[int
 
 def alongside_sweep(plans: list, load, device: str, quick: bool):
     """The profile sweep `validate --profile-alongside` runs between the executor runs, on the model of the
-    first scenario (one profile prices one model: every scenario must have the same)."""
+    first scenario (one profile prices one model: every scenario must have the same). A tensor-parallel scenario's
+    sweep runs through its layout (composed from one device, its steps came out 1.2-1.6x too fast: 60 barriers a
+    step, docs/cost-model.md); a pipelined one's is of one device, its stages priced by composition."""
     from calibration.profile import Sweep
     from executor.prompts import corpus_ids
 
     first = plans[0]
-    shape = (first.model.num_layers, first.model.hidden_size)
+    shape = (first.model.num_layers, first.model.hidden_size, first.tensor_parallel_size)
     for plan in plans:
-        if (plan.model.num_layers, plan.model.hidden_size) != shape:
-            raise ConfigError(f"--profile-alongside measures one model's profile, but {plan.name} runs "
-                              f"{plan.model.name} and {first.name} {first.model.name}",
-                              "--profile-alongside")
+        if (plan.model.num_layers, plan.model.hidden_size, plan.tensor_parallel_size) != shape:
+            raise ConfigError(f"--profile-alongside measures one model's profile through one layout, but {plan.name} "
+                              f"runs {plan.model.name} at tensor_parallel_size {plan.tensor_parallel_size} and "
+                              f"{first.name} {first.model.name} at {first.tensor_parallel_size}", "--profile-alongside")
     loaded = load(first)
-    return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick)
+    tp = first.tensor_parallel_size
+    return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick,
+                 parallel={"tensor_parallel_size": tp} if tp > 1 else None)
 
 
 def step_time_ratio(records: list[dict], cost, verify_cost_ratio: float = 1.0) -> dict:
     """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
     model, verify steps times the scenario's verify_cost_ratio, as the simulator charges them), over all steps
     and split by kind. Near 1 with a large metric error points at the policy or the replay; far from 1, at the
-    cost model or at the machine running faster or slower than when profiled."""
+    cost model or at the machine running faster or slower than when profiled. A pipelined step (`stages` in its
+    record) counts its stages' busy time against the stages' predicted times: with batches in flight its start to
+    end also holds waits for the other batch."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
-        pred = predicted_step_time(r, cost)
+        if r.get("stages") and hasattr(cost, "pipeline_stages"):
+            shape = shape_of(r["new_tokens"], r["context_lens"], r.get("num_sampled"), r.get("num_prefill"))
+            pred = sum(cost.pipeline_stages(shape)[0])
+            real = sum(b - a for a, b in r["stages"]) + r.get("driver_s", 0.0)
+        else:
+            pred = predicted_step_time(r, cost)
+            real = r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
         if any(q > 1 for q in r["new_tokens"][:r["num_decode"]]):
             pred *= verify_cost_ratio
         for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
-            sums[kind][0] += r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
+            sums[kind][0] += real
             sums[kind][1] += pred
     return {k: (real / pred if pred else None) for k, (real, pred) in sums.items()}
 

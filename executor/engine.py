@@ -46,9 +46,11 @@ class StepRecord:
     draft_s: float = 0.0  # of the step's time, spent proposing drafts (0: the drafter did not run)
     draft_fed_tokens: int = 0  # tokens the drafter's own model caught up on (Drafter.fed_tokens)
     forward_s: float | None = None  # of the step's time, in the model runner (the forward; on a GPU until queued)
-    # pipeline parallelism: the batch in flight that ran the step, and each stage's (start, end) on the step's clock
+    # pipeline parallelism: the batch in flight that ran the step, each stage's (start, end) on the step's clock, and
+    # the driver's time on the step besides stage 0's layers (scheduling, input preparation, the LM head, sampling)
     virtual_engine: int | None = None
     stages: list[tuple[float, float]] | None = None
+    driver_s: float | None = None
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}  # fields a layout does not use: absent

@@ -14,7 +14,7 @@ import torch
 from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.cpu_load import CpuLoad
-from executor.distributed.launch import WorkerError
+from executor.distributed.launch import STOPPED, WorkerError
 from executor.engine import Engine, SamplingParams
 from executor.model import LlamaConfig, LlamaModel
 from executor.prompts import corpus_ids, prompt_ids
@@ -24,7 +24,7 @@ from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
-from sim.policy.request import Request
+from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
 
@@ -154,8 +154,11 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     engine.t0 = time.perf_counter()
     try:
         _replay(engine, requests, corpus, load, adapt_threads, progress)
-    except WorkerError as e:
-        e.requests, e.engine = requests, engine  # the partial result: what completed before the worker failed
+    except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
+        for r in requests:
+            if not r.is_done:
+                r.status, r.reject_reason = Status.REJECTED, STOPPED
+        e.requests, e.engine = requests, engine
         raise
     return requests
 

@@ -90,3 +90,16 @@ def test_a_profile_without_communication_cannot_price_parallel_steps(tmp_path):
         plan_of(parallel(path, tensor_parallel_size=2))
     assert e.value.key_path == "parallel.tensor_parallel_size" and "communication" in e.value.message
     assert isinstance(make_cost_model(plan_of(parallel(path))), FittedCostModel)
+
+
+def test_a_profile_measured_through_the_layout_prices_it_as_it_is(tmp_path):
+    d = copy.deepcopy(PROFILE)
+    d["parallel"] = {"tensor_parallel_size": 2}
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(d))
+    cost = make_cost_model(plan_of(parallel(path, tensor_parallel_size=2)))
+    assert type(cost) is FittedCostModel and cost.coefs == d["fit"]["coefs"]
+    for other in ({}, {"pipeline_parallel_size": 2}):
+        with pytest.raises(ConfigError) as e:
+            plan_of(parallel(path, **other))
+        assert "measured through tensor x pipeline parallel 2 x 1" in e.value.message

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from executor.distributed.launch import WorkerError
+from executor.distributed.launch import STOPPED, WorkerError
 from infersim.api import serve_scenario
 from sim.config.errors import ConfigError
 from sim.config.plan import load_scenario
@@ -61,6 +61,7 @@ def test_a_worker_killed_mid_serve_ends_it_with_its_rank_and_the_completed_reque
     assert time.monotonic() - killed[0] < 10  # no hang
     done = [r for r in e.value.requests if r.status.value == "finished"]
     assert 0 < len(done) < 40 and all(len(r.token_times) == r.max_tokens for r in done)
+    assert all(r.reject_reason == STOPPED for r in e.value.requests if r not in done)  # every request ended
 
 
 def _worker_pid() -> int:

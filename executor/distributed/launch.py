@@ -37,6 +37,7 @@ GRACE_S = 2.0  # how long a finishing child gets to exit before it is killed
 REPORT_S = 1.0  # how long a failing child gets to write its error message
 START_TIMEOUT_S = 120.0  # spawn, import torch, connect: seconds on a busy 2-core machine
 CHILD_TIMEOUT = timedelta(days=7)  # children wait for the driver's next message as long as it is alive
+STOPPED = "the serve stopped: a worker failed"  # the reject reason of requests a failed worker left unfinished
 
 
 class WorkerError(RuntimeError):

@@ -222,18 +222,23 @@ class PipelineEngine:
             work.wait()
         for work, _ in f.sends:
             work.wait()
+        answered = time.perf_counter()
         engine = self.engines[f.ve]
         logits = self.pipe.model.compute_logits(f.out) if f.out is not None else None
         record = engine.finish_step(f.pending, f.out, logits)
         t0 = engine.t0
         record.virtual_engine = f.ve
         record.stages = [(a - t0, b - t0) for a, b in [f.stage0] + [tuple(s.tolist()) for s in f.spans]]
+        # before stage 0's layers (scheduling, preparing) and after the last stage answered (LM head, sampling)
+        record.driver_s = (f.stage0[0] - t0 - record.start_s) + (time.perf_counter() - answered)
         return record
 
     def stage_busy_s(self) -> list[float]:
-        """Per stage, the time it spent computing in the recorded steps."""
+        """Per stage, the time it was busy in the recorded steps: its layers, and on stage 0 (the driver) also the
+        steps' scheduling, LM head and sampling."""
         busy = [0.0] * self.pipe.pipeline_parallel_size
         for r in self.records:
+            busy[0] += r.driver_s or 0.0
             for k, (a, b) in enumerate(r.stages or []):
                 busy[k] += b - a
         return busy

@@ -51,6 +51,8 @@ class ShmCollectives:
         self.world_size = buffers.data.shape[1]
         self.capacity = buffers.data.shape[2]
         self.flags = buffers.flags.numpy()  # numpy reads an element in ~100 ns, torch in ~1 µs
+        self.published = self.flags[:self.world_size]
+        self.parts = [list(slot) for slot in self.data]  # [slot][rank] views, made once: every layer uses them
         self.rank = rank
         self.seq = int(self.flags[rank])
         self.alive = alive or (lambda: None)
@@ -62,9 +64,9 @@ class ShmCollectives:
 
     def _wait(self, seq: int) -> None:
         """Until every rank has published `seq`."""
-        flags, n = self.flags, self.world_size
+        flags, n, published = self.flags, self.world_size, self.published
         spins, since = 0, None
-        while flags[:n].min() < seq:
+        while published.min() < seq:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 os.sched_yield()
@@ -76,27 +78,27 @@ class ShmCollectives:
                     if self.timeout_s is not None and time.monotonic() - since > self.timeout_s:
                         raise TimeoutError(f"no shared-memory partner within {self.timeout_s:g} s")
 
-    def _publish(self, part: torch.Tensor) -> torch.Tensor:
-        """Write this rank's part for the next operation; its slot [world_size, capacity]."""
+    def _publish(self, part: torch.Tensor) -> list[torch.Tensor]:
+        """Write this rank's part (1-D) for the next operation; every rank's part of its slot, as views."""
         self.seq += 1
         s = self.seq
         self._wait(s - 1)  # every rank is past the last reader of this slot
-        slot = self.data[s % 2]
-        slot[self.rank, :part.numel()].copy_(part.reshape(-1))
+        k = part.numel()
+        parts = [p[:k] for p in self.parts[s % 2]]
+        parts[self.rank].copy_(part)
         self.flags[self.rank] = s
-        return slot
+        return parts
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x (contiguous fp32) replaced in place by its sum over the ranks, in rank order; returns x."""
         flat = x.view(-1)
         for start in range(0, flat.numel(), self.capacity):
-            part = flat[start:start + self.capacity]
-            k = part.numel()
-            slot = self._publish(part)
+            part = flat[start:start + self.capacity] if flat.numel() > self.capacity else flat
+            parts = self._publish(part)
             self._wait(self.seq)
-            torch.add(slot[0, :k], slot[1, :k], out=part)
-            for r in range(2, self.world_size):
-                part.add_(slot[r, :k])
+            torch.add(parts[0], parts[1], out=part)
+            for p in parts[2:]:
+                part.add_(p)
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -105,9 +107,9 @@ class ShmCollectives:
         out = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
         for start in range(0, flat.numel(), self.capacity):
             part = flat[start:start + self.capacity]
-            slot = self._publish(part)
+            parts = self._publish(part)
             if out is not None:
                 self._wait(self.seq)
-                for r in range(self.world_size):
-                    out[r][start:start + part.numel()].copy_(slot[r, :part.numel()])
+                for r, p in enumerate(parts):
+                    out[r][start:start + part.numel()].copy_(p)
         return None if out is None else [o.view(x.shape) for o in out]

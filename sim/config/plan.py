@@ -283,8 +283,12 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     c = scenario.cost_model
     # read now, so a bad profile is reported against the scenario that names it
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
-    if profile is not None and tp * pp > 1:  # priced by composition (sim/cost/parallel.py), as the executor runs it
-        key = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
+    key = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
+    if profile is not None and profile.parallel != (1, 1) and profile.parallel != (tp, pp):
+        raise ConfigError(f"{profile.path} was measured through tensor x pipeline parallel {profile.parallel[0]} x "
+                          f"{profile.parallel[1]}, not {tp} x {pp}; allowed: a profile of that layout or of one "
+                          "device", key)
+    if profile is not None and tp * pp > 1 and profile.parallel == (1, 1):  # composed (sim/cost/parallel.py)
         if tp > 1 and pp > 1:
             raise ConfigError("a fitted profile prices tensor or pipeline parallelism, not both; allowed: the roofline "
                               "(no cost_model.profile) for both", key)

@@ -22,7 +22,8 @@ COMM_OPS = ("all_reduce_shm", "gather_shm", "all_reduce_gloo", "send_gloo", "mes
 class ProfileFile:
     """The fitted step-cost coefficients of one device and model, and everything else the file records.
     `forward`: the same fit of the steps' forward alone (coefficients, knot), and `comm`: per operation its
-    latency_s and s_per_byte — what pricing tensor- and pipeline-parallel steps needs; None where not measured."""
+    latency_s and s_per_byte — what composing tensor- and pipeline-parallel steps needs; None where not measured.
+    `parallel`: (tensor, pipeline parallel size) of the engine the sweep ran through ((1, 1): one device)."""
 
     path: Path
     coefs: dict
@@ -30,6 +31,7 @@ class ProfileFile:
     data: dict
     forward: tuple[dict, int] | None = None
     comm: dict | None = None
+    parallel: tuple[int, int] = (1, 1)
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
@@ -50,13 +52,14 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
     coefs, knot = _check(data, path)
     forward = _check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
     comm = _check_comm(data["comm"], path) if "comm" in data else None
+    parallel = _check_parallel(data.get("parallel") or {}, path)
     m = data.get("model", {})
     if model is not None and m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers,
                                                                                     model.hidden_size):
         raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
-    return ProfileFile(path, coefs, knot, data, forward, comm)
+    return ProfileFile(path, coefs, knot, data, forward, comm, parallel)
 
 
 def _no_constant(name: str):
@@ -98,6 +101,20 @@ def _check_fit(fit, path: Path, key: str) -> tuple[dict, int]:
     if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
         raise _bad(path, f"{key}.knot", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
     return coefs, knot
+
+
+def _check_parallel(layout, path: Path) -> tuple[int, int]:
+    """The (tensor, pipeline) parallel sizes a profile was measured through."""
+    keys = ("tensor_parallel_size", "pipeline_parallel_size")
+    if not isinstance(layout, dict) or set(layout) - set(keys):
+        raise _bad(path, "parallel", f"a mapping of {' and '.join(keys)}")
+    sizes = []
+    for k in keys:
+        v = layout.get(k, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+            raise _bad(path, f"parallel.{k}", f"{str(v)[:40]!r}: a whole number in 1..64")
+        sizes.append(v)
+    return sizes[0], sizes[1]
 
 
 def _check_comm(comm, path: Path) -> dict:

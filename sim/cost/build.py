@@ -10,12 +10,13 @@ from sim.cost.speculation import SpeculationModel, reference_step_s
 
 
 def make_cost_model(plan: Plan) -> StepCostModel:
-    """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan composed with
-    the profile's communication, sim/cost/parallel.py), else the roofline."""
+    """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan, a profile
+    measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
+    else the roofline."""
     c = plan.cost
     if c.profile is not None:
         fitted = FittedCostModel.from_profile(c.profile)
-        if plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+        if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
             coefs, knot = c.profile.forward
             fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot), c.profile.comm, plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
