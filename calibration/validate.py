@@ -203,6 +203,9 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "step_time_ratio": ratios, "latency_cdf": latency_quantiles(runs[0][0], sim_rec)}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
+    if plan.pools is not None:  # each pool's processes at their own speed (a prefill beside a decoding peer is slower)
+        run_scales = [pool_scales(steps, cost) for _, steps in runs]
+        result["pool_step_time_ratio"] = run_scales
     at_speed = sims_at_run_speed(plan, profile, run_scales, specs)
     for name, row in errors_at_run_speed(metrics, at_speed).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
@@ -224,13 +227,34 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     return result
 
 
-def sims_at_run_speed(plan: Plan, profile: Path, scales: list[float | None], specs) -> list[dict | None]:
+def pool_scales(steps: list[dict], cost) -> dict[str, float] | None:
+    """A disaggregated run's step-time ratio per pool (its steps carry `pool`); None if a pool ran no steps."""
+    scales = {name: step_time_ratio([s for s in steps if s.get("pool") == name], cost)["all"]
+              for name in ("prefill", "decode")}
+    return scales if all(scales.values()) else None
+
+
+def pool_scaled(plan: Plan, scales: dict[str, float]) -> Plan:
+    """The disaggregated plan with each pool's profile times its own scale."""
+    pools = json.loads(json.dumps(plan.source["pools"]))
+    for name, scale in scales.items():
+        pools[name]["cost_model"] = {**(pools[name].get("cost_model") or {}), "profile_scale": scale}
+    return replan(plan, pools=pools)
+
+
+def sims_at_run_speed(plan: Plan, profile: Path, scales: list, specs) -> list[dict | None]:
     """The simulator's metrics with the profile scaled by each run's own measured step-time ratio (None for a
-    run without one): what it predicts once the machine's average speed during that run is known. A
-    diagnostic (it reads the real run), not a prediction: a large headline error that shrinks there is the cost
-    model or the machine's speed; one that stays is the policy, the replay, or the machine's speed changing
-    within the run. `specs`: the requests of the headline simulation."""
-    return [simulated(plan, profile, scale, specs)[2] if scale else None for scale in scales]
+    run without one; for pools, a ratio per pool): what it predicts once the machine's average speed during that
+    run is known. A diagnostic (it reads the real run), not a prediction: a large headline error that shrinks there
+    is the cost model or the machine's speed; one that stays is the policy, the replay, or the machine's speed
+    changing within the run. `specs`: the requests of the headline simulation."""
+    out = []
+    for scale in scales:
+        if isinstance(scale, dict):
+            out.append(simulated(pool_scaled(plan, scale), profile, 1.0, specs)[2])
+        else:
+            out.append(simulated(plan, profile, scale, specs)[2] if scale else None)
+    return out
 
 
 def errors_at_run_speed(reals: list[dict], sims: list[dict | None]) -> dict:
@@ -382,12 +406,18 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     from executor.prompts import corpus_ids
 
     first = plans[0]
-    shape = (first.model.num_layers, first.model.hidden_size, first.tensor_parallel_size)
+    def shape(p):  # what one profile prices: the model, its compression, the layout
+        m = p.model
+        return m.num_layers, m.hidden_size, m.weight_dtype, m.kv_dtype, m.sparsity, p.tensor_parallel_size
+
     for plan in plans:
-        if (plan.model.num_layers, plan.model.hidden_size, plan.tensor_parallel_size) != shape:
+        if shape(plan) != shape(first):
+            m, f = plan.model, first.model
             raise ConfigError(f"--profile-alongside measures one model's profile through one layout, but {plan.name} "
-                              f"runs {plan.model.name} at tensor_parallel_size {plan.tensor_parallel_size} and "
-                              f"{first.name} {first.model.name} at {first.tensor_parallel_size}", "--profile-alongside")
+                              f"runs {m.name} ({m.weight_dtype} weights, {m.kv_dtype or 'unquantized'} KV) at "
+                              f"tensor_parallel_size {plan.tensor_parallel_size} and {first.name} {f.name} "
+                              f"({f.weight_dtype}, {f.kv_dtype or 'unquantized'} KV) at {first.tensor_parallel_size}",
+                              "--profile-alongside")
     loaded = load(first)
     tp = first.tensor_parallel_size
     return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sim.config.errors import ConfigError
+from sim.config.plan import replan
 from tests.helpers import plan_of, run, scenario
 
 
@@ -39,6 +40,22 @@ def test_each_pool_takes_the_scenarios_keys_and_overrides_its_own():
     assert plan.pools.transfer_s(1000) == pytest.approx(1000 * plan.model.kv_bytes_per_token / 600e9 + 3e-6)
 
 
+def test_a_pool_prices_its_steps_with_its_own_cost_model_and_replanning_keeps_every_key():
+    base = dict(serving={"enable_chunked_prefill": True, "max_num_seqs": 64}, prefill_serving={"max_num_seqs": 32},
+                workload=workload(2, 800, 100, n=120))
+    slow_data = pools(prefill_cost_model={"step_overhead_s": 0.05}, **base)
+    slow = plan_of(slow_data)
+    assert slow.pools.prefill.cost.step_overhead_s == 0.05 and slow.pools.decode.cost.step_overhead_s == 2e-3
+    fast_m, slow_m = run(pools(**base))[0], run(slow_data)[0]
+    assert slow_m["ttft_s"]["p50"] > fast_m["ttft_s"]["p50"] + 0.04  # every prompt pays the prefill pool's step
+    assert slow_m["tpot_s"]["p50"] == pytest.approx(fast_m["tpot_s"]["p50"], rel=0.05)
+    again = replan(slow)  # a pool's sections keep only the keys it set: re-resolved, nothing reverts to defaults
+    for name in ("prefill", "decode"):
+        assert getattr(again.pools, name).scheduler == getattr(slow.pools, name).scheduler
+        assert getattr(again.pools, name).cost == getattr(slow.pools, name).cost
+    assert again.pools.prefill.scheduler.enable_chunked_prefill and again.pools.prefill.scheduler.max_num_seqs == 32
+
+
 @pytest.mark.parametrize("over, where, what", [
     (dict(replicas=2), "", "replicas is set per pool"),
     (dict(decode_hardware={"base": "L4", "memory_gib": 8}), "pools.decode.hardware", "does not fit"),
@@ -51,7 +68,7 @@ def test_each_pool_takes_the_scenarios_keys_and_overrides_its_own():
     (dict(speculative={"method": "ngram", "acceptance_rate": 0.5}), "", "speculative decoding with pools"),
     (dict(pools_extra={"kv_transfer": {"bandwidth": 0}}), "pools.kv_transfer.bandwidth", "greater than or equal"),
     (dict(decode_serving={"max_num_seqs": 0}), "pools.decode.serving.max_num_seqs", "greater than 0"),
-    (dict(decode_gpus=3), "pools.decode.gpus", "allowed: replicas, hardware, router, parallel, serving, kv_cache"),
+    (dict(decode_gpus=3), "pools.decode.gpus", "allowed: replicas, hardware, router, parallel, serving, kv_cache, cost_model"),
 ])
 def test_what_cannot_run_is_a_located_one_line_error(over, where, what):
     with pytest.raises(ConfigError) as e:

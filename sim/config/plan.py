@@ -14,6 +14,7 @@ from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
+    CostModelConfig,
     ExecutorConfig,
     KVCacheConfig,
     Scenario,
@@ -149,7 +150,7 @@ class Pools:
         return kv_bytes / (self.kv_bandwidth * self.kv_links) + self.kv_latency_s
 
 
-POOL_KEYS = ("replicas", "hardware", "router", "parallel", "serving", "kv_cache")
+POOL_KEYS = ("replicas", "hardware", "router", "parallel", "serving", "kv_cache", "cost_model")
 
 
 def _pool_scenario(scenario: Scenario, name: str) -> Scenario:
@@ -157,10 +158,12 @@ def _pool_scenario(scenario: Scenario, name: str) -> Scenario:
     pool = getattr(scenario.pools, name)
     kv = scenario.kv_cache if pool.kv_cache is None else KVCacheConfig.model_validate(
         {**scenario.kv_cache.model_dump(), **pool.kv_cache.model_dump(exclude_unset=True)})
+    cost = scenario.cost_model if pool.cost_model is None else CostModelConfig.model_validate(
+        {**scenario.cost_model.model_dump(), **pool.cost_model.model_dump(exclude_unset=True)})
     return scenario.model_copy(update={
         "replicas": pool.replicas, "hardware": pool.hardware if pool.hardware is not None else scenario.hardware,
         "router": pool.router or scenario.router, "parallel": pool.parallel or scenario.parallel,
-        "serving": scenario.pools_serving(name), "kv_cache": kv, "pools": None})
+        "serving": scenario.pools_serving(name), "kv_cache": kv, "cost_model": cost, "pools": None})
 
 
 def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
@@ -182,8 +185,9 @@ def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
     bandwidth = link.bandwidth or min(p.hardware.interconnect_bandwidth, d.hardware.interconnect_bandwidth)
     latency = link.latency_s if link.latency_s is not None else \
         max(p.hardware.interconnect_latency_s, d.hardware.interconnect_latency_s)
-    return replace(d, name=scenario.name, source=scenario.model_dump(mode="json"),
-                   pools=Pools(p, d, bandwidth, latency))
+    # a pool's sections keep only the keys it set: resolved again (replan) they still override key by key
+    source = {**scenario.model_dump(mode="json"), "pools": scenario.pools.model_dump(mode="json", exclude_unset=True)}
+    return replace(d, name=scenario.name, source=source, pools=Pools(p, d, bandwidth, latency))
 
 
 def _resolve(raw: str | dict, kind: str, lookup, spec_cls):

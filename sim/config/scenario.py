@@ -220,6 +220,8 @@ class PoolConfig(StrictModel):
     parallel: ParallelConfig | None = Field(None, description="default: the scenario's parallel")
     serving: ServingConfig | None = Field(None, description="keys set here override the scenario's serving")
     kv_cache: KVCacheConfig | None = Field(None, description="keys set here override the scenario's kv_cache")
+    cost_model: CostModelConfig | None = Field(None, description="keys set here override the scenario's cost_model "
+                                               "(a pool on other hardware prices its steps with its own profile)")
 
 
 class KVTransferConfig(StrictModel):
