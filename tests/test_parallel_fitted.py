@@ -66,6 +66,9 @@ def test_pipeline_stages_split_the_layers_and_stage_0_keeps_the_host_work_and_th
     stages, send, back = cost.pipeline_stages(shape)
     assert stage_layers(30, 2) == [15, 15] and stage_layers(5, 2) == [2, 3]
     assert stages[0] > stages[1] > 0  # host work and the LM head on stage 0
+    # every stage runs a forward of its own: the step's fixed cost in full on each, not a share
+    one = make_cost_model(plan_of(parallel(profile)))
+    assert sum(stages) == pytest.approx(one.step_time(shape) + cost.forward.coefs["step"], rel=1e-9)
     assert cost.step_time(shape) == pytest.approx(sum(stages) + send + back)
     assert send == pytest.approx(1e-4 + 7e-10 * 8 * 576 * 4) and back == pytest.approx(send)
     # a step priced longer by the replica (a drafter, a verify) lengthens stage 0 only

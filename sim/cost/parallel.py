@@ -7,8 +7,8 @@ difference is the host work. Tensor parallelism over n ranks (Megatron, as execu
 runs it): host + forward / n + the step message's broadcast + two all-reduces a layer of the tokens' hidden states
 (the last layer's of the sampling rows only) + the gather of the sampled rows' vocabulary slices. Pipeline
 parallelism over p stages (executor/distributed/pipeline.py): stage k runs its share of the layers — the forward's
-per-token and attention terms by layer count, its fixed (weight-streaming) terms by the share of the weights it
-holds — and stage 0 also the host work and the LM head (the sampled-rows term and the head's weights); the residual
+per-token and attention terms by layer count, its few-token (weight-streaming) term by the share of the weights
+it holds, the step's fixed cost in full (every stage runs a forward) — and stage 0 also the host work and the LM head (the sampled-rows term and the head's weights); the residual
 stream crosses between stages and the sampling rows' hidden states come back. A step alone takes the sum of it all
 (`step_time`); the simulator's pipeline (sim/simulator/pipeline.py) holds each stage for its own time
 (`pipeline_stages`), so batches in flight overlap as they do on the executor.
@@ -21,11 +21,13 @@ from sim.cost.fitted import FittedCostModel, features
 from sim.cost.roofline import decode_run
 from sim.policy.scheduler import BatchShape
 
-# terms of the forward fit that scale with the layers a device runs (the rest: the step's fixed cost and the
-# few-token kink, i.e. streaming the weights, by the weights it holds; the sampled rows: the LM head)
+# terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
+# the weights it holds; the step's fixed cost in full on every stage (each runs a forward of its own: measured on
+# the executor's 2-stage SmolLM2, stage 1 ran 1.38x a share of it, 0.98-1.03x the whole); the sampled rows: the LM head
 LAYER_TERMS = ("new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
                "attn_pairs", "kv_tokens")
-WEIGHT_TERMS = ("step", "few_tokens")
+WEIGHT_TERMS = ("few_tokens",)
+STAGE_TERMS = ("step",)
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
@@ -57,6 +59,7 @@ class ParallelFittedCostModel:
         self.weight_share = [w / sum(weights) for w in weights]
         self._layer = [f in LAYER_TERMS for f in FEATURES]
         self._weight = [f in WEIGHT_TERMS for f in FEATURES]
+        self._stage = [f in STAGE_TERMS for f in FEATURES]
         self._sampled = FEATURES.index("sampled")
         self.model = model
 
@@ -85,7 +88,8 @@ class ParallelFittedCostModel:
         terms, host = self._terms(shape)
         layer = sum(t for t, on in zip(terms, self._layer) if on)
         weight = sum(t for t, on in zip(terms, self._weight) if on)
-        stages = [ls * layer + ws * weight for ls, ws in zip(self.layer_share, self.weight_share)]
+        fixed = sum(t for t, on in zip(terms, self._stage) if on)
+        stages = [ls * layer + ws * weight + fixed for ls, ws in zip(self.layer_share, self.weight_share)]
         stages[0] += host + terms[self._sampled]
         send = _comm(self.comm["send_gloo"], shape.num_new_tokens * self.token_bytes)
         back = _comm(self.comm["send_gloo"], shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
