@@ -54,7 +54,9 @@ class CpuLoad:
     def _read(self):
         jiffies = _busy_jiffies()
         own = os.times()
-        return time.monotonic(), jiffies, own.user + own.system + sum(map(_cpu_seconds, self.workers))
+        # a worker reads from /proc while it runs; once exited and reaped, its whole CPU time is in children_*
+        reaped = own.children_user + own.children_system
+        return time.monotonic(), jiffies, own.user + own.system + reaped + sum(map(_cpu_seconds, self.workers))
 
     def sample(self) -> float | None:
         """Other processes' cores since the last sample (None where /proc/stat cannot be read)."""
