@@ -270,6 +270,63 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     return results, prof, summary
 
 
+def validate_capacity(scenarios: list[Path], out: Path | None = None, device: str = "cpu",
+                      profile: Path | None = None, threads: int | None = None, alongside: Path | None = None,
+                      precision: float = 0.05) -> tuple[list[dict], Path]:
+    """Each scenario's capacity (the highest rate meeting its SLOs) measured on the executor by a rate search of
+    real serves and predicted by the simulator on the same grid: (each scenario's capacity.json content, the
+    profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it."""
+    from calibration.capacity import validate_capacity as measure
+    from calibration.profile import write_profile
+    from calibration.validate import PROFILES, alongside_sweep, check_graphs, model_loader
+    from executor.serve import check_device, set_threads
+
+    check_device(device)
+    paths = scenario_files(scenarios)
+    plans = [(path, load_plan(path)) for path in paths]
+    prepare_out(out)
+    if alongside is not None and profile is not None:
+        raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
+    prof = profile or PROFILES / f"{device}.json"
+    if alongside is None and not prof.exists():
+        raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+    for path, plan in plans:
+        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
+            from executor.speculative.build import drafter_dir
+
+            try:
+                drafter_dir(plan)
+            except ConfigError as e:
+                raise e.with_file(str(path)) from None
+    check_graphs([plan for _, plan in plans], None if alongside else prof, device)
+    load = model_loader(device)
+    results = []
+    for path, plan in plans:
+        folder = None if out is None else (out if len(plans) == 1 else out / path.stem)
+        try:
+            loaded = load(plan)
+        except ConfigError as e:
+            raise e.with_file(str(path)) from None
+        set_threads(plan, threads)
+        sweep = alongside_sweep([plan], load, device, False) if alongside is not None else None
+        own = None if alongside is None else (alongside if len(plans) == 1 else
+                                               alongside.with_name(f"{alongside.stem}-{path.stem}{alongside.suffix}"))
+
+        def finish(sweep=sweep, own=own, plan=plan):
+            write_profile(own, sweep.profile(plan.model.model_dump()))
+            return own
+
+        results.append(measure(plan, prof if sweep is None else None, device, threads, loaded, sweep,
+                               finish if sweep is not None else None, folder, precision, stage=_stage))
+    return results, alongside or prof
+
+
+def _stage(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(text, highlight=False)
+
+
 def profile(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int,
             refit: bool = False, scenario: Path | None = None) -> dict:
     """Time engine steps of many shapes on the executor and fit the step-cost model (or, with `refit`, fit

@@ -134,18 +134,32 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "while validating (a slice of the sweep before each executor "
                                                       "run and after the last; ~4 min more for SmolLM2 on a CPU), "
                                                       "write it here and predict with it: profile and runs then "
-                                                      "see the machine in the same minutes")) -> None:
+                                                      "see the machine in the same minutes"),
+             capacity: bool = typer.Option(False, "--capacity", help="validate capacity instead: the highest "
+                                           "arrival rate meeting the SLOs, found by a rate search of real serves "
+                                           "(the scenario's requests, their gaps scaled) and predicted on the same "
+                                           "grid; writes capacity.json"),
+             precision: float = typer.Option(0.05, "--precision", min=0.01, max=1.0, help="--capacity: the rate "
+                                             "grid's step (capacity is found within it)")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     from executor.distributed.launch import WorkerError
 
     try:
-        results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
-                                              alongside)
+        if capacity:
+            if real_from is not None or repeat > 1:
+                raise ConfigError("--capacity runs its own probes: not with --real-from or --repeat", "--capacity")
+            results, prof = api.validate_capacity(scenarios, out, device, profile_path, threads, alongside, precision)
+        else:
+            results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
+                                                  alongside)
     except ConfigError as e:
         _fail(e)
     except WorkerError as e:  # a worker process of a parallel or disaggregated serve failed: one line
         print(f"infersim: error: {e}", file=sys.stderr)
         raise typer.Exit(1)
+    if capacity:
+        _print_capacity(results, device, prof)
+        return
     for result in results:
         _print_validation(result, device, prof, result["runs"])
     drift = _drift_line(results)
@@ -183,6 +197,19 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
         t.add_row("alpha", _num(spec["alpha_real"]), _num(spec["alpha_sim"]), "", "", *(["", ""] if spread else []))
     real = "real (mean of %d executor runs)" % repeat if spread else "real"
     Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}")
+    Console().print(t)
+
+
+def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
+    t = Table("scenario", "measured req/s", "missed at", "predicted", "error %", "at run speed", "error %", "probes")
+    for r in results:
+        m, p, s = r["measured"], r["predicted"], r["predicted_at_run_speed"] or {}
+        t.add_row(r["scenario"], _num(m["capacity_rps"]), _num(m["missed_at_rps"]), _num(p["capacity_rps"]),
+                  _pct(r["error_pct"]), _num(s.get("capacity_rps")), _pct(r["error_at_run_speed_pct"]),
+                  " ".join(f"{q['rate']:.3g}{'+' if q['passes'] else '-'}{'' if q['sim_passes'] == q['passes'] else '!'}"
+                           for q in r["probes"]))
+    Console().print(f"capacity on {device} (grid step {results[0]['precision']:.0%}) vs simulated with {prof}; "
+                    "probes: rate, + met the SLOs / - missed, ! where the simulator said otherwise")
     Console().print(t)
 
 

@@ -30,9 +30,9 @@ from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
+from sim.report.capacity import grid_capacity, passes, scaled
 
 MAX_CONFIGURATIONS = 10_000
-KEEP_UP = 0.8  # a probe passes only if it completes requests at this share of the offered rate or more
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
 WHOLE = ("speculative", "pools", "model", "hardware", "workload")
 
@@ -266,14 +266,6 @@ class Probe:
     settings: dict
 
 
-def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
-    """The probe requests with their arrival gaps scaled so that they arrive at `rate` requests/s on average."""
-    first = specs[0][0]
-    span = specs[-1][0] - first
-    factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
-    return [RequestSpec(i, (a - first) * factor, p, o) for i, (a, p, o) in enumerate(specs)]
-
-
 def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> tuple[bool, dict | None]:
     """Simulate `specs` on `plan`: (whether the SLOs hold, counting rejected requests as misses; the report's
     metrics when the run went to its end). With `early_stop` the run stops once more requests have missed a target
@@ -301,10 +293,7 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> 
     if result.stopped:
         return False, None
     metrics = compute_metrics(sim_records(result), slo.ttft_s, slo.tpot_s, slo.quantile)
-    # keeping up: a burst that drains within the SLOs is not a sustainable rate (a few requests "arriving" at 1e5/s)
-    offered = (len(specs) - 1) / max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
-    keeps_up = metrics["throughput"]["requests_per_s"] >= KEEP_UP * offered
-    return metrics["slo"]["met_counting_rejected"] and keeps_up, metrics
+    return passes(metrics, [s.arrival_s for s in specs]), metrics
 
 
 def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:
@@ -327,55 +316,22 @@ def search_one(probe: Probe) -> ConfigResult:
     if plan is None:
         return row
     settings = SearchSettings(**probe.settings)
-    # the grid: the target rate times powers of (1 + precision), within [min_rate, max_rate]
-    step = math.log1p(settings.precision)
-    bottom = math.ceil(math.log(settings.min_rate / probe.target_rate) / step)
-    top = math.floor(math.log(settings.max_rate / probe.target_rate) / step)
-    rate = lambda k: probe.target_rate * math.exp(k * step)  # noqa: E731
-    memo: dict[int, tuple[bool, dict | None]] = {}
+    runs: dict[float, tuple[bool, dict | None]] = {}
 
-    def meets(k: int) -> bool:
-        if k not in memo:
-            memo[k] = run_probe(plan, scaled(probe.specs, rate(k)))
-        return memo[k][0]
+    def meets(rate: float) -> bool:
+        runs[rate] = run_probe(plan, scaled(probe.specs, rate))
+        return runs[rate][0]
 
-    # from the target rate (its latency is the one the table shows), jumps of 2x up or down until the verdict flips,
-    # then bisection on the grid
-    k0 = min(top, max(bottom, 0))
-    jump = max(1, int(round(math.log(2) / step)))
-    if meets(k0):
-        lo, hi = k0, None
-        while hi is None:
-            k = min(top, lo + jump)
-            if k == lo:
-                break
-            if meets(k):
-                lo, jump = k, jump * 2
-            else:
-                hi = k
-    else:
-        lo, hi = None, k0
-        while lo is None:
-            k = max(bottom, hi - jump)
-            if k == hi:
-                break
-            if meets(k):
-                lo = k
-            else:
-                hi, jump = k, jump * 2
-    if lo is not None and hi is not None:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-    row.meets_at_target = k0 == 0 and memo[0][0]
+    found = grid_capacity(meets, probe.target_rate, settings.precision, settings.min_rate, settings.max_rate)
+    at_target = runs.get(probe.target_rate)
+    row.meets_at_target = at_target is not None and at_target[0]
     if row.meets_at_target:  # a probe that meets the SLOs ran to its end: its quantiles are the run's
-        q = memo[0][1]["slo"]
+        q = at_target[1]["slo"]
         row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
-    row.probes = len(memo)
-    row.capacity_rps = rate(lo) if lo is not None else 0.0
-    row.missed_at_rps = rate(hi) if hi is not None else None
-    if lo is not None:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
-        tokens_s = memo[lo][1]["throughput"]["output_tokens_per_s"]
+    row.probes = len(runs)
+    row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
+    if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
+        tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]
         row.usd_per_million_tokens = row.usd_per_hour / 3600 / tokens_s * 1e6 if tokens_s else None
     return row
 

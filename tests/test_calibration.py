@@ -301,3 +301,44 @@ def test_a_sweep_run_at_once_keeps_its_medians():
     sweep.run_until(1.0)
     samples, speed = sweep.samples_and_speeds()
     assert speed == [1.0] and all(s["time_s"] == pytest.approx(sum(s["repeat_times_s"]) / 2) for s in samples)
+
+
+def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_executor_passes_and_fails(
+        tmp_path, checkpoint, profile):
+    """`validate --capacity` end to end on the tiny model, and the check that keeps its bisection honest: the
+    simulator's capacity sits between a rate the executor meets the SLOs at and one it misses them at."""
+    from calibration.capacity import predicted_capacity
+    from calibration.validate import run_real, slo_metrics
+    from executor.cpu_load import BUSY_CORES, CpuLoad
+    from executor.serve import load_model
+    from sim.config.plan import load_scenario
+    from sim.config.workload import generate_requests
+    from sim.report.capacity import offered_rate, passes, scaled
+
+    path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},
+                               workload={"num_requests": 40})
+    out = tmp_path / "cap"
+    r = CliRunner().invoke(app, ["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    cap = json.loads((out / "capacity.json").read_text())
+    assert cap["measured"]["capacity_rps"] > 0 and cap["predicted"]["capacity_rps"] > 0
+    assert [p["passes"] for p in cap["probes"]].count(True) >= 1 and len(list(out.glob("probe*"))) == len(cap["probes"])
+    assert "error %" in r.output
+
+    plan = load_scenario(path)[1]
+    specs = generate_requests(plan.workload, plan.base_dir)
+    base = tuple((s.arrival_s, s.prompt_len, s.output_len) for s in specs)
+    sim, _ = predicted_capacity(plan, profile, base, offered_rate([s.arrival_s for s in specs]), 0.1)
+    assert sim.rate > 0 and sim.missed_at is not None
+    loaded = load_model(plan, "cpu")
+    load = CpuLoad()
+    verdicts = []
+    for rate in (sim.rate / 2, sim.missed_at * 2):
+        probe = scaled(base, rate)
+        records, _ = run_real(plan, probe, "cpu", 1, loaded)
+        verdicts.append(passes(slo_metrics(plan, records), [s.arrival_s for s in probe]))
+    load.sample()
+    if load.mean_others >= BUSY_CORES:  # another process's timings: nothing to judge the executor's rate by
+        pytest.skip(f"other processes used {load.mean_others:.1f} cores while the executor served")
+    assert verdicts == [True, False], (sim.rate, sim.missed_at)

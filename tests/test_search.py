@@ -8,10 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from infersim.cli import app
-from infersim.search import apply, parse_search_spec, probes_of, run_probe, run_search, scaled
+from infersim.search import apply, parse_search_spec, probes_of, run_probe, run_search
 from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
+from sim.report.capacity import scaled
 
 BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
         "workload": {"seed": 5, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 600,

@@ -1,0 +1,92 @@
+"""Capacity: the highest arrival rate at which a deployment still meets its SLOs — one definition for the
+simulator's search (`infersim search`) and the executor's measurement (`infersim validate --capacity`).
+
+A run at a rate passes when the SLO quantiles hold with rejected requests counted as misses, and it keeps up:
+it completes requests at KEEP_UP of the offered rate or more (a burst that drains within the SLOs is not a rate the
+deployment sustains). Rates lie on a grid anchored at a target rate, target · (1 + precision)^k: from the target,
+jumps of 2× up or down until the verdict flips, then bisection on the grid, so the capacity is found within one
+grid step and the same rates are tried whoever runs them."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sim.config.workload import RequestSpec
+
+KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
+
+
+def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
+    """Requests ((arrival_s, prompt_len, output_len) each) with their arrival gaps scaled so that they arrive at
+    `rate` requests/s on average: every rate sees the same requests and burst pattern."""
+    first = specs[0][0]
+    span = specs[-1][0] - first
+    factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
+    return [RequestSpec(i, (a - first) * factor, p, o) for i, (a, p, o) in enumerate(specs)]
+
+
+def offered_rate(arrivals: list[float]) -> float:
+    """Requests per second the arrivals offer (gaps between the first and the last)."""
+    return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
+
+
+def passes(metrics: dict, arrivals: list[float]) -> bool:
+    """The capacity verdict on a finished run's metrics (sim.report.metrics.compute_metrics under the SLO)."""
+    keeps_up = metrics["throughput"]["requests_per_s"] >= KEEP_UP * offered_rate(arrivals)
+    return bool(metrics["slo"]["met_counting_rejected"]) and keeps_up
+
+
+@dataclass
+class Capacity:
+    """What a grid search found: `rate` the highest passing rate tried (0: none passed), `missed_at` the lowest
+    failing one above it (None: none failed), and every rate tried with its verdict, in order."""
+
+    rate: float
+    missed_at: float | None
+    tried: list[tuple[float, bool]] = field(default_factory=list)
+
+
+def grid_capacity(meets: Callable[[float], bool], target_rate: float, precision: float = 0.05,
+                  min_rate: float = 0.01, max_rate: float = 1e5) -> Capacity:
+    """Search the rate grid with `meets(rate) -> bool` (each rate is asked once)."""
+    step = math.log1p(precision)
+    bottom = math.ceil(math.log(min_rate / target_rate) / step)
+    top = math.floor(math.log(max_rate / target_rate) / step)
+    rate = lambda k: target_rate * math.exp(k * step)  # noqa: E731
+    memo: dict[int, bool] = {}
+    tried: list[tuple[float, bool]] = []
+
+    def ok(k: int) -> bool:
+        if k not in memo:
+            memo[k] = bool(meets(rate(k)))
+            tried.append((rate(k), memo[k]))
+        return memo[k]
+
+    k0 = min(top, max(bottom, 0))
+    jump = max(1, int(round(math.log(2) / step)))
+    if ok(k0):
+        lo, hi = k0, None
+        while hi is None:
+            k = min(top, lo + jump)
+            if k == lo:
+                break
+            if ok(k):
+                lo, jump = k, jump * 2
+            else:
+                hi = k
+    else:
+        lo, hi = None, k0
+        while lo is None:
+            k = max(bottom, hi - jump)
+            if k == hi:
+                break
+            if ok(k):
+                lo = k
+            else:
+                hi, jump = k, jump * 2
+    if lo is not None and hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return Capacity(rate(lo) if lo is not None else 0.0, rate(hi) if hi is not None else None, tried)
