@@ -3,10 +3,12 @@ plugs into scenarios through cost_model.profile, and refuses a profile of anothe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from calibration.profile import fit_samples
 from sim.config.errors import ConfigError
 from sim.cost.fitted import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import run, scenario
@@ -145,3 +147,13 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
         assert m.step_time(shape) == pytest.approx(sample["time_s"], rel=1e-6)
     missing = CliRunner().invoke(app, ["profile", "--refit", "--out", str(tmp_path / "none.json")])
     assert missing.exit_code == 2 and "no such profile" in missing.output and len(missing.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["cpu.json", "cpu_1thread.json"])
+def test_the_fit_s_form_holds_on_the_shipped_profiles_recorded_steps(name):
+    """The timing-free twin of the SmolLM2 validation test's held-out check: the recorded steps of each shipped
+    CPU profile refit to a held-out error of a few percent, whatever this machine is doing."""
+    data = json.loads((Path(__file__).parent.parent / "calibration" / "profiles" / name).read_text())
+    fit = fit_samples(data["samples"])
+    assert fit["heldout"]["mape"] < 0.08 and fit["heldout"]["r2"] > 0.99
+    assert fit["heldout"]["mape"] == pytest.approx(data["fit"]["heldout"]["mape"], abs=0.005)

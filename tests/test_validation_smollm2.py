@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from executor.cpu_load import BUSY_CORES
 from infersim.cli import app
 
 pytestmark = pytest.mark.slow
@@ -50,6 +51,9 @@ def test_small_validation_within_bound(tmp_path):
     r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "2",
                                  "--out", str(prof)])
     assert r.exit_code == 0, r.output
+    others = json.loads(prof.read_text())["host"]["other_processes_cores"]
+    if others >= BUSY_CORES:  # its timings are another process's: tests/test_fitted_cost.py checks the fit's form
+        pytest.skip(f"other processes used {others:.1f} of the 2 cores during the profile sweep: no timing to judge")
     assert json.loads(prof.read_text())["fit"]["heldout"]["mape"] < 0.15
     path = tmp_path / "ci.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))
