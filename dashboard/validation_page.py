@@ -1,5 +1,6 @@
 """Validation: validation.json files of `infersim validate` runs (CPU and GPU), simulator vs real executor per
-metric, the errors side by side, and each run's latency CDFs overlaid."""
+metric, the errors side by side, and each run's latency CDFs overlaid; capacity.json files of `validate --capacity`,
+the capacity measured on the executor against the simulator's."""
 import json
 from pathlib import Path
 
@@ -14,11 +15,43 @@ SPEEDUPS = ("tpot_p50_speedup", "throughput_speedup")  # a speculative run's ext
 MAX_BYTES = 16 * 2**20
 
 
-def found() -> dict[str, Path]:
-    """validation.json files under runs/ and docs/runs/, by their path in the repository, newest folder first."""
-    paths = sorted((REPO / "runs").rglob("validation.json"), reverse=True)
-    paths += sorted((REPO / "docs" / "runs").rglob("*validation.json"), reverse=True)
+def found(name: str = "validation.json") -> dict[str, Path]:
+    """`name` files under runs/ and docs/runs/, by their path in the repository, newest folder first."""
+    paths = sorted((REPO / "runs").rglob(name), reverse=True)
+    paths += sorted((REPO / "docs" / "runs").rglob(f"*{name}"), reverse=True)
     return {str(p.relative_to(REPO)): p for p in paths}
+
+
+def parse_capacity(text: bytes, name: str) -> dict:
+    """A capacity.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"{len(text) / 2**20:.1f} MiB; allowed: at most {MAX_BYTES // 2**20} MiB", file=name)
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"not JSON ({type(e).__name__}: {str(e)[:80]})", file=name) from None
+    if not isinstance(data, dict):
+        raise ConfigError("not a capacity.json of `infersim validate --capacity`", file=name)
+    for key in ("measured", "predicted"):
+        row = data.get(key)
+        if not isinstance(row, dict) or not isinstance(row.get("capacity_rps"), (int, float)):
+            raise ConfigError("a mapping with capacity_rps (a number)", key, name)
+    return data
+
+
+def capacity_table(runs: list[tuple[str, dict]]) -> pd.DataFrame:
+    """One row per capacity validation: measured (and the rate it missed at), predicted raw and at run speed."""
+    rows = []
+    for label, d in runs:
+        at_speed = d.get("predicted_at_run_speed") or {}
+        probes = d.get("probes") or []
+        rows.append({"file": label, "scenario": d.get("scenario"), "measured req/s": d["measured"]["capacity_rps"],
+                     "missed at req/s": d["measured"].get("missed_at_rps"),
+                     "predicted req/s": d["predicted"]["capacity_rps"], "error %": d.get("error_pct"),
+                     "at run speed req/s": at_speed.get("capacity_rps"),
+                     "error % at run speed": d.get("error_at_run_speed_pct"), "probes": len(probes),
+                     "verdicts agreeing": sum(p.get("passes") == p.get("sim_passes") for p in probes)})
+    return pd.DataFrame(rows).set_index("file")
 
 
 def parse(text: bytes, name: str) -> dict:
@@ -99,6 +132,26 @@ for upload in uploads or []:
         loaded.append((upload.name, parse(upload.getvalue(), upload.name), None))
     except ConfigError as e:
         st.error(e.one_line())
+st.header("Capacity")
+st.caption("The highest rate meeting the SLOs, measured by real serves and predicted (`infersim validate SCENARIO "
+           "--capacity --out DIR` writes DIR/capacity.json).")
+capacity_files = found("capacity.json")
+chosen = st.multiselect("capacity.json files", list(capacity_files), default=list(capacity_files)[:5],
+                        key="validation.capacity")
+capacities = []
+for label in chosen:
+    try:
+        capacities.append((label, parse_capacity(capacity_files[label].read_bytes(), label)))
+    except (ConfigError, OSError) as e:
+        st.error(e.one_line() if isinstance(e, ConfigError) else f"{label}: cannot read it ({e.strerror})")
+if capacities:
+    st.dataframe(capacity_table(capacities).style.format("{:.4g}", na_rep="-", subset=pd.IndexSlice[:, [
+        "measured req/s", "missed at req/s", "predicted req/s", "error %", "at run speed req/s",
+        "error % at run speed"]]))
+else:
+    st.caption("No capacity.json under runs/ or docs/runs/ yet.")
+
+st.header("Latency")
 if not loaded:
     st.info("Pick or upload a validation.json (`infersim validate SCENARIO --out DIR` writes DIR/validation.json).")
     st.stop()

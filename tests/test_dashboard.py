@@ -166,7 +166,8 @@ def test_whatif_uploaded_scenario_and_a_broken_one():
 def test_validation_shows_shipped_runs_and_uploads():
     at = open_page("validation_page.py")
     assert at.multiselect(key="validation.files").value  # the runs under docs/runs
-    assert len(at.dataframe) == len(at.multiselect(key="validation.files").value)
+    capacity = 1 if at.multiselect(key="validation.capacity").value else 0  # the capacity table, if any is shipped
+    assert len(at.dataframe) == len(at.multiselect(key="validation.files").value) + capacity
     shown = len(at.get("plotly_chart")) + len(at.get("image"))
     assert shown >= 1 + len(at.dataframe)  # the error bars, and a CDF overlay (or its PNG) per run
     cpu = next(p for p in at.multiselect(key="validation.files").options if "cpu" in p)
@@ -177,8 +178,30 @@ def test_validation_shows_shipped_runs_and_uploads():
         ("junk.json", b"{\"metrics\": 3}", "application/json")]).run()
     assert_clean(at)
     assert errors(at) == ["junk.json: no 'metrics' mapping: not a validation.json of `infersim validate`"]
-    assert len(at.dataframe) == 1 and at.subheader[0].value == "mine.validation.json"
+    assert len(at.dataframe) == 1 + capacity and at.subheader[0].value == "mine.validation.json"
     assert len(at.get("plotly_chart")) == 2  # the error bars and this run's CDF overlay from its latency_cdf
+
+
+def test_validation_shows_capacity_measured_against_predicted(tmp_path, monkeypatch):
+    import dashboard.seeds
+
+    runs = tmp_path / "runs" / "cap"
+    runs.mkdir(parents=True)
+    (runs / "capacity.json").write_text(json.dumps({
+        "scenario": "s", "measured": {"capacity_rps": 4.0, "missed_at_rps": 4.2}, "predicted": {"capacity_rps": 4.2},
+        "error_pct": 5.0, "predicted_at_run_speed": {"capacity_rps": 4.0}, "error_at_run_speed_pct": 0.0,
+        "probes": [{"rate": 4.0, "passes": True, "sim_passes": True}, {"rate": 4.2, "passes": False,
+                                                                        "sim_passes": True}]}))
+    (tmp_path / "runs" / "bad").mkdir()
+    (tmp_path / "runs" / "bad" / "capacity.json").write_text("{}")
+    monkeypatch.setattr(dashboard.seeds, "REPO", tmp_path)
+    at = open_page("validation_page.py")
+    assert sorted(at.multiselect(key="validation.capacity").value) == ["runs/bad/capacity.json",
+                                                                        "runs/cap/capacity.json"]
+    assert errors(at) == ["runs/bad/capacity.json: measured: a mapping with capacity_rps (a number)"]
+    table = at.dataframe[0].value
+    assert table.loc["runs/cap/capacity.json", "predicted req/s"] == 4.2
+    assert table.loc["runs/cap/capacity.json", "verdicts agreeing"] == 1
 
 
 def test_compare_two_configurations_on_one_workload():
