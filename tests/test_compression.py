@@ -86,3 +86,22 @@ def test_a_distilled_small_model_against_the_big_one_quantized():
     small = plan_of(scenario(model="Llama-3.1-8B", hardware="H100-SXM"))
     assert small.num_blocks * small.block_size > 2 * big.num_blocks * big.block_size
     assert make_cost_model(small).step_time(DECODE) < make_cost_model(big).step_time(DECODE) / 2
+
+
+def test_a_checkpoint_s_model_may_say_how_it_is_served_compressed(tmp_path):
+    import json
+
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+              "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plain = plan_of(scenario(model={"hf_config": str(tmp_path)}))
+    small = plan_of(scenario(model={"hf_config": str(tmp_path), "weight_dtype": "int8", "kv_dtype": "int8",
+                                    "sparsity": "2:4"}))
+    assert (small.model.weight_dtype, small.model.kv_dtype, small.model.sparsity) == ("int8", "int8", "2:4")
+    assert small.model.num_layers == plain.model.num_layers == 4 and small.model_checkpoint == plain.model_checkpoint
+    assert small.model.kv_bytes_per_token < plain.model.kv_bytes_per_token / 3
+    for bad, where in (({"num_layers": 3}, "model"), ({"weight_dtype": "int3"}, "model.weight_dtype")):
+        with pytest.raises(ConfigError) as e:
+            plan_of(scenario(model={"hf_config": str(tmp_path), **bad}))
+        assert e.value.key_path == where

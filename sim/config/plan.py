@@ -204,14 +204,25 @@ def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
         raise validation_error(e, spec_cls, kind) from None
 
 
+CHECKPOINT_OVERRIDES = ("weight_dtype", "kv_dtype", "sparsity")  # keys a checkpoint's model may set beside hf_config
+
+
 def resolve_model(raw: str | dict, base_dir: Path) -> tuple[ModelSpec, Path | None]:
     """The model's architecture, and the folder of its checkpoint where the scenario names one."""
     if isinstance(raw, dict) and "hf_config" in raw:
-        extra = set(raw) - {"hf_config"}
+        extra = set(raw) - {"hf_config", *CHECKPOINT_OVERRIDES}
         if extra:
-            raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config", "model")
+            raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config, "
+                              f"{', '.join(CHECKPOINT_OVERRIDES)}", "model")
         path = base_dir / str(raw["hf_config"])
-        return load_hf_config(path), path.parent if path.suffix == ".json" else path
+        spec = load_hf_config(path)
+        overrides = {k: raw[k] for k in CHECKPOINT_OVERRIDES if k in raw}
+        if overrides:  # how the checkpoint is served compressed: validated as the catalog's entries are
+            try:
+                spec = ModelSpec.model_validate({**spec.model_dump(), **overrides})
+            except ValidationError as e:
+                raise validation_error(e, ModelSpec, "model") from None
+        return spec, path.parent if path.suffix == ".json" else path
     return _resolve(raw, "model", catalog_model, ModelSpec), None
 
 
