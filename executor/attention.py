@@ -7,7 +7,8 @@ cached token after the step. A query at position p attends to cached positions 0
 
 Every backend has one signature, `backend(q [T, H, D], k_cache, v_cache, meta, scale)
 -> [T, H, D]`, where the caches are one layer's block pools `[num_blocks, block_size,
-num_kv_heads, D]`. Sequences with a single query (decodes) are attended as one padded
+num_kv_heads, D]` (or an int8 KV cache's `[.., num_kv_heads, D + 4]` rows, which every backend dequantizes as
+it reads them). Sequences with a single query (decodes) are attended as one padded
 batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work. The sdpa
 backend also batches short multi-token rows (speculative verify rows: a last token and its drafts), and on
 a CPU attends decode and verify rows through the native paged kernel (executor/native.py).
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from executor import native
+from executor.cache_engine import dequantize_kv
 
 
 @dataclass
@@ -296,9 +298,10 @@ def _padded_tables(block_tables, device) -> torch.Tensor:
     return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copy the K or V rows at `slots` (any shape) out of a block pool -> [*slots.shape, kvh, D]."""
-    return cache.view(-1, cache.shape[-2], cache.shape[-1])[slots]
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Copy the K or V rows at `slots` (any shape) out of a block pool -> [*slots.shape, kvh, D] (an int8 pool's
+    rows dequantized to `dtype`)."""
+    return dequantize_kv(cache.view(-1, cache.shape[-2], cache.shape[-1])[slots], dtype)
 
 
 def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -403,8 +406,8 @@ def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
     for i in range(len(meta.query_lens)):
         s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
         slots = meta.context_slots(i)
-        k = _gather(k_cache, slots).repeat_interleave(group, dim=1)  # [S, H, D]
-        v = _gather(v_cache, slots).repeat_interleave(group, dim=1)
+        k = _gather(k_cache, slots, q.dtype).repeat_interleave(group, dim=1)  # [S, H, D]
+        v = _gather(v_cache, slots, q.dtype).repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", q[s:e].float(), k.float()) * scale
         probs = scores.masked_fill(~meta.visible(i), float("-inf")).softmax(dim=-1)
         out[s:e] = torch.einsum("hls,shd->lhd", probs, v.float()).to(q.dtype)
@@ -427,14 +430,15 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
     kvh = k_cache.shape[-2]
     group = q.shape[1] // kvh
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    use_native = USE_NATIVE_ATTENTION and q.dtype == torch.float32 and native.usable(k_cache, v_cache)
+    use_native = USE_NATIVE_ATTENTION and q.dtype == torch.float32 and native.kv_pool_usable(k_cache) \
+        and native.kv_pool_usable(v_cache)
     if use_native and not meta.prefill_seqs:  # decodes only (most steps): one kernel call, nothing to regroup
         return _native_decodes(q, k_cache, v_cache, meta, scale)
 
     def prefill(qs, i):
         slots = meta.context_slots(i)
-        k = _gather(k_cache, slots)  # [S, kvh, D]
-        v = _gather(v_cache, slots)
+        k = _gather(k_cache, slots, q.dtype)  # [S, kvh, D]
+        v = _gather(v_cache, slots, q.dtype)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qt, k, v = qs[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)  # [1, H, L|S, D]
@@ -460,7 +464,7 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
             full = tables.shape[1] * meta.block_size
             k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
             v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
-        return k.transpose(1, 2), v.transpose(1, 2)
+        return dequantize_kv(k, q.dtype).transpose(1, 2), dequantize_kv(v, q.dtype).transpose(1, 2)
 
     def verify_buckets(n, seqs):
         """Per bucket of verify rows: (rows, block tables, key mask [b, 1, n·G, width] under which each query
@@ -580,8 +584,8 @@ def flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
 
     def prefill(qs, i):
         slots = meta.context_slots(i)
-        k = _gather(k_cache, slots).transpose(0, 1)[None]  # [1, kvh, S, D]
-        v = _gather(v_cache, slots).transpose(0, 1)[None]
+        k = _gather(k_cache, slots, q.dtype).transpose(0, 1)[None]  # [1, kvh, S, D]
+        v = _gather(v_cache, slots, q.dtype).transpose(0, 1)[None]
         pos = meta.query_positions(i)
         out = torch.empty_like(qs)
         for s in range(0, qs.shape[0], tile_size):
@@ -594,8 +598,8 @@ def flash_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
 
     def decodes(qd):
         slots = meta.decode_slots
-        k = _gather(k_cache, slots).transpose(1, 2)  # [B, kvh, S, D]
-        v = _gather(v_cache, slots).transpose(1, 2)
+        k = _gather(k_cache, slots, q.dtype).transpose(1, 2)  # [B, kvh, S, D]
+        v = _gather(v_cache, slots, q.dtype).transpose(1, 2)
         row_pos = (meta.decode_context_lens - 1)[:, None].expand(-1, group)
         return _ungroup(_online_softmax(_group(qd[:, None], kvh), row_pos, tiles(k, v, slots.shape[1]), scale), 1)[:, 0]
 
@@ -619,8 +623,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
         def blocks():
             for j in range(math.ceil(ctx / bs)):
                 n = min(bs, ctx - j * bs)  # last block may be partly filled
-                k = k_cache[table[j], :n].transpose(0, 1)[None]  # view into the pool: [1, kvh, n, D]
-                v = v_cache[table[j], :n].transpose(0, 1)[None]
+                # a view into the pool ([1, kvh, n, D]; an int8 pool's block dequantized)
+                k = dequantize_kv(k_cache[table[j], :n], q.dtype).transpose(0, 1)[None]
+                v = dequantize_kv(v_cache[table[j], :n], q.dtype).transpose(0, 1)[None]
                 yield k, v, torch.arange(j * bs, j * bs + n, device=q.device)
 
         row_pos = meta.query_positions(i).repeat_interleave(group)[None]
@@ -635,8 +640,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
             for j in range(math.ceil(max_ctx / bs)):
                 n = min(bs, max_ctx - j * bs)
                 # One block per sequence per tile, like a kernel loading block j of every sequence.
-                k = k_cache[tables[:, j], :n].transpose(1, 2)
-                v = v_cache[tables[:, j], :n].transpose(1, 2)
+                k = dequantize_kv(k_cache[tables[:, j], :n], q.dtype).transpose(1, 2)
+                v = dequantize_kv(v_cache[tables[:, j], :n], q.dtype).transpose(1, 2)
                 yield k, v, torch.arange(j * bs, j * bs + n, device=q.device)
 
         row_pos = (ctx - 1)[:, None].expand(-1, group)

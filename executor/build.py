@@ -11,15 +11,22 @@ from sim.policy.scheduler import Scheduler
 
 def make_engine(model: LlamaModel, policy: Scheduler, sampling: SamplingParams | None = None,
                 eos_token_id: int | None = None, drafter=None, use_graphs: bool | None = None,
-                runner_factory=None) -> Engine:
+                runner_factory=None, kv_dtype: str | None = None) -> Engine:
     """An engine running `model` under `policy` (a scheduler and its block allocator), with KV tensors for the
-    allocator's blocks in the model's dtype on its device, and host swap space for its swap blocks. The one
-    place engines are built: serves, profile sweeps, distillation and the benches. `runner_factory`: the runner
-    of a rank's shard or a stage's layers (executor.distributed), made as Engine makes its ModelRunner."""
+    allocator's blocks in the model's dtype on its device (`kv_dtype="int8"`: int8 with a scale per token and head),
+    and host swap space for its swap blocks. The one place engines are built: serves, profile sweeps,
+    distillation and the benches. `runner_factory`: the runner of a rank's shard or a stage's layers
+    (executor.distributed), made as Engine makes its ModelRunner. `kv_dtype` None: the model's own `kv_dtype`
+    attribute if it has one (executor.serve.compress sets it). An int8 KV cache runs eagerly (use_graphs None
+    means off then; True is an error)."""
     p = next(model.parameters())
+    kv_dtype = kv_dtype or getattr(model, "kv_dtype", None)  # a served model carries its scenario's (executor.serve)
+    dtype = model.embed_tokens.weight.dtype  # the activations' dtype (quantized layers hold int8 buffers)
     kv = policy.kv
-    cache = KVCache.for_model(model.config, kv.num_blocks, kv.block_size, p.dtype, p.device)
-    host = KVCache.for_model(model.config, kv.num_swap_blocks, kv.block_size, p.dtype, "cpu") \
+    if kv_dtype is not None and use_graphs is None:
+        use_graphs = False
+    cache = KVCache.for_model(model.config, kv.num_blocks, kv.block_size, dtype, p.device, kv_dtype)
+    host = KVCache.for_model(model.config, kv.num_swap_blocks, kv.block_size, dtype, "cpu", kv_dtype) \
         if kv.num_swap_blocks else None
     return Engine(model, policy, cache, sampling or SamplingParams(), eos_token_id, host_cache=host,
                   drafter=drafter, use_graphs=use_graphs, runner_factory=runner_factory)

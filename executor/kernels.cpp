@@ -1,5 +1,6 @@
-/* Native CPU kernels for the executor's forward (fp32), built at first use by executor/native.py. C++ for
- * GCC's vector extensions, whose ?: works on vectors only in C++.
+/* Native CPU kernels for the executor's forward (fp32 activations; fp32, int8 or int4 weights; an fp32 or int8 KV
+ * cache), built at first use by executor/native.py. C++ for GCC's vector extensions, whose ?: works on vectors
+ * only in C++.
  *
  * Why: at the few rows of a decode step a projection is a weight stream, and oneDNN streams weights at about
  * half the machine's read bandwidth below ~8 rows; and torch has no attention that reads a paged pool, so a
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -176,11 +177,292 @@ extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *
   }
 }
 
-/* Ask for the part [off, off + len) of every token row of a block ahead of use: a sequence's blocks are
-   scattered over the pool, so the hardware prefetcher cannot see the next one coming. */
-static inline void prefetch_block(const float *block, int64_t bs, int64_t tok, int64_t off, int64_t len) {
-  for (int64_t j = 0; j < bs; j++)
-    for (int64_t d = 0; d < len; d += 16) __builtin_prefetch(block + j * tok + off + d);
+/* Weight-only quantized projections: the same panels and register tiles as linear_small, the weight dequantized
+   in registers as it streams past (at a decode's few rows a projection is a weight stream, so int8 reads a quarter
+   of fp32's bytes and int4 an eighth).
+   int8: panels [ceil(N / NR)][K][NR] int8, symmetric, one fp32 scale per column, applied after the K loop.
+   int4: panels [ceil(N / NR)][K][VL] bytes, byte j of row k holding column j in its low nibble and column j + VL
+   in its high one; groups of `gs` rows of K share a (scale, min) per column, fp16, [ceil(N / NR)][ceil(K / gs)]
+   [2][NR]: w = q * scale + min (asymmetric, llama.cpp's Q4_1). */
+
+/* VL bytes at p, signed (s8) or unsigned (u8), widened to int32 lanes: one vpmovsxbd / vpmovzxbd (GCC's
+   __builtin_convertvector of byte vectors compiles to scalar extracts and inserts). */
+static inline vwi widen_s8(const uint8_t *p) {
+  vwi r;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+  memcpy(&r, &v, sizeof r);
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  memcpy(&r, &v, sizeof r);
+#else
+  for (int j = 0; j < VL; j++) r[j] = (int8_t)p[j];
+#endif
+  return r;
+}
+
+static inline vwi widen_u8(const uint8_t *p) {
+  vwi r;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+  memcpy(&r, &v, sizeof r);
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  memcpy(&r, &v, sizeof r);
+#else
+  for (int j = 0; j < VL; j++) r[j] = p[j];
+#endif
+  return r;
+}
+
+static inline vw s8_to_float(const uint8_t *p) { return __builtin_convertvector(widen_s8(p), vw); }
+static const int64_t QPREFETCH = 4096, QPREFETCH_ALONE = 32768;  /* bytes ahead, as linear_small's */
+
+/* NR fp16 values (a group's scales or mins of one panel) as two vectors of floats. */
+static inline void load_halves(const uint16_t *h, vw &a, vw &b) {
+#if defined(__AVX512F__)
+  __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+  __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + VL)));
+  memcpy(&a, &lo, sizeof a);
+  memcpy(&b, &hi, sizeof b);
+#elif defined(__F16C__)
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + VL)));
+  memcpy(&a, &lo, sizeof a);
+  memcpy(&b, &hi, sizeof b);
+#else
+  float t[NR];
+  for (int j = 0; j < NR; j++) {  /* IEEE half to float, normals and zero (scales are never subnormal or inf) */
+    const uint32_t x = h[j], e = (x >> 10) & 31, m = x & 1023, sgn = (x & 0x8000) << 16;
+    const uint32_t bits = e == 0 ? sgn : sgn | ((e + 112) << 23) | (m << 13);
+    memcpy(t + j, &bits, 4);
+  }
+  a = loadw(t);
+  b = loadw(t + VL);
+#endif
+}
+
+static inline void prefetch_stream(const uint8_t *p, int64_t k, int64_t bytes_per_k, const uint8_t *pf, int64_t pf_step,
+                                   bool alone) {
+  if (pf) {
+    __builtin_prefetch(pf + k * pf_step, 0, 2);
+  } else if ((k * bytes_per_k) % 64 < bytes_per_k) {  /* once per cache line of the panel */
+    if (alone) __builtin_prefetch(p + QPREFETCH_ALONE, 0, 1);
+    else __builtin_prefetch(p + QPREFETCH);
+  }
+}
+
+template <int MR>
+static inline void store_tile(vw (&acc)[MR][2], float *y, int64_t ldy, int64_t nn) {
+  for (int i = 0; i < MR; i++) {
+    if (nn == NR) {
+      storew(y + i * ldy, acc[i][0]);
+      storew(y + i * ldy + VL, acc[i][1]);
+    } else {
+      float t[NR];
+      storew(t, acc[i][0]);
+      storew(t + VL, acc[i][1]);
+      memcpy(y + i * ldy, t, nn * sizeof(float));
+    }
+  }
+}
+
+template <int MR>
+static void tile_q8(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t, float *y,
+                    int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
+  vw acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
+  for (int64_t k = 0; k < K; k++) {
+    const uint8_t *pk = panel + k * NR;
+    prefetch_stream(pk, k, NR, pf, pf_step, alone);
+    const vw w0 = s8_to_float(pk), w1 = s8_to_float(pk + VL);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) {
+      const vw b = splatw(x[i * K + k]);
+      acc[i][0] += b * w0;
+      acc[i][1] += b * w1;
+    }
+  }
+  const float *s = (const float *)scales;
+  const vw s0 = loadw(s), s1 = loadw(s + VL);
+  for (int i = 0; i < MR; i++) acc[i][0] *= s0, acc[i][1] *= s1;
+  store_tile<MR>(acc, y, ldy, nn);
+}
+
+/* Rows up to which tile_q4 sums a group's products of the raw 4-bit values and scales once at the group's end:
+   x·w = s Σ x q + m Σ x, two FMAs a k fewer than dequantizing every weight, for 2·MR more accumulators. */
+static const int Q4_GROUPED_ROWS = 4;
+
+template <int MR>
+static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t gs, float *y,
+                    int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
+  vw acc[MR][2];
+  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
+  const uint16_t *sm = (const uint16_t *)scales;
+  for (int64_t k0 = 0; k0 < K; k0 += gs, sm += 2 * NR) {
+    vw s0, s1, m0, m1;
+    load_halves(sm, s0, s1);
+    load_halves(sm + NR, m0, m1);
+    const int64_t k1 = k0 + gs < K ? k0 + gs : K;
+    if (MR <= Q4_GROUPED_ROWS) {
+      vw ga[MR][2];
+      float xs[MR];
+      for (int i = 0; i < MR; i++) ga[i][0] = ga[i][1] = splatw(0.0f), xs[i] = 0.0f;
+      for (int64_t k = k0; k < k1; k++) {
+        const uint8_t *pk = panel + k * VL;
+        prefetch_stream(pk, k, VL, pf, pf_step, alone);
+        const vwi v = widen_u8(pk);
+        const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+          const float xv = x[i * K + k];
+          const vw xb = splatw(xv);
+          ga[i][0] += xb * q0;
+          ga[i][1] += xb * q1;
+          xs[i] += xv;
+        }
+      }
+      for (int i = 0; i < MR; i++) {
+        const vw xsum = splatw(xs[i]);
+        acc[i][0] += ga[i][0] * s0 + xsum * m0;
+        acc[i][1] += ga[i][1] * s1 + xsum * m1;
+      }
+      continue;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+      const uint8_t *pk = panel + k * VL;
+      prefetch_stream(pk, k, VL, pf, pf_step, alone);
+      const vwi v = widen_u8(pk);
+      const vw w0 = __builtin_convertvector(v & 15, vw) * s0 + m0;
+      const vw w1 = __builtin_convertvector(v >> 4, vw) * s1 + m1;
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; i++) {
+        const vw xb = splatw(x[i * K + k]);
+        acc[i][0] += xb * w0;
+        acc[i][1] += xb * w1;
+      }
+    }
+  }
+  store_tile<MR>(acc, y, ldy, nn);
+}
+
+typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const void *, int64_t, float *, int64_t, int64_t,
+                         const uint8_t *, int64_t, bool);
+#ifdef __AVX512F__
+#define QTILES(T) {nullptr, T<1>, T<2>, T<3>, T<4>, T<5>, T<6>, T<7>, T<8>, T<9>, T<10>, T<11>, T<12>}
+#else
+#define QTILES(T) {nullptr, T<1>, T<2>, T<3>, T<4>, T<5>, T<6>}
+#endif
+static const qtile_fn Q8_TILES[MR_MAX + 1] = QTILES(tile_q8), Q4_TILES[MR_MAX + 1] = QTILES(tile_q4);
+
+/* y [M, ldy] = x [M, K] wᵀ for a quantized weight of N columns: bits 8 (scales: fp32 [ceil(N / NR) * NR]) or 4
+   (scales: fp16 (scale, min) pairs per group of gs rows of K, as above). Tiles as in linear_small. With y2, the
+   columns from `split` (a multiple of NR) on go to y2 [M, N - split] instead: a fused gate|up weight gives its two
+   halves as two contiguous outputs in one call. */
+extern "C" void linear_quantized(const float *x, int64_t M, int64_t K, const uint8_t *panels, const void *scales,
+                                 int64_t bits, int64_t gs, int64_t N, float *y, int64_t ldy, float *y2,
+                                 int64_t split) {
+  const int64_t np = (N + NR - 1) / NR, tiles = (M + MR_MAX - 1) / MR_MAX;
+  const int64_t panel_bytes = bits == 8 ? K * NR : K * VL, groups = bits == 8 ? 0 : (K + gs - 1) / gs;
+  const qtile_fn *fns = bits == 8 ? Q8_TILES : Q4_TILES;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < np; b++) {
+    const uint8_t *panel = panels + b * panel_bytes;
+    const void *sc = bits == 8 ? (const void *)((const float *)scales + b * NR)
+                               : (const void *)((const uint16_t *)scales + b * groups * 2 * NR);
+    const int64_t nn = N - b * NR < NR ? N - b * NR : NR;
+    const uint8_t *next = b + 1 < np ? panel + panel_bytes : nullptr;
+    const int64_t per_k = panel_bytes / K, pf_step = tiles > 1 ? (per_k + tiles - 2) / (tiles - 1) : 0;
+    for (int64_t j = 0, m0 = 0; j < tiles; j++) {
+      const int64_t mr = (M - m0) / (tiles - j);
+      const uint8_t *pf = j > 0 && next ? next + (j - 1) * K * pf_step : nullptr;
+      float *out = y2 && b * NR >= split ? y2 + m0 * (N - split) + (b * NR - split) : y + m0 * ldy + b * NR;
+      fns[mr](x + m0 * K, K, panel, sc, gs, out, y2 && b * NR >= split ? N - split : ldy, nn, pf, pf_step,
+              tiles == 1);
+      m0 += mr;
+    }
+  }
+}
+
+/* The weight of linear_quantized dequantized to fp32 [K][N] (k-major: a panel row is NR contiguous floats), for
+   steps of many rows, which multiply it with oneDNN / MKL. */
+extern "C" void dequantize_panels(const uint8_t *panels, const void *scales, int64_t bits, int64_t gs, int64_t N,
+                                  int64_t K, float *out) {
+  const int64_t np = (N + NR - 1) / NR, panel_bytes = bits == 8 ? K * NR : K * VL;
+  const int64_t groups = bits == 8 ? 0 : (K + gs - 1) / gs;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < np; b++) {
+    const uint8_t *panel = panels + b * panel_bytes;
+    const int64_t nn = N - b * NR < NR ? N - b * NR : NR;
+    float t[NR];
+    if (bits == 8) {
+      const vw s0 = loadw((const float *)scales + b * NR), s1 = loadw((const float *)scales + b * NR + VL);
+      for (int64_t k = 0; k < K; k++) {
+        storew(t, s8_to_float(panel + k * NR) * s0);
+        storew(t + VL, s8_to_float(panel + k * NR + VL) * s1);
+        memcpy(out + k * N + b * NR, t, nn * sizeof(float));
+      }
+      continue;
+    }
+    const uint16_t *sm = (const uint16_t *)scales + b * groups * 2 * NR;
+    for (int64_t k0 = 0; k0 < K; k0 += gs, sm += 2 * NR) {
+      vw s0, s1, m0, m1;
+      load_halves(sm, s0, s1);
+      load_halves(sm + NR, m0, m1);
+      for (int64_t k = k0; k < (k0 + gs < K ? k0 + gs : K); k++) {
+        const vwi v = widen_u8(panel + k * VL);
+        storew(t, __builtin_convertvector(v & 15, vw) * s0 + m0);
+        storew(t + VL, __builtin_convertvector(v >> 4, vw) * s1 + m1);
+        memcpy(out + k * N + b * NR, t, nn * sizeof(float));
+      }
+    }
+  }
+}
+
+/* A layer's K or V block pool [num_blocks, bs, kvh, row]: fp32 rows of D (row = D floats), or int8 ones (row = D
+   bytes, then the fp32 scale of that token and head: x = q * scale), the KV cache's int8 format. */
+struct Pool {
+  const uint8_t *base;
+  int64_t bs, kvh, D;
+  bool q8;
+  int64_t row() const { return q8 ? D + 4 : D * 4; }  /* bytes of one (token, head) row */
+  int64_t tok() const { return kvh * row(); }
+  int64_t blk() const { return bs * tok(); }
+  const uint8_t *at(int64_t block, int64_t off, int64_t h) const { return base + block * blk() + off * tok() + h * row(); }
+};
+
+/* One (token, head) row of an int8 pool as D floats. */
+static inline void dequantize_row(const uint8_t *r, int64_t D, float *out) {
+  float s;
+  memcpy(&s, r + D, 4);
+  const vw sv = splatw(s);
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) storew(out + d, s8_to_float(r + d) * sv);
+  for (; d < D; d++) out[d] = (float)(int8_t)r[d] * s;
+}
+
+/* Rows [0, jn) x heads [h0, h0 + per) of a block as fp32 with token stride `tok` (floats) and head h0 + hh at
+   hh * D: in place for an fp32 pool, dequantized into buf ([bs][per][D]) for an int8 one. */
+static inline const float *block_rows(const Pool &p, int64_t block, int64_t jn, int64_t h0, int64_t per, float *buf,
+                                      int64_t &tok) {
+  if (!p.q8) {
+    tok = p.kvh * p.D;
+    return (const float *)p.at(block, 0, h0);
+  }
+  tok = per * p.D;
+  for (int64_t j = 0; j < jn; j++)
+    for (int64_t hh = 0; hh < per; hh++) dequantize_row(p.at(block, j, h0 + hh), p.D, buf + j * tok + hh * p.D);
+  return buf;
+}
+
+/* Ask for heads [h0, h0 + per) of every token row of a block ahead of use: a sequence's blocks are scattered over
+   the pool, so the hardware prefetcher cannot see the next one coming. */
+static inline void prefetch_block(const Pool &p, int64_t block, int64_t h0, int64_t per) {
+  const int64_t len = per * p.row();
+  for (int64_t j = 0; j < p.bs; j++) {
+    const uint8_t *r = p.at(block, j, h0);
+    for (int64_t d = 0; d < len; d += 64) __builtin_prefetch(r + d);
+  }
 }
 
 /* kt[d][16] = the block's keys [jn][D] (row stride tok) transposed, keys past jn zero. With AVX-512 in 16 x 16
@@ -234,17 +516,19 @@ static inline bool sees(int64_t j, int64_t i, int64_t first_new, const uint8_t *
 
 /* Attention of B rows of n query slots each over a paged KV pool, read in place through the block tables.
  *
- * q, out: [B, n, H, D]. k_pool, v_pool: [num_blocks, bs, kvh, D]. block_tables: [B, max_blocks].
+ * q, out: [B, n, H, D]. k_pool, v_pool: [num_blocks, bs, kvh, D] fp32, or with kv_int8 the int8 rows of Pool.
+ * block_tables: [B, max_blocks].
  * context_lens: [B], cached tokens of each row including its new ones. Slot i of a row sits at position
  * ctx - n + i and sees keys up to it (a decode: n = 1); with `visible` ([B, n, n] bytes, or NULL), it sees
  * key position ctx - n + c of the row's last n only where visible[b, i, c] (candidate trees), earlier keys
  * always. A slot that sees no key (padding in front of a short row) gets zeros. The G = H / kvh query heads
  * sharing a kv head are computed together, so each K and V row is read once per row and kv head. */
 extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n, int64_t H, int64_t D,
-                     const float *k_pool, const float *v_pool, int64_t bs, int64_t kvh,
+                     const void *k_pool, const void *v_pool, int64_t bs, int64_t kvh,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                     const uint8_t *visible, float scale) {
-  const int64_t G = H / kvh, tok = kvh * D, blk = bs * kvh * D;
+                     const uint8_t *visible, float scale, bool kv_int8) {
+  const int64_t G = H / kvh;
+  const Pool kp{(const uint8_t *)k_pool, bs, kvh, D, kv_int8}, vp{(const uint8_t *)v_pool, bs, kvh, D, kv_int8};
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; b++) max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
   /* a task is one row, a range of kv heads and a range of its query slots: all heads and slots (each token's K
@@ -261,7 +545,8 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
   {
     const int64_t Rmax = chunk * G * per;  /* query rows of a task: (head, slot, group) */
     std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(Rmax), kt_buf(16 * D);
-    float *s = s_buf.data(), *acc = acc_buf.data(), *kt = kt_buf.data();
+    std::vector<float> rows_buf(kv_int8 ? bs * kvh * D : 0);  /* a block's rows dequantized */
+    float *s = s_buf.data(), *acc = acc_buf.data(), *kt = kt_buf.data(), *rbuf = rows_buf.data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < B * split * nsplit; t++) {
       const int64_t b = t / (split * nsplit), h0 = (t / nsplit % split) * per, L = context_lens[b], first_new = L - n;
@@ -271,14 +556,15 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
       /* scores s[r, j] for r = (hh * nl + i - i0) * G + g; keys a slot does not see are -inf */
       const bool wide = R >= WIDE_ROWS && bs <= 16 && D % 8 == 0;
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const float *kb = k_pool + table[j0 / bs] * blk;
         const int64_t jn = L - j0 < bs ? L - j0 : bs;
-        if (j0 + bs < L) prefetch_block(k_pool + table[j0 / bs + 1] * blk, bs, tok, h0 * D, per * D);
+        int64_t tok;
+        const float *kb = block_rows(kp, table[j0 / bs], jn, h0, per, rbuf, tok);  /* head h0 + hh at hh * D */
+        if (j0 + bs < L) prefetch_block(kp, table[j0 / bs + 1], h0, per);
         if (wide) {
           for (int64_t hh = 0; hh < per; hh++) {
             /* the block's keys of this head, transposed to kt[d][key]: each query row then takes 16 scores with
                plain FMAs (no horizontal sums), four rows at a time sharing every load of kt */
-            transpose_keys(kb + (h0 + hh) * D, tok, jn, D, kt);
+            transpose_keys(kb + hh * D, tok, jn, D, kt);
             const int64_t rows = nl * G;
             for (int64_t q0 = 0; q0 < rows; q0 += 4) {
               const int64_t qn = rows - q0 < 4 ? rows - q0 : 4;
@@ -322,7 +608,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         for (int64_t jj = 0; jj < jn; jj++) {
           const int64_t j = j0 + jj;
           for (int64_t hh = 0; hh < per; hh++) {
-            const float *kr = kb + jj * tok + (h0 + hh) * D;
+            const float *kr = kb + jj * tok + hh * D;
             for (int64_t i = i0; i < i0 + nl; i++) {
               const bool see = sees(j, i, first_new, vis, n);
               const float *qr = q + ((b * n + i) * H + (h0 + hh) * G) * D;
@@ -351,15 +637,16 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
       }
       /* out = P V */
       memset(acc, 0, sizeof(float) * (size_t)R * D);
-      if (L > 0) prefetch_block(v_pool + table[0] * blk, bs, tok, h0 * D, per * D);
+      if (L > 0) prefetch_block(vp, table[0], h0, per);
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const float *vb = v_pool + table[j0 / bs] * blk;
         const int64_t jn = L - j0 < bs ? L - j0 : bs;
-        if (j0 + bs < L) prefetch_block(v_pool + table[j0 / bs + 1] * blk, bs, tok, h0 * D, per * D);
+        int64_t tok;
+        const float *vb = block_rows(vp, table[j0 / bs], jn, h0, per, rbuf, tok);
+        if (j0 + bs < L) prefetch_block(vp, table[j0 / bs + 1], h0, per);
         if (wide && D == 64) {
           /* each query row's 64 accumulators stay in registers across the block's keys */
           for (int64_t hh = 0; hh < per; hh++) {
-            const float *vh = vb + (h0 + hh) * D;
+            const float *vh = vb + hh * D;
             for (int64_t rr = 0; rr < nl * G; rr++) {
               const int64_t r = hh * nl * G + rr;
               const float *pr = s + r * L + j0;
@@ -381,7 +668,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         }
         for (int64_t jj = 0; jj < jn; jj++) {
           for (int64_t hh = 0; hh < per; hh++) {
-            const float *vr = vb + jj * tok + (h0 + hh) * D;
+            const float *vr = vb + jj * tok + hh * D;
             for (int64_t rr = 0; rr < nl * G; rr++) {
               const int64_t r = hh * nl * G + rr;
               const float p = s[r * L + j0 + jj];
@@ -425,16 +712,22 @@ struct PrefillTask { int64_t s, h, r0, r1, keys; };
    keys; kbuf, vbuf: room for them, rounded up to KC rows. */
 template <int D>
 static void prefill_task(const PrefillTask &tk, const float *q, float *out, int64_t H, int64_t G, int64_t n,
-                         int64_t first, int64_t q0, const float *k_pool, const float *v_pool, int64_t bs,
-                         int64_t tok, const int64_t *table, float scale, float *kbuf, float *vbuf) {
+                         int64_t first, int64_t q0, const Pool &kp, const Pool &vp, const int64_t *table,
+                         float scale, float *kbuf, float *vbuf) {
+  const int64_t bs = kp.bs;
   alignas(64) float qt[D * VL], ot[D * VL], pb[KC * VL], posf[VL], inv[VL];
   /* the keys side by side, so every broadcast below is at a constant offset from one pointer; rows past the
      last key are zero (their scores are masked) */
   const int64_t padded = (tk.keys + KC - 1) / KC * KC;
   for (int64_t key = 0, b = 0, off = 0; key < tk.keys; key++) {
-    const int64_t at = (table[b] * bs + off) * tok + tk.h * D;
-    memcpy(kbuf + key * D, k_pool + at, sizeof(float) * D);
-    memcpy(vbuf + key * D, v_pool + at, sizeof(float) * D);
+    const uint8_t *kr = kp.at(table[b], off, tk.h), *vr = vp.at(table[b], off, tk.h);
+    if (kp.q8) {
+      dequantize_row(kr, D, kbuf + key * D);
+      dequantize_row(vr, D, vbuf + key * D);
+    } else {
+      memcpy(kbuf + key * D, kr, sizeof(float) * D);
+      memcpy(vbuf + key * D, vr, sizeof(float) * D);
+    }
     if (++off == bs) off = 0, b++;
   }
   memset(kbuf + tk.keys * D, 0, sizeof(float) * D * (padded - tk.keys));
@@ -505,11 +798,12 @@ static void prefill_task(const PrefillTask &tk, const float *q, float *out, int6
  * reaches 50-120 GFLOP/s on SmolLM2's 1-1000-token prompts here.
  *
  * q, out: [T, H, D] (the step's packed tokens); sequence s's n = q_len[s] rows start at token q_start[s]
- * and sit at positions context_lens[s] - n + i. D: 16, 32, 64, 128 or 256 (returns false otherwise). */
+ * and sit at positions context_lens[s] - n + i. D: 16, 32, 64, 128 or 256 (returns false otherwise). The pools
+ * are fp32, or with kv_int8 int8 rows (see Pool), dequantized as the task gathers its keys. */
 extern "C" bool prefill_attention(const float *q, float *out, int64_t S, const int64_t *q_start,
                                   const int64_t *q_len, const int64_t *context_lens, int64_t H, int64_t D,
-                                  const float *k_pool, const float *v_pool, int64_t bs, int64_t kvh,
-                                  const int64_t *block_tables, int64_t max_blocks, float scale) {
+                                  const void *k_pool, const void *v_pool, int64_t bs, int64_t kvh,
+                                  const int64_t *block_tables, int64_t max_blocks, float scale, bool kv_int8) {
   decltype(&prefill_task<64>) task;
   switch (D) {
     case 16: task = prefill_task<16>; break;
@@ -519,7 +813,8 @@ extern "C" bool prefill_attention(const float *q, float *out, int64_t S, const i
     case 256: task = prefill_task<256>; break;
     default: return false;
   }
-  const int64_t G = H / kvh, tok = kvh * D;
+  const int64_t G = H / kvh;
+  const Pool kp{(const uint8_t *)k_pool, bs, kvh, D, kv_int8}, vp{(const uint8_t *)v_pool, bs, kvh, D, kv_int8};
   int64_t all_tiles = 0;
   for (int64_t s = 0; s < S; s++) all_tiles += (q_len[s] * G + VL - 1) / VL * kvh;
   int64_t per_task = all_tiles / (PREFILL_TASKS_PER_THREAD * omp_get_max_threads());
@@ -545,8 +840,8 @@ extern "C" bool prefill_attention(const float *q, float *out, int64_t S, const i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < nt; t++) {
       const PrefillTask &tk = tasks[t];
-      task(tk, q, out, H, G, q_len[tk.s], context_lens[tk.s] - q_len[tk.s], q_start[tk.s], k_pool, v_pool, bs,
-           tok, block_tables + tk.s * max_blocks, scale, kbuf.data(), vbuf.data());
+      task(tk, q, out, H, G, q_len[tk.s], context_lens[tk.s] - q_len[tk.s], q_start[tk.s], kp, vp,
+           block_tables + tk.s * max_blocks, scale, kbuf.data(), vbuf.data());
     }
   }
   return true;
@@ -580,27 +875,45 @@ extern "C" void add_rms_norm(float *x, const float *delta, const float *w, float
   }
 }
 
+static const int64_t KV_MAX_HEAD_DIM = 1024;  /* rope_write_kv's int8 path (the caller checks) */
+
+/* x [D] as an int8 (token, head) row of Pool: q = round(x / s), s = max |x| / 127 (0 for a zero row), the
+   same float operations as the torch path's quantize_kv, so both store the same bytes. */
+static inline void quantize_row(const float *x, int64_t D, uint8_t *r) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+  const float s = amax / 127.0f;
+  for (int64_t d = 0; d < D; d++) r[d] = (uint8_t)(int8_t)(s > 0.0f ? nearbyintf(x[d] / s) : 0.0f);
+  memcpy(r + D, &s, 4);
+}
+
 /* Rotary embedding of q and k from the fused qkv rows ([T, (H + 2 kvh) D]), rotate-half layout, angles of
    each token's position from the cos/sin tables [max_pos, D/2]: q goes to q_out [T, H, D], k and v straight
-   to their cache slots (pools [.., kvh, D] flat over slots). */
+   to their cache slots (pools [.., kvh, D] flat over slots: fp32, or with kv_int8 quantized into Pool's rows). */
 extern "C" void rope_write_kv(const float *qkv, int64_t T, int64_t H, int64_t kvh, int64_t D,
                               const float *cos_table, const float *sin_table, const int64_t *positions,
-                              float *q_out, float *k_pool, float *v_pool, const int64_t *slots) {
-  const int64_t half = D / 2, row = (H + 2 * kvh) * D;
+                              float *q_out, void *k_pool, void *v_pool, const int64_t *slots, bool kv_int8) {
+  const int64_t half = D / 2, row = (H + 2 * kvh) * D, kv_row = kv_int8 ? D + 4 : D * 4;
 #pragma omp parallel for schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; t++) {
     const float *cs = cos_table + positions[t] * half, *sn = sin_table + positions[t] * half;
     const float *src = qkv + t * row;
+    uint8_t *k_slot = (uint8_t *)k_pool + slots[t] * kvh * kv_row, *v_slot = (uint8_t *)v_pool + slots[t] * kvh * kv_row;
+    float kt[KV_MAX_HEAD_DIM];  /* a rotated key before it is quantized */
     for (int64_t h = 0; h < H + kvh; h++) {
       const float *x = src + h * D;
-      float *o = h < H ? q_out + (t * H + h) * D : k_pool + slots[t] * kvh * D + (h - H) * D;
+      float *o = h < H ? q_out + (t * H + h) * D : kv_int8 ? kt : (float *)(k_slot + (h - H) * kv_row);
       for (int64_t i = 0; i < half; i++) {
         const float x1 = x[i], x2 = x[i + half];
         o[i] = x1 * cs[i] - x2 * sn[i];
         o[i + half] = x2 * cs[i] + x1 * sn[i];
       }
+      if (h >= H && kv_int8) quantize_row(o, D, k_slot + (h - H) * kv_row);
     }
-    memcpy(v_pool + slots[t] * kvh * D, src + (H + kvh) * D, sizeof(float) * (size_t)(kvh * D));
+    const float *v = src + (H + kvh) * D;
+    if (!kv_int8) memcpy(v_slot, v, sizeof(float) * (size_t)(kvh * D));
+    else
+      for (int64_t h = 0; h < kvh; h++) quantize_row(v + h * D, D, v_slot + h * kv_row);
   }
 }
 

@@ -1,9 +1,9 @@
 """The model's building blocks: linear projections, token embedding, RMSNorm, rotary embedding, paged attention
 and the gated MLP, each a module of its own that a model composes.
 
-This is where variants plug in: a tensor-parallel (column/row-parallel), pipeline or quantized (int8/int4) layer
-subclasses or replaces the class here, or a built module (`layer.mlp.down_proj = ...`), and the model and the
-engine above are unchanged. Every layer is built from plain sizes, never from a model config.
+This is where variants plug in: a tensor-parallel (column/row-parallel), pipeline or quantized (int8/int4,
+executor/quantize.py) layer subclasses or replaces the class here, or a built module (`layer.mlp.down_proj = ...`),
+and the model and the engine above are unchanged. Every layer is built from plain sizes, never from a model config.
 
 On CPU in fp32 every projection runs oneDNN's GEMM on a weight reordered once into its blocked layout
 (`Linear`): plain `F.linear` hands MKL the [out, in] weight to re-pack on every call, which costs more
@@ -193,9 +193,11 @@ class RotaryEmbedding(nn.Module):
     def angles(self, positions: torch.Tensor, x: torch.Tensor, k_pool: torch.Tensor,
                slot_mapping: torch.Tensor) -> Rope:
         """A step's Rope: the fused native path where its kernels take the step's hidden states `x`, cache pool
-        and slots (fp32 on the CPU), else per-token cos/sin for the torch path."""
-        if USE_NATIVE_OPS and FUSED_OPS and x.dtype == k_pool.dtype == torch.float32 \
-                and native.usable(x, k_pool, self.cos, positions, slot_mapping):
+        and slots (fp32 on the CPU; the pool fp32 or the KV cache's int8 rows), else per-token cos/sin for the
+        torch path."""
+        if USE_NATIVE_OPS and FUSED_OPS and x.dtype == torch.float32 and native.kv_pool_usable(k_pool) \
+                and native.usable(x, self.cos, positions, slot_mapping) \
+                and (k_pool.dtype == torch.float32 or self.cos.shape[1] * 2 <= native.KV_MAX_HEAD_DIM):
             return Rope(None, None, positions, self, native=True)
         return Rope(*self(positions), positions, self)
 

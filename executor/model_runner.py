@@ -58,6 +58,12 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache, cfg, host_cache: KVCache | None = None,
                  use_graphs: bool = False, verify_graphs: bool = False):
+        if use_graphs and kv_cache.quantized:
+            raise ValueError("CUDA graphs with an int8 KV cache are not supported: the graphs' attention reads fp "
+                             "pools; run eagerly (use_graphs=False, executor.cuda_graphs: false)")
+        if host_cache is not None and host_cache.kv_dtype != kv_cache.kv_dtype:
+            raise ValueError(f"the host swap cache holds {host_cache.kv_dtype or host_cache.dtype} KV, the device "
+                             f"cache {kv_cache.kv_dtype or kv_cache.dtype}: they must match")
         self.model = model
         self.kv_cache = kv_cache
         self.host_cache = host_cache

@@ -1,6 +1,6 @@
-"""Native CPU kernels (executor/kernels.cpp): small-batch linear layers, paged attention for decode and verify
-rows, and a layer's elementwise work fused into single passes (residual add + RMSNorm, RoPE + KV-cache write,
-SiLU·up).
+"""Native CPU kernels (executor/kernels.cpp): small-batch linear layers (fp32, and int8 / int4 weights dequantized in
+registers), paged attention for decode and verify rows (fp32 or int8 KV), and a layer's elementwise work fused into
+single passes (residual add + RMSNorm, RoPE + KV-cache write, SiLU·up).
 
 Built on first use with the system C++ compiler (`c++ -O3 -march=native -fopenmp`, about a second) into a
 per-machine cache and called through ctypes; the OpenMP runtime is the libgomp torch already loaded, so the
@@ -32,6 +32,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 LINEAR_MAX_ROWS_BY_PANEL = {32: 128, 16: 32}
 # Head dims prefill_attention is compiled for (each a template instance of the kernel).
 PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)
+# rope_write_kv's largest head_dim with an int8 KV cache (its stack buffer for a rotated key).
+KV_MAX_HEAD_DIM = 1024
 
 
 def _cache_dir() -> Path:
@@ -87,12 +89,17 @@ def load(path: Path) -> ctypes.CDLL:
     lib.panel_width.argtypes = []
     lib.panel_width.restype = i64
     lib.panel_columns = lib.panel_width()  # asked once: every projection's dispatch reads it
-    lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32]
+    b = ctypes.c_bool
+    lib.linear_quantized.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.linear_quantized.restype = None
+    lib.dequantize_panels.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.dequantize_panels.restype = None
+    lib.paged_attention.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, f32, b]
     lib.paged_attention.restype = None
-    lib.prefill_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, f32]
+    lib.prefill_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, f32, b]
     lib.prefill_attention.restype = ctypes.c_bool
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
-    lib.rope_write_kv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.rope_write_kv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, b]
     lib.silu_mul.argtypes = [ptr, ptr, ptr, i64]
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
     for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul, lib.argmax_rows):
@@ -109,6 +116,12 @@ def usable(*tensors: torch.Tensor) -> bool:
     """The kernels take contiguous CPU tensors: fp32 data, int64 indices."""
     return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.int64) and t.is_contiguous()
                for t in tensors) and available()
+
+
+def kv_pool_usable(pool: torch.Tensor) -> bool:
+    """The attention kernels read a contiguous CPU block pool of fp32, or of the KV cache's int8 rows."""
+    return pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.int8) and pool.is_contiguous() \
+        and available()
 
 
 def linear_max_rows() -> int:
@@ -147,17 +160,41 @@ def linear_small(x: torch.Tensor, weight: Panels) -> torch.Tensor:
     return y
 
 
+def linear_quantized(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                     n: int, split: int | None = None):
+    """x [M, K] (contiguous fp32) @ wᵀ -> [M, n] for a weight quantized into panels (executor/quantize.py's
+    layout: int8 with a scale per column, or int4 with an fp16 (scale, min) per group of K and column),
+    dequantized in registers as it streams past. With `split` (a multiple of the panel width): the two contiguous
+    outputs [M, split] and [M, n - split] of one call."""
+    m, k = x.shape
+    y = torch.empty((m, n if split is None else split), dtype=torch.float32)
+    y2 = None if split is None else torch.empty((m, n - split), dtype=torch.float32)
+    library().linear_quantized(x.data_ptr(), m, k, panels.data_ptr(), scales.data_ptr(), bits, group_size, n,
+                               y.data_ptr(), y.shape[1], 0 if y2 is None else y2.data_ptr(), split or n)
+    return y if y2 is None else (y, y2)
+
+
+def dequantize_panels(panels: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, n: int,
+                      k: int) -> torch.Tensor:
+    """The quantized weight of linear_quantized as fp32 [k, n] (its transpose: a panel's rows are contiguous)."""
+    out = torch.empty((k, n), dtype=torch.float32)
+    library().dequantize_panels(panels.data_ptr(), scales.data_ptr(), bits, group_size, n, k, out.data_ptr())
+    return out
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of rows of n query slots, q [B, n, H, D], read straight from the block pools
     [num_blocks, block_size, kvh, D] through block_tables [B, max_blocks] (int64); slot i of a row is at
     position context_len - n + i and sees keys up to it, or where `visible` [B, n, n] (uint8) says so among
-    the row's last n keys (candidate trees). Slots that see nothing (padding) come out zero."""
+    the row's last n keys (candidate trees). Slots that see nothing (padding) come out zero. The pools may hold
+    the KV cache's int8 rows (executor/cache_engine.py: [.., kvh, D + 4] int8)."""
     b, n, h, d = q.shape
     out = torch.empty_like(q)
     library().paged_attention(q.data_ptr(), out.data_ptr(), b, n, h, d, k_pool.data_ptr(), v_pool.data_ptr(),
                               k_pool.shape[1], k_pool.shape[2], block_tables.data_ptr(), block_tables.shape[1],
-                              context_lens.data_ptr(), 0 if visible is None else visible.data_ptr(), scale)
+                              context_lens.data_ptr(), 0 if visible is None else visible.data_ptr(), scale,
+                              k_pool.dtype == torch.int8)
     return out
 
 
@@ -166,13 +203,13 @@ def prefill_attention(q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, 
                       block_tables: torch.Tensor, scale: float) -> None:
     """Causal attention of prompt rows into `out`: q, out [T, H, D] are a step's packed tokens; sequence s has
     q_len[s] rows from token q_start[s], at positions context_lens[s] - q_len[s] + i, and sees its keys through
-    block_tables [S, max_blocks] in the pools [num_blocks, block_size, kvh, D] (all int64 / fp32, contiguous).
-    Rows of other sequences in `out` are left as they are."""
+    block_tables [S, max_blocks] in the pools [num_blocks, block_size, kvh, D] (all int64 / fp32, contiguous; or
+    pools of the KV cache's int8 rows). Rows of other sequences in `out` are left as they are."""
     _, h, d = q.shape
     if not library().prefill_attention(q.data_ptr(), out.data_ptr(), q_len.shape[0], q_start.data_ptr(),
                                        q_len.data_ptr(), context_lens.data_ptr(), h, d, k_pool.data_ptr(),
                                        v_pool.data_ptr(), k_pool.shape[1], k_pool.shape[2], block_tables.data_ptr(),
-                                       block_tables.shape[1], scale):
+                                       block_tables.shape[1], scale, k_pool.dtype == torch.int8):
         raise ValueError(f"head_dim {d} is not one of {PREFILL_HEAD_DIMS}")
 
 
@@ -189,12 +226,16 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
                   sin_table: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotate q and k of the fused qkv rows [T, (H + 2·kvh)·D] by their positions' angles (tables
-    [max_pos, D/2]); k and v go straight to their cache slots, q is returned [T, H, D]."""
+    [max_pos, D/2]); k and v go straight to their cache slots (quantized where the pools hold the KV cache's int8
+    rows), q is returned [T, H, D]."""
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype)
+    kv_int8 = k_pool.dtype == torch.int8
+    if kv_int8 and head_dim > KV_MAX_HEAD_DIM:
+        raise ValueError(f"int8 KV takes head_dim up to {KV_MAX_HEAD_DIM} natively, not {head_dim}")
     library().rope_write_kv(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, cos_table.data_ptr(),
                             sin_table.data_ptr(), positions.data_ptr(), q.data_ptr(), k_pool.data_ptr(),
-                            v_pool.data_ptr(), slot_mapping.data_ptr())
+                            v_pool.data_ptr(), slot_mapping.data_ptr(), kv_int8)
     return q
 
 

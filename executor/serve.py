@@ -45,13 +45,11 @@ def load_model(plan: Plan, device: str) -> Loaded:
     `executor.random_weights`, the scenario's architecture with seeded random weights."""
     from executor.weights import load_hf_model, smollm2_gguf_path
 
-    if plan.model.weight_dtype not in TORCH_DTYPES:
-        raise ConfigError(f"the executor runs fp32/fp16/bf16 weights, not {plan.model.weight_dtype}",
-                          "model.weight_dtype")
+    dtype = base_dtype(plan, device)
     if plan.executor.random_weights:
         model = random_model(plan)
         model.attn_backend = plan.executor.attention
-        return Loaded(model.to(device=device, dtype=TORCH_DTYPES[plan.model.weight_dtype]), None, None)
+        return Loaded(compress(plan, model.to(device=device, dtype=dtype)), None, None)
     try:
         if plan.model_checkpoint is not None:
             model, hf_config, tokenizer = load_hf_model(plan.model_checkpoint)
@@ -64,9 +62,48 @@ def load_model(plan: Plan, device: str) -> Loaded:
     except FileNotFoundError as e:
         raise ConfigError(str(e), "model") from None
     model.attn_backend = plan.executor.attention
-    model = model.to(device=device, dtype=TORCH_DTYPES[plan.model.weight_dtype])
+    model = compress(plan, model.to(device=device, dtype=dtype))
     eos = getattr(hf_config, "eos_token_id", None)
     return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
+
+
+def base_dtype(plan: Plan, device: str) -> torch.dtype:
+    """The dtype the model computes in: its weight_dtype, or for weight-only quantization the one its quantized
+    layers dequantize to (fp32 on the CPU, bf16 on a GPU); a one-line error for what the device cannot run."""
+    m = plan.model
+    if m.weight_dtype in TORCH_DTYPES:
+        return TORCH_DTYPES[m.weight_dtype]
+    if m.weight_dtype == "fp8" and device != "cuda":
+        raise ConfigError("fp8 weights need a GPU with fp8 tensor cores (--device cuda); allowed on the CPU: fp32, "
+                          "bf16, int8, int4", "model.weight_dtype")
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def kv_dtype_of(plan: Plan, device: str) -> str | None:
+    """The executor's KV-cache element type: "int8", or None for the model's own dtype."""
+    kv = plan.model.kv_dtype
+    if kv is None or kv == "int8":
+        return kv
+    if TORCH_DTYPES.get(kv) == base_dtype(plan, device):
+        return None
+    raise ConfigError(f"the executor keeps KV in the model's dtype or int8, not {kv}; allowed: int8 or leave it out",
+                      "model.kv_dtype")
+
+
+def compress(plan: Plan, model: LlamaModel) -> LlamaModel:
+    """The loaded model as the scenario compresses it: weights quantized (executor/quantize.py), decoder weights
+    pruned to 2:4 (executor/sparsity.py), and its KV dtype, which every engine built over it takes."""
+    m = plan.model
+    if m.weight_dtype in ("int8", "int4", "fp8"):
+        from executor.quantize import quantize_weights
+
+        quantize_weights(model, m.weight_dtype)
+    if m.sparsity == "2:4":
+        from executor.sparsity import prune_model_2_4
+
+        prune_model_2_4(model)
+    model.kv_dtype = kv_dtype_of(plan, next(model.parameters()).device.type)
+    return model
 
 
 def _check_shape(m: ModelSpec, weights: ModelSpec) -> None:
@@ -107,9 +144,9 @@ def sampling_of(plan: Plan) -> SamplingParams:
 
 def check_kv_cache(plan: Plan, model: LlamaModel) -> None:
     """The plan's KV blocks (every virtual engine's) within executor.max_kv_cache_gib, else a one-line error."""
-    dtype = TORCH_DTYPES[plan.model.weight_dtype]
+    dtype = next(model.parameters()).dtype
     blocks = plan.num_blocks * plan.virtual_engines
-    need = blocks * KVCache.bytes_per_block(model.config, plan.block_size, dtype)
+    need = blocks * KVCache.bytes_per_block(model.config, plan.block_size, dtype, getattr(model, "kv_dtype", None))
     if need > plan.executor.max_kv_cache_gib * 2**30:
         raise ConfigError(f"{blocks} blocks of {plan.block_size} tokens need {need / 2**30:.1f} GiB of KV cache, "
                           f"more than executor.max_kv_cache_gib ({plan.executor.max_kv_cache_gib}); set "

@@ -32,6 +32,11 @@ def check_parallel(plan: Plan, model: LlamaModel) -> None:
     if plan.speculative is not None:
         raise ConfigError("the executor's parallel engines run without speculative decoding; remove speculative "
                           "or set tensor_parallel_size and pipeline_parallel_size to 1", "speculative")
+    m = plan.model
+    if m.weight_dtype in ("int8", "int4", "fp8") or m.kv_dtype == "int8" or m.sparsity != "none":
+        raise ConfigError("the executor's parallel engines shard uncompressed weights and KV (compressed, they "
+                          "would run dequantized: no gain); allowed with parallel: fp32/bf16 weights and KV, no "
+                          "sparsity", "model")
     if tp > 1:
         try:
             check_tensor_parallel(model.config, tp)

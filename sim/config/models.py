@@ -33,7 +33,7 @@ class ModelSpec(StrictModel):
     max_position_embeddings: PositiveInt = 4096
     weight_dtype: WeightDtype = "fp16"
     kv_dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] | None = Field(
-        default=None, description="KV cache element type; default: the activation dtype (int8: a scale per block "
+        default=None, description="KV cache element type; default: the activation dtype (int8: a scale per token "
                                   "and head)")
     sparsity: Literal["none", "2:4"] = Field("none", description="2:4: decoder weights pruned to 2 of every 4 "
                                              "(magnitude); compressed and computed at twice the rate on hardware "
@@ -76,8 +76,8 @@ class ModelSpec(StrictModel):
 
     @property
     def kv_bytes_per_element(self) -> float:
-        if self.kv_dtype == "int8":  # plus a 4-byte scale per 16-token block and head
-            return 1 + 4 / (16 * self.head_size)
+        if self.kv_dtype == "int8":  # plus a 4-byte scale per token and head, as the executor stores it
+            return 1 + 4 / self.head_size
         return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.kv_dtype or self.act_dtype]
 
     @property

@@ -59,7 +59,25 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
         raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
+    if model is not None and m and _compression(m) != _compression(model.model_dump()):
+        have, want = _compression(m), _compression(model.model_dump())
+        raise ConfigError(f"{path} was measured with {_describe(have)}, not {_describe(want)}: compression changes "
+                          "every step's cost; profile it with `infersim profile --scenario`", key_path)
     return ProfileFile(path, coefs, knot, data, forward, comm, parallel)
+
+
+def _compression(model: dict) -> tuple:
+    """(weight dtype, KV dtype, sparsity) where any is compressed, else None: uncompressed dtypes price alike."""
+    key = (model.get("weight_dtype"), model.get("kv_dtype"), model.get("sparsity") or "none")
+    compressed = key[0] in ("int8", "int4", "fp8") or key[1] in ("int8", "fp8") or key[2] != "none"
+    return key if compressed else None
+
+
+def _describe(key: tuple | None) -> str:
+    if key is None:
+        return "uncompressed weights and KV"
+    weights, kv, sparsity = key
+    return f"{weights} weights, {kv or 'unquantized'} KV" + (f", {sparsity} sparsity" if sparsity != "none" else "")
 
 
 def _no_constant(name: str):
