@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.validate import run_real, simulated, slo_metrics, step_time_ratio, with_profile
+from calibration.validate import print_stage, run_real, simulated, slo_metrics, step_time_ratio, with_profile
 from sim.config.plan import Plan
 from sim.config.workload import generate_requests
 from sim.cost.build import make_cost_model
@@ -37,7 +37,7 @@ def predicted_capacity(plan: Plan, profile: Path, base: tuple, target: float, pr
 
 def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: int | None, loaded,
                       sweep=None, write_sweep=None, out: Path | None = None, precision: float = 0.05,
-                      stage=print) -> dict:
+                      stage=print_stage) -> dict:
     """Measure the capacity on the executor and predict it; returns capacity.json's content (written under `out`
     with each probe's traces). `sweep`: an alongside profile sweep to advance between probes; `write_sweep()` then
     finishes it, writes it and returns its path, which predicts instead of `profile`."""

@@ -369,7 +369,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                 set_threads(plan, threads)  # before the sweep, which times steps too
                 if sweep is not None:
                     sweep.run_until((i * len(jobs) + n + 1) / slices)
-                _stage(f"{plan.name}: executor run {i + 1} of {max(1, runs)}")
+                print_stage(f"{plan.name}: executor run {i + 1} of {max(1, runs)}")
                 results[k].append(run_real(plan, specs[k], device, threads, loaded,
                                            None if out is None else out / f"run{i + 1}"))
         if sweep is not None:
@@ -381,7 +381,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
             for (plan, out), m, p in zip(plans, main, plain)]
 
 
-def _stage(text: str) -> None:
+def print_stage(text: str) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(text, highlight=False)

@@ -24,12 +24,7 @@ def found(name: str = "validation.json") -> dict[str, Path]:
 
 def parse_capacity(text: bytes, name: str) -> dict:
     """A capacity.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
-    if len(text) > MAX_BYTES:
-        raise ConfigError(f"{len(text) / 2**20:.1f} MiB; allowed: at most {MAX_BYTES // 2**20} MiB", file=name)
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"not JSON ({type(e).__name__}: {str(e)[:80]})", file=name) from None
+    data = _json(text, name)
     if not isinstance(data, dict):
         raise ConfigError("not a capacity.json of `infersim validate --capacity`", file=name)
     for key in ("measured", "predicted"):
@@ -54,14 +49,19 @@ def capacity_table(runs: list[tuple[str, dict]]) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("file")
 
 
-def parse(text: bytes, name: str) -> dict:
-    """A validation.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
+def _json(text: bytes, name: str):
+    """The file's JSON value; ConfigError naming the file if it is too large or not JSON."""
     if len(text) > MAX_BYTES:
         raise ConfigError(f"{len(text) / 2**20:.1f} MiB; allowed: at most {MAX_BYTES // 2**20} MiB", file=name)
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"not JSON ({type(e).__name__}: {str(e)[:80]})", file=name) from None
+
+
+def parse(text: bytes, name: str) -> dict:
+    """A validation.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
+    data = _json(text, name)
     if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
         raise ConfigError("no 'metrics' mapping: not a validation.json of `infersim validate`", file=name)
     for metric, row in data["metrics"].items():

@@ -224,28 +224,15 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
              alongside: Path | None = None) -> tuple[list[dict], Path, dict | None]:
     """Run scenarios on the executor and in the simulator: (each scenario's validation.json content, the profile
     predicted with, the summary over scenarios or None for one). Writes summary.json and table.md under `out`."""
-    from calibration.validate import PROFILES, markdown_table, model_loader, summarize, validate_many
+    from calibration.validate import markdown_table, model_loader, summarize, validate_many
     from executor.serve import check_device
-    from executor.speculative.build import drafter_dir
-    from sim.cost.build import speculation_model
 
     check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
     prepare_out(out)
-    if alongside is not None and profile is not None:
-        raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
-    prof = profile or PROFILES / f"{device}.json"
-    if alongside is None and not prof.exists():
-        raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-    for path, plan in plans:  # what the simulator and the drafter need, checked before any executor run
-        try:
-            speculation_model(plan, 0)
-            method = plan.speculative.method if plan.speculative else None
-            if real_from is None and method in ("draft_model", "medusa"):
-                drafter_dir(plan)
-        except ConfigError as e:
-            raise e.with_file(str(path)) from None
+    prof = _validation_profile(profile, alongside, device)
+    _check_before_runs(plans, drafters=real_from is None)
     folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
     recorded = None
     if real_from is not None:
@@ -278,26 +265,15 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it."""
     from calibration.capacity import validate_capacity as measure
     from calibration.profile import write_profile
-    from calibration.validate import PROFILES, alongside_sweep, check_graphs, model_loader
+    from calibration.validate import alongside_sweep, check_graphs, model_loader
     from executor.serve import check_device, set_threads
 
     check_device(device)
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
     prepare_out(out)
-    if alongside is not None and profile is not None:
-        raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
-    prof = profile or PROFILES / f"{device}.json"
-    if alongside is None and not prof.exists():
-        raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
-    for path, plan in plans:
-        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
-            from executor.speculative.build import drafter_dir
-
-            try:
-                drafter_dir(plan)
-            except ConfigError as e:
-                raise e.with_file(str(path)) from None
+    prof = _validation_profile(profile, alongside, device)
+    _check_before_runs(plans, drafters=True)
     check_graphs([plan for _, plan in plans], None if alongside else prof, device)
     load = model_loader(device)
     results = []
@@ -317,14 +293,37 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
             return own
 
         results.append(measure(plan, prof if sweep is None else None, device, threads, loaded, sweep,
-                               finish if sweep is not None else None, folder, precision, stage=_stage))
+                               finish if sweep is not None else None, folder, precision))
     return results, alongside or prof
 
 
-def _stage(text: str) -> None:
-    from rich.console import Console
+def _validation_profile(profile: Path | None, alongside: Path | None, device: str) -> Path:
+    """The profile a validation predicts with: `profile`, else the device's shipped one (checked to exist unless
+    `--profile-alongside` measures its own, which excludes `--profile`)."""
+    from calibration.validate import PROFILES
 
-    Console(stderr=True).print(text, highlight=False)
+    if alongside is not None and profile is not None:
+        raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
+    prof = profile or PROFILES / f"{device}.json"
+    if alongside is None and not prof.exists():
+        raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+    return prof
+
+
+def _check_before_runs(plans: list, drafters: bool) -> None:
+    """What the simulator (and, with `drafters`, a draft-model or Medusa drafter) needs, per (path, plan), checked
+    before any executor run, which takes minutes; errors name the scenario file."""
+    from executor.speculative.build import drafter_dir
+    from sim.cost.build import speculation_model
+
+    for path, plan in plans:
+        try:
+            speculation_model(plan, 0)
+            method = plan.speculative.method if plan.speculative else None
+            if drafters and method in ("draft_model", "medusa"):
+                drafter_dir(plan)
+        except ConfigError as e:
+            raise e.with_file(str(path)) from None
 
 
 def profile(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int,

@@ -59,8 +59,8 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
         raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
-    if model is not None and m and _compression(m) != _compression(model.model_dump()):
-        have, want = _compression(m), _compression(model.model_dump())
+    have, want = (_compression(m), _compression(model.model_dump())) if model is not None and m else (None, None)
+    if have != want:
         raise ConfigError(f"{path} was measured with {_describe(have)}, not {_describe(want)}: compression changes "
                           "every step's cost; profile it with `infersim profile --scenario`", key_path)
     return ProfileFile(path, coefs, knot, data, forward, comm, parallel)
