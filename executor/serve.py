@@ -47,7 +47,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
 
     dtype = base_dtype(plan, device)
     if plan.executor.random_weights:
-        model = random_model(plan)
+        model = random_model(plan, device, dtype)
         model.attn_backend = plan.executor.attention
         return Loaded(compress(plan, model.to(device=device, dtype=dtype)), None, None)
     try:
@@ -115,8 +115,9 @@ def _check_shape(m: ModelSpec, weights: ModelSpec) -> None:
                           f"not the scenario's {got}; set executor.random_weights: true to time that shape", "model")
 
 
-def random_model(plan: Plan) -> LlamaModel:
-    """The scenario's architecture with seeded random weights (executor.seed; executor.tiny's initialisation)."""
+def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = None) -> LlamaModel:
+    """The scenario's architecture with seeded random weights (executor.seed; executor.tiny's initialisation), made
+    on `device`."""
     from executor.tiny import tiny_model
 
     m = plan.model
@@ -124,7 +125,7 @@ def random_model(plan: Plan) -> LlamaModel:
                          num_kv_heads=m.num_kv_heads, head_dim=m.head_size, intermediate_size=m.intermediate_size,
                          vocab_size=m.vocab_size, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
                          max_position_embeddings=m.max_position_embeddings)
-    return tiny_model(seed=plan.executor.seed, config=config)
+    return tiny_model(seed=plan.executor.seed, config=config, device=device, dtype=dtype)
 
 
 def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:

@@ -27,20 +27,25 @@ def llama3_rope_scaling(original_max_position_embeddings: int = 64, factor: floa
             "original_max_position_embeddings": original_max_position_embeddings}
 
 
-def tiny_model(seed: int = 0, config: LlamaConfig | None = None, attn_backend="sdpa", **config_overrides) -> LlamaModel:
-    """A LlamaModel with seeded random weights scaled so attention is far from uniform."""
+def tiny_model(seed: int = 0, config: LlamaConfig | None = None, attn_backend="sdpa", device: str | None = None,
+               dtype: torch.dtype | None = None, **config_overrides) -> LlamaModel:
+    """A LlamaModel with seeded random weights scaled so attention is far from uniform. `device`: built and filled
+    there (a GPU-sized model never passes through host memory; the values are that device's generator's), then
+    cast to `dtype`."""
     config = config or tiny_config(**config_overrides)
-    model = LlamaModel(config, attn_backend=attn_backend)
-    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device or "cpu")
+    with device:
+        model = LlamaModel(config, attn_backend=attn_backend)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, device=device))
             elif p.dim() == 2:
                 # Embeddings ~N(0,1); linear weights ~N(0, 1/fan_in) keep activations O(1).
                 std = 1.0 if name == "embed_tokens.weight" else p.shape[1] ** -0.5
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model.eval()
+                p.copy_(torch.randn(p.shape, generator=gen, device=device).mul_(std))
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 def to_transformers(model: LlamaModel, attn_implementation: str = "eager"):

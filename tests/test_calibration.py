@@ -342,3 +342,48 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     if load.mean_others >= BUSY_CORES:  # another process's timings: nothing to judge the executor's rate by
         pytest.skip(f"other processes used {load.mean_others:.1f} cores while the executor served")
     assert verdicts == [True, False], (sim.rate, sim.missed_at)
+
+
+# -- calibration/gpu_check: the GPU command's scenarios and its CPU dry run -----------------------------------------
+
+def test_gpu_check_scenarios_simulate_and_cut_down_for_the_dry_run(tmp_path):
+    from calibration.gpu_check import CAPACITY, DRY_MODEL, DRY_REQUESTS, MODELS, dry_scenario
+    from infersim.api import run_scenario
+    from sim.config.plan import load_scenario
+
+    paths = {p for ps in MODELS.values() for p in ps} | set(CAPACITY.values())
+    for path in sorted(paths):
+        report = run_scenario(path, out=None, quiet=True, plots=False)
+        rq = report["requests"]
+        assert rq["arrived"] == rq["completed"] + rq["rejected"] and rq["completed"] > 0
+        _, plan = load_scenario(path)
+        assert plan.hardware.name == "H200"
+        _, dry = load_scenario(dry_scenario(path, tmp_path))
+        assert (dry.model.num_layers, dry.model.hidden_size) == (DRY_MODEL["num_layers"], DRY_MODEL["hidden_size"])
+        assert dry.executor.random_weights and dry.hardware.name == "cpu"
+        assert dry.workload.num_requests == DRY_REQUESTS
+    assert {load_scenario(p)[1].model.num_layers for p in MODELS["llama-3-8b"]} == {32}  # the 8B's shape
+
+
+def test_gpu_check_dry_run_writes_one_summary(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "calibration.gpu_check", "--device", "cpu", "--models", "smollm2-135m",
+                        "--quick", "--runs", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "CPU dry run" in summary and "gpu-smollm2-135m" in summary and "ttft_p50" in summary
+    assert (out / "smollm2-135m" / "cpu.json").exists()
+    assert json.loads((out / "smollm2-135m" / "smollm2_h200" / "validation.json").read_text())["runs"]
+
+
+def test_gpu_check_names_the_models_it_knows(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "calibration.gpu_check", "--device", "cpu", "--models", "gpt-5",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--models" in r.stderr and "llama-3-8b" in r.stderr
