@@ -67,7 +67,8 @@ def test_scenario_simulates(path, tmp_path):
     assert not any((tmp_path / p).exists() for p in PLOTS)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "scenarios" / "validation").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios").glob("validation*/*.yaml")),
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_validation_scenario_simulates(path):
     """Every validation scenario parses and simulates (the executor half runs in `infersim validate`)."""
     report = run_scenario(path, out=None, quiet=True, plots=False)
