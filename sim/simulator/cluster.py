@@ -14,7 +14,7 @@ from sim.policy.build import make_router
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.simulator.disaggregated import simulate_pools
-from sim.simulator.engines import Done, RunResult, make_engines, make_pipeline, run_env, trace_of
+from sim.simulator.engines import Done, RunResult, arrivals, make_engines, make_pipeline, run_env, trace_of
 
 __all__ = ["Done", "RunResult", "make_pipeline", "simulate", "sim_records", "itl_sample"]
 
@@ -36,18 +36,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     router = make_router(plan.router)
     requests: list[Request] = []
 
-    def arrivals():
-        for spec in specs:
-            pending[0] = spec.arrival_s
-            if spec.arrival_s > env.now:
-                yield env.timeout(spec.arrival_s - env.now)
-            req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
-            requests.append(req)
-            if not replicas[router.pick(replicas)].add(req):
-                done()
-        pending[0] = math.inf
-
-    env.process(arrivals())
+    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas)].add(req), done))
     run_env(env, done.stop)
     engines = plan.virtual_engines
     traces = [trace_of(r, pipelines[i // engines]) for i, r in enumerate(replicas)]

@@ -21,7 +21,7 @@ from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
 from sim.policy.request import Request
-from sim.simulator.engines import Done, RunResult, make_engines, run_env, trace_of
+from sim.simulator.engines import Done, RunResult, arrivals, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
 
@@ -107,18 +107,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     router = make_router(pools.prefill.router)
     requests: list[Request] = []
 
-    def arrivals():
-        for spec in specs:
-            pending[0] = spec.arrival_s
-            if spec.arrival_s > env.now:
-                yield env.timeout(spec.arrival_s - env.now)
-            req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
-            requests.append(req)
-            if not prefill[router.pick(prefill)].add(req):
-                done()
-        pending[0] = math.inf
-
-    env.process(arrivals())
+    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done))
     run_env(env, done.stop)
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]

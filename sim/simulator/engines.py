@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,21 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
                         r.scheduler.num_preemptions, kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3),
                         pipeline.busy_s if pipeline is not None else None, pool, r.busy_s,
                         np.frombuffer(r.handoff_gaps, float))
+
+
+def arrivals(env: simpy.Environment, specs: list, pending: list[float], requests: list, admit: Callable,
+             done: Callable[[], None]):
+    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now), with
+    `pending[0]` the time of the next one not yet admitted (the replicas' bulk decode stops short of it)."""
+    for spec in specs:
+        pending[0] = spec.arrival_s
+        if spec.arrival_s > env.now:
+            yield env.timeout(spec.arrival_s - env.now)
+        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
+        requests.append(req)
+        if not admit(req):
+            done()
+    pending[0] = math.inf
 
 
 def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:
