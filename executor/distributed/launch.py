@@ -99,6 +99,22 @@ class Group:
         return out
 
 
+@contextmanager
+def collective(handle) -> Iterator[None]:
+    """Run a step's collectives for `handle` (a parallel group's driver handle: `.group`, `.broken`): a dead child
+    is found before, and a failure inside marks the handle broken (no orderly shutdown then) and becomes the
+    group's WorkerError."""
+    handle.group.check()
+    try:
+        yield
+    except WorkerError:
+        handle.broken = True
+        raise
+    except (RuntimeError, TimeoutError) as e:
+        handle.broken = True
+        raise handle.group.failure(e) from None
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.distributed import messages
-from executor.distributed.launch import Group, WorkerError, launch
+from executor.distributed.launch import Group, collective, launch
 from executor.engine import Engine, PendingStep, StepRecord
 from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaConfig, LlamaModel
@@ -183,20 +183,12 @@ class PipelineEngine:
     def step(self) -> StepRecord | None:
         """Launch a step on every virtual engine with none in flight and work to do, then finish the oldest step in
         flight (waiting for the last stage); its record, or None if nothing ran."""
-        pipe = self.pipe
-        pipe.group.check()
-        try:
+        with collective(self.pipe):
             busy = {f.ve for f in self.inflight}
             for ve, engine in enumerate(self.engines):
                 if ve not in busy and engine.scheduler.has_work():
                     self._launch(ve, engine)
             return self._finish(self.inflight.popleft()) if self.inflight else None
-        except WorkerError:
-            pipe.broken = True
-            raise
-        except (RuntimeError, TimeoutError) as e:
-            pipe.broken = True
-            raise pipe.group.failure(e) from None
 
     def _launch(self, ve: int, engine: Engine) -> None:
         pending = engine.begin_step()

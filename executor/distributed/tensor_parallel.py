@@ -28,7 +28,7 @@ import torch.distributed as dist
 from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.distributed import messages
-from executor.distributed.launch import Group, WorkerError, launch
+from executor.distributed.launch import Group, collective, launch
 from executor.distributed.shm import ShmCollectives, make_buffers
 from executor.engine import Engine
 from executor.layers import Linear
@@ -194,17 +194,9 @@ class TensorParallelRunner(ModelRunner):
         self.parallel = parallel
 
     def run(self, step: StepInput):
-        tp = self.parallel
-        tp.group.check()
-        try:
-            messages.broadcast(messages.encode_step(step), tp.device)
+        with collective(self.parallel):
+            messages.broadcast(messages.encode_step(step), self.parallel.device)
             return super().run(step)
-        except WorkerError:
-            tp.broken = True
-            raise
-        except (RuntimeError, TimeoutError) as e:
-            tp.broken = True
-            raise tp.group.failure(e) from None
 
 
 class TensorParallel:
