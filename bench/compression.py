@@ -7,7 +7,10 @@ Per configuration: decode tokens/s at batch 1 and 16 (engine decode steps over 1
 (executor/data/heldout_prose.txt, never a prompt anywhere), and greedy agreement with fp32 over 8 prompts cut from
 the shipped corpus (32 new tokens each; tokens up to the first difference). Timings alternate between the
 configurations round by round (`--rounds`) and each figure is the median of its rounds, so every ratio is taken on
-the same minutes of this machine. Each is printed as a ratio to fp32.
+the same minutes of this machine. Each is printed as a ratio to fp32. A decode figure is the median of 24 steps after
+the batch's first decode on a fresh engine: the window is not biased against the faster configurations (checked on
+SmolLM2 at batch 1, fp32 / int8 / int4, 3 interleaved rounds: steps 1-24 and 20-99 of the same engines gave the same
+speedups, 2.42x / 2.38x int8 and 2.64x / 2.63x int4); what moves a figure between runs is other load on the machine.
 
 Usage: python bench/compression.py [--rounds 5] [--threads 2] [--only fp32 int8 ...] [--quick]
 Ends with `name: value` headline lines.

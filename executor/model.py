@@ -9,15 +9,19 @@ q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMM
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from executor import layers
+from executor import attention, layers, native, quantize
 from executor.attention import AttentionMetadata, get_backend
 from executor.cache_engine import KVCache
 from executor.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+
+# Switch off to run decode steps layer by layer in Python even where the native decode loop applies (comparisons).
+USE_NATIVE_DECODE_LOOP = True
 
 
 @dataclass
@@ -133,6 +137,15 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    # the decode plan and what says when to remake it: see _decode_plan
+    _decode_cache: dict | None = None
+
+    def __getstate__(self):  # the plan holds addresses of this object's tensors: never pickled or deep-copied
+        state = dict(self.__dict__)
+        state.pop("_decode_cache", None)
+        state.pop("_pools", None)
+        return state
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCache, last_of: list[int] | None = None, attention=None,
@@ -159,6 +172,10 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 x, delta = layer(x, rope, meta, kv_caches, backend, delta=delta)
             return x if delta is None else x.add_(delta)  # the next stage starts from the whole residual stream
+        if hidden is None and attention is None and rope.native:
+            out = self._native_decode(x, rope, meta, kv_caches, last_of, backend)
+            if out is not None:
+                return out
         rows, idx = None, None
         if last_of is not None:
             idx = [meta.cu_query_lens[i + 1] - 1 for i in last_of]
@@ -176,6 +193,124 @@ class LlamaModel(nn.Module):
         if idx is not None and rows is None and len(idx) < x.shape[0]:  # no row samples: none returned
             x, delta = x[:0], None if delta is None else delta[:0]
         return self.norm.fused_add(x, delta) if rope.native else self.norm(x)
+
+    def _native_decode(self, x, rope, meta: AttentionMetadata, kv_caches: KVCache, last_of, backend):
+        """The final-normed hidden states of a step whose rows are all one-token decodes, every layer in one native
+        call (native.decode_layers), or None where that would not be exactly the layer-by-layer native path: a row
+        of several tokens, trees, some rows not sampling, another attention backend, a projection that is not a
+        plain fp32 / int8 / int4 one (tensor-parallel, outlier columns) or too many rows for its native kernel."""
+        t = x.shape[0]
+        if not (USE_NATIVE_DECODE_LOOP and t == len(meta.query_lens) and not meta.trees
+                and backend is attention.sdpa_attention and attention.USE_NATIVE_ATTENTION
+                and (last_of is None or list(last_of) == list(range(t)))):
+            return None
+        plan = self._decode_plan()
+        if plan is None or t > plan["max_rows"] or (plan["fp32"] and not layers.USE_NATIVE_LINEAR) \
+                or (plan["quantized"] and not quantize.USE_NATIVE_QUANT):
+            return None
+        pools = self._pool_addresses(kv_caches)
+        if pools is None:
+            return None
+        c = self.config
+        delta = torch.empty_like(x)
+        native.decode_layers(plan["desc"], len(self.layers), x, delta,
+                             (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size), plan["eps"],
+                             rope.rotary.cos, rope.rotary.sin, rope.positions, meta.slot_mapping, pools[0], pools[1],
+                             meta.block_size, meta.decode_block_tables, meta.decode_context_lens, plan["scale"])
+        return self.norm.fused_add(x, delta)
+
+    _pools: tuple | None = None  # (key, pools' addresses, int8 KV) of the last KVCache: see _pool_addresses
+
+    def _pool_addresses(self, kv_caches: KVCache) -> tuple[torch.Tensor, bool] | None:
+        """(int64 [2 · layers]: every layer's k and v pool address, whether they hold int8 rows), or None where a
+        pool is not one the native kernels read. Kept for the next step of the same cache: a KVCache's pools are
+        fixed views of its one tensor, so its address and shape identify them."""
+        first = kv_caches.layer(0)[0]
+        key = (id(kv_caches), first.data_ptr(), first.shape, first.dtype) if type(kv_caches) is KVCache else None
+        if key is None or self._pools is None or self._pools[0] != key:
+            pools = [p for i in range(len(self.layers)) for p in kv_caches.layer(i)]
+            if not all(map(native.kv_pool_usable, pools)) or len({(p.dtype, p.shape) for p in pools}) != 1:
+                return None
+            self._pools = (key, torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64),
+                           first.dtype == torch.int8)
+        return self._pools[1:]
+
+    def _decode_plan(self) -> dict | None:
+        """The native decode loop's descriptor of this model's layers (native.decode_descriptor) and what it needs
+        per step, made once and remade when the model changes; None where a layer is not one the loop runs exactly,
+        or where a forward hook watches one (the loop would not call it).
+
+        A step checks little, since walking every module and weight of 30 layers costs ~0.5 ms once the step's
+        weight stream has pushed them out of the caches: a module, parameter or buffer assigned anywhere (replaced
+        layers, quantize_weights, sharding) bumps _REGISTRATIONS, `.to()` on the model drops the plan (_apply), and
+        of the weights only fp32 projections' are checked (version and address), since the loop reads their panel
+        copies; norms and quantized weights it reads in place, so in-place updates reach it as they are. (`.to()` on
+        one layer rather than the model goes unseen, but the plan holds the storages it points into, so nothing it
+        reads is freed.)"""
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return None
+        cache = self._decode_cache
+        if cache is None or cache["registrations"] != _REGISTRATIONS[0] or not _unchanged(cache["copied"]):
+            cache = self._decode_cache = self._make_decode_plan()
+        return None if any(map(len, cache["hooks"])) else cache["plan"]
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .float() / share_memory_() may move every weight
+        self._decode_cache = self._pools = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _make_decode_plan(self) -> dict:
+        """_decode_plan's cache: the plan (None where the loop does not apply) and what says when to remake it."""
+        registrations = _REGISTRATIONS[0]
+        plan = self._plan_layers()
+        copied = [m.weight for layer in self.layers for m in layer.modules() if type(m) is Linear]
+        called = [] if plan is None else [m for layer in self.layers for m in (
+            layer, *layer.children(), *layer.self_attn.children(), *layer.mlp.children())]
+        return {"registrations": registrations, "plan": plan,
+                "copied": (copied, tuple(map(torch.Tensor.data_ptr, copied)), tuple(map(_VERSION, copied))),
+                "hooks": [d for m in called for d in (m._forward_hooks, m._forward_pre_hooks)]}
+
+    def _plan_layers(self) -> dict | None:
+        """The plan of _decode_plan, made from the model as it is now."""
+        c = self.config
+        if not native.available() or c.num_heads % c.num_kv_heads:
+            return None
+        hidden, q_size, inter = c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size
+        shapes = [(hidden, q_size + 2 * c.num_kv_heads * c.head_dim, None), (q_size, hidden, None),
+                  (hidden, 2 * inter, [inter, inter]), (inter, hidden, None)]  # (in, out, splits): the loop's buffers
+        layer_specs, kinds, max_rows, norms = [], set(), 1 << 30, []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            kinds_of = (type(layer), type(attn), type(mlp), type(layer.input_layernorm),
+                        type(layer.post_attention_layernorm))
+            if kinds_of != (DecoderLayer, Attention, MLP, RMSNorm, RMSNorm) \
+                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (c.num_heads, c.num_kv_heads, c.head_dim):
+                return None
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            projections = []
+            mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            for m, outputs, shape in zip(mods, (1, 1, 2, 1), shapes):
+                parts = _decode_parts(m)
+                if parts is None or (m.in_features, m.out_features, m.splits) != shape:
+                    return None
+                kind, rows, parts = parts
+                if sum(2 if p[6] else 1 for p in parts) != outputs:
+                    return None
+                kinds.add(kind)
+                max_rows = min(max_rows, rows)
+                projections.append(parts)
+            layer_specs.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                *projections))
+        eps = {n.eps for n in norms}
+        scale = {layer.self_attn.scale for layer in self.layers}
+        weights_ok = all(n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
+                         and n.weight.is_contiguous() and n.weight.shape == (hidden,) for n in norms)
+        if len(eps) != 1 or len(scale) != 1 or not weights_ok or not layer_specs:
+            return None
+        # "tensors": what desc points into (detached: a parameter's data swapped later still leaves these alive)
+        return {"desc": native.decode_descriptor(layer_specs), "tensors": layer_specs, "eps": eps.pop(),
+                "scale": scale.pop(), "max_rows": max_rows, "fp32": "fp32" in kinds,
+                "quantized": bool(kinds - {"fp32"})}
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
@@ -217,3 +352,48 @@ class LlamaModel(nn.Module):
                        p + "input_layernorm.weight": layer.input_layernorm.weight,
                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
         return {k: v.detach().clone() for k, v in sd.items()}
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _unchanged(copied: tuple) -> bool:
+    """Whether the fp32 projection weights a decode plan holds panel copies of are the same tensors as then."""
+    weights, ptrs, versions = copied
+    return tuple(map(torch.Tensor.data_ptr, weights)) == ptrs and tuple(map(_VERSION, weights)) == versions
+
+
+# Module, parameter and buffer assignments so far, anywhere: a decode plan is remade when the count moves.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(*args) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+for _register in (nn.modules.module.register_module_module_registration_hook,
+                  nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook):
+    _register(_count_registration)
+
+
+def _decode_parts(m: nn.Module) -> tuple[str, int, list] | None:
+    """(kind, most rows, decode_layers parts) of a projection: a plain fp32 Linear (its native panels) or an int8 /
+    int4 QuantizedLinear without outlier columns; None for anything else (a tensor-parallel subclass, fp8, ...)."""
+    if type(m) is Linear:
+        w = m.weight
+        if m.bias is not None or w.dtype != torch.float32 or w.device.type != "cpu":
+            return None
+        panels = m._copies("_panels", native.pack_weight)
+        return "fp32", native.linear_max_rows(), [(native.PART_FP32, p.data, None, p.n, p.k, 0, 0) for p in panels]
+    if type(m) is not quantize.QuantizedLinear or m.weight_dtype not in ("int8", "int4"):
+        return None
+    lib, parts = native.library(), []
+    for qw in m.parts:
+        if (type(qw) is not quantize.QuantizedWeight or qw.outlier_index is not None or qw.panels.device.type != "cpu"
+                or qw.width != lib.panel_columns or qw.scales.dtype not in (torch.float32, torch.int16)):
+            return None
+        kind = native.PART_INT8 if qw.bits == 8 else native.PART_INT4
+        parts.append((kind, qw.panels.detach(), qw.scales.detach(), qw.n, qw.k, qw.group_size, qw.split or 0))
+    rows = quantize.QUANT_MAX_ROWS_BY_PANEL.get(lib.panel_columns, 32)
+    return "quantized", rows, parts

@@ -1,6 +1,7 @@
 """Native CPU kernels (executor/kernels.cpp): small-batch linear layers (fp32, and int8 / int4 weights dequantized in
 registers), paged attention for decode and verify rows (fp32 or int8 KV), and a layer's elementwise work fused into
-single passes (residual add + RMSNorm, RoPE + KV-cache write, SiLU·up).
+single passes (residual add + RMSNorm, RoPE + KV-cache write, SiLU·up); and `decode_layers`, which runs all of a
+decode step's decoder layers through those kernels in one call (executor/model.py's native decode loop).
 
 Built on first use with the system C++ compiler (`c++ -O3 -march=native -fopenmp`, about a second) into a
 per-machine cache and called through ctypes; the OpenMP runtime is the libgomp torch already loaded, so the
@@ -104,6 +105,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
     for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul, lib.argmax_rows):
         fn.restype = None
+    if hasattr(lib, "decode_layers"):  # (bench/kernel_ab.py may load a build from before it)
+        lib.decode_layer_fields.argtypes = []
+        lib.decode_layer_fields.restype = i64
+        lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, ptr, ptr, ptr,
+                                      b, i64, ptr, i64, ptr, f32]
+        lib.decode_layers.restype = None
     return lib
 
 
@@ -244,6 +251,47 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     library().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+# decode_layers' descriptor: kinds of a projection part (none, fp32 panels, int8 / int4 quantized panels), parts per
+# projection and int64 fields per part (kind, weight, scales, n, k, group size, split)
+PART_NONE, PART_FP32, PART_INT8, PART_INT4 = 0, 32, 8, 4
+DECODE_PARTS, DECODE_PART_FIELDS = 2, 7
+
+
+def decode_descriptor(layers: list[tuple[torch.Tensor, torch.Tensor, list, list, list, list]]) -> torch.Tensor:
+    """decode_layers' flat int64 descriptor: per layer (input norm weight, post-attention norm weight, then the qkv,
+    o, gate|up and down projections, each a list of up to DECODE_PARTS parts (kind, weight, scales or None, n, k,
+    group size, split or 0)). The tensors must outlive the descriptor (it holds their addresses)."""
+    fields = []
+    for norm1, norm2, *projections in layers:
+        fields += [norm1.data_ptr(), norm2.data_ptr()]
+        for parts in projections:
+            if not 1 <= len(parts) <= DECODE_PARTS:
+                raise ValueError(f"a projection of {len(parts)} parts; decode_layers takes 1..{DECODE_PARTS}")
+            for kind, w, scales, n, k, gs, split in parts:
+                fields += [kind, w.data_ptr(), 0 if scales is None else scales.data_ptr(), n, k, gs, split]
+            fields += [PART_NONE] * DECODE_PART_FIELDS * (DECODE_PARTS - len(parts))
+    desc = torch.tensor(fields, dtype=torch.int64)
+    if desc.numel() != len(layers) * library().decode_layer_fields():
+        raise ValueError("descriptor layout differs from the library's")
+    return desc
+
+
+def decode_layers(desc: torch.Tensor, num_layers: int, x: torch.Tensor, delta: torch.Tensor, shape: tuple,
+                  eps: float, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, pools: torch.Tensor, kv_int8: bool, block_size: int,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+    """Every decoder layer of a step of one-token rows in one native call (kernels.cpp: decode_layers): x [T, C]
+    (the residual stream) is updated in place and the last layer's output, still to be added, written to delta
+    [T, C]. shape: (heads, kv heads, head_dim, intermediate size); pools: int64 [2 · layers], each layer's k and v
+    pool's address; block_tables [T, max_blocks], context_lens [T] as paged_attention takes them."""
+    t, c = x.shape
+    heads, kv_heads, head_dim, inter = shape
+    library().decode_layers(desc.data_ptr(), num_layers, x.data_ptr(), delta.data_ptr(), t, c, heads, kv_heads,
+                            head_dim, inter, eps, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+                            slot_mapping.data_ptr(), pools.data_ptr(), kv_int8, block_size, block_tables.data_ptr(),
+                            block_tables.shape[1], context_lens.data_ptr(), scale)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
