@@ -7,8 +7,9 @@ head), in place: `quantize_weights(model, "int8" | "int4" | "fp8")`, and what th
   min (w ≈ q · s + m, q in [0, 15]: llama.cpp's Q4_1, 5 bits a weight). Asymmetric because the kernel's
   dequantization is one FMA either way, so the zero point costs nothing at run time. Groups of 32 because on
   SmolLM2-135M groups of 128 cost +69% perplexity and 64 +53%, against +0.03% for 32 (bench/quant_kernels.py;
-  its shipped weights are themselves Q4_1 in groups of 32, which 32 reproduces), at the same decode speed (the
-  kernel is compute-bound there, not scale-bound). A K that the group size does not divide ends in a shorter
+  its shipped weights are themselves Q4_1 in groups of 32, which 32 reproduces), at the same decode speed when
+  measured (the float tile was compute-bound; the 1-2-row VNNI tile added since streams at memory speed, where 32's
+  scales are 1 of 5 bits a weight: not re-measured). A K that the group size does not divide ends in a shorter
   group. The LM head of an int4 model is int8 (`lm_head_dtype`), as llama.cpp's Q4 mixes keep the output matrix
   at 6-8 bits: at int4 it alone cost +8% perplexity.
 - fp8 (CUDA GPUs with fp8 matmuls only): e4m3 weights with a scale per output channel, activations scaled per
