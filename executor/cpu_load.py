@@ -74,6 +74,10 @@ class CpuLoad:
         """One thread per core the other processes leave free (at least one, at most max_threads)."""
         return max(1, min(self.max_threads, round(self.cores - others)))
 
+    def others_busy(self) -> bool:
+        """Whether the latest sample saw other processes using BUSY_CORES or more (before any sample: no)."""
+        return bool(self.samples) and self.samples[-1] >= BUSY_CORES
+
     @property
     def mean_others(self) -> float:
         return sum(self.samples) / len(self.samples) if self.samples else 0.0

@@ -29,6 +29,7 @@ from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
 
 LOAD_EVERY_S = 0.5  # how often a serve reads the machine's load
+WARM_ELEMENTS = 1 << 16  # keep-warm op: above torch's parallel grain (32768), small enough to stay in L2
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -184,14 +185,15 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
-           adapt_threads: bool = False, progress=None) -> list[Request]:
+           adapt_threads: bool = False, progress=None, keep_warm: bool = False) -> list[Request]:
     """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
     sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
-    free. `progress(done, total)` is called as requests end."""
+    free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
+    sleeping while the machine is otherwise quiet (see executor.keep_warm)."""
     requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, requests, corpus, load, adapt_threads, progress)
+        _replay(engine, requests, corpus, load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -201,8 +203,16 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     return requests
 
 
+def _keep_warm(engine, until: float) -> None:
+    """Run a small multi-threaded op until engine time `until`: torch's threads stay awake and on their cores
+    through an idle gap, so the next step starts at the speed of back-to-back steps."""
+    a = torch.ones(WARM_ELEMENTS)
+    while engine.now() < until:
+        torch.mul(a, 1.0, out=a)
+
+
 def _replay(engine, requests: list[Request], corpus: list[int], load: CpuLoad | None, adapt_threads: bool,
-            progress) -> None:
+            progress, keep_warm: bool = False) -> None:
     nxt = 0
     next_sample = LOAD_EVERY_S
     while nxt < len(requests) or engine.has_work():
@@ -221,7 +231,11 @@ def _replay(engine, requests: list[Request], corpus: list[int], load: CpuLoad | 
         if engine.has_work():
             engine.step()
         elif nxt < len(requests):
-            time.sleep(max(0.0, min(requests[nxt].arrival_s - engine.now(), LOAD_EVERY_S)))
+            until = min(requests[nxt].arrival_s, now + LOAD_EVERY_S)
+            if keep_warm and load is not None and not load.others_busy():
+                _keep_warm(engine, until)
+            else:
+                time.sleep(max(0.0, until - engine.now()))
     if progress is not None:
         progress(len(requests), len(requests))
 
@@ -286,7 +300,7 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
             load = CpuLoad(workers=workers)  # the workers' CPU is the serve's own, not other processes'
             t0 = time.perf_counter()
             requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
-                              progress=progress)
+                              progress=progress, keep_warm=plan.executor.keep_warm and device == "cpu")
             wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads_before)  # a busy spell must not leave the next run with fewer threads

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from executor.cpu_load import CpuLoad
+from executor.cpu_load import BUSY_CORES, CpuLoad
 
 
 def test_an_exited_worker_s_cpu_does_not_become_other_processes():
@@ -19,3 +19,12 @@ def test_an_exited_worker_s_cpu_does_not_become_other_processes():
     time.sleep(0.2)
     others = load.sample()  # after it exited, its CPU must not come back as negative "own" time
     assert others is not None and others < 0.5, load.samples
+
+
+def test_others_busy_reads_the_latest_sample():
+    load = CpuLoad()
+    assert not load.others_busy()  # no sample yet: nothing says the machine is busy
+    load.samples += [0.1, BUSY_CORES]
+    assert load.others_busy()
+    load.samples.append(0.0)
+    assert not load.others_busy()

@@ -209,3 +209,38 @@ def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     assert fit["verify_cost_ratio"] == pytest.approx(1.05) and fit["verify_step_ratio"] == pytest.approx(1.26)
     few = draft_cost(spec + plain[:MIN_PLAIN_STEPS - 1], cost)
     assert few["plain_decode_step_ratio"] == 1.0 and few["verify_cost_ratio"] == pytest.approx(1.26)
+
+
+class _Load:
+    """A stand-in CpuLoad whose other processes are as busy as told."""
+
+    def __init__(self, busy: bool):
+        self.busy_now = busy
+
+    def sample(self):
+        return 1.5 if self.busy_now else 0.0
+
+    def threads_for(self, others):
+        return 1
+
+    def others_busy(self):
+        return self.busy_now
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_keep_warm_polls_idle_gaps_only_on_a_quiet_machine(monkeypatch, busy):
+    from executor import serve as serve_mod
+    from executor.tiny import tiny_model
+    from sim.config.workload import RequestSpec
+    from tests.test_engine import make_engine
+
+    warmed, slept = [], []
+    real_warm = serve_mod._keep_warm
+    monkeypatch.setattr(serve_mod, "_keep_warm", lambda e, until: (warmed.append(until), real_warm(e, until)))
+    monkeypatch.setattr(serve_mod.time, "sleep", lambda s: slept.append(s))
+    engine = make_engine(tiny_model(seed=1))
+    specs = [RequestSpec(i, 0.2 * i, 8, 3) for i in range(4)]  # gaps far longer than a tiny step
+    reqs = serve_mod.replay(engine, specs, list(range(3, 200)), _Load(busy), keep_warm=True)
+    assert all(r.is_done for r in reqs) and len(reqs) == 4
+    assert all(r.first_token_s >= r.arrival_s for r in reqs)  # nothing started before it arrived
+    assert (bool(warmed), bool(slept)) == ((False, True) if busy else (True, False))

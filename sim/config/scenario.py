@@ -95,6 +95,9 @@ class ExecutorConfig(StrictModel):
     random_weights: bool = Field(False, description="serve the scenario's model architecture with seeded random "
                                  "weights (executor.seed) instead of real ones: for timing a shape no checkpoint here "
                                  "has; the outputs are noise, so keep ignore_eos")
+    keep_warm: bool = Field(True, description="on a CPU, keep torch's threads busy through the idle gaps of an online "
+                            "serve while no other process needs the cores (a serving engine's busy-poll: threads "
+                            "left to sleep wake slowly for the next step); false: sleep until the next arrival")
 
 
 MEDUSA_TOPK = 10  # candidates per Medusa head (executor.speculative.medusa.TOPK)
