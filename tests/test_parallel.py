@@ -103,10 +103,13 @@ def test_sequence_parallelism_shrinks_activation_memory_and_traffic():
     assert make_cost_model(sp).step_time(shape) <= make_cost_model(plain).step_time(shape)
 
 
-def test_a_fitted_profile_is_for_one_device():
+def test_a_fitted_profile_without_communication_is_for_one_device(tmp_path):
+    import json
     from pathlib import Path
 
-    profile = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cpu.json"
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cpu.json").read_text())
+    profile = tmp_path / "one_device.json"
+    profile.write_text(json.dumps({k: v for k, v in shipped.items() if k != "comm"}))
     with pytest.raises(ConfigError) as e:
         plan_of(scenario(model="SmolLM2-135M", hardware="cpu", parallel={"tensor_parallel_size": 3},
                          cost_model={"profile": str(profile)}))
