@@ -231,7 +231,7 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
     prepare_out(out)
-    prof = _validation_profile(profile, alongside, device)
+    prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=real_from is None)
     folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
     recorded = None
@@ -259,10 +259,11 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
 
 def validate_capacity(scenarios: list[Path], out: Path | None = None, device: str = "cpu",
                       profile: Path | None = None, threads: int | None = None, alongside: Path | None = None,
-                      precision: float = 0.05) -> tuple[list[dict], Path]:
+                      precision: float = 0.05, requests: int | None = None) -> tuple[list[dict], Path]:
     """Each scenario's capacity (the highest rate meeting its SLOs) measured on the executor by a rate search of
     real serves and predicted by the simulator on the same grid: (each scenario's capacity.json content, the
-    profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it."""
+    profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it.
+    `requests`: the probes' workload has this many requests (the scenario's distributions and seed)."""
     from calibration.capacity import validate_capacity as measure
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader
@@ -271,8 +272,10 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     check_device(device)
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
+    if requests is not None:
+        plans = [(path, _with_requests(plan, requests, path)) for path, plan in plans]
     prepare_out(out)
-    prof = _validation_profile(profile, alongside, device)
+    prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=True)
     check_graphs([plan for _, plan in plans], None if alongside else prof, device)
     load = model_loader(device)
@@ -297,14 +300,28 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     return results, alongside or prof
 
 
-def _validation_profile(profile: Path | None, alongside: Path | None, device: str) -> Path:
-    """The profile a validation predicts with: `profile`, else the device's shipped one (checked to exist unless
+def _with_requests(plan, requests: int, path: Path):
+    """The plan with `requests` requests in its workload (a trace's workload is a one-line error)."""
+    from sim.config.plan import replan
+
+    workload = dict(plan.source.get("workload") or {})
+    if workload.get("trace") is not None:
+        raise ConfigError(f"{path}: --requests sizes a generated workload; this one replays a trace", "--requests")
+    workload.pop("duration_s", None)  # a workload is sized by one of the two
+    return replan(plan, workload={**workload, "num_requests": requests})
+
+
+def _validation_profile(profile: Path | None, alongside: Path | None, device: str, plans: list = ()) -> Path:
+    """The profile a validation predicts with: `profile`, else the one every scenario's cost_model.profile names
+    (a model other than SmolLM2 ships its own), else the device's shipped one (checked to exist unless
     `--profile-alongside` measures its own, which excludes `--profile`)."""
     from calibration.validate import PROFILES
 
     if alongside is not None and profile is not None:
         raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
-    prof = profile or PROFILES / f"{device}.json"
+    named = {plan.cost.profile.path.resolve() if plan.cost.profile else None for _, plan in plans}
+    own = named.pop() if len(named) == 1 else None
+    prof = profile or own or PROFILES / f"{device}.json"
     if alongside is None and not prof.exists():
         raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
     return prof

@@ -140,7 +140,10 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                            "(the scenario's requests, their gaps scaled) and predicted on the same "
                                            "grid; writes capacity.json"),
              precision: float = typer.Option(0.05, "--precision", min=0.01, max=1.0, help="--capacity: the rate "
-                                             "grid's step (capacity is found within it)")) -> None:
+                                             "grid's step (capacity is found within it)"),
+             requests: Optional[int] = typer.Option(None, "--requests", min=2, help="--capacity: probe with this "
+                                                    "many requests of the scenario's workload instead (a longer "
+                                                    "probe judges keeping up more finely)")) -> None:
     """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
     from executor.distributed.launch import WorkerError
 
@@ -148,7 +151,10 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         if capacity:
             if real_from is not None or repeat > 1:
                 raise ConfigError("--capacity runs its own probes: not with --real-from or --repeat", "--capacity")
-            results, prof = api.validate_capacity(scenarios, out, device, profile_path, threads, alongside, precision)
+            results, prof = api.validate_capacity(scenarios, out, device, profile_path, threads, alongside, precision,
+                                                  requests)
+        elif requests is not None:
+            raise ConfigError("--requests sizes the capacity probes: only with --capacity", "--requests")
         else:
             results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
                                                   alongside)

@@ -267,3 +267,31 @@ def test_validate_says_when_the_machine_drifted_from_its_profile():
     line = _drift_line(runs(0.85, 0.93) + runs(0.92))
     assert "0.90x" in line and "0.85-0.93 over 3 runs" in line and "11% faster" in line
     assert "slower" in _drift_line(runs(1.1))
+
+
+def test_validate_requests_only_sizes_capacity_probes():
+    r = invoke("validate", "scenarios/validation/medium_load.yaml", "--requests", "64")
+    assert r.exit_code == 2 and "--requests" in r.output and "--capacity" in r.output and "Traceback" not in r.output
+
+
+def test_capacity_probes_take_more_requests_of_the_same_workload():
+    from infersim.api import _with_requests
+    from sim.config.plan import load_scenario
+
+    path = ROOT / "scenarios" / "validation" / "spec_ngram.yaml"
+    _, plan = load_scenario(path)
+    longer = _with_requests(plan, 48, path)
+    assert longer.workload.num_requests == 48 and plan.workload.num_requests == 16
+    assert longer.workload.seed == plan.workload.seed and longer.speculative == plan.speculative
+
+
+def test_validate_predicts_with_the_profile_the_scenarios_name():
+    from infersim.api import _validation_profile
+    from sim.config.plan import load_scenario
+
+    paths = sorted((ROOT / "scenarios" / "validation_llama_0.5b").glob("*.yaml"))
+    plans = [(p, load_scenario(p)[1]) for p in paths]
+    assert _validation_profile(None, None, "cpu", plans).name == "cpu_llama-0.5b.json"
+    smollm2 = [(p, load_scenario(p)[1]) for p in [ROOT / "scenarios" / "validation" / "medium_load.yaml"]]
+    assert _validation_profile(None, None, "cpu", smollm2).name == "cpu.json"
+    assert _validation_profile(None, None, "cpu", plans + smollm2).name == "cpu.json"  # no one profile: the device's
