@@ -110,53 +110,21 @@ def torch4(w: torch.Tensor, group: int):
     return packed, group, sz
 
 
-def engine_steps(base, rounds: int) -> dict[str, float]:
-    """Median engine step times per configuration, interleaved rounds."""
-    from executor.build import make_engine
-    from executor.engine import SamplingParams
-    from sim.config.plan import scheduler_config
-    from sim.policy.block_manager import BlockAllocator
-    from sim.policy.request import Request
-    from sim.policy.scheduler import make_scheduler
+def engine_steps(base, corpus: list[int], rounds: int) -> dict[str, float]:
+    """Median engine step times per configuration, interleaved rounds: bench/compression.py's decode and prompt
+    timings (128 tokens of context, 16 timed decode steps; one 512-token prompt step)."""
+    from compression import decode_step_s, prompt_step_s
 
     configs = {"fp32": (None, None), "int8": ("int8", None), "int4": ("int4", None), "int8_kv8": ("int8", "int8"),
                "int4_kv8": ("int4", "int8")}
     models = {name: (quantize.quantize_weights(copy.deepcopy(base), w) if w else base, kv)
               for name, (w, kv) in configs.items()}
-    gen = torch.Generator().manual_seed(0)
-    context, steps = 128, 16
-
-    def decode(model, kv, batch):
-        cfg = scheduler_config(context + steps + 16, max_num_seqs=batch, max_num_batched_tokens=batch * context)
-        policy = make_scheduler(cfg, BlockAllocator(batch * 10 + 4, 16))
-        engine = make_engine(model, policy, SamplingParams(ignore_eos=True), kv_dtype=kv)
-        reqs = [Request(i, 0.0, context, steps + 4) for i in range(batch)]
-        for r in reqs:
-            engine.add(r, torch.randint(100, 40000, (context,), generator=gen).tolist())
-        while any(len(engine.tokens[r]) <= r.prompt_len for r in reqs):
-            engine.step()
-        engine.step()
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    def prompt(model, kv, length=512):
-        cfg = scheduler_config(length + 8, max_num_seqs=1, max_num_batched_tokens=length)
-        engine = make_engine(model, make_scheduler(cfg, BlockAllocator(40, 16)), SamplingParams(ignore_eos=True),
-                             kv_dtype=kv)
-        engine.add(Request(0, 0.0, length, 2), torch.randint(100, 40000, (length,), generator=gen).tolist())
-        t = time.perf_counter()
-        engine.step()
-        return time.perf_counter() - t
-
     samples = {}
     for _ in range(rounds):
         for name, (model, kv) in models.items():
-            for what, fn in (("decode_b1", lambda: decode(model, kv, 1)), ("decode_b16", lambda: decode(model, kv, 16)),
-                             ("prompt_512", lambda: prompt(model, kv))):
+            for what, fn in (("decode_b1", lambda: decode_step_s(model, kv, 1, corpus, 16)),
+                             ("decode_b16", lambda: decode_step_s(model, kv, 16, corpus, 16)),
+                             ("prompt_512", lambda: prompt_step_s(model, kv, corpus))):
                 samples.setdefault(f"{name}_{what}", []).append(fn())
     out = {k: statistics.median(v) * 1000 for k, v in samples.items()}
     print("engine steps, ms (median over rounds):")
@@ -273,11 +241,12 @@ def main() -> None:
         res["int4_kernel_speedup_rows1"] = k["fp32_native@1"] / k["int4_g128_native@1"]
         res["int8_stream_GBps_rows1"] = k["fp32_bytes"] / 4 / k["int8_native@1"] / 1e6
     if args.model:
+        from executor.prompts import corpus_ids
         from executor.weights import load_hf_model, smollm2_gguf_path
 
         base, _, tokenizer = load_hf_model(smollm2_gguf_path())
         base.eval()
-        steps = engine_steps(base, args.rounds)
+        steps = engine_steps(base, corpus_ids(tokenizer), args.rounds)
         for what in ("decode_b1", "decode_b16", "prompt_512"):
             for name in ("int8", "int4", "int8_kv8"):
                 res[f"{name}_{what}_speedup"] = steps[f"fp32_{what}"] / steps[f"{name}_{what}"]
