@@ -2,7 +2,7 @@
 
 1. Projections of M rows through all 30 layers of SmolLM2-135M's shapes (random weights, 425 MB: never
    cache-resident): oneDNN's prepacked GEMM against the native panel kernel, M = 1..128.
-   The crossover sets executor.native.LINEAR_MAX_ROWS_BY_PANEL.
+   (A served model measures its own crossover per weight shape: executor.layers.tune_native_rows.)
 2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
    SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
    native paged kernel, which reads the pool through the block tables.
@@ -182,7 +182,8 @@ def main() -> None:
         if r <= 1.0:
             break
         crossover = m
-    print(f"native linear faster up to {crossover} rows; native.linear_max_rows() = {native.linear_max_rows()}")
+    print(f"native linear faster up to {crossover} rows over SmolLM2's shapes together (a runner measures each "
+          f"shape: executor.layers.tune_native_rows; untuned default {native.linear_max_rows()})")
     for m in (1, 3, 11, 16, 32, 64):
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():

@@ -9,12 +9,16 @@ On CPU in fp32 every projection runs oneDNN's GEMM on a weight reordered once in
 (`Linear`): plain `F.linear` hands MKL the [out, in] weight to re-pack on every call, which costs more
 than the multiply itself when few rows decode (2-4x at 1-64 rows) and ~15% at thousands of rows. At a few rows
 a projection is a stream of its weight, and the native kernel (executor/native.py) reads it at a higher rate.
+Where one hands over to the other depends on the machine and the weight's shape (on an AMD EPYC: ~32-48 rows at
+1024 inputs, ~100-190 at 576), so `tune_native_rows` measures it once per shape when a runner is built; a fixed
+128 left a 0.5B model's 48-128-row prompt steps 1.1-1.3x slower than oneDNN and its step time jumping at 128 rows.
 The switches below are read on every call: tests and benches flip them to compare the paths.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,10 @@ USE_NATIVE_LINEAR = True
 USE_NATIVE_OPS = True
 # Switch off for the straightforward per-op forward (fresh tensors, separate rope for q and k, ...).
 FUSED_OPS = True
+# Rows tune_native_rows tries, in order (it keeps the last at which the native kernel is no slower), and the weight
+# bytes it streams per timing: more than any last-level cache here, as a step streams them.
+NATIVE_ROWS_CANDIDATES = (16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+TUNE_BYTES = 96 << 20
 
 
 class Linear(nn.Linear):
@@ -54,6 +62,8 @@ class Linear(nn.Linear):
     # caches of the weight's parts in a kernel's layout, as (weight key, copies): oneDNN's, the native panels
     _packed: tuple | None = None
     _panels: tuple | None = None
+    # most rows the native kernel takes (tune_native_rows sets it per shape); None: native.linear_max_rows()
+    native_max_rows: int | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, splits: list[int] | None = None,
                  **kwargs):
@@ -78,8 +88,13 @@ class Linear(nn.Linear):
     def _use_native(self, x: torch.Tensor) -> bool:
         # cheapest tests first: this runs for every projection of every step (the panels are contiguous copies,
         # so of the weight only its dtype and device matter)
-        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= native.linear_max_rows() and x.is_contiguous()
+        return (USE_NATIVE_LINEAR and x.dim() == 2 and x.shape[0] <= self.native_rows() and x.is_contiguous()
                 and self._fp32_cpu_inference(x))
+
+    def native_rows(self) -> int:
+        """Rows up to which this projection runs through the native kernel (0 without the kernels)."""
+        return native.linear_max_rows() if self.native_max_rows is None or not native.available() \
+            else self.native_max_rows
 
     def _copies(self, name: str, make) -> list:
         """The weight's parts through `make`, kept in attribute `name` until the weight changes (in-place updates
@@ -94,8 +109,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor):
         if self._use_native(x):  # a few rows: stream the weight once, from its panel copy
-            outs = tuple(native.linear_small(x, p) for p in self._copies("_panels", native.pack_weight))
-            return outs if self.splits else outs[0]
+            return self._native(x)
+        return self._dense(x)
+
+    def _native(self, x: torch.Tensor):
+        outs = tuple(native.linear_small(x, p) for p in self._copies("_panels", native.pack_weight))
+        return outs if self.splits else outs[0]
+
+    def _dense(self, x: torch.Tensor):
         if not self._use_mkldnn(x):
             if not self.splits:
                 return F.linear(x, self.weight, self.bias)
@@ -110,6 +131,56 @@ class Linear(nn.Linear):
         for name in ("_packed", "_panels"):
             state.pop(name, None)
         return state
+
+
+def tune_native_rows(model: nn.Module) -> dict[tuple, int]:
+    """Make every fp32 CPU projection's kernel copies now (the first step to need oneDNN's otherwise reorders every
+    weight inside a served step: 4.4 s on a 0.5B model) and, per shape, set the most rows up to which the native
+    kernel takes a projection: the last of NATIVE_ROWS_CANDIDATES at which it ran no slower than the GEMM path
+    over ~TUNE_BYTES of the model's own weights of that shape (best of three, each path). Returns {(in, out,
+    splits): rows} of the shapes measured: those with a projection not yet tuned (so a second call costs nothing);
+    {} where the native kernel is off or not built."""
+    if not (USE_NATIVE_LINEAR and native.available()):
+        return {}
+    groups: dict[tuple, list[Linear]] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, Linear) and m.bias is None and w.dtype == torch.float32 and w.device.type == "cpu":
+            groups.setdefault((m.in_features, m.out_features, tuple(m.splits or ())), []).append(m)
+    found = {}
+    with torch.inference_mode():
+        for shape, mods in groups.items():
+            if all(m.native_max_rows is not None for m in mods):
+                continue
+            probe = torch.zeros(1, shape[0])
+            for m in mods:  # both copies of every weight, whichever path its steps will take
+                m._native(probe)
+                m._dense(probe)
+            sample = mods[:max(1, -(-TUNE_BYTES // (4 * shape[0] * shape[1])))]
+            rows = _crossover(sample, shape[0])
+            for m in mods:
+                m.native_max_rows = rows
+            found[shape] = rows
+    return found
+
+
+def _crossover(mods: list[Linear], k: int) -> int:
+    def best_s(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    rows = NATIVE_ROWS_CANDIDATES[0]
+    for m_rows in NATIVE_ROWS_CANDIDATES:
+        x = torch.full((m_rows, k), 0.01)  # values do not change the time; no draw from the seeded generator
+        if best_s(lambda: [m._native(x) for m in mods]) > best_s(lambda: [m._dense(x) for m in mods]):
+            break
+        rows = m_rows
+    return rows
 
 
 class Embedding(nn.Embedding):

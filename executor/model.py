@@ -255,6 +255,14 @@ class LlamaModel(nn.Module):
             cache = self._decode_cache = self._make_decode_plan()
         return None if any(map(len, cache["hooks"])) else cache["plan"]
 
+    def tune_projections(self) -> dict[tuple, int]:
+        """Kernel copies of every fp32 CPU projection made now and where the native kernel hands over to the GEMM
+        measured per shape (layers.tune_native_rows); the decode plan is remade with the new row limits."""
+        found = layers.tune_native_rows(self)
+        if found:
+            self._decode_cache = None
+        return found
+
     def _apply(self, fn, *args, **kwargs):  # .to() / .float() / share_memory_() may move every weight
         self._decode_cache = self._pools = None
         return super()._apply(fn, *args, **kwargs)
@@ -385,7 +393,7 @@ def _decode_parts(m: nn.Module) -> tuple[str, int, list] | None:
         if m.bias is not None or w.dtype != torch.float32 or w.device.type != "cpu":
             return None
         panels = m._copies("_panels", native.pack_weight)
-        return "fp32", native.linear_max_rows(), [(native.PART_FP32, p.data, None, p.n, p.k, 0, 0) for p in panels]
+        return "fp32", m.native_rows(), [(native.PART_FP32, p.data, None, p.n, p.k, 0, 0) for p in panels]
     if type(m) is not quantize.QuantizedLinear or m.weight_dtype not in ("int8", "int4"):
         return None
     lib, parts = native.library(), []

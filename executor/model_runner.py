@@ -65,6 +65,8 @@ class ModelRunner:
             raise ValueError(f"the host swap cache holds {host_cache.kv_dtype or host_cache.dtype} KV, the device "
                              f"cache {kv_cache.kv_dtype or kv_cache.dtype}: they must match")
         self.model = model
+        if hasattr(model, "tune_projections"):
+            model.tune_projections()  # once per shape: a later runner over the same model finds them tuned
         self.kv_cache = kv_cache
         self.host_cache = host_cache
         self.device = kv_cache.device

@@ -166,3 +166,47 @@ def test_disabled_by_environment(monkeypatch):
         monkeypatch.delenv("INFERSIM_NATIVE")
         native.library.cache_clear()
     assert native.available()
+
+
+def test_tuning_hands_over_where_the_native_kernel_stops_winning(monkeypatch):
+    """tune_native_rows keeps the last tried row count at which the native kernel ran no slower: a native kernel
+    made slow above 48 rows hands over at 48, for every projection of that shape, and the forward follows it."""
+    import time
+
+    fast_native, dense = layers.Linear._native, layers.Linear._dense
+
+    def native_slow_above_48(self, x):
+        time.sleep(0.02 if x.shape[0] > 48 else 0.0)
+        return fast_native(self, x)
+
+    def dense_at_10_ms(self, x):  # a fixed cost, so the outcome does not hang on the machine's timing
+        time.sleep(0.01)
+        return dense(self, x)
+
+    monkeypatch.setattr(layers.Linear, "_native", native_slow_above_48)
+    monkeypatch.setattr(layers.Linear, "_dense", dense_at_10_ms)
+    model = torch.nn.Sequential(layers.Linear(64, 32), layers.Linear(64, 32), layers.Linear(32, 64))
+    found = layers.tune_native_rows(model)
+    assert found == {(64, 32, ()): 48, (32, 64, ()): 48}
+    assert all(m.native_max_rows == 48 and m._packed is not None and m._panels is not None for m in model)
+    assert layers.tune_native_rows(model) == {}  # tuned already: nothing measured again
+    calls = []
+    monkeypatch.setattr(native, "linear_small", lambda x, p: calls.append(x.shape[0]) or x @ torch.zeros(x.shape[1], p.n))
+    with torch.no_grad():
+        model[0](torch.randn(48, 64))
+        model[0](torch.randn(49, 64))
+    assert calls == [48]
+
+
+def test_a_runner_tunes_its_model_once():
+    """Building a runner tunes the model's projections (and drops a decode plan made with the old limits)."""
+    from executor.cache_engine import KVCache
+    from executor.model_runner import ModelRunner
+
+    model = tiny_model()
+    assert all(m.native_max_rows is None for m in model.modules() if isinstance(m, layers.Linear))
+    cache = KVCache.for_model(model.config, 8, 16, torch.float32, "cpu")
+    ModelRunner(model, cache, None)
+    limits = {m.native_max_rows for m in model.modules() if isinstance(m, layers.Linear)}
+    assert limits and limits <= set(layers.NATIVE_ROWS_CANDIDATES)
+    assert model.tune_projections() == {}
