@@ -164,6 +164,8 @@ def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path, folder, prof
         got = json.loads((tmp_path / "again" / s / "validation.json").read_text())
         assert got["runs"] == runs and got["profile"].endswith("cuda.json")
         for name, row in got["metrics"].items():
+            if name not in want["metrics"]:  # a metric added since the runs were recorded
+                continue
             assert row["real"] == pytest.approx(want["metrics"][name]["real"], rel=1e-12), (s, name)
             assert row["error_pct"] == pytest.approx(want["metrics"][name]["error_pct"], abs=0.5), (s, name)
 
