@@ -236,7 +236,7 @@ class Sweep:
         if self.num_slices < 2:
             return [1.0] * max(1, self.num_slices)
         first = fit_samples(samples)
-        cost = FittedCostModel(first["coefs"], knot=first["knot"])
+        cost = FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"])
         ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
         for s, where in zip(samples, slices):
             pred = predicted_step_time(s, cost)

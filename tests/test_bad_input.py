@@ -299,6 +299,7 @@ def profile_cases() -> list[tuple[str, str]]:
             d["fit"]["coefs"][term] = "__V__"
             cases.append((f"coefs.{term}[{i}]", json.dumps(d).replace('"__V__"', v)))
     for i, (path, v) in enumerate([(("fit", "knot"), "x"), (("fit", "knot"), -3), (("fit", "knot"), 1.5),
+                                   (("fit", "ramp_knot"), "x"), (("fit", "ramp_knot"), 99999), (("fit", "ramp_knot"), True),
                                    (("fit", "coefs", "no_such_term"), 1.0), (("fit", "coefs"), [1, 2]),
                                    (("fit",), "none"), (("model",), "SmolLM2"), (("model", "num_layers"), "30")]):
         d = copy.deepcopy(good)
@@ -316,7 +317,8 @@ def profile_cases() -> list[tuple[str, str]]:
                                       ("comm", {"fit": {"send_gloo": {"latency_s": 1e-4}}}),
                                       ("forward", {"coefs": {"step": -1.0}}), ("forward", {"coefs": [1]}),
                                       ("forward", {"coefs": {"no_such_term": 1.0}}),
-                                      ("forward", {"coefs": {"step": 0.01}, "knot": "x"})]):
+                                      ("forward", {"coefs": {"step": 0.01}, "knot": "x"}),
+                                      ("forward", {"coefs": {"step": 0.01}, "ramp_knot": -1})]):
         d = copy.deepcopy(good)
         d["comm"] = comm
         if section == "comm":

@@ -14,7 +14,8 @@ from sim.cost.fitted import FEATURES, FittedCostModel, fit, shape_of
 from tests.helpers import run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
-        "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6, "few_tokens": 0.0}
+        "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6, "few_tokens": 0.0,
+        "ramp_tokens": 0.0}
 
 
 def synthetic(n=400, noise=0.02, seed=0, truth=None):
@@ -65,8 +66,22 @@ def test_fit_finds_the_few_token_kink():
     assert plain["coefs"]["few_tokens"] * max(0, plain["knot"] - 1) < 0.03 * FittedCostModel(TRUE).step_time(one)
 
 
+def test_fit_finds_the_gemm_ramp():
+    """Up to `ramp_knot` rows each token costs more (the GEMMs not yet at full efficiency): the fit picks that knot
+    among its candidates and recovers the extra per-token cost; without a ramp in the truth it adds little."""
+    truth = FittedCostModel({**TRUE, "ramp_tokens": 3e-4}, ramp_knot=128)
+    result = fit(*synthetic(truth=truth))
+    assert result["ramp_knot"] == 128
+    assert result["coefs"]["ramp_tokens"] == pytest.approx(3e-4, rel=0.3)
+    assert result["heldout"]["mape"] < 0.03
+    plain = fit(*synthetic())
+    prompt = shape_of([256], [256])
+    assert plain["coefs"]["ramp_tokens"] * min(256, plain["ramp_knot"]) < 0.03 * FittedCostModel(TRUE).step_time(prompt)
+
+
 def test_decode_time_equals_step_time_of_the_decode_shape():
-    for m in (FittedCostModel(TRUE), FittedCostModel({**TRUE, "few_tokens": 1e-3}, knot=12)):
+    for m in (FittedCostModel(TRUE), FittedCostModel({**TRUE, "few_tokens": 1e-3}, knot=12),
+              FittedCostModel({**TRUE, "ramp_tokens": 2e-4}, knot=4, ramp_knot=64)):
         for b, s in [(1, 17), (7, 3000), (64, 65536)]:
             assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
 

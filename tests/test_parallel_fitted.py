@@ -31,7 +31,8 @@ WORKLOAD = {"seed": 3, "arrival": {"process": "poisson", "rate": 2.0}, "num_requ
 def profile(tmp_path_factory) -> Path:
     """The shipped CPU profile with a forward fit (70% of each term) and measured communication added."""
     d = copy.deepcopy(PROFILE)
-    d["fit"]["forward"] = {"coefs": {k: 0.7 * v for k, v in d["fit"]["coefs"].items()}, "knot": d["fit"]["knot"]}
+    d["fit"]["forward"] = {"coefs": {k: 0.7 * v for k, v in d["fit"]["coefs"].items()}, "knot": d["fit"]["knot"],
+                           "ramp_knot": d["fit"].get("ramp_knot", 0)}
     d["comm"] = COMM
     path = tmp_path_factory.mktemp("prof") / "cpu.json"
     path.write_text(json.dumps(d))

@@ -9,7 +9,7 @@ from sim.config.errors import ConfigError
 
 # the fitted step-cost model's terms, in the order of its feature vector (sim.cost.fitted)
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
-            "sampled", "attn_pairs", "kv_tokens", "few_tokens")
+            "sampled", "attn_pairs", "kv_tokens", "few_tokens", "ramp_tokens")
 _OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
 MAX_KNOT = 4096
 
@@ -21,7 +21,7 @@ COMM_OPS = ("all_reduce_shm", "gather_shm", "all_reduce_gloo", "send_gloo", "mes
 @dataclass(frozen=True)
 class ProfileFile:
     """The fitted step-cost coefficients of one device and model, and everything else the file records.
-    `forward`: the same fit of the steps' forward alone (coefficients, knot), and `comm`: per operation its
+    `forward`: the same fit of the steps' forward alone (coefficients, knot, ramp_knot), and `comm`: per operation its
     latency_s and s_per_byte — what composing tensor- and pipeline-parallel steps needs; None where not measured.
     `parallel`: (tensor, pipeline parallel size) of the engine the sweep ran through ((1, 1): one device)."""
 
@@ -29,9 +29,10 @@ class ProfileFile:
     coefs: dict
     knot: int
     data: dict
-    forward: tuple[dict, int] | None = None
+    forward: tuple[dict, int, int] | None = None
     comm: dict | None = None
     parallel: tuple[int, int] = (1, 1)
+    ramp_knot: int = 0
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
@@ -49,7 +50,7 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
         raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"not an infersim profile: not readable JSON ({type(e).__name__})", file=str(path)) from None
-    coefs, knot = _check(data, path)
+    coefs, knot, ramp_knot = _check(data, path)
     forward = _check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
     comm = _check_comm(data["comm"], path) if "comm" in data else None
     parallel = _check_parallel(data.get("parallel") or {}, path)
@@ -63,7 +64,7 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
     if have != want:
         raise ConfigError(f"{path} was measured with {_describe(have)}, not {_describe(want)}: compression changes "
                           "every step's cost; profile it with `infersim profile --scenario`", key_path)
-    return ProfileFile(path, coefs, knot, data, forward, comm, parallel)
+    return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot)
 
 
 def _compression(model: dict) -> tuple:
@@ -84,16 +85,16 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number a profile may hold")
 
 
-def _check(data, path: Path) -> tuple[dict, int]:
-    """The coefficients and knot of a profile's fit, and the model it names, checked."""
+def _check(data, path: Path) -> tuple[dict, int, int]:
+    """The coefficients and knots of a profile's fit, and the model it names, checked."""
     if not isinstance(data, dict):
         raise _bad(path, "", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
-    coefs, knot = _check_fit(data.get("fit"), path, "fit")
+    coefs, knot, ramp_knot = _check_fit(data.get("fit"), path, "fit")
     m = data.get("model", {})
     if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
                                       for k in ("num_layers", "hidden_size")):
         raise _bad(path, "model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
-    return coefs, knot
+    return coefs, knot, ramp_knot
 
 
 def _bad(path: Path, key: str, what: str) -> ConfigError:
@@ -106,8 +107,8 @@ def _seconds(value, path: Path, key: str, what: str = "a time in seconds") -> fl
     return float(value)
 
 
-def _check_fit(fit, path: Path, key: str) -> tuple[dict, int]:
-    """A fit section's coefficients and knot, every one checked: finite, non-negative, known terms."""
+def _check_fit(fit, path: Path, key: str) -> tuple[dict, int, int]:
+    """A fit section's coefficients and knots, every one checked: finite, non-negative, known terms."""
     if not isinstance(fit, dict) or not isinstance(fit.get("coefs"), dict):
         raise _bad(path, f"{key}.coefs", "missing: the fitted coefficients (`infersim profile` writes them)")
     coefs = {}
@@ -115,10 +116,13 @@ def _check_fit(fit, path: Path, key: str) -> tuple[dict, int]:
         if name not in FEATURES and name not in _OLD_TERMS:
             raise _bad(path, f"{key}.coefs.{str(name)[:40]}", f"unknown term; allowed: {', '.join(FEATURES)}")
         coefs[name] = _seconds(value, path, f"{key}.coefs.{name}", "a step time in seconds")
-    knot = fit.get("knot", 0)
-    if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
-        raise _bad(path, f"{key}.knot", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
-    return coefs, knot
+    knots = []
+    for name in ("knot", "ramp_knot"):  # a profile from before the ramp term has no ramp_knot: 0, the term off
+        knot = fit.get(name, 0)
+        if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
+            raise _bad(path, f"{key}.{name}", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
+        knots.append(knot)
+    return coefs, knots[0], knots[1]
 
 
 def _check_parallel(layout, path: Path) -> tuple[int, int]:

@@ -17,8 +17,9 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     if c.profile is not None:
         fitted = FittedCostModel.from_profile(c.profile)
         if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
-            coefs, knot = c.profile.forward
-            fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot), c.profile.comm, plan.model,
+            coefs, knot, ramp_knot = c.profile.forward
+            fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot, ramp_knot=ramp_knot),
+                                             c.profile.comm, plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,

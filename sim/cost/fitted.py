@@ -4,7 +4,7 @@ time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·
        + c_has_prefill·[the step carries a prompt chunk] + c_batched_prefill·[... beside decode rows]
        + c_has_verify·[some decode row carries drafts]
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
-       + c_few·max(0, knot − new tokens)
+       + c_few·max(0, knot − new tokens) + c_ramp·min(new tokens, ramp_knot)
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
@@ -13,7 +13,10 @@ differently: a chunk gets its own causal attention call per layer), the prefill 
 attends them through one padded masked call), the lm_head per sampled row, attention compute, and
 attention memory traffic; the last term is the roofline's kink of the linear layers — below `knot` tokens a
 step's projections stream the weights at a cost that no longer falls with fewer rows (max(a, b·T) = b·T +
-b·max(0, a/b − T)); the fit picks the knot. The form was chosen on the profile's held-out samples and served steps:
+b·max(0, a/b − T)); the fit picks the knot. The ramp term is the GEMMs' climb to full efficiency: up to
+`ramp_knot` rows each token costs c_ramp more, so a 64-256-token prompt step pays more per token than a 2000-token
+one (a single per-token slope, set by the long prompts, left SmolLM2's 128-token chunks 1.08-1.12x their prediction
+and mixed chunk+decode steps 1.08x; with it 1.05x and 1.01x, held-out MAPE 6.6 -> 6.4%). The form was chosen on the profile's held-out samples and served steps:
 one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted, and
 with no verify-step term a step in which one of four rows verifies drafts ran 1.11x its prediction. The
 batched-prefill term is what a step mixing prompt chunks with decode rows costs more: on a GPU plain decodes and
@@ -25,6 +28,7 @@ prefills.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,15 +38,17 @@ from sim.config.profile import FEATURES, ProfileFile, read_profile
 from sim.cost.roofline import decode_run
 from sim.policy.scheduler import BatchShape
 
-# candidate knots of the few_tokens term (0: none); the fit keeps the one with the least training error
+# candidate knots of the few_tokens and ramp_tokens terms (0: none); the fit keeps the pair with the least
+# training error
 KNOTS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
+RAMP_KNOTS = (0, 64, 128, 256, 512)
 
 
-def features(shape: BatchShape, knot: int = 0) -> tuple[int, ...]:
+def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0) -> tuple[int, ...]:
     p = shape.num_prefill
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
             1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context,
-            max(0, knot - shape.num_new_tokens))
+            max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot))
 
 
 def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
@@ -80,6 +86,7 @@ class FittedCostModel:
     coefs: dict[str, float]
     meta: dict = field(default_factory=dict)
     knot: int = 0  # tokens below which a step costs c_few more per missing token (see the module docstring)
+    ramp_knot: int = 0  # tokens up to which each costs c_ramp more
 
     def __post_init__(self):
         coefs = _upgrade(self.coefs)
@@ -87,12 +94,13 @@ class FittedCostModel:
 
     def step_time(self, shape: BatchShape) -> float:
         # the fit's own feature vector, so the priced form cannot drift from the fitted one
-        return sum(c * x for c, x in zip(self._c, features(shape, self.knot)))
+        return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot)))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew = self._c  # no prefill or verify terms: adding 0.0 is exact
+        c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew, cramp = self._c  # no prefill or verify terms: adding 0.0 is exact
         return (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
-                + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0))
+                + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
+                + cramp * min(num_seqs, self.ramp_knot))
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
@@ -102,11 +110,11 @@ class FittedCostModel:
         if factor == 1.0:
             return self
         return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor},
-                               self.knot)
+                               self.knot, self.ramp_knot)
 
     @classmethod
     def from_profile(cls, prof: ProfileFile) -> "FittedCostModel":
-        return cls(dict(prof.coefs), prof.data, prof.knot)
+        return cls(dict(prof.coefs), prof.data, prof.knot, prof.ramp_knot)
 
     @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
@@ -120,8 +128,8 @@ def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> Fit
 
 def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) -> dict:
     """Fit the coefficients (non-negative, relative-error least squares) on all but every
-    `holdout_every`-th sample, for each candidate knot, keeping the knot with the least training error;
-    report MAPE and R² on the held-out samples and on everything."""
+    `holdout_every`-th sample, for each pair of candidate knots (few_tokens, ramp_tokens), keeping the pair with
+    the least training error; report MAPE and R² on the held-out samples and on everything."""
     from scipy.optimize import nnls
 
     y = np.asarray(times, float)
@@ -131,16 +139,17 @@ def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) ->
     x = np.array([features(s) for s in shapes], float)
     tokens = x[:, FEATURES.index("new_tokens")]
     best = None
-    for knot in KNOTS:
+    for knot, ramp_knot in itertools.product(KNOTS, RAMP_KNOTS):
         x = x.copy()
-        x[:, -1] = np.maximum(0, knot - tokens)  # features(shape, knot)'s last column
+        x[:, -2] = np.maximum(0, knot - tokens)  # features(shape, knot, ramp_knot)'s last two columns
+        x[:, -1] = np.minimum(tokens, ramp_knot)
         scale = x[train].max(axis=0)
         scale[scale == 0] = 1.0
         a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
         c, residual = nnls(a, np.ones(train.sum()))
         if best is None or residual < best[0] - 1e-12:
-            best = (residual, knot, x, c / scale)
-    _, knot, x, c = best
+            best = (residual, knot, ramp_knot, x, c / scale)
+    _, knot, ramp_knot, x, c = best
 
     def score(mask):
         pred = x[mask] @ c
@@ -149,5 +158,5 @@ def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) ->
         r2 = 1 - float(((pred - y[mask]) ** 2).sum()) / ss if ss > 0 else 1.0
         return {"mape": mape, "r2": r2, "n": int(mask.sum())}
 
-    return {"coefs": dict(zip(FEATURES, map(float, c))), "knot": knot, "heldout": score(held),
+    return {"coefs": dict(zip(FEATURES, map(float, c))), "knot": knot, "ramp_knot": ramp_knot, "heldout": score(held),
             "all": score(np.ones(len(y), bool))}
