@@ -651,6 +651,9 @@ static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int6
    the horizontal sums. */
 static const int64_t WIDE_ROWS = 3;
 
+/* Fewest key blocks a part of a split decode row gets (below that the merge costs more than the balance wins). */
+static const int64_t KSPLIT_MIN_BLOCKS = 4;
+
 /* Whether query slot i of a row (n slots, the first at position first_new) sees key position j: causal, or
    among the row's own slots only where its candidate tree says (vis: [n, n], or NULL). */
 static inline bool sees(int64_t j, int64_t i, int64_t first_new, const uint8_t *vis, int64_t n) {
@@ -685,25 +688,39 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
   nsplit = nsplit < n ? nsplit : n;
   const int64_t chunk = (n + nsplit - 1) / nsplit;
   nsplit = (n + chunk - 1) / chunk;
+  /* still too few tasks (a lone decode row over 3 kv heads on 2 threads: one thread does two heads): decode rows
+     also split their keys, in whole blocks of at least KSPLIT_MIN_BLOCKS, each part's softmax partial (max, sum,
+     unnormalized P·V) merged after (flash-decoding) */
+  const int64_t base = B * split * nsplit, max_blocks_used = (max_ctx + bs - 1) / bs;
+  int64_t ksplit = n == 1 && !visible && base < 2 * threads ? (2 * threads + base - 1) / base : 1;
+  const int64_t kcap = max_blocks_used / KSPLIT_MIN_BLOCKS;
+  ksplit = ksplit < kcap ? ksplit : kcap;
+  ksplit = ksplit > 1 ? ksplit : 1;
+  std::vector<float> part_m(ksplit > 1 ? B * H * ksplit : 0), part_l(part_m.size()), part_acc(part_m.size() * D);
 #pragma omp parallel
   {
     const int64_t Rmax = chunk * G * per;  /* query rows of a task: (head, slot, group) */
-    std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(Rmax), kt_buf(16 * D);
+    std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(2 * Rmax), kt_buf(16 * D);
     std::vector<float> rows_buf(kv_int8 ? bs * kvh * D : 0);  /* a block's rows dequantized */
     float *s = s_buf.data(), *acc = acc_buf.data(), *kt = kt_buf.data(), *rbuf = rows_buf.data();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < B * split * nsplit; t++) {
+    for (int64_t tk = 0; tk < base * ksplit; tk++) {
+      const int64_t t = tk / ksplit, kpart = tk % ksplit;
       const int64_t b = t / (split * nsplit), h0 = (t / nsplit % split) * per, L = context_lens[b], first_new = L - n;
+      /* this task's keys [ja, jb): whole blocks, all of them unless split */
+      const int64_t cb = ((L + bs - 1) / bs + ksplit - 1) / ksplit * bs;
+      const int64_t ja = ksplit > 1 ? (kpart * cb < L ? kpart * cb : L) : 0;
+      const int64_t jb = ksplit > 1 ? (ja + cb < L ? ja + cb : L) : L;
       const int64_t i0 = t % nsplit * chunk, nl = n - i0 < chunk ? n - i0 : chunk, R = nl * G * per;
       const int64_t *table = block_tables + b * max_blocks;
       const uint8_t *vis = visible ? visible + b * n * n : NULL;
       /* scores s[r, j] for r = (hh * nl + i - i0) * G + g; keys a slot does not see are -inf */
       const bool wide = R >= WIDE_ROWS && bs <= 16 && D % 8 == 0;
-      for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t jn = L - j0 < bs ? L - j0 : bs;
+      for (int64_t j0 = ja; j0 < jb; j0 += bs) {
+        const int64_t jn = jb - j0 < bs ? jb - j0 : bs;
         int64_t tok;
         const float *kb = block_rows(kp, table[j0 / bs], jn, h0, per, rbuf, tok);  /* head h0 + hh at hh * D */
-        if (j0 + bs < L) prefetch_block(kp, table[j0 / bs + 1], h0, per);
+        if (j0 + bs < jb) prefetch_block(kp, table[j0 / bs + 1], h0, per);
         if (wide) {
           for (int64_t hh = 0; hh < per; hh++) {
             /* the block's keys of this head, transposed to kt[d][key]: each query row then takes 16 scores with
@@ -762,31 +779,33 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
           }
         }
       }
-      /* softmax per query row (the -inf entries become 0) */
+      /* softmax per query row over [ja, jb) (the -inf entries become 0); rmax: each row's max, for a split's merge */
+      float *rmax = inv.data() + Rmax;
       for (int64_t r = 0; r < R; r++) {
         float *sr = s + r * L;
         float mx = -INFINITY;
-        for (int64_t j = 0; j < L; j++) mx = sr[j] > mx ? sr[j] : mx;
-        if (mx == -INFINITY) { inv[r] = 0.0f; memset(sr, 0, sizeof(float) * (size_t)L); continue; }
+        for (int64_t j = ja; j < jb; j++) mx = sr[j] > mx ? sr[j] : mx;
+        rmax[r] = mx;
+        if (mx == -INFINITY) { inv[r] = 0.0f; memset(sr + ja, 0, sizeof(float) * (size_t)(jb - ja)); continue; }
         v8 sum8 = {0};
-        int64_t j = 0;
-        for (; j + 8 <= L; j += 8) {
+        int64_t j = ja;
+        for (; j + 8 <= jb; j += 8) {
           const v8 e = vexp<v8, v8i>(load8(sr + j) - splat8(mx));
           store8(sr + j, e);
           sum8 += e;
         }
         float sum = hsum8(sum8);
-        for (; j < L; j++) { sr[j] = expf(sr[j] - mx); sum += sr[j]; }
+        for (; j < jb; j++) { sr[j] = expf(sr[j] - mx); sum += sr[j]; }
         inv[r] = 1.0f / sum;
       }
       /* out = P V */
       memset(acc, 0, sizeof(float) * (size_t)R * D);
-      if (L > 0) prefetch_block(vp, table[0], h0, per);
-      for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t jn = L - j0 < bs ? L - j0 : bs;
+      if (jb > ja) prefetch_block(vp, table[ja / bs], h0, per);
+      for (int64_t j0 = ja; j0 < jb; j0 += bs) {
+        const int64_t jn = jb - j0 < bs ? jb - j0 : bs;
         int64_t tok;
         const float *vb = block_rows(vp, table[j0 / bs], jn, h0, per, rbuf, tok);
-        if (j0 + bs < L) prefetch_block(vp, table[j0 / bs + 1], h0, per);
+        if (j0 + bs < jb) prefetch_block(vp, table[j0 / bs + 1], h0, per);
         if (wide && D == 64) {
           /* each query row's 64 accumulators stay in registers across the block's keys */
           for (int64_t hh = 0; hh < per; hh++) {
@@ -830,9 +849,37 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         for (int64_t i = i0; i < i0 + nl; i++)
           for (int64_t g = 0; g < G; g++) {
             const int64_t r = (hh * nl + i - i0) * G + g;
+            if (ksplit > 1) {  /* n == 1: one partial per (row, query head, part) */
+              const int64_t e = (b * H + (h0 + hh) * G + g) * ksplit + kpart;
+              part_m[e] = rmax[r];
+              part_l[e] = inv[r] > 0.0f ? 1.0f / inv[r] : 0.0f;
+              memcpy(part_acc.data() + e * D, acc + r * D, sizeof(float) * (size_t)D);
+              continue;
+            }
             float *o = out + ((b * n + i) * H + (h0 + hh) * G + g) * D;
             for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv[r];
           }
+    }
+    if (ksplit > 1) {  /* after the loop's barrier: merge each (row, query head)'s parts */
+#pragma omp for schedule(static)
+      for (int64_t rh = 0; rh < B * H; rh++) {
+        const float *m = part_m.data() + rh * ksplit, *l = part_l.data() + rh * ksplit;
+        float mx = -INFINITY;
+        for (int64_t k = 0; k < ksplit; k++) mx = m[k] > mx ? m[k] : mx;
+        float *o = out + rh * D;
+        memset(o, 0, sizeof(float) * (size_t)D);
+        if (mx == -INFINITY) continue;
+        float sum = 0.0f;
+        for (int64_t k = 0; k < ksplit; k++) {
+          if (m[k] == -INFINITY) continue;
+          const float w = expf(m[k] - mx);
+          sum += w * l[k];
+          const float *a = part_acc.data() + (rh * ksplit + k) * D;
+          for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
+        }
+        const float is = 1.0f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= is;
+      }
     }
   }
 }

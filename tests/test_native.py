@@ -210,3 +210,15 @@ def test_a_runner_tunes_its_model_once():
     limits = {m.native_max_rows for m in model.modules() if isinstance(m, layers.Linear)}
     assert limits and limits <= set(layers.NATIVE_ROWS_CANDIDATES)
     assert model.tune_projections() == {}
+
+
+@pytest.mark.parametrize("lens", [[130], [77, 200], [1, 64, 300], [3]])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 16)])
+def test_decode_rows_split_over_their_keys_equal_dense_reference(lens, heads, kv_heads, head_dim):
+    """Fewer decode rows than threads want: each row's keys are split in whole blocks and the parts' softmax
+    partials merged (a part past a short row's end is empty); short contexts stay whole."""
+    q, k_pool, v_pool, meta, logical = make_batch([1] * len(lens), lens, heads, kv_heads, 4, head_dim, seed=len(lens))
+    tables = attention._padded_tables(meta.block_tables, None)
+    out = native.paged_attention(q[:, None].contiguous(), k_pool, v_pool, tables, torch.tensor(lens),
+                                 head_dim ** -0.5)[:, 0]
+    assert rel_err(out, dense_reference(q, meta, logical)) < 1e-5
