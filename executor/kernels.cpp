@@ -700,7 +700,8 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
 #pragma omp parallel
   {
     const int64_t Rmax = chunk * G * per;  /* query rows of a task: (head, slot, group) */
-    std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(2 * Rmax), kt_buf(16 * D);
+    std::vector<float> s_buf(Rmax * (max_ctx + 8)), acc_buf(Rmax * D), inv(Rmax), kt_buf(16 * D);
+    std::vector<float> rmax(ksplit > 1 ? Rmax : 0), rsum(rmax.size());  /* each row's max and sum, for a merge */
     std::vector<float> rows_buf(kv_int8 ? bs * kvh * D : 0);  /* a block's rows dequantized */
     float *s = s_buf.data(), *acc = acc_buf.data(), *kt = kt_buf.data(), *rbuf = rows_buf.data();
 #pragma omp for schedule(dynamic, 1)
@@ -779,13 +780,12 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
           }
         }
       }
-      /* softmax per query row over [ja, jb) (the -inf entries become 0); rmax: each row's max, for a split's merge */
-      float *rmax = inv.data() + Rmax;
+      /* softmax per query row over [ja, jb) (the -inf entries become 0) */
       for (int64_t r = 0; r < R; r++) {
         float *sr = s + r * L;
         float mx = -INFINITY;
         for (int64_t j = ja; j < jb; j++) mx = sr[j] > mx ? sr[j] : mx;
-        rmax[r] = mx;
+        if (ksplit > 1) { rmax[r] = mx; rsum[r] = 0.0f; }
         if (mx == -INFINITY) { inv[r] = 0.0f; memset(sr + ja, 0, sizeof(float) * (size_t)(jb - ja)); continue; }
         v8 sum8 = {0};
         int64_t j = ja;
@@ -797,6 +797,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
         float sum = hsum8(sum8);
         for (; j < jb; j++) { sr[j] = expf(sr[j] - mx); sum += sr[j]; }
         inv[r] = 1.0f / sum;
+        if (ksplit > 1) rsum[r] = sum;
       }
       /* out = P V */
       memset(acc, 0, sizeof(float) * (size_t)R * D);
@@ -852,7 +853,7 @@ extern "C" void paged_attention(const float *q, float *out, int64_t B, int64_t n
             if (ksplit > 1) {  /* n == 1: one partial per (row, query head, part) */
               const int64_t e = (b * H + (h0 + hh) * G + g) * ksplit + kpart;
               part_m[e] = rmax[r];
-              part_l[e] = inv[r] > 0.0f ? 1.0f / inv[r] : 0.0f;
+              part_l[e] = rsum[r];
               memcpy(part_acc.data() + e * D, acc + r * D, sizeof(float) * (size_t)D);
               continue;
             }

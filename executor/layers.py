@@ -76,6 +76,11 @@ class Linear(nn.Linear):
         w = self.weight
         return list(w.split(self.splits)) if self.splits else [w]
 
+    def fp32_cpu_weight(self) -> bool:
+        """Whether the weight is one the CPU kernels take: fp32 on the CPU, no bias (what their copies are made of)."""
+        w = self.weight
+        return self.bias is None and w.dtype == torch.float32 and w.device.type == "cpu"
+
     def _fp32_cpu_inference(self, x: torch.Tensor) -> bool:
         """What both fast paths need: no bias, fp32 on the CPU, and no gradient through the weight."""
         w = self.weight
@@ -144,8 +149,7 @@ def tune_native_rows(model: nn.Module) -> dict[tuple, int]:
         return {}
     groups: dict[tuple, list[Linear]] = {}
     for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, Linear) and m.bias is None and w.dtype == torch.float32 and w.device.type == "cpu":
+        if isinstance(m, Linear) and m.fp32_cpu_weight():
             groups.setdefault((m.in_features, m.out_features, tuple(m.splits or ())), []).append(m)
     found = {}
     with torch.inference_mode():

@@ -389,8 +389,7 @@ def _decode_parts(m: nn.Module) -> tuple[str, int, list] | None:
     """(kind, most rows, decode_layers parts) of a projection: a plain fp32 Linear (its native panels) or an int8 /
     int4 QuantizedLinear without outlier columns; None for anything else (a tensor-parallel subclass, fp8, ...)."""
     if type(m) is Linear:
-        w = m.weight
-        if m.bias is not None or w.dtype != torch.float32 or w.device.type != "cpu":
+        if not m.fp32_cpu_weight():
             return None
         panels = m._copies("_panels", native.pack_weight)
         return "fp32", m.native_rows(), [(native.PART_FP32, p.data, None, p.n, p.k, 0, 0) for p in panels]

@@ -299,7 +299,8 @@ def profile_cases() -> list[tuple[str, str]]:
             d["fit"]["coefs"][term] = "__V__"
             cases.append((f"coefs.{term}[{i}]", json.dumps(d).replace('"__V__"', v)))
     for i, (path, v) in enumerate([(("fit", "knot"), "x"), (("fit", "knot"), -3), (("fit", "knot"), 1.5),
-                                   (("fit", "ramp_knot"), "x"), (("fit", "ramp_knot"), 99999), (("fit", "ramp_knot"), True),
+                                   (("fit", "ramp_knot"), "x"), (("fit", "ramp_knot"), 99999),
+                                   (("fit", "ramp_knot"), True),
                                    (("fit", "coefs", "no_such_term"), 1.0), (("fit", "coefs"), [1, 2]),
                                    (("fit",), "none"), (("model",), "SmolLM2"), (("model", "num_layers"), "30")]):
         d = copy.deepcopy(good)

@@ -191,7 +191,8 @@ def test_tuning_hands_over_where_the_native_kernel_stops_winning(monkeypatch):
     assert all(m.native_max_rows == 48 and m._packed is not None and m._panels is not None for m in model)
     assert layers.tune_native_rows(model) == {}  # tuned already: nothing measured again
     calls = []
-    monkeypatch.setattr(native, "linear_small", lambda x, p: calls.append(x.shape[0]) or x @ torch.zeros(x.shape[1], p.n))
+    monkeypatch.setattr(native, "linear_small",
+                        lambda x, p: calls.append(x.shape[0]) or x @ torch.zeros(x.shape[1], p.n))
     with torch.no_grad():
         model[0](torch.randn(48, 64))
         model[0](torch.randn(49, 64))

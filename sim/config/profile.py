@@ -21,8 +21,8 @@ COMM_OPS = ("all_reduce_shm", "gather_shm", "all_reduce_gloo", "send_gloo", "mes
 @dataclass(frozen=True)
 class ProfileFile:
     """The fitted step-cost coefficients of one device and model, and everything else the file records.
-    `forward`: the same fit of the steps' forward alone (coefficients, knot, ramp_knot), and `comm`: per operation its
-    latency_s and s_per_byte — what composing tensor- and pipeline-parallel steps needs; None where not measured.
+    `forward`: the same fit of the steps' forward alone (coefficients, knot, ramp_knot), and `comm`: per operation
+    its latency_s and s_per_byte — what composing tensor- and pipeline-parallel steps needs; None where not measured.
     `parallel`: (tensor, pipeline parallel size) of the engine the sweep ran through ((1, 1): one device)."""
 
     path: Path

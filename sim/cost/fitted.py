@@ -16,7 +16,8 @@ step's projections stream the weights at a cost that no longer falls with fewer 
 b·max(0, a/b − T)); the fit picks the knot. The ramp term is the GEMMs' climb to full efficiency: up to
 `ramp_knot` rows each token costs c_ramp more, so a 64-256-token prompt step pays more per token than a 2000-token
 one (a single per-token slope, set by the long prompts, left SmolLM2's 128-token chunks 1.08-1.12x their prediction
-and mixed chunk+decode steps 1.08x; with it 1.05x and 1.01x, held-out MAPE 6.6 -> 6.4%). The form was chosen on the profile's held-out samples and served steps:
+and mixed chunk+decode steps 1.08x; with it 1.05x and 1.01x, held-out MAPE 6.6 -> 6.4%). The form was chosen on
+the profile's held-out samples and served steps:
 one per-sequence term and no prefill-step term left steps with a prompt chunk 6-11% under-predicted, and
 with no verify-step term a step in which one of four rows verifies drafts ran 1.11x its prediction. The
 batched-prefill term is what a step mixing prompt chunks with decode rows costs more: on a GPU plain decodes and
@@ -97,7 +98,8 @@ class FittedCostModel:
         return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot)))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew, cramp = self._c  # no prefill or verify terms: adding 0.0 is exact
+        # no prefill or verify terms: adding 0.0 is exact
+        c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew, cramp = self._c
         return (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
                 + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
                 + cramp * min(num_seqs, self.ramp_knot))
@@ -158,5 +160,5 @@ def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) ->
         r2 = 1 - float(((pred - y[mask]) ** 2).sum()) / ss if ss > 0 else 1.0
         return {"mape": mape, "r2": r2, "n": int(mask.sum())}
 
-    return {"coefs": dict(zip(FEATURES, map(float, c))), "knot": knot, "ramp_knot": ramp_knot, "heldout": score(held),
-            "all": score(np.ones(len(y), bool))}
+    return {"coefs": dict(zip(FEATURES, map(float, c))), "knot": knot, "ramp_knot": ramp_knot,
+            "heldout": score(held), "all": score(np.ones(len(y), bool))}

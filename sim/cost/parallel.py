@@ -24,8 +24,8 @@ from sim.policy.scheduler import BatchShape
 # terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
 # the weights it holds; the step's fixed cost in full on every stage (each runs a forward of its own: measured on
 # the executor's 2-stage SmolLM2, stage 1 ran 1.38x a share of it, 0.98-1.03x the whole); the sampled rows: the LM head
-LAYER_TERMS = ("new_tokens", "ramp_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
-               "attn_pairs", "kv_tokens")
+LAYER_TERMS = ("new_tokens", "ramp_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill",
+               "has_verify", "attn_pairs", "kv_tokens")
 WEIGHT_TERMS = ("few_tokens",)
 STAGE_TERMS = ("step",)
 
