@@ -65,7 +65,8 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
         profile = write_sweep()
     sim, sim_runs = predicted_capacity(plan, profile, base, target, precision)
     cost = make_cost_model(with_profile(plan, profile))
-    ratios = [step_time_ratio(steps, cost)["all"] for steps in steps_of.values()]
+    verify = plan.speculative.verify_cost_ratio if plan.speculative is not None else 1.0
+    ratios = [step_time_ratio(steps, cost, verify)["all"] for steps in steps_of.values()]  # as the sim charges
     ratios = [r for r in ratios if r]
     speed = float(np.mean(ratios)) if ratios else None
     at_speed = predicted_capacity(plan, profile, base, target, precision, speed)[0] if speed else None
