@@ -20,6 +20,16 @@ UPLOAD = "upload a CSV"
 # what a section switched on starts from when the seed has none
 PROMPT_LEN = {"dist": "lognormal", "median": 512, "sigma": 0.8, "max": 4096}
 OUTPUT_LEN = {"dist": "lognormal", "median": 128, "sigma": 0.8, "max": 1024}
+# (model key, label, the choice that writes no key (the model's own), other choices, help): priced per hardware
+COMPRESSION = (
+    ("weight_dtype", "Weights", "default", ["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
+     "default: the model's own dtype. int8 / int4: weight-only quantization; fp8 computes in fp8 where the hardware "
+     "has it, else only its bytes shrink"),
+    ("kv_dtype", "KV cache", "default", ["fp32", "fp16", "bf16", "fp8", "int8"],
+     "the KV cache's element type; default: the activations' (int8: a scale per token and head)"),
+    ("sparsity", "Sparsity", "none", ["2:4"],
+     "2:4: decoder weights pruned to 2 of every 4; faster and smaller only on hardware with sparse tensor cores"),
+)
 
 
 class Form:
@@ -89,6 +99,7 @@ def deployment(f: Form, seed: dict) -> dict:
         out["model"] = _catalog(f, "Model", "model", list(api.model_catalog()), seed.get("model"))
     with c2:
         out["hardware"] = _catalog(f, "Hardware", "hardware", list(api.hardware_catalog()), seed.get("hardware"))
+    out["model"] = compression(f, out["model"])
     pools = seed.get("pools")
     disaggregated = st.toggle("Disaggregated prefill / decode pools", value=pools is not None, key=f.key("pools.on"),
                               help="DistServe / Splitwise: prompts run on the prefill pool, which hands each "
@@ -118,6 +129,21 @@ def deployment(f: Form, seed: dict) -> dict:
     out["parallel"] = parallel
     out["speculative"] = speculative(f, seed.get("speculative"))
     return out
+
+
+def compression(f: Form, model: str | dict) -> str | dict:
+    """The model's weight and KV-cache dtypes and sparsity, set over the picked entry (`{base: name, weight_dtype:
+    ...}`); a choice left at the model's default writes no key, so the catalog's own dtype applies."""
+    picked = dict(model) if isinstance(model, dict) else {"base": model}
+    cols = st.columns(3)
+    for col, (key, label, default, options, why) in zip(cols, COMPRESSION):
+        with col:
+            value = f.choice(label, f"model.{key}", [default, *options], picked.get(key), help=why)
+        if value == default:
+            picked.pop(key, None)
+        else:
+            picked[key] = value
+    return picked["base"] if set(picked) == {"base"} else picked
 
 
 def speculative(f: Form, seeded: dict | None) -> dict | None:

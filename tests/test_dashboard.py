@@ -112,6 +112,34 @@ def test_whatif_policy_techniques_and_slo_widgets():
     assert any(c.value.startswith("Decode pool: 2 ×") for c in at.caption)
 
 
+def memory_caption(at: AppTest) -> tuple[str, float, int]:
+    """(its compression note, weights GiB, KV tokens) from the What-if's memory line."""
+    line = next(c.value for c in at.caption if c.value.startswith("Memory per device"))
+    note = line[len("Memory per device"):line.index(":")].strip(" ()")
+    weights = float(line.split("weights ")[1].split(" GiB")[0])
+    tokens = int(line.split("(")[-1].split(" tokens")[0].replace(",", ""))
+    return note, weights, tokens
+
+
+def test_whatif_compression_fits_a_bigger_model_and_frees_kv():
+    at = whatif()
+    widget(at, "selectbox", "model").set_value("Llama-2-70B")
+    widget(at, "selectbox", "hardware").set_value("A100-80GB").run()
+    assert any("does not fit" in e for e in errors(at)), errors(at)  # 70B in fp16 on one A100-80GB
+    widget(at, "selectbox", "model.weight_dtype").set_value("int8").run()
+    simulate(at)
+    note, int8_weights, int8_tokens = memory_caption(at)
+    assert note == "weight_dtype int8" and 60 < int8_weights < 70
+    widget(at, "selectbox", "model.weight_dtype").set_value("int4").run()
+    simulate(at)
+    _, int4_weights, int4_tokens = memory_caption(at)
+    assert int4_weights < 0.6 * int8_weights and int4_tokens > 2 * int8_tokens
+    widget(at, "selectbox", "model.kv_dtype").set_value("int8").run()
+    simulate(at)
+    note, _, kv8_tokens = memory_caption(at)
+    assert note == "weight_dtype int4, kv_dtype int8" and 1.8 < kv8_tokens / int4_tokens < 2.0
+
+
 @pytest.mark.parametrize("change, where", [
     (lambda at: widget(at, "number_input", "parallel.tp").set_value(3), "parallel.tensor_parallel_size"),
     (lambda at: (widget(at, "selectbox", "serving.batching").set_value("static").run(),
