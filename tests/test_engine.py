@@ -37,7 +37,7 @@ def reference(model):
 
 
 def make_engine(model, num_blocks=64, block_size=4, swap_blocks=0, device="cpu", use_graphs=None, drafter=None,
-                **cfg):
+                kv_dtype=None, **cfg):
     cfg = {"max_num_batched_tokens": 64, "max_model_len": 128, "prefill_chunk_size": 64, **cfg}
     contiguous = cfg.pop("contiguous", False)
     if contiguous:
@@ -46,8 +46,8 @@ def make_engine(model, num_blocks=64, block_size=4, swap_blocks=0, device="cpu",
     sched = make_scheduler(scheduler_config(cfg.pop("max_model_len"), **cfg), kv)
     c = model.config
     host = KVCache(c.num_layers, swap_blocks, block_size, c.num_kv_heads, c.head_dim) if swap_blocks else None
-    return Engine(model, sched, KVCache.for_model(c, num_blocks, block_size, device=device), SamplingParams(),
-                  host_cache=host, use_graphs=use_graphs, drafter=drafter)
+    cache = KVCache.for_model(c, num_blocks, block_size, device=device, kv_dtype=kv_dtype)
+    return Engine(model, sched, cache, SamplingParams(), host_cache=host, use_graphs=use_graphs, drafter=drafter)
 
 
 def prompts(n, seed=0):
