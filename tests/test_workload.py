@@ -333,3 +333,42 @@ def test_models_are_frozen_and_empirical_direct():
     with pytest.raises(ValidationError):
         cfg.seed = 3
     assert EmpiricalLength(dist="empirical", values=[3]).values == [3]
+
+
+def test_trace_formats_read_the_same_requests(tmp_path):
+    """Azure's CSV, BurstGPT's CSV (extra columns, seconds), Mooncake's JSONL (milliseconds, other keys) and a plain
+    CSV of seconds, holding the same three requests out of order: the same arrays."""
+    files = {
+        "azure.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5,100,20\n"
+                     "2023-11-16 18:15:45.0,7,3\n2023-11-16 18:16:01.25,4000,0\n",
+        "burstgpt.csv": "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                        "1.5,ChatGPT,100,20,120,Conversation log\n0,GPT-4,7,3,10,API log\n16.25,ChatGPT,4000,0,4000,"
+                        "Conversation log\n",
+        "mooncake.jsonl": '{"timestamp": 1500, "input_length": 100, "output_length": 20, "hash_ids": [1, 2]}\n'
+                          '{"timestamp": 0, "input_length": 7, "output_length": 3, "hash_ids": []}\n\n'
+                          '{"timestamp": 16250, "input_length": 4000, "output_length": 0, "hash_ids": [3]}\n',
+        "seconds.csv": "arrival_s,prompt_len,output_len\n101.5,100,20\n100,7,3\n116.25,4000,0\n",
+    }
+    arrays = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        arrays.append(load_trace(tmp_path / name))
+    for t, p, o in arrays:
+        assert t.tolist() == [1.5, 0.0, 16.25] and p.tolist() == [100, 7, 4000] and o.tolist() == [20, 3, 0]
+
+
+@pytest.mark.parametrize("name, text, where", [
+    ("b.csv", "Timestamp,Request tokens,Response tokens\n-1,5,5\n", "Timestamp '-1'"),
+    ("b.csv", "Timestamp,Request tokens,Response tokens\nnan,5,5\n", "Timestamp 'nan'"),
+    ("b.csv", "Timestamp,Request tokens,Response tokens\n1,5,5.5\n", "Response tokens '5.5'"),
+    ("m.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 5}\n[1, 2]\n', "cannot read it"),
+    ("m.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 5}\n{"timestamp": 1\n', "cannot read it"),
+    ("m.jsonl", '{"timestamp": 0, "input_length": 5}\n', "missing column"),
+    ("m.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 5}\n{"timestamp": 1, "input_length": 5}\n',
+     "row 2: output_length ''"),
+])
+def test_bad_trace_files_of_other_formats(tmp_path, name, text, where):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_trace(tmp_path / name)
+    assert where in e.value.message and name in e.value.message and "\n" not in e.value.message

@@ -1,8 +1,8 @@
 """The scenario's `workload:` section and the request generator it drives.
 
 A workload is either *synthetic* (an arrival process plus prompt/output length
-distributions) or a *trace replay* (a CSV with the Azure LLM trace 2023 schema),
-with optional bursts on top.  Generation is fully deterministic for a seed.
+distributions) or a *trace replay* (a public trace's file: TRACE_FORMATS), with optional
+bursts on top.  Generation is fully deterministic for a seed.
 
 Each length distribution has `sample(rng, n, load) -> int64 array of n lengths >= 1`, where
 `load(path)` returns a trace's arrays (used only by `empirical` with `trace`).
@@ -10,6 +10,7 @@ Each length distribution has `sample(rng, n, load) -> int64 array of n lengths >
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -26,6 +27,13 @@ from sim.config.schema_base import StrictModel
 
 BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv.csv"}
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+# the trace files planners bring, told apart by their columns: name -> (arrival, prompt tokens, output tokens,
+# seconds per arrival unit; None: a date-time). Azure's LLM inference traces 2023/2024; BurstGPT (seconds since its
+# start); Mooncake's JSONL (milliseconds); and a plain CSV of seconds.
+TRACE_FORMATS = {"azure": (*TRACE_COLUMNS, None),
+                 "burstgpt": ("Timestamp", "Request tokens", "Response tokens", 1.0),
+                 "mooncake": ("timestamp", "input_length", "output_length", 1e-3),
+                 "seconds": ("arrival_s", "prompt_len", "output_len", 1.0)}
 _MINUTE = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}")
 _TRACE_CACHE: dict = {}  # (resolved path, mtime_ns, size) -> arrays
 MAX_ZIPF_SUPPORT = 10_000_000  # the inverse-CDF table holds one float per support value
@@ -133,7 +141,9 @@ class EmpiricalLength(StrictModel):
     dist: Literal["empirical"]
     values: Optional[list[Annotated[int, Field(ge=1, le=MAX_LENGTH)]]] = None
     weights: Optional[list[Annotated[float, Field(ge=0)]]] = None
-    trace: Optional[str] = Field(default=None, description='CSV path or "builtin:azure_conv"')
+    trace: Optional[str] = Field(default=None, description='a trace file (as workload.trace reads) or '
+                                                          '"builtin:azure_conv"')
+    # the prompt or the output lengths, named by Azure's columns whatever the file's format
     column: Optional[Literal["ContextTokens", "GeneratedTokens"]] = None
 
     @model_validator(mode="after")
@@ -178,7 +188,9 @@ def _check_trace_name(path: str) -> None:
 
 
 class TraceConfig(StrictModel):
-    """Replay a CSV with the Azure LLM trace 2023 schema: TIMESTAMP, ContextTokens, GeneratedTokens.
+    """Replay a trace file: the Azure LLM traces' CSV (TIMESTAMP, ContextTokens, GeneratedTokens), BurstGPT's CSV
+    (Timestamp, Request tokens, Response tokens), Mooncake's JSONL (timestamp in ms, input_length, output_length)
+    or a CSV of arrival_s, prompt_len, output_len; told apart by their columns.
 
     `path` is relative to the scenario file's folder, or "builtin:azure_conv" for the shipped
     trace.  `start_s`/`end_s` select rows by trace seconds since the first row ([start, end)),
@@ -250,9 +262,27 @@ class RequestSpec:
 
 
 def _bad(path: Path, key_path: str, what: str) -> ConfigError:
-    return ConfigError(f"trace file '{path}': {what} (expected a CSV with columns "
-                       f"{', '.join(TRACE_COLUMNS)}; TIMESTAMP like 2023-11-16 18:15:46.6805900)",
-                       key_path)
+    return ConfigError(f"trace file '{path}': {what} (expected Azure's {', '.join(TRACE_COLUMNS)}, BurstGPT's or "
+                       "Mooncake's columns, or arrival_s, prompt_len, output_len)", key_path)
+
+
+def _read_rows(path: Path) -> tuple[list[list[str]], int]:
+    """The file's rows as cells and the file row of the first data row: a CSV (a header line, then row 2), or JSON
+    lines (Mooncake) as a header of the first object's keys and one row of cells per object (from row 1)."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        text = f.read()
+    if not text.lstrip().startswith("{"):
+        return [r for r in csv.reader(text.splitlines()) if r], 2
+    objects = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not all(isinstance(o, dict) for o in objects):
+        raise ValueError("a JSON line is not an object")
+    header = list(objects[0])
+    return [header] + [["" if o.get(k) is None else str(o.get(k)) for k in header] for o in objects], 1
+
+
+def _trace_format(header: list[str]) -> tuple | None:
+    """The first TRACE_FORMATS entry whose three columns the header has."""
+    return next((f for f in TRACE_FORMATS.values() if all(c in header for c in f[:3])), None)
 
 
 def _real_minute(m: str) -> bool:
@@ -271,21 +301,22 @@ def _num(s: str) -> float:
         return math.nan
 
 
-def _column(cells, shown, name, expect, ok, path, key_path) -> np.ndarray:
-    """Parse `cells` as floats in bulk; report the first cell that isn't a number or fails `ok`."""
+def _column(cells, shown, name, expect, ok, path, key_path, first_row: int = 2) -> np.ndarray:
+    """Parse `cells` as floats in bulk; report the first cell that isn't a number or fails `ok` (by its row in the
+    file: `first_row` is the first cell's)."""
     try:
         v = np.array(cells, dtype=float)
     except ValueError:
         v = np.array([_num(c) for c in cells])
     bad = np.flatnonzero(~ok(v))
     if len(bad):
-        raise _bad(path, key_path, f"row {bad[0] + 2}: {name} {shown[bad[0]]!r} is not {expect}")
+        raise _bad(path, key_path, f"row {bad[0] + first_row}: {name} {shown[bad[0]]!r} is not {expect}")
     return v
 
 
 def load_trace(path: str | Path, key_path: str = "workload.trace.path"
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Read an Azure-2023-schema CSV into (arrival_s, prompt_len, output_len) numpy arrays.
+    """Read a trace file (any of TRACE_FORMATS) into (arrival_s, prompt_len, output_len) numpy arrays.
 
     Arrays are in file order; arrival_s is seconds since the first (earliest) row.  `path` may be
     "builtin:azure_conv".  Any problem with the file raises ConfigError at `key_path`.  Results
@@ -304,24 +335,43 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
     if cache_key is not None and cache_key[2] > MAX_TRACE_BYTES:
         raise _bad(path, key_path, f"{cache_key[2] / 2**20:.0f} MiB; allowed: at most {MAX_TRACE_BYTES // 2**20} MiB")
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            rows = [r for r in csv.reader(f) if r]
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise _bad(path, key_path, f"cannot read it ({e.__class__.__name__}: {e})") from None
+        rows, first = _read_rows(path)
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, RecursionError) as e:
+        raise _bad(path, key_path, f"cannot read it ({e.__class__.__name__}: {str(e)[:80]})") from None
     header = [h.strip() for h in rows[0]] if rows else []
-    missing = [c for c in TRACE_COLUMNS if c not in header]
-    if missing:
+    fmt = _trace_format(header)
+    if fmt is None:
         # the header's cells are not echoed: the file may be anything (a user's private file)
+        missing = [c for c in TRACE_COLUMNS if c not in header]
         raise _bad(path, key_path, f"missing column(s) {missing} in its first line ({len(header)} cells)")
     if len(rows) < 2:
         raise _bad(path, key_path, "no data rows")
     if len(rows) - 1 > MAX_REQUESTS:
         raise _bad(path, key_path, f"{len(rows) - 1:,} rows; allowed: at most {MAX_REQUESTS:,} requests in one run")
-    idx = [header.index(c) for c in TRACE_COLUMNS]
+    idx = [header.index(c) for c in fmt[:3]]
     short = next((i for i, r in enumerate(rows[1:]) if len(r) <= max(idx)), None)
     if short is not None:
-        raise _bad(path, key_path, f"row {short + 2} has too few cells")
+        raise _bad(path, key_path, f"row {short + first} has too few cells")
     ts, ctx, gen = ([r[i].strip() for r in rows[1:]] for i in idx)
+    arrival = _arrivals(ts, fmt, path, key_path, first)
+    count = f"an integer in 0..{MAX_LENGTH:,}"
+    is_count = lambda v: np.isfinite(v) & (v >= 0) & (v <= MAX_LENGTH) & (v == np.round(v))  # noqa: E731
+    prompt = _column(ctx, ctx, fmt[1], count, is_count, path, key_path, first)
+    output = _column(gen, gen, fmt[2], count, is_count, path, key_path, first)
+    result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))
+    for a in result:
+        a.flags.writeable = False
+    if cache_key is not None:
+        _TRACE_CACHE[cache_key] = result
+    return result
+
+
+def _arrivals(ts: list[str], fmt: tuple, path: Path, key_path: str, first: int) -> np.ndarray:
+    """Each row's arrival in seconds (any origin): a number of the format's unit, or Azure's date-times."""
+    name, unit = fmt[0], fmt[3]
+    if unit is not None:
+        return unit * _column(ts, ts, name, "a time >= 0", lambda v: np.isfinite(v) & (v >= 0) & (v < 1e12),
+                              path, key_path, first)
     # Per-row datetime parsing is slow and fromisoformat (< 3.11) rejects 7 fractional digits, so
     # split "YYYY-MM-DD HH:MM" (few distinct values, parsed by numpy) from the seconds (floats).
     minutes = {m: i for i, m in enumerate(dict.fromkeys(t[:16] for t in ts))}
@@ -331,17 +381,7 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
                       lambda v: (v >= 0) & (v < 61), path, key_path)
     base = np.array([m.replace(" ", "T") for m in minutes], dtype="datetime64[m]")
     whole = (base - base.min()).astype(np.int64)[[minutes[t[:16]] for t in ts]]
-    arrival = whole * 60.0 + seconds
-    count = f"an integer in 0..{MAX_LENGTH:,}"
-    is_count = lambda v: np.isfinite(v) & (v >= 0) & (v <= MAX_LENGTH) & (v == np.round(v))  # noqa: E731
-    prompt = _column(ctx, ctx, "ContextTokens", count, is_count, path, key_path)
-    output = _column(gen, gen, "GeneratedTokens", count, is_count, path, key_path)
-    result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))
-    for a in result:
-        a.flags.writeable = False
-    if cache_key is not None:
-        _TRACE_CACHE[cache_key] = result
-    return result
+    return whole * 60.0 + seconds
 
 
 class _Traces:
