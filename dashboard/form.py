@@ -16,7 +16,9 @@ from sim.config.limits import MAX_REPLICAS, MAX_REQUESTS
 AS_SEEDED = "as in the scenario"
 LENGTHS = ("fixed", "uniform", "lognormal", "zipf")
 BUILTIN = "builtin:azure_conv"
-UPLOAD = "upload a CSV"
+UPLOAD = "upload a trace file"
+TRACE_FILES = ("an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), a BurstGPT CSV, a Mooncake JSONL "
+               "or a CSV of arrival_s, prompt_len, output_len")
 # what a section switched on starts from when the seed has none
 PROMPT_LEN = {"dist": "lognormal", "median": 512, "sigma": 0.8, "max": 4096}
 OUTPUT_LEN = {"dist": "lognormal", "median": 128, "sigma": 0.8, "max": 1024}
@@ -280,12 +282,11 @@ def _trace(f: Form, w: dict) -> dict | None:
         w.pop(k, None)
     trace = dict(w.get("trace") or {"path": BUILTIN})
     options = [BUILTIN, UPLOAD] + ([trace["path"]] if trace["path"] != BUILTIN else [])
-    source = f.choice("Trace", "workload.trace", options, trace["path"],
-                      help="a CSV with the Azure LLM trace 2023 columns TIMESTAMP, ContextTokens, GeneratedTokens")
+    source = f.choice("Trace", "workload.trace", options, trace["path"], help=TRACE_FILES)
     if source == UPLOAD:
-        upload = st.file_uploader("Trace CSV", type=["csv"], key=f.key("workload.upload"))
+        upload = st.file_uploader("Trace file", type=["csv", "jsonl"], key=f.key("workload.upload"))
         if upload is None:
-            st.info("Upload a CSV with the columns TIMESTAMP, ContextTokens, GeneratedTokens.")
+            st.info(f"Upload {TRACE_FILES}.")
             return None
         source = str(saved(upload))
     trace["path"] = source

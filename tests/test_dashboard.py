@@ -164,12 +164,16 @@ def test_whatif_trace_workloads():
     widget(at, "number_input", "workload.max_requests").set_value(300)
     widget(at, "number_input", "workload.time_scale").set_value(4.0).run()
     assert simulate(at)["Completed note"].startswith("of 300;")
-    widget(at, "selectbox", "workload.trace").set_value("upload a CSV").run()
-    assert any("Upload a CSV" in i.value for i in at.info) and at.button(key="whatif.run").disabled
+    widget(at, "selectbox", "workload.trace").set_value("upload a trace file").run()
+    assert any("Upload an Azure LLM trace CSV" in i.value for i in at.info) and at.button(key="whatif.run").disabled
     rows = "".join(f"2023-11-16 18:15:{s:02d}.0000000,{100 + s},{20 + s}\n" for s in range(30))
     widget(at, "file_uploader", "workload.upload").set_value(
         ("mine.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n{rows}".encode(), "text/csv")).run()
     assert simulate(at)["Completed"] == "30"
+    lines = "".join(f'{{"timestamp": {250 * s}, "input_length": {100 + s}, "output_length": {20 + s}}}\n'
+                    for s in range(12))
+    widget(at, "file_uploader", "workload.upload").set_value(("mooncake.jsonl", lines.encode(), "text/plain")).run()
+    assert simulate(at)["Completed"] == "12"
     widget(at, "file_uploader", "workload.upload").set_value(("bad.csv", b"when,what\n1,2\n", "text/csv")).run()
     at.button(key="whatif.run").click().run()
     assert_clean(at)
