@@ -364,8 +364,8 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
                                   "safetensors directory or a .gguf file)", "--model")
             net, _, tok = load_hf_model(Path(model))
             spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
-    except (FileNotFoundError, OSError) as e:
-        raise ConfigError(f"cannot load {model}: {e}", "--model") from None
+    except (FileNotFoundError, OSError, ValueError) as e:  # transformers: ValueError for a folder it cannot read
+        raise ConfigError(f"cannot load {model}: {e}", "--scenario" if scenario is not None else "--model") from None
     net = net.to(device)
     corpus = corpus_ids(tok)
     err = Console(stderr=True)

@@ -3,6 +3,7 @@ profile) and report, per metric, real vs simulated and the signed error; plus th
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from sim.config.plan import Plan, replan
 from sim.config.workload import generate_requests
 from sim.cost.build import make_cost_model
 from sim.cost.fitted import predicted_step_time, shape_of
+from sim.policy.request import Status
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.simulator.cluster import sim_records, simulate
 
@@ -112,20 +114,100 @@ def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: P
     return records, [r.to_json() for r in engine.records]
 
 
-def read_run(folder: Path):
-    """A recorded executor run (the traces `run_real` wrote) as (records, step records)."""
-    from sim.policy.request import Request, Status
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_counts(v) -> bool:
+    return isinstance(v, list) and all(_is_count(x) for x in v)
+
+
+# what scoring reads of each record, and what each must be; optional keys are checked where present
+REQUEST_FIELDS = {"id": _is_count, "arrival_s": _is_num, "prompt_len": _is_count, "max_tokens": _is_count,
+                  "status": lambda v: v in {s.value for s in Status},
+                  "preemptions": _is_count, "reject_reason": lambda v: v is None or isinstance(v, str),
+                  "token_times": lambda v: isinstance(v, list) and all(_is_num(x) for x in v)}
+REQUEST_OPTIONAL = {"num_drafted": _is_count, "num_accepted": _is_count, "num_verify_steps": _is_count,
+                    "num_rejections": _is_count}
+STEP_FIELDS = {"start_s": _is_num, "end_s": _is_num, "new_tokens": _is_counts, "context_lens": _is_counts,
+               "num_prefill": _is_count, "num_decode": _is_count}
+STEP_OPTIONAL = {"num_sampled": lambda v: v is None or _is_count(v), "draft_s": _is_num, "driver_s": _is_num,
+                 "pool": lambda v: isinstance(v, str),
+                 "stages": lambda v: v is None or isinstance(v, list) and all(
+                     isinstance(x, list) and len(x) == 2 and all(_is_num(t) for t in x) for x in v)}
+MAX_RUN_BYTES = 512 * 2**20  # a recorded run's file (a long serve's steps.jsonl is tens of MB)
+
+
+def _read_records(path: Path, required: dict, optional: dict) -> list[dict]:
+    """The JSON lines of a recorded run's file, each checked to hold what scoring reads; ConfigError naming the file
+    and line otherwise."""
+    def bad(what: str, line: int | None = None) -> ConfigError:
+        return ConfigError(f"not a recorded executor run: {what}", f"line {line}" if line else "", str(path))
+
+    try:
+        if not path.is_file():
+            raise bad("missing (a run folder holds requests.jsonl and steps.jsonl, as `validate --out` writes them)")
+        if path.stat().st_size > MAX_RUN_BYTES:
+            raise bad(f"{path.stat().st_size / 2**20:.0f} MiB; allowed: at most {MAX_RUN_BYTES // 2**20} MiB")
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise bad(f"cannot read it ({type(e).__name__})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except (ValueError, RecursionError):
+            raise bad("not a JSON object", n) from None
+        if not isinstance(d, dict):
+            raise bad(f"a JSON {type(d).__name__}, not an object", n)
+        for key, ok in required.items():
+            if key not in d or not ok(d[key]):
+                raise bad(f"{key} {'missing' if key not in d else repr(d[key])[:40] + ' is not what a run records'}",
+                          n)
+        for key, ok in optional.items():
+            if key in d and not ok(d[key]):
+                raise bad(f"{key} {repr(d[key])[:40]} is not what a run records", n)
+        out.append(d)
+    return out
+
+
+def read_run(folder: Path, specs=None):
+    """A recorded executor run (the traces `run_real` wrote) as (records, step records); with `specs`, checked to be
+    a run of those requests (a run of another scenario would be scored as if it were this one's)."""
+    from sim.policy.request import Request
     from sim.report.metrics import records_from_requests
 
-    requests = []
-    for line in (folder / "requests.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        requests.append(Request(d["id"], d["arrival_s"], d["prompt_len"], d["max_tokens"], status=Status(d["status"]),
-                                num_preemptions=d["preemptions"], reject_reason=d["reject_reason"],
-                                token_times=d["token_times"], num_drafted=d.get("num_drafted", 0),
-                                num_accepted=d.get("num_accepted", 0), num_verify_steps=d.get("num_verify_steps", 0),
-                                num_rejections=d.get("num_rejections", 0)))
-    steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
+    where = folder / "requests.jsonl"
+    recorded = _read_records(where, REQUEST_FIELDS, REQUEST_OPTIONAL)
+    steps = _read_records(folder / "steps.jsonl", STEP_FIELDS, STEP_OPTIONAL)
+    if not recorded:
+        raise ConfigError("not a recorded executor run: no requests", "", str(where))
+    if not steps and any(d["status"] == "finished" for d in recorded):
+        raise ConfigError("not a recorded executor run: requests finished but no step is recorded", "",
+                          str(folder / "steps.jsonl"))
+    if specs is not None:
+        mine = sorted(recorded, key=lambda d: d["id"])
+        for i, spec in enumerate(specs):
+            d = mine[i] if i < len(mine) else None
+            if d is None or (d["id"], d["prompt_len"], d["max_tokens"]) != (spec.id, spec.prompt_len, spec.output_len) \
+                    or abs(d["arrival_s"] - spec.arrival_s) > 1e-6 * max(1.0, spec.arrival_s):
+                raise ConfigError(f"its {len(recorded)} requests are not the {len(specs)} of this scenario's workload "
+                                  f"(they differ at request {i}): a run of another scenario or seed; record it again "
+                                  "or name the scenario it was recorded for", "--real-from", str(where))
+        if len(mine) > len(specs):
+            raise ConfigError(f"its {len(recorded)} requests are more than the {len(specs)} of this scenario's "
+                              "workload: a run of another scenario", "--real-from", str(where))
+    requests = [Request(d["id"], d["arrival_s"], d["prompt_len"], d["max_tokens"], status=Status(d["status"]),
+                        num_preemptions=d["preemptions"], reject_reason=d["reject_reason"],
+                        token_times=d["token_times"], num_drafted=d.get("num_drafted", 0),
+                        num_accepted=d.get("num_accepted", 0), num_verify_steps=d.get("num_verify_steps", 0),
+                        num_rejections=d.get("num_rejections", 0)) for d in recorded]
     return records_from_requests(requests), steps
 
 
@@ -351,14 +433,16 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
         else:
             plain.append(None)
 
-    def recorded_runs(folder: Path) -> list:
-        got = [read_run(f) for f in sorted(folder.glob("run*"), key=lambda f: int(f.name[3:]))]
-        if not got:
+    def recorded_runs(folder: Path, plan: Plan) -> list:
+        # run1/, run2/, ... as `validate --out` writes them; anything else there (run1.png, runs.tar.gz) is not a run
+        runs = sorted((f for f in folder.glob("run*") if f.name[3:].isdigit()), key=lambda f: int(f.name[3:]))
+        if not runs:
             raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
-        return got
+        specs = generate_requests(plan.workload, plan.base_dir)
+        return [read_run(f, specs) for f in runs]
 
     if real_from:
-        results = [recorded_runs(folder) for _, _, folder in jobs]
+        results = [recorded_runs(folder, plan) for plan, _, folder in jobs]
     else:
         results = [[] for _ in jobs]
         specs = [generate_requests(plan.workload, plan.base_dir) for plan, _, _ in jobs]

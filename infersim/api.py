@@ -6,6 +6,7 @@ raises ConfigError (one line: file, key path, what is allowed) for bad input.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
@@ -33,6 +34,26 @@ def load_plan(path: str | Path) -> Plan:
     return load_scenario(path)[1]
 
 
+def check_checkpoint(plan: Plan, path: Path) -> None:
+    """The checkpoint a scenario's `model: {hf_config: DIR}` names holds what transformers loads (a config.json with
+    its model_type, and weights), checked before anything runs: transformers' own error is a traceback."""
+    folder = plan.model_checkpoint
+    if folder is None or plan.executor.random_weights:
+        return
+    config = folder / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{config} names no model_type (e.g. \"llama\"), which loading the checkpoint needs; "
+                          "allowed: a Hugging Face checkpoint's config.json, or executor.random_weights: true",
+                          "model.hf_config", str(path))
+    if not any(f.suffix in (".safetensors", ".bin") for f in folder.iterdir()):
+        raise ConfigError(f"{folder} holds no weights (*.safetensors or *.bin) for the executor; allowed: a "
+                          "checkpoint folder, or executor.random_weights: true", "model.hf_config", str(path))
+
+
 def prepare_out(out: Path | None) -> None:
     """Make sure `out` is a folder this process can write, before a run that may take minutes (an error after
     the run would lose it)."""
@@ -47,6 +68,20 @@ def prepare_out(out: Path | None) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to {out} ({type(e).__name__}: {e.strerror or e})", "--out") from None
+
+
+def prepare_out_file(path: Path | None, key_path: str) -> None:
+    """Make sure `path` can be written as a file (its folder made), before minutes of measuring that end in it."""
+    if path is None:
+        return
+    try:
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} exists and is not a file", key_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(f"cannot write to {path} (permission denied)", key_path)
+    except OSError as e:
+        raise ConfigError(f"cannot write to {path} ({type(e).__name__}: {e.strerror or e})", key_path) from None
 
 
 @dataclass
@@ -124,6 +159,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
 
     check_device(device)
     plan = load_plan(path)
+    check_checkpoint(plan, path)
     prepare_out(out)
     cost = None  # checked before the run, which takes minutes
     if profile is not None:
@@ -233,6 +269,8 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     prepare_out(out)
     prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=real_from is None)
+    for path, plan in plans if real_from is None else ():
+        check_checkpoint(plan, path)
     folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
     recorded = None
     if real_from is not None:
@@ -277,6 +315,8 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     prepare_out(out)
     prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=True)
+    for path, plan in plans:
+        check_checkpoint(plan, path)
     check_graphs([plan for _, plan in plans], None if alongside else prof, device)
     load = model_loader(device)
     results = []
@@ -319,11 +359,14 @@ def _validation_profile(profile: Path | None, alongside: Path | None, device: st
 
     if alongside is not None and profile is not None:
         raise ConfigError("--profile-alongside measures the profile to predict with: not with --profile", "--profile")
+    prepare_out_file(alongside, "--profile-alongside")
     named = {plan.cost.profile.path.resolve() if plan.cost.profile else None for _, plan in plans}
     own = named.pop() if len(named) == 1 else None
     prof = profile or own or PROFILES / f"{device}.json"
     if alongside is None and not prof.exists():
         raise ConfigError(f"no profile at {prof}; make one with `infersim profile --device {device}`", "--profile")
+    if alongside is None and not prof.is_file():  # a folder: reported later against cost_model.profile, wrongly
+        raise ConfigError(f"{prof} is not a profile file", "--profile")
     return prof
 
 
@@ -349,6 +392,8 @@ def profile(device: str, model: str, out: Path, threads: int | None, quick: bool
     the samples stored in `out` again); writes the profile JSON. `scenario`: as that scenario runs the executor."""
     from calibration.profile import profile_command, refit_command
 
+    if not refit:
+        prepare_out_file(out, "--out")
     return refit_command(out) if refit else profile_command(device, model, out, threads, quick, repeats, scenario)
 
 

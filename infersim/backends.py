@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -18,6 +19,8 @@ def map_unordered(fn: Callable, items: Sequence, backend: str = "local", workers
     process); `ray`: tasks on the cluster at `address` (None: a local Ray started here)."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}", "--backend")
+    if address is not None and backend != "ray":
+        raise ConfigError(f"{address!r} is a Ray cluster's address: only with --backend ray", "--address")
     if backend == "ray":
         yield from _ray(fn, items, address)
         return
@@ -40,6 +43,7 @@ def map_unordered(fn: Callable, items: Sequence, backend: str = "local", workers
 
 
 def _ray(fn: Callable, items: Sequence, address: str | None) -> Iterator[tuple[int, object]]:
+    check_address(address)
     try:
         import ray
     except ImportError:
@@ -61,6 +65,21 @@ def _ray(fn: Callable, items: Sequence, address: str | None) -> Iterator[tuple[i
     finally:
         if started:
             ray.shutdown()
+
+
+def check_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A Ray address (HOST:PORT or ray://HOST:PORT) that answers: Ray itself retries an unreachable one for
+    minutes. None and "auto" (a local or already running Ray) pass unchecked."""
+    if address in (None, "auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{address!r}; allowed: HOST:PORT, ray://HOST:PORT or auto", "--address")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"cannot reach a Ray cluster at {address} ({type(e).__name__}: {e.strerror or e})",
+                          "--address") from None
 
 
 def _project_paths() -> list[str]:

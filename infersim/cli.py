@@ -7,13 +7,36 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.table import Column, Table
+from typer.core import TyperGroup
 
 from infersim import api
 from sim.config.errors import ConfigError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# typer >= 0.2x parses with its own copy of click, older ones with click itself
+_UsageError = getattr(getattr(typer.core, "_click", None), "exceptions", None)
+if _UsageError is None:
+    import click.exceptions as _UsageError
+_UsageError = _UsageError.UsageError
+
+
+class _OneLineUsage(TyperGroup):
+    """A mistake in a command's flags or arguments (a value out of range, a missing argument, an unknown option or
+    command) is bad input like any other: one line and exit code 2, not a usage panel."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _UsageError as e:
+            sub = f" {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else ""
+            print(f"infersim: error: {' '.join(e.format_message().split())[:240]} (see infersim{sub} --help)",
+                  file=sys.stderr)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True,
                   help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
 DEFAULT_SCENARIO = "default.yaml"
 
@@ -39,7 +62,7 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
 def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
           out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the report and the step trace"),
           device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
-          threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
+          threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: all cores)"),
           quiet: bool = typer.Option(False, "--quiet", "-q"),
           no_plots: bool = typer.Option(False, "--no-plots"),
           profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
@@ -62,7 +85,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
 def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
             out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o"),
-            threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)"),
+            threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: all cores)"),
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
             repeats: int = typer.Option(3, "--repeats", min=1, help="runs of each workload; a step's time is "
                                         "the median over them"),
@@ -85,12 +108,17 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder
             vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the draft can propose"),
             minutes: float = typer.Option(10.0, "--train-minutes", min=0.0, help="training time budget"),
             max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-            threads: Optional[int] = typer.Option(None, "--threads")) -> None:
+            threads: Optional[int] = typer.Option(None, "--threads", min=1)) -> None:
     """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
     try:
         picked = [int(x) for x in layers.split(",") if x.strip()]
     except ValueError:
         _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
+    teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
+    if not picked or any(not 0 <= n < teacher for n in picked):
+        _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
+    if out is not None and out.exists() and not out.is_dir():
+        _fail(ConfigError(f"{out} exists and is not a folder", "--out"))
     try:
         api.distill(out, picked, vocab_size, minutes, max_new, threads)
     except ConfigError as e:
@@ -104,12 +132,14 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
                  vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the heads can propose"),
                  minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, help="training time budget"),
                  max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-                 threads: Optional[int] = typer.Option(None, "--threads"),
+                 threads: Optional[int] = typer.Option(None, "--threads", min=1),
                  profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
                                                         "tree size (default: calibration/profiles/cpu.json)"),
                  retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
+    if out is not None and out.exists() and not out.is_dir():
+        _fail(ConfigError(f"{out} exists and is not a folder", "--out"))
     try:
         api.train_medusa(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
     except ConfigError as e:
@@ -124,7 +154,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              device: str = typer.Option("cpu", "--device"),
              profile_path: Optional[Path] = typer.Option(None, "--profile",
                                                          help="default: calibration/profiles/DEVICE.json"),
-             threads: Optional[int] = typer.Option(None, "--threads"),
+             threads: Optional[int] = typer.Option(None, "--threads", min=1),
              repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
                                         "and two or more report the real-vs-real spread"),
              real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
@@ -302,14 +332,19 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
             if not isinstance(data, dict):
                 raise ConfigError("a scenario is a mapping of keys", file=str(path))
             items.append((path.stem, data))
+        stems = [label for label, _ in items]
+        # files with the same name in different folders are labelled by their paths
+        items = [(str(p) if stems.count(label) > 1 else label, d) for p, (label, d) in zip(scenarios, items)]
+        dirs, files = [p.parent for p in scenarios], [str(p) for p in scenarios]
         if sweep is not None:
             if len(items) != 1:
                 raise ConfigError("--sweep takes exactly one scenario", "--sweep")
             items = cmp.sweep(items[0][1], *cmp.parse_sweep(sweep))
+            dirs, files = dirs * len(items), [f"{scenarios[0]} (--sweep {label})"[:200] for label, _ in items]
         elif len(items) < 2:
             raise ConfigError("give two or more scenarios, or one and --sweep KEY=V1,V2")
         api.prepare_out(out)
-        results = cmp.compare_data(items, scenarios[0].parent)
+        results = cmp.compare_data(items, scenarios[0].parent, dirs=dirs, files=files)
     except ConfigError as e:
         _fail(e)
     if out is not None:

@@ -20,8 +20,17 @@ COLUMNS = [("TTFT p50 ms", ("ttft_s", "p50"), 1e3), ("TTFT p90 ms", ("ttft_s", "
            ("$/h", ("cost", "usd_per_hour"), 1.0), ("$/1M tok", ("cost", "usd_per_million_output_tokens"), 1.0)]
 
 
+MAX_CONFIGURATIONS = 200  # side by side in one table and one plot; a bigger space is `infersim search`'s
+# keys a sweep cannot change: every configuration runs the first one's workload under its SLOs
+NOT_SWEPT = ("workload", "slo")
+
+
 def sweep(base: dict, key: str, values: list) -> list[tuple[str, dict]]:
     """One configuration per value of a dotted scenario key (`serving.max_num_seqs`), labelled by the value."""
+    if key.split(".")[0] in NOT_SWEPT:
+        raise ConfigError(f"{key}: every configuration runs the first one's workload and SLOs, so sweeping them "
+                          "changes nothing; allowed: a key of the deployment (serving.max_num_seqs, hardware, ...)",
+                          "--sweep")
     return [(f"{key}={v}", apply(base, key, v)) for v in values]
 
 
@@ -51,22 +60,48 @@ def _split_top(text: str) -> list[str]:
     return out + [cur]
 
 
-def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), progress=None
-                 ) -> list[tuple[str, Outcome]]:
+def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), progress=None,
+                 dirs: list[Path] | None = None, files: list[str] | None = None) -> list[tuple[str, Outcome]]:
     """Simulate each (label, scenario data) on the first one's workload and SLOs; `progress(done, total)` between
-    configurations. A configuration that cannot run is a ConfigError naming its label."""
+    configurations. `dirs`: each configuration's folder, for its relative paths (default: `base_dir`); `files`: what
+    an error in each names (default: its label). A configuration that cannot run is a ConfigError naming it."""
     if len(items) < 1:
         raise ConfigError("nothing to compare: give two or more scenarios, or one and --sweep")
-    workload, slo = items[0][1].get("workload"), items[0][1].get("slo")
+    if len(items) > MAX_CONFIGURATIONS:
+        raise ConfigError(f"{len(items):,} configurations; allowed: at most {MAX_CONFIGURATIONS} side by side "
+                          "(`infersim search` searches bigger spaces)")
+    labels = [label for label, _ in items]
+    twice = next((label for i, label in enumerate(labels) if label in labels[:i]), None)
+    if twice is not None:  # compare.json is keyed by label: one would silently replace the other
+        raise ConfigError(f"two configurations are labelled {twice!r}; allowed: each its own")
+    dirs = dirs or [base_dir] * len(items)
+    workload, slo = _anchored(items[0][1].get("workload"), dirs[0]), items[0][1].get("slo")
     out = []
     for i, (label, data) in enumerate(items):
         data = {**data, "workload": workload, **({"slo": slo} if slo is not None else {})}
         try:
-            out.append((label, simulate_data(data, base_dir)))
+            out.append((label, simulate_data(data, dirs[i])))
         except ConfigError as e:
-            raise ConfigError(e.message, e.key_path, e.file or label) from None
+            raise ConfigError(e.message, e.key_path, e.file or (files[i] if files else label)) from None
         if progress:
             progress(i + 1, len(items))
+    return out
+
+
+def _anchored(node, folder: Path, parent: str = ""):
+    """The workload with its relative trace paths made absolute against `folder` (the first scenario's), so that
+    the other configurations, each resolved against its own folder, replay the same files."""
+    if isinstance(node, list):
+        return [_anchored(v, folder, parent) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        is_path = (k == "path" and parent == "trace") or (k == "trace" and node.get("dist") == "empirical")
+        if is_path and isinstance(v, str) and v and not v.startswith("builtin:"):
+            out[k] = str(folder / v)  # an absolute path survives the join unchanged
+        else:
+            out[k] = _anchored(v, folder, k)
     return out
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan, make_plan
@@ -35,6 +35,10 @@ from sim.report.capacity import grid_capacity, passes, scaled
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
 WHOLE = ("speculative", "pools", "model", "hardware", "workload")
+# keys a space may not sweep: every probe replays the base scenario's workload, under target.slo, named by the search
+NOT_SWEPT = {"workload": "every probe replays the base scenario's workload at the grid's rates",
+             "slo": "the SLOs are the search's target: set target.slo", "name": "the search names each configuration",
+             "description": "the search names each configuration"}
 
 
 class SearchTarget(StrictModel):
@@ -51,6 +55,12 @@ class SearchSettings(StrictModel):
     min_rate: PositiveFloat = Field(0.01, le=1e6, description="the grid's lowest rate (requests/s)")
     max_rate: PositiveFloat = Field(1e5, le=1e7, description="the grid's highest rate (requests/s)")
     max_devices: PositiveInt | None = Field(None, le=1_000_000, description="prune configurations with more devices")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SearchSettings":
+        if self.min_rate >= self.max_rate:  # an empty grid: every probe would fall outside it
+            raise ValueError(f"min_rate ({self.min_rate:g}) must be below max_rate ({self.max_rate:g})")
+        return self
 
 
 class SearchSpec(StrictModel):
@@ -130,27 +140,39 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         raise validation_error(e, SearchSpec) from None
     if isinstance(spec.scenario, str):
         path = base_dir / spec.scenario
-        base, scenario_dir = read_yaml(path), path.parent
-        if not isinstance(base, dict):
-            raise ConfigError("the base scenario file is not a mapping of keys", "scenario")
+        try:  # a fault inside the base scenario's own file is reported against that file
+            base, scenario_dir = read_yaml(path), path.parent
+            if not isinstance(base, dict):
+                raise ConfigError("a scenario is a mapping of keys")
+            scenario = parse_scenario(base)
+        except ConfigError as e:
+            raise ConfigError(e.message, e.key_path, e.file or str(path)) from None
     else:
         base, scenario_dir = dict(spec.scenario), base_dir
-    try:
-        scenario = parse_scenario(base)
-    except ConfigError as e:
-        raise ConfigError(e.message, f"scenario.{e.key_path}" if e.key_path else "scenario") from None
+        try:
+            scenario = parse_scenario(base)
+        except ConfigError as e:
+            raise ConfigError(e.message, f"scenario.{e.key_path}" if e.key_path else "scenario") from None
+    if not spec.space:
+        raise ConfigError("no keys to search; allowed: dotted scenario keys, each with the values to try (e.g. "
+                          "serving.max_num_seqs: [64, 256])", "space")
     for key, values in spec.space.items():
         if not values:
             raise ConfigError("give at least one value to try", f"space.{key}")
         if key.split(".")[0] not in type(scenario).model_fields:
             raise ConfigError(f"not a scenario key; allowed: {', '.join(type(scenario).model_fields)} (dotted: "
                               "serving.max_num_seqs)", f"space.{key}")
+        if key.split(".")[0] in NOT_SWEPT:
+            raise ConfigError(f"not searched: {NOT_SWEPT[key.split('.')[0]]}", f"space.{key}")
         if key == "pools" and any(v is not None and not _is_ratio(v) and not isinstance(v, dict) for v in values):
             raise ConfigError("each value: null (colocated), [prefill replicas, decode replicas] or a pools mapping",
                               "space.pools")
     count = math.prod(len(v) for v in spec.space.values())
     if count > MAX_CONFIGURATIONS:
         raise ConfigError(f"{count:,} configurations; allowed: at most {MAX_CONFIGURATIONS:,}", "space")
+    for key, values in spec.space.items():
+        for i, v in enumerate(values):
+            _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
     rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
     slo = spec.target.slo or scenario.slo
     if slo.ttft_s is None and slo.tpot_s is None:
@@ -168,7 +190,25 @@ def load_search_spec(path: str | Path) -> Search:
 
 
 def _is_ratio(v) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x > 0 for x in v)
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                       for x in v)
+
+
+def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> None:
+    """A value the key itself refuses (a type, a bound, an unknown sub-key: the key's own schema, or a model or
+    hardware spec) is an error in the spec; one that only clashes with other keys prunes its configurations."""
+    from sim.config.plan import resolve_hardware, resolve_model
+
+    try:
+        scenario = parse_scenario(apply(base, key, value))
+        if key.split(".")[0] == "model":
+            resolve_model(scenario.model, base_dir)
+        elif key.split(".")[0] == "hardware":
+            resolve_hardware(scenario.hardware)
+    except ConfigError as e:
+        at = e.key_path
+        if at and (at == key or at.startswith((key + ".", key + "[")) or key.startswith(at + ".")):
+            raise ConfigError(e.message if at == key else f"{at}: {e.message}", where) from None
 
 
 def _probe_specs(scenario, base_dir: Path, n: int) -> list[RequestSpec]:

@@ -18,12 +18,14 @@ class HardwareSpec(StrictModel):
 
     name: str = "custom"
     peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4"], Annotated[float, Field(ge=1e6)]] = Field(
-        description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8, int4")
+        min_length=1, description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8, int4")
     memory_bandwidth: float = Field(ge=1e6, description="bytes/s")
-    memory_gib: PositiveFloat
-    interconnect_bandwidth: PositiveFloat = Field(64e9, description="device-to-device bytes/s (NVLink or PCIe)")
-    interconnect_latency_s: NonNegativeFloat = 5e-6
-    host_bandwidth: PositiveFloat = Field(25e9, description="device-to-host bytes/s (PCIe), used by KV swap")
+    # past ~1e6 GiB the byte counts overflow to inf and the block count to NaN
+    memory_gib: PositiveFloat = Field(le=1e6)
+    # the links' bounds keep one transfer's time finite and meaningful (1e-300 B/s priced steps at 1e300 s)
+    interconnect_bandwidth: float = Field(64e9, ge=1e6, description="device-to-device bytes/s (NVLink or PCIe)")
+    interconnect_latency_s: NonNegativeFloat = Field(5e-6, le=60)
+    host_bandwidth: float = Field(25e9, ge=1e6, description="device-to-host bytes/s (PCIe), used by KV swap")
     price_per_hour: float = Field(0.0, ge=0, le=1e6, description="USD per device-hour")
     sparse_tensor_cores: bool = Field(False, description="2:4 structured sparsity runs at twice the dense rate "
                                       "(NVIDIA Ampere and later)")

@@ -4,6 +4,7 @@ a run would take minutes to hours or tens of GB before failing (the README's "Li
 MAX_REQUESTS = 2_000_000  # requests in one run (trace rows, num_requests, rate × duration_s, bursts): ~6 KB each
 MAX_REPLICAS = 10_000
 MAX_TOTAL_BLOCKS = 10_000_000  # KV blocks over all replicas (each replica keeps a free list of its block ids)
+MAX_ARRIVAL_S = 1e8  # simulated seconds of arrivals (~3 years): the float clock still resolves microseconds there
 MAX_LENGTH = 10_000_000  # tokens in one prompt or output
 MAX_TRACE_BYTES = 256 * 2**20  # a trace CSV (the Azure conversation trace is under 1 MiB)
 MAX_SCENARIO_BYTES = 4 * 2**20  # a scenario YAML file

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
@@ -39,7 +39,7 @@ class ModelSpec(StrictModel):
                                              "(magnitude); compressed and computed at twice the rate on hardware "
                                              "with sparse tensor cores, stored and computed dense elsewhere")
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=0)
 
     @field_validator("num_kv_heads")
     @classmethod
@@ -48,6 +48,14 @@ class ModelSpec(StrictModel):
         if heads and heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({heads})")
         return kv_heads
+
+    @model_validator(mode="after")
+    def _check_head_size(self) -> "ModelSpec":
+        # without head_dim a head is hidden_size / num_heads: a remainder would silently shrink every head
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size}), or give "
+                             "head_dim")
+        return self
 
     @property
     def head_size(self) -> int:
@@ -159,6 +167,7 @@ def catalog_model(name: str, key_path: str = "model") -> ModelSpec:
                       "architecture, or {hf_config: path/to/config.json}", key_path)
 
 
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KB
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -185,11 +194,16 @@ def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
     """Read a config.json file (or a folder holding one) into a ModelSpec."""
     path = path / "config.json" if path.is_dir() else path
     try:
+        if path.exists() and (not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES):  # /dev/zero never ends
+            raise ConfigError(f"{path} is not a Hugging Face config.json (not a regular file of at most "
+                              f"{MAX_CONFIG_BYTES // 2**20} MiB)", key_path)
         config = json.loads(path.read_text())
         return model_from_hf_config(config, name=path.parent.name or "hf-model")
     except FileNotFoundError:
         raise ConfigError(f"file not found: {path}; expected a Hugging Face config.json", key_path) from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path} ({type(e).__name__})", key_path) from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path} is not a usable llama-family config.json ({type(e).__name__}: {e}); "
                           "needs num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
                           "vocab_size", key_path) from None

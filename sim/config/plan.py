@@ -204,6 +204,11 @@ def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
         raise validation_error(e, spec_cls, kind) from None
 
 
+def resolve_hardware(raw: str | dict) -> HardwareSpec:
+    """The device a scenario names: a catalog entry, an explicit spec, or a catalog entry with overrides."""
+    return _resolve(raw, "hardware", catalog_hardware, HardwareSpec)
+
+
 CHECKPOINT_OVERRIDES = ("weight_dtype", "kv_dtype", "sparsity")  # keys a checkpoint's model may set beside hf_config
 
 
@@ -231,7 +236,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     if scenario.pools is not None:
         return _make_pools(scenario, base_dir)
     model, checkpoint = resolve_model(scenario.model, base_dir)
-    hw = _resolve(scenario.hardware, "hardware", catalog_hardware, HardwareSpec)
+    hw = resolve_hardware(scenario.hardware)
     sv, kv, spec = scenario.serving, scenario.kv_cache, scenario.speculative
     max_model_len = sv.max_model_len or model.max_position_embeddings
     scheduler = scheduler_config(
@@ -310,6 +315,11 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         if profile.forward is None or profile.comm is None:
             raise ConfigError(f"{profile.path} has no forward fit or communication measurements, which pricing "
                               "parallel steps needs; profile again (`infersim profile`), or use the roofline", key)
+        need = ("message_gloo", "all_reduce_shm", "gather_shm") if tp > 1 else ("send_gloo",)
+        missing = [op for op in need if op not in profile.comm]
+        if missing:
+            raise ConfigError(f"{profile.path} has no {', '.join(missing)} measurement (comm.fit), which pricing "
+                              "this layout's steps needs; profile again (`infersim profile`), or use the roofline", key)
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
                     c.profile_scale)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,

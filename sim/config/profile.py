@@ -12,6 +12,7 @@ FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", 
             "sampled", "attn_pairs", "kv_tokens", "few_tokens", "ramp_tokens")
 _OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
 MAX_KNOT = 4096
+MIN_STEP_S = 1e-7  # the fastest step a fit may predict: real engine steps take microseconds or more
 
 
 # the communication a profile may have measured (executor/distributed/comm_bench.py): op -> fitted latency and slope
@@ -94,6 +95,9 @@ def _check(data, path: Path) -> tuple[dict, int, int]:
     if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
                                       for k in ("num_layers", "hidden_size")):
         raise _bad(path, "model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
+    for k in ("name", "weight_dtype", "kv_dtype", "sparsity"):  # compared with the scenario's model as text
+        if not isinstance(m.get(k), (str, type(None))):
+            raise _bad(path, f"model.{k}", f"{str(m.get(k))[:40]!r}: a name (text) or null")
     return coefs, knot, ramp_knot
 
 
@@ -122,6 +126,13 @@ def _check_fit(fit, path: Path, key: str) -> tuple[dict, int, int]:
         if isinstance(knot, bool) or not isinstance(knot, int) or not 0 <= knot <= MAX_KNOT:
             raise _bad(path, f"{key}.{name}", f"{str(knot)[:40]!r}: a whole number of tokens in 0..{MAX_KNOT}")
         knots.append(knot)
+    # the simulator divides by the time of a one-row decode step: a fit that makes it (nearly) free cannot be priced
+    one_row = sum(coefs.get(t, 0.0) for t in ("step", "new_tokens", "decode_seqs", "sampled", "attn_pairs",
+                                              "kv_tokens", "seqs"))
+    one_row += coefs.get("few_tokens", 0.0) * max(0, knots[0] - 1) + coefs.get("ramp_tokens", 0.0) * min(1, knots[1])
+    if one_row < MIN_STEP_S:
+        raise _bad(path, f"{key}.coefs", f"a one-row decode step priced at {one_row:.3g} s; allowed: at least "
+                   f"{MIN_STEP_S:g} s (a fit of real steps)")
     return coefs, knots[0], knots[1]
 
 

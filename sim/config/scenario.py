@@ -54,7 +54,7 @@ class KVCacheConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     watermark: float = Field(0.01, ge=0, lt=1, description="fraction of blocks kept free at admission")
     preemption: Literal["recompute", "swap"] = "recompute"
-    swap_space_gib: NonNegativeFloat = 4.0
+    swap_space_gib: NonNegativeFloat = Field(4.0, le=1e6)  # past it the swap block count overflows to NaN
     num_blocks: PositiveInt | None = Field(None, description="override the computed block count")
 
 
@@ -73,7 +73,8 @@ class CostModelConfig(StrictModel):
     memory_efficiency: float = Field(0.8, ge=0.001, le=1, description="achieved / peak memory bandwidth")
     step_overhead_s: float = Field(2e-3, ge=0, le=60, description="fixed cost of one engine step (scheduling, launch)")
     per_seq_overhead_s: float = Field(2e-5, ge=0, le=60, description="per sequence in the step (input prep, sampling)")
-    profile: str | None = Field(None, description="a calibration profile JSON (relative to the scenario file)")
+    profile: str | None = Field(None, min_length=1, description="a calibration profile JSON (relative to the "
+                                "scenario file)")
     profile_scale: float = Field(1.0, ge=1e-3, le=1e3, description="multiply the profile's step times (a slower or faster "
                                  "machine of the same kind)")
 
@@ -82,14 +83,14 @@ class ExecutorConfig(StrictModel):
     """How `infersim serve` runs the scenario on real hardware (the simulator ignores it)."""
 
     attention: Literal["naive", "sdpa", "flash", "paged"] = "sdpa"
-    threads: PositiveInt | None = Field(None, description="torch CPU threads (per process with tensor or pipeline "
+    threads: PositiveInt | None = Field(None, le=4096, description="torch CPU threads (per process with tensor or pipeline "
                                                           "parallelism); default: all cores, shared among the processes")
     temperature: NonNegativeFloat = Field(0.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="torch's sampling generator takes a 64-bit seed")
     ignore_eos: bool = Field(True, description="generate exactly each request's output length")
-    max_kv_cache_gib: PositiveFloat = Field(4.0, description="refuse to allocate a bigger KV cache")
+    max_kv_cache_gib: PositiveFloat = Field(4.0, le=1e6, description="refuse to allocate a bigger KV cache")
     cuda_graphs: bool = Field(True, description="on a GPU, replay plain decode steps from captured CUDA graphs "
                                                 "(vLLM's default; false: every step eager, vLLM's enforce_eager)")
     random_weights: bool = Field(False, description="serve the scenario's model architecture with seeded random "
@@ -124,12 +125,12 @@ class SpeculativeConfig(StrictModel):
                              "draft_model: a small model distilled from the target (`infersim distill`); "
                              "medusa: heads on the target's last hidden state, a candidate tree verified with "
                              "tree attention (`infersim train-medusa`)")
-    num_speculative_tokens: PositiveInt = Field(5, description="γ: most drafts verified per request per step")
+    num_speculative_tokens: PositiveInt = Field(5, le=64, description="γ: most drafts verified per request per step")
     prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest n-gram matched")
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
-    draft_model: str | None = Field(None, description="draft_model: folder written by `infersim distill` (relative "
+    draft_model: str | None = Field(None, min_length=1, description="draft_model: folder written by `infersim distill` (relative "
                                     "to the scenario; default ~/.cache/infersim/drafts/smollm2-135m)")
-    medusa_heads: str | None = Field(None, description="medusa: folder written by `infersim train-medusa` "
+    medusa_heads: str | None = Field(None, min_length=1, description="medusa: folder written by `infersim train-medusa` "
                                      "(relative to the scenario; default: the heads shipped for SmolLM2-135M)")
     medusa_tree: list[list[NonNegativeInt]] | None = Field(
         None, description="medusa: the candidate tree, each node the path of candidate ranks from the root, "
@@ -150,25 +151,25 @@ class SpeculativeConfig(StrictModel):
                                 "speculative.request_rates); each simulated request takes one pair for its life, so "
                                 "requests differ as on the executor (prompt lookup: one that copies its prompt "
                                 "drafts often and keeps most, one that does not rarely); instead of the two rates")
-    draft_s_per_step: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time in a step it runs "
+    draft_s_per_step: NonNegativeFloat = Field(0.0, le=60, description="simulator: the drafter's time in a step it runs "
                                                "for, whatever its batch and whether it finds drafts (ngram: the "
                                                "search; draft_model: its γ forward passes; `infersim serve` "
                                                "measures it)")
-    draft_s_per_seq: NonNegativeFloat = Field(0.0, description="simulator: the drafter's time per drafting request "
+    draft_s_per_seq: NonNegativeFloat = Field(0.0, le=60, description="simulator: the drafter's time per drafting request "
                                               "per step (ngram: a search in the request's tokens; draft_model: its "
                                               "share of the γ forward passes; `infersim serve` measures it)")
-    draft_s_per_token: NonNegativeFloat = Field(0.0, description="simulator, draft_model: the drafter's time per "
+    draft_s_per_token: NonNegativeFloat = Field(0.0, le=60, description="simulator, draft_model: the drafter's time per "
                                                 "token its model catches up on (a request's whole context at its "
                                                 "first draft, then the tokens decoded since its last; `infersim "
                                                 "serve` measures it)")
-    draft_s_reference_step: NonNegativeFloat = Field(0.0, description="simulator: the draft_s_* times are at the "
+    draft_s_reference_step: NonNegativeFloat = Field(0.0, le=60, description="simulator: the draft_s_* times are at the "
                                                      "speed of a profile whose one-row decode step at context 256 "
                                                      "takes this long (`infersim serve --profile` writes it: the "
                                                      "times divided by the serve's own speed against that "
                                                      "profile); the simulator scales them by its own cost model's "
                                                      "time for that step, so the drafter follows the profile's "
                                                      "speed as the target's steps do. 0: the times as given")
-    verify_cost_ratio: PositiveFloat = Field(1.0, description="simulator: a verify step's forward over the cost "
+    verify_cost_ratio: float = Field(1.0, ge=1e-3, le=1e3, description="simulator: a verify step's forward over the cost "
                                              "model's prediction for its shape (`infersim serve --profile` "
                                              "measures it, scaled by how fast the serve's plain decode steps ran; "
                                              "a candidate tree's masked attention costs more than chain rows)")
@@ -177,6 +178,15 @@ class SpeculativeConfig(StrictModel):
     def _check_ngram(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        for key, method in (("medusa_tree", "medusa"), ("medusa_rank_probs", "medusa"), ("medusa_heads", "medusa"),
+                            ("draft_model", "draft_model")):
+            if getattr(self, key) is not None and self.method != method:  # it would be ignored without a word
+                raise ValueError(f"{key} applies to method {method}, not {self.method}")
+        if self.request_rates and self.acceptance_rate is not None:
+            raise ValueError("request_rates replace acceptance_rate and proposal_rate; allowed: one or the other")
+        if 0 < self.draft_s_reference_step < 1e-6:  # the draft times are scaled by step / reference: it would explode
+            raise ValueError(f"draft_s_reference_step {self.draft_s_reference_step} s; allowed: 0 (the times as "
+                             "given) or a step time of at least 1e-6 s")
         if self.method == "medusa":
             if not self.medusa_tree:
                 raise ValueError("method medusa needs medusa_tree (e.g. [[0], [1], [0, 0]])")
@@ -330,6 +340,9 @@ def _walk(cls: type[BaseModel], loc: tuple) -> tuple[list, object]:
     cur: object = cls
     for part in loc:
         members = _members(cur)
+        models = [m for m in members or () if isinstance(m, type) and issubclass(m, BaseModel)]
+        if len(models) == 1 and part in models[0].model_fields:  # a key, though a tag may share its name
+            cur, members = models[0], None
         if members is not None:
             tagged = _tag_member(members, part) if isinstance(part, str) else None
             if tagged is not None or (isinstance(part, str) and not part.isidentifier()) or part in (

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from sim.config.errors import ConfigError
-from sim.config.limits import MAX_LENGTH, MAX_REQUESTS, MAX_TRACE_BYTES
+from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS, MAX_TRACE_BYTES
 from sim.config.schema_base import StrictModel
 
 BUILTIN_TRACES = {"builtin:azure_conv": Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv.csv"}
@@ -62,7 +62,7 @@ class ArrivalConfig(StrictModel):
 class BurstConfig(StrictModel):
     """`count` extra requests that all arrive at `at_s` (simulation seconds)."""
 
-    at_s: float = Field(ge=0)
+    at_s: float = Field(ge=0, le=MAX_ARRIVAL_S)
     count: int = Field(gt=0, le=MAX_REQUESTS)
 
 
@@ -156,9 +156,9 @@ class EmpiricalLength(StrictModel):
             if not self.values:
                 raise ValueError("'values' must be a non-empty list")
             w = self.weights
-            if w is not None and (len(w) != len(self.values) or sum(w) <= 0):
+            if w is not None and (len(w) != len(self.values) or not 0 < sum(w) < math.inf):
                 raise ValueError(f"'weights' ({len(w)} entries) must match 'values' "
-                                 f"({len(self.values)} entries) and have a positive sum")
+                                 f"({len(self.values)} entries) and have a positive, finite sum")
         elif self.trace is None or self.column is None:
             raise ValueError("empirical from a trace needs both 'trace' and 'column'")
         else:
@@ -421,6 +421,14 @@ def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None,
     return t[t < duration]
 
 
+def _check_span(arrivals: np.ndarray, key_path: str, what: str) -> None:
+    """Arrivals within MAX_ARRIVAL_S: past it a step's milliseconds vanish in the clock's float (latencies of 0)."""
+    last = float(arrivals.max()) if len(arrivals) else 0.0
+    if not last <= MAX_ARRIVAL_S:
+        raise ConfigError(f"{what} over {last:.3g} s; allowed: arrivals within {MAX_ARRIVAL_S:.0e} s of the first "
+                          "(the clock's resolution there is still microseconds)", key_path)
+
+
 def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
     """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order.
 
@@ -442,6 +450,11 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
             raise ConfigError(f"the window [{tr.start_s}, {'end' if tr.end_s is None else tr.end_s}) s selects no requests "
                               f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", key)
         arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
+        _check_span(arrivals, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the trace's "
+                    f"{t[rows[-1]] - t[rows[0]]:.4g} s")
+        if len(rows) + n_burst > MAX_REQUESTS:
+            raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
+                              f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")
         # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
         rows = np.concatenate((rows, rng_bp.choice(rows, size=n_burst)))
         prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
@@ -451,6 +464,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
             output = traces.draw(tr.output_len, rng_o, len(rows), f"{key}.output_len")
     else:
         arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
+        _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate {cfg.arrival.rate:g}/s "
+                    "arrive")
         n, kp, ko = len(arrivals), "workload.prompt_len", "workload.output_len"
         prompt = np.concatenate((traces.draw(cfg.prompt_len, rng_p, n, kp),
                                  traces.draw(cfg.prompt_len, rng_bp, n_burst, kp)))
