@@ -173,14 +173,18 @@ class Scheduler:
         """Prefill instance: `req`'s KV has been sent; its blocks are free again."""
         self.kv.release(self.sending.pop(req))
 
+    def decode_reject_reason(self, req: Request) -> str | None:
+        """Decode instance: why a request prefilled elsewhere could never be served here (None: it could)."""
+        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
+            return "prompt_len + max_tokens exceeds the decode pool's max_model_len"
+        if self.kv.blocks_for(req.prompt_len + req.max_tokens - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
+            return "needs more KV cache than the decode instance's whole cache"
+        return None
+
     def add_prefilled(self, req: Request) -> bool:
         """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
         reject it with a reason if it can never be served here."""
-        reason = None
-        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
-            reason = "prompt_len + max_tokens exceeds the decode pool's max_model_len"
-        elif self.kv.blocks_for(req.prompt_len + req.max_tokens - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
-            reason = "needs more KV cache than the decode instance's whole cache"
+        reason = self.decode_reject_reason(req)
         if reason:
             req.status, req.reject_reason = Status.REJECTED, reason
             return False

@@ -20,7 +20,7 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
-from sim.policy.request import Request
+from sim.policy.request import Request, Status
 from sim.simulator.engines import Done, RunResult, arrivals, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
@@ -49,17 +49,18 @@ class KVTransfers:
             replica = self.decode[d]
             if not replica.scheduler.add_prefilled(r):
                 prefill.scheduler.release(r)
-                prefill.wake()
+                prefill.wake(r.first_token_s)
                 self.done(r)
                 continue
             r.replica = replica.index
-            self.source[r] = (prefill, self.env.now)
-            replica.wake()
+            # the logical time (its first token: this hand-off), not env.now, whose last bits differ in bulk runs
+            self.source[r] = (prefill, r.first_token_s)
+            replica.wake(r.first_token_s)
 
     def start(self, replica: Replica, reqs: list[Request]) -> None:
         """Replica.on_reserve: blocks reserved for these requests on `replica`; their KV goes over its link."""
         d = replica.index - self.decode[0].index
-        now = self.env.now
+        now = replica.clock
         for r in reqs:
             begin = max(now, self.link_free_at[d])
             seconds = self.pools.transfer_s(r.num_computed)
@@ -73,9 +74,9 @@ class KVTransfers:
         yield self.env.timeout(at - self.env.now)
         prefill, _ = self.source.pop(r)
         prefill.scheduler.release(r)
-        prefill.wake()
+        prefill.wake(at)
         replica.scheduler.received(r)
-        replica.wake()
+        replica.wake(at)
 
     def summary(self) -> dict:
         """The report's kv_transfer section."""
@@ -107,7 +108,17 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     router = make_router(pools.prefill.router)
     requests: list[Request] = []
 
-    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done))
+    def admit(req: Request) -> bool:
+        """To a prefill instance; one no decode instance could ever hold is turned away now, not after its prefill
+        (the prefill instance's own reasons first: its max_model_len is the shorter)."""
+        replica = prefill[router.pick(prefill)]
+        reason = decode[0].scheduler.decode_reject_reason(req)
+        if reason is None or req.prompt_len + req.max_tokens > replica.scheduler.cfg.max_model_len:
+            return replica.add(req)
+        req.replica, req.status, req.reject_reason = replica.index, Status.REJECTED, reason
+        return False
+
+    env.process(arrivals(env, specs, pending, requests, admit, done))
     run_env(env, done.stop)
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]

@@ -67,11 +67,11 @@ class Replica:
             self.wakeup.succeed(req.arrival_s)
         return accepted
 
-    def wake(self) -> None:
-        """Something this replica waits for happened now (a hand-off, a transfer done, blocks released): an idle
-        engine looks again, one in a run of decode steps stops it at the step in flight."""
+    def wake(self, at: float) -> None:
+        """Something this replica waits for happened at `at`, now (a hand-off, a transfer done, blocks released): an
+        idle engine looks again from then, one in a run of decode steps stops it at the step in flight."""
         if self.wakeup is not None and not self.wakeup.triggered:
-            self.wakeup.succeed(self.env.now)
+            self.wakeup.succeed(at)
         elif self.in_run:
             self.in_run = False
             self.process.interrupt()
@@ -86,6 +86,13 @@ class Replica:
         del self.step_decodes_all[first + kept:]
         return kept, ends[-1]
 
+    def _end_runs(self, preempted: list[Request], last: int) -> None:
+        """Preempted requests: their runs of steps end at step `last`."""
+        for r in preempted:
+            if r.run_start >= 0:
+                self.runs.extend((r.id, r.run_start, last))
+                r.run_start = -1
+
     def run(self):
         sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
         timeouts = sched.cfg.max_queue_delay_s is not None
@@ -99,8 +106,12 @@ class Replica:
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
-                # an empty engine can always take the head of its queue, unless blocks wait to be sent
-                if sched.has_work() and not sched.sending:
+                if batch is not None and batch.preempted:  # every row gave its blocks back (to transfers): pick again
+                    self._end_runs(batch.preempted, len(self.step_end) - 1)
+                    continue
+                # an empty engine can always take the head of its queue, unless blocks wait to be sent or to be
+                # filled by a transfer on its way (its arrival wakes the engine)
+                if sched.has_work() and not sched.sending and not sched.receiving:
                     raise RuntimeError(f"replica {self.index}: work queued but nothing schedulable")
                 self.wakeup = env.event()
                 self.clock = max(self.clock, (yield self.wakeup))
@@ -138,15 +149,12 @@ class Replica:
                 if self.pipeline is not None:  # the stages decide when the step ends: they may be busy
                     priced = getattr(cost, "pipeline_stages", None)  # a cost model that prices each stage
                     stages = priced(batch.shape, step_s) if priced else None
-                    yield from self.pipeline.traverse(step_s, batch.shape.num_new_tokens, stages)
-                    clock = env.now
+                    # from the engine's clock, as a bulk run's steps are: env.now may differ from it in the last bit
+                    clock = self.pipeline.passage(step_s, batch.shape.num_new_tokens, self.clock, stages)
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 self.busy_s += clock - self.clock
-                for r in batch.preempted:
-                    if r.run_start >= 0:
-                        self.runs.extend((r.id, r.run_start, step - 1))
-                        r.run_start = -1
+                self._end_runs(batch.preempted, step - 1)
                 yield env.timeout(max(0.0, clock - env.now))
                 if spec:
                     stepped = batch.decode + [r for r, _ in batch.prefill]
