@@ -414,11 +414,18 @@ def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None,
 
     if n is not None:
         return np.concatenate(([0.0], np.cumsum(gaps(n - 1))))
-    chunks = [np.zeros(1)]
-    while chunks[-1][-1] < duration:  # usually one chunk; more only when the draw runs short
+    chunks, drawn = [np.zeros(1)], 1
+    while chunks[-1][-1] < duration and drawn <= MAX_REQUESTS:  # usually one chunk; more when the draw runs short
         chunks.append(chunks[-1][-1] + np.cumsum(gaps(max(1024, int(1.1 * duration * a.rate)))))
+        drawn += len(chunks[-1])
     t = np.concatenate(chunks)
-    return t[t < duration]
+    t = t[t < duration]
+    if len(t) > MAX_REQUESTS:  # a very bursty gamma packs far more than rate x duration_s into the window
+        what = f"{a.process} arrivals" + (f" with cv {a.cv:g}" if a.cv is not None else "")
+        raise ConfigError(f"{what} put {'over ' if drawn == len(t) else ''}{len(t):,} requests into duration_s "
+                          f"{duration:g}; allowed: at most {MAX_REQUESTS:,} in one run (a smaller cv or duration_s, "
+                          "or num_requests)", "workload.arrival.cv" if a.cv is not None else "workload.duration_s")
+    return t
 
 
 def _check_span(arrivals: np.ndarray, key_path: str, what: str) -> None:
