@@ -262,6 +262,8 @@ class PrefillDriver:
     def __init__(self, plan: Plan, engine: Engine, links: list[DecodeLink], group: Group, corpus: list[int]):
         self.plan, self.engine, self.links, self.group, self.corpus = plan, engine, links, group, corpus
         self.router = make_router(plan.pools.decode.router)
+        # the decode instances' policy, to turn away on arrival what none of them could ever hold
+        self.decode_policy = make_policy(plan.pools.decode, eager=True)
         self.requests: list[Request] = []
         self.by_id: dict[int, Request] = {}
         self.live: set[Request] = set()  # arrived, not yet ended
@@ -294,7 +296,10 @@ class PrefillDriver:
             while self.arrived < len(reqs) and reqs[self.arrived].arrival_s <= now:
                 r = reqs[self.arrived]
                 self.arrived += 1
-                if engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id)):  # a rejection is final and recorded
+                reason = sched.pool_reject_reason(r, self.decode_policy)
+                if reason is not None:  # as the simulator does: not prefilled for nothing
+                    r.replica, r.status, r.reject_reason = 0, Status.REJECTED, reason
+                elif engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id)):  # a rejection is final, recorded
                     self.live.add(r)
             if now >= next_sample:
                 next_sample = now + LOAD_EVERY_S

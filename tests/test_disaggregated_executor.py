@@ -133,6 +133,30 @@ def test_serve_writes_the_pools_report_and_the_transfers(served):
     assert len(steps) == report["engine_steps"] and {s["pool"] for s in steps} == {"prefill", "decode"}
 
 
+def test_what_the_decode_pool_cannot_hold_is_turned_away_before_its_prefill_as_simulated(checkpoint, tmp_path):
+    """A decode pool of 6 blocks (48 tokens): requests that could never fit there are rejected on arrival with its
+    reason, before the prefill instance computes them, the same requests as the simulator rejects."""
+    from sim.simulator.cluster import simulate
+
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-small-decode",
+                               pools={**POOLS, "decode": {"replicas": 1, "kv_cache": {"num_blocks": 6}}})
+    _, plan = load_scenario(path)
+    out = tmp_path / "out"
+    with deadline(120):
+        r = CliRunner().invoke(app, ["serve", str(path), "--out", str(out), "-q", "--no-plots"])
+    assert r.exit_code == 0, r.output
+    ended = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    rejected = {d["id"] for d in ended if d["status"] == "rejected"}
+    specs = generate_requests(plan.workload, plan.base_dir)
+    assert rejected == {s.id for s in specs if s.prompt_len + s.output_len - 1 > 48} != set()
+    assert all(not d["token_times"] and "decode instance" in d["reject_reason"] for d in ended if d["id"] in rejected)
+    prefilled = sum(s["num_prefill"] for line in (out / "steps.jsonl").read_text().splitlines()
+                    for s in [json.loads(line)] if s["pool"] == "prefill")
+    assert prefilled == len(specs) - len(rejected)  # no prompt computed for a request the decode pool refuses
+    sim = simulate(plan, specs)
+    assert {q.id for q in sim.requests if q.status.value == "rejected"} == rejected
+
+
 def kill_decode_worker_after(ended: int):
     """A serve progress callback that kills the decode process once `ended` requests have ended."""
     killed = []

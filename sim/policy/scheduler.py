@@ -181,6 +181,14 @@ class Scheduler:
             return "needs more KV cache than the decode instance's whole cache"
         return None
 
+    def pool_reject_reason(self, req: Request, decode: "Scheduler") -> str | None:
+        """Prefill instance of disaggregated pools: why to turn `req` away on arrival, before computing its prompt,
+        because the decode pool (`decode`: any of its instances) could never hold it; None where this instance's own
+        checks, made as it is added, decide (they come first: its max_model_len is the shorter)."""
+        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
+            return None
+        return decode.decode_reject_reason(req)
+
     def add_prefilled(self, req: Request) -> bool:
         """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
         reject it with a reason if it can never be served here."""

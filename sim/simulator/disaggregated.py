@@ -112,8 +112,8 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
         """To a prefill instance; one no decode instance could ever hold is turned away now, not after its prefill
         (the prefill instance's own reasons first: its max_model_len is the shorter)."""
         replica = prefill[router.pick(prefill)]
-        reason = decode[0].scheduler.decode_reject_reason(req)
-        if reason is None or req.prompt_len + req.max_tokens > replica.scheduler.cfg.max_model_len:
+        reason = replica.scheduler.pool_reject_reason(req, decode[0].scheduler)
+        if reason is None:
             return replica.add(req)
         req.replica, req.status, req.reject_reason = replica.index, Status.REJECTED, reason
         return False
