@@ -7,8 +7,9 @@ import numpy as np
 
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
+from sim.report.metrics import summarize
 from sim.report.outputs import build_report
-from sim.simulator.cluster import sim_records, simulate
+from sim.simulator.cluster import itl_sample, sim_records, simulate
 
 BASE = {
     "model": "Llama-2-7B",
@@ -91,3 +92,19 @@ def token_times(result) -> list[np.ndarray]:
             t.extend(ends[decode[(decode > first) & (decode <= last)]])
         out.append(np.asarray(t))
     return out
+
+
+def assert_itl_is_the_token_gaps(result, records, times: list[np.ndarray], rel: float = 1e-12, abs: float = 0.0) -> None:
+    """The report's inter-token latencies are the gaps between the finished requests' written-out token times
+    (`times`, one array per request): where no request kept its own token times, the simulator's weighted sample is
+    those gaps value for value; the ITL statistics match them."""
+    import pytest
+
+    gaps = np.concatenate([np.diff(t) for t, r in zip(times, result.requests) if r.status.value == "finished"]
+                          + [np.zeros(0)])
+    if not any(r.token_times for r in result.requests):
+        values, weights = itl_sample(result)
+        assert np.array_equal(np.sort(np.repeat(values, weights)), np.sort(gaps))
+    assert records.itl.count == len(gaps)
+    for key, value in summarize(gaps).items():
+        assert records.itl.stats[key] == pytest.approx(value, rel=rel, abs=abs)

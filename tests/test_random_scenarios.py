@@ -37,9 +37,9 @@ from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.policy.build import make_policy
 from sim.policy.request import Status
-from sim.report.metrics import summarize
 from sim.report.outputs import build_report, check_finite
-from sim.simulator.cluster import itl_sample, sim_records, simulate
+from sim.simulator.cluster import sim_records, simulate
+from tests.helpers import assert_itl_is_the_token_gaps
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = settings(derandomize=True, database=None, deadline=None, max_examples=200,
@@ -345,14 +345,7 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
         assert r.arrival_s < t[0] == records.first_token_s[i] and t[-1] == records.finish_s[i] == r.finish_s, r
         gaps = np.diff(t)
         assert (gaps > 0).all() if strict else (gaps >= 0).all(), r
-    gaps = np.concatenate([np.diff(t) for t, r in zip(times, result.requests) if r.status is Status.FINISHED]
-                          + [np.zeros(0)])
-    if not any(r.token_times for r in result.requests):
-        values, weights = itl_sample(result)
-        assert np.array_equal(np.sort(np.repeat(values, weights)), np.sort(gaps))
-    assert records.itl.count == len(gaps)
-    for key, value in summarize(gaps).items():
-        assert records.itl.stats[key] == pytest.approx(value, rel=1e-9, abs=1e-15)
+    assert_itl_is_the_token_gaps(result, records, times, rel=1e-9, abs=1e-15)
     return times
 
 

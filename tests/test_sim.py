@@ -7,9 +7,7 @@ import pytest
 
 from sim.cost.build import make_cost_model
 from sim.policy.scheduler import BatchShape
-from sim.report.metrics import summarize
-from sim.simulator.cluster import itl_sample
-from tests.helpers import plan_of, run, scenario, token_times
+from tests.helpers import assert_itl_is_the_token_gaps, plan_of, run, scenario, token_times
 
 MIXED = {"seed": 7, "arrival": {"process": "poisson", "rate": 6.0}, "num_requests": 400,
          "prompt_len": {"dist": "lognormal", "median": 300, "sigma": 1.0, "min": 8, "max": 3000},
@@ -30,15 +28,7 @@ def check_conservation(m, result, rec):
         assert np.all(np.diff(t) > 0) and (len(t) == 0 or t[0] > rec.arrival_s[i])
         if r.status.value == "finished":
             assert len(t) == r.max_tokens and t[0] == rec.first_token_s[i] and t[-1] == rec.finish_s[i]
-    # the weighted inter-token gaps are the written-out ones, value for value
-    gaps = np.concatenate([np.diff(t) for t, r in zip(tt, result.requests) if r.status.value == "finished"]
-                          + [np.zeros(0)])
-    if not any(r.token_times for r in result.requests):
-        values, weights = itl_sample(result)
-        assert np.array_equal(np.sort(np.repeat(values, weights)), np.sort(gaps))
-    assert rec.itl.count == len(gaps)
-    for key, value in summarize(gaps).items():
-        assert rec.itl.stats[key] == pytest.approx(value, rel=1e-12)
+    assert_itl_is_the_token_gaps(result, rec, tt)
 
 
 VARIANTS = {
