@@ -88,6 +88,8 @@ SCENARIOS = {
                              "kv_cache": {"preemption": "swap"}}, "hardware.host_bandwidth"),
     # T: swap space of 1e300 GiB made the swap block count NaN
     "swap_space-huge": ({"kv_cache": {"preemption": "swap", "swap_space_gib": 1e300}}, "kv_cache.swap_space_gib"),
+    # W: a context past the model's trained positions was planned for (vLLM refuses it)
+    "max_model_len-past-positions": ({"serving": {"max_model_len": 65536}}, "serving.max_model_len"),
     # W: a head of hidden_size // num_heads silently dropped the remainder; a negative RoPE base was taken
     "hidden-not-divisible": ({"model": {"base": "SmolLM2-135M", "hidden_size": 577}}, "model"),
     "rope_theta-negative": ({"model": {"base": "SmolLM2-135M", "rope_theta": -1}}, "model.rope_theta"),

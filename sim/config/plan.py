@@ -239,6 +239,10 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     hw = resolve_hardware(scenario.hardware)
     sv, kv, spec = scenario.serving, scenario.kv_cache, scenario.speculative
     max_model_len = sv.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:  # vLLM refuses it too: positions past those are untrained
+        raise ConfigError(f"max_model_len {max_model_len} exceeds {model.name}'s max_position_embeddings "
+                          f"({model.max_position_embeddings}); allowed: at most that, or a model spec with more "
+                          "positions", "serving.max_model_len")
     scheduler = scheduler_config(
         max_model_len, **sv.model_dump(exclude={"max_model_len"}), preemption=kv.preemption,
         num_speculative_tokens=spec.num_draft_tokens if spec else 0,
