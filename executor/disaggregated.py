@@ -262,8 +262,6 @@ class PrefillDriver:
     def __init__(self, plan: Plan, engine: Engine, links: list[DecodeLink], group: Group, corpus: list[int]):
         self.plan, self.engine, self.links, self.group, self.corpus = plan, engine, links, group, corpus
         self.router = make_router(plan.pools.decode.router)
-        # the decode instances' policy, to turn away on arrival what none of them could ever hold
-        self.decode_policy = make_policy(plan.pools.decode, eager=True)
         self.requests: list[Request] = []
         self.by_id: dict[int, Request] = {}
         self.live: set[Request] = set()  # arrived, not yet ended
@@ -296,10 +294,7 @@ class PrefillDriver:
             while self.arrived < len(reqs) and reqs[self.arrived].arrival_s <= now:
                 r = reqs[self.arrived]
                 self.arrived += 1
-                reason = sched.pool_reject_reason(r, self.decode_policy)
-                if reason is not None:  # as the simulator does: not prefilled for nothing
-                    r.replica, r.status, r.reject_reason = 0, Status.REJECTED, reason
-                elif engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id)):  # a rejection is final, recorded
+                if engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id)):  # a rejection is final and recorded
                     self.live.add(r)
             if now >= next_sample:
                 next_sample = now + LOAD_EVERY_S
@@ -428,7 +423,7 @@ def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threa
             child.close()  # the children hold these ends now: one that dies leaves ours at end of file
         links = [DecodeLink(rank, conn) for rank, (conn, _) in enumerate(pipes, 1)]
         try:
-            engine = make_engine(loaded.model, make_policy(p_plan, eager=True, hand_off=True), sampling_of(p_plan),
+            engine = make_engine(loaded.model, make_policy(p_plan, eager=True, hand_off=d_plan), sampling_of(p_plan),
                                  loaded.eos_token_id, use_graphs=None if p_plan.executor.cuda_graphs else False)
             engine.kv_cache.data.share_memory_()  # the decode instances pull finished prompts' KV from here
             vocab = loaded.model.config.vocab_size

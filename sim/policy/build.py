@@ -15,7 +15,10 @@ def make_allocator(plan: Plan) -> BlockAllocator:
                           num_swap_blocks=plan.num_swap_blocks, contiguous=plan.kv_allocator == "contiguous")
 
 
-def make_policy(plan: Plan, eager: bool = True, hand_off: bool = False) -> Scheduler:
+def make_policy(plan: Plan, eager: bool = True, hand_off: Plan | None = None) -> Scheduler:
     """The scheduler + KV allocator pair one replica runs (the simulator's replica and the executor's engine);
-    `hand_off`: a disaggregated prefill instance's, which hands requests on after their prompt."""
-    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager, hand_off=hand_off)
+    `hand_off`: the decode pool of a disaggregated prefill instance, which hands requests on to it after their prompt
+    and turns away on arrival what it could never hold."""
+    decode_pool = make_policy(hand_off) if hand_off is not None else None
+    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager, hand_off=decode_pool is not None,
+                          decode_pool=decode_pool)

@@ -94,11 +94,14 @@ class Scheduler:
     costs O(events), not O(batch); the executor keeps them current.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False):
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False,
+                 decode_pool: "Scheduler | None" = None):
         self.cfg = cfg
         self.kv = kv
         self.eager = eager
         self.hand_off = hand_off  # a prefill instance: prompts done are handed to a decode instance
+        # a prefill instance: its decode pool's policy (any instance's), whose limits an arrival must fit too
+        self.decode_pool = decode_pool
         self.sending: dict[Request, list[int]] = {}  # handed off, KV not yet sent: the blocks it still holds
         self.outbox: list[Request] = []  # handed off since the caller last took them
         self.incoming: deque[Request] = deque()  # prefilled elsewhere, waiting for blocks here
@@ -118,11 +121,14 @@ class Scheduler:
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason if it can never be served."""
         total = req.prompt_len + req.max_tokens
+        refused = self.decode_pool.decode_reject_reason(req) if self.decode_pool is not None else None
         reason = None
         if req.prompt_len < 1 or req.max_tokens < 1:
             reason = "prompt and output need at least one token each"
         elif total > self.cfg.max_model_len:
             reason = "prompt_len + max_tokens exceeds max_model_len"
+        elif refused:  # turned away now, not after its prompt is computed for nothing
+            reason = refused
         elif self.kv.blocks_for(total - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
             reason = "needs more KV cache than the whole cache"
         elif self.cfg.max_queue_len is not None and len(self.waiting) >= self.cfg.max_queue_len:
@@ -180,14 +186,6 @@ class Scheduler:
         if self.kv.blocks_for(req.prompt_len + req.max_tokens - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
             return "needs more KV cache than the decode instance's whole cache"
         return None
-
-    def pool_reject_reason(self, req: Request, decode: "Scheduler") -> str | None:
-        """Prefill instance of disaggregated pools: why to turn `req` away on arrival, before computing its prompt,
-        because the decode pool (`decode`: any of its instances) could never hold it; None where this instance's own
-        checks, made as it is added, decide (they come first: its max_model_len is the shorter)."""
-        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
-            return None
-        return decode.decode_reject_reason(req)
 
     def add_prefilled(self, req: Request) -> bool:
         """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
@@ -645,8 +643,10 @@ class StaticScheduler(Scheduler):
         return finished
 
 
-def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False) -> Scheduler:
-    """The scheduler for `cfg.batching`; `hand_off`: a disaggregated prefill instance's (continuous batching)."""
+def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False,
+                   decode_pool: Scheduler | None = None) -> Scheduler:
+    """The scheduler for `cfg.batching`; `hand_off`: a disaggregated prefill instance's (continuous batching), with
+    `decode_pool` the policy of the decode instances it hands to."""
     if cfg.batching == "static":
         return StaticScheduler(cfg, kv, eager)
-    return Scheduler(cfg, kv, eager, hand_off)
+    return Scheduler(cfg, kv, eager, hand_off, decode_pool)

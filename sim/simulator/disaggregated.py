@@ -20,7 +20,7 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
-from sim.policy.request import Request, Status
+from sim.policy.request import Request
 from sim.simulator.engines import Done, RunResult, arrivals, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
@@ -100,7 +100,8 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     done = Done(env, progress, watch)
     link = KVTransfers(env, plan, done)
     pools = plan.pools
-    prefill, p_pipes = make_engines(env, pools.prefill, lambda: pending[0], bulk, done, on_handoff=link.hand_off)
+    prefill, p_pipes = make_engines(env, pools.prefill, lambda: pending[0], bulk, done, hand_off=pools.decode,
+                                    on_handoff=link.hand_off)
     # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)
     decode, d_pipes = make_engines(env, pools.decode, lambda: math.inf, bulk, done, first_index=len(prefill),
                                    on_reserve=link.start)
@@ -108,17 +109,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     router = make_router(pools.prefill.router)
     requests: list[Request] = []
 
-    def admit(req: Request) -> bool:
-        """To a prefill instance; one no decode instance could ever hold is turned away now, not after its prefill
-        (the prefill instance's own reasons first: its max_model_len is the shorter)."""
-        replica = prefill[router.pick(prefill)]
-        reason = replica.scheduler.pool_reject_reason(req, decode[0].scheduler)
-        if reason is None:
-            return replica.add(req)
-        req.replica, req.status, req.reject_reason = replica.index, Status.REJECTED, reason
-        return False
-
-    env.process(arrivals(env, specs, pending, requests, admit, done))
+    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done))
     run_env(env, done.stop)
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]

@@ -37,13 +37,14 @@ def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
 
 def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], float], bulk: bool,
                  on_finish: Callable[[Request], None], spec_draw: int = 0, first_index: int = 0,
-                 **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
+                 hand_off: Plan | None = None, **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
     """The plan's replicas as SimPy engines (a pipelined replica: one per virtual engine, sharing its stages), and
-    each replica's pipeline. `hooks`: the disaggregated hand-off callbacks (see Replica)."""
+    each replica's pipeline. `hand_off`: a prefill pool's decode pool (make_policy); `hooks`: the disaggregated
+    hand-off callbacks (see Replica)."""
     cost = make_cost_model(plan)
     engines = plan.virtual_engines  # per replica: 1, or the batches a pipelined replica keeps in flight
     pipelines = [make_pipeline(env, plan) if plan.pipeline_parallel_size > 1 else None for _ in range(plan.replicas)]
-    replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off="on_handoff" in hooks),
+    replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off=hand_off),
                         cost, next_arrival, bulk=bulk, on_finish=on_finish,
                         speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
                         **hooks)
