@@ -251,7 +251,8 @@ class Sweep:
         communication the executor's parallel engines use measured on the CPU (executor/distributed/comm_bench.py)."""
         self.run_until(1.0)
         samples, speed = self.samples_and_speeds()
-        host = {**device_info(self.device), "other_processes_cores": round(self.load.mean_others, 2)}
+        host = {**device_info(self.device), "other_processes_cores": round(self.load.mean_others, 2),
+                "other_processes_busy_share": round(self.load.busy_share, 2)}
         prof = {"model": model_spec, "host": host, "measured": measure_device(self.device),
                 "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
         if self.parallel:

@@ -194,7 +194,8 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
                           extra={"executor": {"device": device, "threads": torch.get_num_threads(),
                                               "attention": plan.executor.attention,
                                               "torch": torch.__version__,
-                                              "other_processes_cores": round(load.mean_others, 2)},
+                                              "other_processes_cores": round(load.mean_others, 2),
+                                              "other_processes_busy_share": round(load.busy_share, 2)},
                                  **(engine.sections if plan.pools is not None else {})})
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
