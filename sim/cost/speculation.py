@@ -14,6 +14,9 @@ import numpy as np
 
 from sim.cost.fitted import shape_of
 
+# Rows from which one numpy call with an array of p beats a call per row (~10 µs to set up, ~0.7 µs a row).
+GEOMETRIC_ARRAY_ROWS = 16
+
 
 def _check(alpha: float, gamma: int) -> None:
     if not 0.0 <= alpha <= 1.0:
@@ -91,6 +94,86 @@ def reference_step_s(cost) -> float:
     return cost.step_time(shape_of([1], [256]))
 
 
+class MedusaWalks:
+    """Medusa acceptances read off a buffer of the generator's uniforms. A row's walk draws the rank of each
+    depth's true token, rng.choice(len(p), p=p), until the path leaves the tree; rng.choice with p is
+    searchsorted(cdf(p), rng.random()), so the buffer gives the same ranks in the same order, and a step costs a
+    few list look-ups instead of a numpy call per depth and row. For every buffer position j, reach[j][k] is the largest tree index on the path of ranks drawn from
+    u[j], ..., u[j + k] (len(tree) off the tree), so a walk from j over tree[:d] accepts the depths whose
+    reach is below d, and uses one draw more than it accepts (all of them, when it accepts every depth)."""
+
+    CHUNK = 1 << 14  # uniforms drawn at a time
+
+    def __init__(self, rng: np.random.Generator, tree: list[tuple[int, ...]], rank_probs: list[list[float]]):
+        self.rng = rng
+        self.depths = len(rank_probs)
+        self.size = len(tree)
+        self.cdfs = []
+        for p in rank_probs:  # as rng.choice builds it
+            cdf = np.asarray(p, float).cumsum()
+            cdf /= cdf[-1]
+            self.cdfs.append(cdf)
+        # ranks past the largest one in the tree at a depth share one code: the tables stay small
+        self.radix = [max((n[k] for n in tree if len(n) > k), default=-1) + 2 for k in range(self.depths)]
+        self.index = []  # per depth: tree index of each path code (len(tree): not a node)
+        size = 1
+        for k in range(self.depths):
+            size *= self.radix[k]
+            table = np.full(size, self.size, np.int64)
+            for i, node in enumerate(tree):
+                if len(node) == k + 1:
+                    table[self._code(node)] = i
+            self.index.append(table)
+        self.u = np.zeros(0)
+        self.pos = 0
+        self._reach = np.zeros((0, self.depths), np.int64)
+        self._full: list[int] = []  # accepted depths from each position over the whole tree
+
+    def _code(self, path) -> int:
+        code = 0
+        for k, rank in enumerate(path):
+            code = code * self.radix[k] + min(rank, self.radix[k] - 1)
+        return code
+
+    def reserve(self, n: int) -> None:
+        """Make sure n uniforms past the read position are drawn (and their walks tabled)."""
+        if self.pos + n <= len(self.u):
+            return
+        self.u = np.concatenate((self.u[self.pos:], self.rng.random(max(self.CHUNK, n))))
+        self.pos = 0
+        pad = np.concatenate((self.u, np.ones(self.depths)))  # past the end: read by no walk (walks reserve enough)
+        reach = np.empty((len(self.u), self.depths), np.int64)
+        code = np.zeros(len(self.u), np.int64)
+        top = np.zeros(len(self.u), np.int64)
+        for k in range(self.depths):
+            rank = np.searchsorted(self.cdfs[k], pad[k:k + len(self.u)], side="right")
+            code = code * self.radix[k] + np.minimum(rank, self.radix[k] - 1)
+            np.maximum(top, self.index[k][code], out=top)
+            reach[:, k] = top
+        self._reach = reach
+        self._full = (reach < self.size).sum(axis=1).tolist()
+
+    def uniforms(self, n: int) -> list[float]:
+        """The next n uniforms, as rng.random() would return them."""
+        self.reserve(n)
+        out = self.u[self.pos:self.pos + n].tolist()
+        self.pos += n
+        return out
+
+    def walks(self, drafts: list[int]) -> list[int]:
+        """Depths accepted by each of a step's verify rows, over the first d tree nodes of each (d > 0)."""
+        depths, size = self.depths, self.size
+        self.reserve(len(drafts) * depths)
+        full, reach, pos = self._full, self._reach, self.pos
+        out = []
+        for d in drafts:
+            a = full[pos] if d == size else int((reach[pos] < d).sum())
+            out.append(a)
+            pos += a + 1 if a < depths else depths
+        self.pos = pos
+        return out
+
+
 @dataclass
 class SpeculationModel:
     """The simulator's drafter: each step every decoding request gets γ drafts (or, with probability
@@ -119,44 +202,85 @@ class SpeculationModel:
     rng: np.random.Generator = field(init=False, repr=False)
     _rates: dict = field(init=False, repr=False, default_factory=dict)
     _cached: dict = field(init=False, repr=False, default_factory=dict)  # request id -> tokens the draft model holds
+    _walks: MedusaWalks | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         if self.tree is None:
             _check(self.acceptance_rate, self.num_speculative_tokens)
         else:
+            if self.request_rates:  # the walks' buffer draws ahead: no other draw may come between
+                raise ValueError("request_rates is for ngram and draft_model (Medusa: rank_probs)")
             self.num_speculative_tokens = len(self.tree)
             self.rank_probs = [list(np.asarray(p, float) / np.sum(p)) for p in self.rank_probs]
         self.rng = np.random.default_rng(self.seed)
+        self._walks = MedusaWalks(self.rng, self.tree, self.rank_probs) if self.tree is not None else None
 
     def propose(self, requests) -> float:
         """Set each request's num_draft for the next step; returns the drafter's time (as `infersim serve`
         fits it): a fixed part in every step the drafter runs for, and a part per drafting request (a draft
         model's passes run for the whole batch at once)."""
-        gamma = self.num_speculative_tokens
-        drafting = 0
-        for r in requests:
-            rate = self.rates_of(r)[0]
-            r.num_draft = gamma if rate >= 1.0 or self.rng.random() < rate else 0
-            drafting += r.num_draft > 0
+        if self.request_rates:
+            known = [self._rates.get(r.id) for r in requests]
+            if None in known:  # a request's first step draws its rates, between the other requests' draws
+                drafting = self._propose_in_turn(requests)
+            else:
+                drafting = self._draw_proposals(requests, [k[0] for k in known])
+        elif self.proposal_rate >= 1.0:
+            for r in requests:
+                r.num_draft = self.num_speculative_tokens
+            drafting = len(requests) if self.num_speculative_tokens else 0
+        else:
+            drafting = self._draw_proposals(requests, [self.proposal_rate] * len(requests))
         if not requests:
             return 0.0
         fed = self._catch_up(requests) if self.draft_s_per_token else 0
         return drafting * self.draft_s_per_seq + self.draft_s_per_step + fed * self.draft_s_per_token
+
+    def _draw_proposals(self, requests, rates: list[float]) -> int:
+        """Each request drafts with its proposal rate (one uniform per rate below 1, drawn in request order);
+        returns how many do."""
+        gamma = self.num_speculative_tokens
+        draws = iter(self._uniforms(sum(rate < 1.0 for rate in rates)))
+        drafting = 0
+        for r, rate in zip(requests, rates):
+            r.num_draft = d = gamma if rate >= 1.0 or next(draws) < rate else 0
+            drafting += d > 0
+        return drafting
+
+    def _propose_in_turn(self, requests) -> int:
+        """propose's draws one request at a time, in the generator's order; returns the drafting requests."""
+        gamma = self.num_speculative_tokens
+        drafting = 0
+        for r in requests:
+            rate = self.rates_of(r)[0]
+            r.num_draft = gamma if rate >= 1.0 or self._uniforms(1)[0] < rate else 0
+            drafting += r.num_draft > 0
+        return drafting
+
+    def _uniforms(self, n: int) -> list[float]:
+        """The generator's next n uniforms (Medusa's come from its walks' buffer, which draws ahead)."""
+        if not n:
+            return []
+        return self._walks.uniforms(n) if self._walks is not None else self.rng.random(n).tolist()
 
     def _catch_up(self, requests) -> int:
         """Tokens the draft model reads this step before drafting (the executor's DraftModelDrafter): of each
         request it is asked for, those after the longest prefix it still holds (never the last: its logits give
         the first draft); then it holds the request's tokens and all drafts but the last (fed to draft the next).
         Requests not asked for are forgotten, as the executor's drafter forgets them."""
+        gamma, held_by = self.num_speculative_tokens, self._cached.get
         fed, cached = 0, {}
         for r in requests:
-            k = min(self.num_speculative_tokens, r.remaining_tokens - 1)
-            held = self._cached.get(r.id, 0)
+            num_tokens = r.prompt_len + r.num_generated
+            k = r.max_tokens - r.num_generated - 1
+            if k > gamma:
+                k = gamma
+            held = held_by(r.id, 0)
             if k <= 0:
                 cached[r.id] = held
                 continue
-            fed += r.num_tokens - min(held, r.num_tokens - 1)
-            cached[r.id] = r.num_tokens + k - 1
+            fed += num_tokens - held if held < num_tokens - 1 else 1
+            cached[r.id] = num_tokens + k - 1
         self._cached = cached
         return fed
 
@@ -174,23 +298,42 @@ class SpeculationModel:
 
     def accept(self, rows) -> dict:
         """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""
+        drafted = [r for r in rows if r.num_draft]
+        if not drafted:
+            return {}
+        if self._walks is not None:
+            return dict(zip(drafted, self._walks.walks([r.num_draft for r in drafted])))
+        if self.request_rates:
+            known = [self._rates.get(r.id) for r in drafted]
+            if None in known:  # a row not proposed for (set by hand): its rates drawn in turn
+                return {r: self._accept_one(r) for r in drafted}
+            alphas = [k[1] for k in known]
+        else:
+            alphas = [self.acceptance_rate] * len(drafted)
+        # trials up to the first rejection, less the rejected one; α = 1 never rejects
+        trials = iter(self._geometric([1.0 - a for a in alphas if a < 1.0]))
         out = {}
-        for r in rows:
+        for r, alpha in zip(drafted, alphas):
             d = r.num_draft
-            if d and self.tree is not None:
-                out[r] = self._walk(set(self.tree[:d]))
-            elif d:
-                alpha = self.rates_of(r)[1]
-                # trials up to the first rejection, less the rejected one; α = 1 never rejects
-                out[r] = d if alpha >= 1.0 else min(d, int(self.rng.geometric(1.0 - alpha)) - 1)
+            if alpha < 1.0:
+                accepted = next(trials) - 1
+                if accepted < d:
+                    d = accepted
+            out[r] = d
         return out
 
-    def _walk(self, nodes: set) -> int:
-        """Medusa: draw the rank of each depth's true token among its head's candidates; the step accepts
-        depths while that path is a node of the (possibly cut) tree."""
-        path: tuple[int, ...] = ()
-        for probs in self.rank_probs:
-            path += (int(self.rng.choice(len(probs), p=probs)),)
-            if path not in nodes:
-                return len(path) - 1
-        return len(path)
+    def _geometric(self, ps: list[float]) -> list[int]:
+        """One geometric draw per p, in order (numpy draws an array's, or a size's, one after the other)."""
+        if not ps:
+            return []
+        if not self.request_rates:  # every row has the scenario's α
+            return self.rng.geometric(ps[0], len(ps)).tolist()
+        if len(ps) > GEOMETRIC_ARRAY_ROWS:
+            return self.rng.geometric(ps).tolist()
+        geometric = self.rng.geometric
+        return [int(geometric(p)) for p in ps]
+
+    def _accept_one(self, r) -> int:
+        alpha = self.rates_of(r)[1]
+        # trials up to the first rejection, less the rejected one; α = 1 never rejects
+        return r.num_draft if alpha >= 1.0 else min(r.num_draft, int(self.rng.geometric(1.0 - alpha)) - 1)

@@ -114,6 +114,8 @@ class Scheduler:
         self.speculative = cfg.num_speculative_tokens > 0
         # speculative rows advance by different amounts: no lockstep block calendar, blocks reserved per step
         self.decoding = DecodeSet(None if kv.contiguous or self.speculative else kv.block_size)
+        # speculative: _verify_shape of the decode rows as _reserve_verify_slots left them (None: changed since)
+        self._verify_sums: tuple[int, int, int, int, int] | None = None
         self.steps_since_admission = 0
         self.num_preemptions = 0
 
@@ -239,6 +241,7 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
+        self._verify_sums = None
         if self.cfg.enable_chunked_prefill:
             preempted = self._grow_decodes(budget)
             budget -= self._decode_tokens()
@@ -283,6 +286,8 @@ class Scheduler:
         """Tokens the decode rows compute this step."""
         if not self.speculative:
             return len(self.decoding)
+        if self._verify_sums is not None:
+            return self._verify_sums[0]
         return sum(1 + r.num_draft for r in self.decoding.members)
 
     def _grow_decodes(self, budget: int) -> list[Request]:
@@ -311,16 +316,28 @@ class Scheduler:
         are cut to its remaining output, max_model_len and the step's token budget); short of blocks,
         preempt from the end of the running order (possibly the request itself)."""
         preempted: list[Request] = []
+        members = self.decoding.members
         # every row computes its last token; what is left of the budget (nothing, when not drafting) is for drafts;
         # this step decodes, so whether a prompt would run alone (`drafting`'s other question) is settled
-        budget = budget - len(self.decoding) if self._may_draft() else 0
-        for r in list(self.decoding.members):
-            if r not in self.decoding:
+        budget = budget - len(members) if self._may_draft() else 0
+        gamma, max_len, kv = self.cfg.num_speculative_tokens, self.cfg.max_model_len, self.kv
+        tokens = ctx = pairs = verify = 0  # _verify_shape of the rows, summed on the way
+        for r in list(members):
+            if preempted and r not in members:
                 continue  # preempted for an earlier row
-            r.num_draft = max(0, min(r.num_draft, self.cfg.num_speculative_tokens, r.remaining_tokens - 1,
-                                     self.cfg.max_model_len - r.num_tokens, budget))
-            budget -= r.num_draft
-            self._make_room(r, r.num_computed + 1 + r.num_draft, self.running, preempted)
+            d = r.num_draft
+            if d:
+                d = r.num_draft = max(0, min(d, gamma, r.remaining_tokens - 1, max_len - r.num_tokens, budget))
+                budget -= d
+            n = 1 + d
+            c = r.num_computed + n
+            if kv.extra_blocks(r, c):  # most rows need a block only every few steps
+                self._make_room(r, c, self.running, preempted)
+            tokens += n
+            ctx += c
+            pairs += n * (c - n) + n * (n + 1) // 2
+            verify += d > 0
+        self._verify_sums = None if preempted else (tokens, ctx, pairs, tokens, verify)
         return preempted
 
     def _make_room(self, r: Request, num_tokens: int, pool: dict, preempted: list[Request]) -> bool:
@@ -353,6 +370,7 @@ class Scheduler:
         """Take `req` off the device: swap its blocks to host memory, or free them to recompute later."""
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._verify_sums = None
         req.num_draft = 0
         if req in self.decoding:
             self.decoding.leave(req)
@@ -381,6 +399,8 @@ class Scheduler:
             self.decoding.join(r, self._block_capacity(r))
             out.append(r)
             budget -= 1
+        if out:
+            self._verify_sums = None
         return out
 
     def _join_received(self, budget: int) -> list[Request]:
@@ -393,6 +413,8 @@ class Scheduler:
             self.decoding.join(r, self._block_capacity(r))
             out.append(r)
             budget -= 1
+        if out:
+            self._verify_sums = None
         return out
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
@@ -445,7 +467,7 @@ class Scheduler:
         b = len(self.decoding) if decodes else 0
         verify = 0
         if decodes and self.speculative:
-            d_tokens, d_ctx, d_pairs, d_sampled, verify = _verify_shape(self.decoding.members)
+            d_tokens, d_ctx, d_pairs, d_sampled, verify = self._verify_sums or _verify_shape(self.decoding.members)
         else:  # one token each, attending to its whole context
             d_tokens = d_sampled = b
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
@@ -504,22 +526,26 @@ class Scheduler:
         """Speculative rows: each got its accepted drafts plus one token; the KV of rejected drafts is
         dropped (their blocks freed). Returns the rows that reached max_tokens."""
         done = []
-        dec = self.decoding
+        get, kv = accepted.get, self.kv
+        added = 0
         for r in rows:
-            a = min(accepted.get(r, 0), r.num_draft)
-            if r.num_draft:
+            d = r.num_draft
+            n = 1
+            if d:
+                a = min(get(r, 0), d)
                 r.num_verify_steps += 1
-                r.num_drafted += r.num_draft
+                r.num_drafted += d
                 r.num_accepted += a
-                r.num_rejections += a < r.num_draft
-            n = 1 + a
+                r.num_rejections += a < d
+                r.num_draft = 0
+                n += a
             r.num_computed += n
             r.num_generated += n
-            dec.sum_computed += n
-            r.num_draft = 0
-            self.kv.trim(r, r.num_computed + 1)  # the next step's last token still needs its slot
+            added += n
+            kv.trim(r, r.num_computed + 1)  # the next step's last token still needs its slot
             if r.num_generated >= r.max_tokens:
                 done.append(r)
+        self.decoding.sum_computed += added
         return done
 
     def _hand_off(self, r: Request) -> None:

@@ -38,6 +38,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
 
     env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas)].add(req), done))
     run_env(env, done.stop)
+    for r in replicas:
+        r.settle_token_times()
     engines = plan.virtual_engines
     traces = [trace_of(r, pipelines[i // engines]) for i, r in enumerate(replicas)]
     return RunResult(requests, traces, time.perf_counter() - t0, stopped=bool(done.stop and done.stop.triggered))

@@ -111,6 +111,8 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
 
     env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done))
     run_env(env, done.stop)
+    for r in prefill + decode:
+        r.settle_token_times()
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]
     return RunResult(requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()},

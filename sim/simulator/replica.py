@@ -5,7 +5,9 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable
+from itertools import repeat
 
+import numpy as np
 import simpy
 
 from sim.cost.roofline import StepCostModel
@@ -14,6 +16,8 @@ from sim.policy.scheduler import Scheduler
 
 # Longest run of identical decode steps taken as one event; bounds the work wasted when cut short.
 MAX_BULK_STEPS = 4096
+# Speculative steps logged before their token times are written out: bounds the log's memory.
+TOKEN_LOG_STEPS = 1024
 
 
 class Replica:
@@ -22,7 +26,8 @@ class Replica:
     Token times are not stored per token: each request keeps runs of steps (first step, last step)
     and the replica keeps each step's end time and whether the step decoded every running request,
     from which metrics rebuild every token's time. With speculative decoding, where a step yields each
-    request its own number of tokens, every token's time is kept on its request instead.
+    request its own number of tokens, every token's time is kept on its request instead, written from a log
+    of the steps every so many steps and once the run is over (`settle_token_times`).
     """
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
@@ -52,6 +57,8 @@ class Replica:
         self.samples = array("d")
         # each run of steps a request ran without preemption: (request id, first step, last step), flat
         self.runs = array("q")
+        # speculative: per step (end, decode rows, their accepted drafts, rows whose prompt ended), for token times
+        self.token_log: list[tuple[float, list[Request], dict, list[Request]]] = []
         self.wakeup: simpy.Event | None = None
         self.process = env.process(self.run())
 
@@ -157,11 +164,13 @@ class Replica:
                 self._end_runs(batch.preempted, step - 1)
                 yield env.timeout(max(0.0, clock - env.now))
                 if spec:
-                    stepped = batch.decode + [r for r, _ in batch.prefill]
-                    before = [r.num_generated for r in stepped]
-                    started, finished = sched.complete_step(batch, accepted=spec.accept(batch.decode))
-                    for r, n in zip(stepped, before):
-                        r.token_times.extend([clock] * (r.num_generated - n))
+                    prompts = [(r, r.num_generated) for r, _ in batch.prefill]
+                    accepted = spec.accept(batch.decode)
+                    started, finished = sched.complete_step(batch, accepted=accepted)
+                    self.token_log.append((clock, batch.decode, accepted,
+                                           [r for r, n in prompts if r.num_generated > n]))
+                    if len(self.token_log) >= TOKEN_LOG_STEPS:
+                        self.settle_token_times()
                 else:
                     started, finished = sched.complete_step(batch)
                 for r in started:
@@ -182,3 +191,32 @@ class Replica:
                     self.on_finish(r)
             kv = sched.kv
             self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+
+    def settle_token_times(self) -> None:
+        """Speculative decoding: append the logged steps' token times to their requests, in step order, in one
+        numpy pass instead of a list extend per row and step (each decode row got its accepted drafts and one token
+        of its own; a prompt that ended, its first token)."""
+        if not self.token_log:
+            return
+        rows: list[Request] = []
+        accepted: list[int] = []
+        ends, sizes = [], []
+        for end, decoded, acc, prompts in self.token_log:
+            rows += decoded
+            rows += prompts
+            accepted += map(acc.get, decoded, repeat(0))  # the drafter never accepts more than a row drafted
+            accepted += repeat(0, len(prompts))
+            ends.append(end)
+            sizes.append(len(decoded) + len(prompts))
+        self.token_log = []
+        tokens = np.asarray(accepted, np.int64) + 1
+        times = np.repeat(np.repeat(np.asarray(ends), sizes), tokens)
+        owner = np.repeat(np.arange(len(rows)), tokens)
+        if not len(owner):  # steps that only computed prompt chunks
+            return
+        key = np.fromiter(map(id, rows), np.int64, len(rows))[owner]  # one key per request: its identity
+        order = np.argsort(key, kind="stable")  # each request's tokens together, in step order
+        key, owner, times = key[order], owner[order], times[order].tolist()
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]).tolist() + [len(times)]
+        for lo, hi in zip(starts, starts[1:]):
+            rows[owner[lo]].token_times.extend(times[lo:hi])
