@@ -4,8 +4,9 @@ Builds each source with the flags executor/native.py uses, loads both through ct
 times their paged decode attention, prompt attention and small-batch projections on the same inputs,
 alternating A and B call by call (median of --reps), so the machine's drift falls on both alike. Also reports
 the largest difference between their outputs (0 where a change keeps the arithmetic order).
-SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers' projections and the LM head), K/V
-blocks scattered over a pool far larger than the caches, 2 threads.
+SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers' projections and the LM head), and
+two layers of the 0.5B llama's projections at 8-32 rows; K/V blocks scattered over a pool far larger than the
+caches, 2 threads.
 
 Usage: python bench/kernel_ab.py A.cpp B.cpp [--reps 9]   (e.g. A = `git show HEAD~1:executor/kernels.cpp`)
 Ends with `name: value` lines, B's time over A's per case.
@@ -27,6 +28,8 @@ from executor import native
 
 H, KVH, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 8192
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+# two layers of the 0.5B llama (scenarios/models/llama-0.5b): 1024 inputs, whose rows are 4 KB apart
+PROJECTIONS_05B = [(1536, 1024), (1024, 1024), (11264, 1024), (1024, 5632)] * 2
 
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
@@ -59,7 +62,7 @@ def cases(libs, rng):
         def run(i, q=q, tables=tables, cl=cl, outs=outs, rows=rows):
             libs[i].paged_attention(q.data_ptr(), outs[i].data_ptr(), rows, 1, H, D, k_pool.data_ptr(),
                                     v_pool.data_ptr(), BS, KVH, tables.data_ptr(), tables.shape[1], cl.data_ptr(),
-                                    None, scale)
+                                    None, scale, False)
         out.append((f"decode_attention_{rows}_rows", run, sum(lens) * KVH * D * 4 * 2, "GB/s", outs))
     for lens in ([100], [300] * 8, [1000], [1000] * 4):
         q, tables, ql = torch.randn(sum(lens), H, D), scattered_tables(rng, lens), torch.tensor(lens)
@@ -69,7 +72,7 @@ def cases(libs, rng):
         def run(i, q=q, tables=tables, ql=ql, starts=starts, outs=outs, n=len(lens)):
             libs[i].prefill_attention(q.data_ptr(), outs[i].data_ptr(), n, starts.data_ptr(), ql.data_ptr(),
                                       ql.data_ptr(), H, D, k_pool.data_ptr(), v_pool.data_ptr(), BS, KVH,
-                                      tables.data_ptr(), tables.shape[1], scale)
+                                      tables.data_ptr(), tables.shape[1], scale, False)
         flops = sum(n * (n + 1) // 2 for n in lens) * H * D * 4
         out.append((f"prompt_attention_{len(lens)}x{lens[0]}", run, flops, "GFLOP/s", outs))
     weights = [native.pack_weight(torch.randn(n, k)) for n, k in PROJECTIONS]
@@ -82,6 +85,16 @@ def cases(libs, rng):
             for w, y in zip(weights, ys[i]):
                 libs[i].linear_small(xs[w.k].data_ptr(), m, w.k, w.data.data_ptr(), w.n, y.data_ptr(), w.n)
         out.append((f"projections_{m}_rows", run, params * 4, "GB/s", [y[-1] for y in ys]))
+    weights_05b = [native.pack_weight(torch.randn(n, k)) for n, k in PROJECTIONS_05B]
+    params = sum(n * k for n, k in PROJECTIONS_05B)
+    for m in (8, 12, 16, 24, 32):
+        xs = {k: torch.randn(m, k) for k in (1024, 5632)}
+        ys = [[torch.empty(m, w.n) for w in weights_05b] for _ in range(2)]
+
+        def run(i, xs=xs, ys=ys, m=m):
+            for w, y in zip(weights_05b, ys[i]):
+                libs[i].linear_small(xs[w.k].data_ptr(), m, w.k, w.data.data_ptr(), w.n, y.data_ptr(), w.n)
+        out.append((f"projections_0.5b_{m}_rows", run, params * 2 * m, "GFLOP/s", [y[-1] for y in ys]))
     return out
 
 

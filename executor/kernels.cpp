@@ -75,7 +75,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
    order: each k costs two vector loads and one broadcast per row, no horizontal sums, and the panel's next
    lines are asked for PREFETCH floats ahead. Against the dot-product kernel it replaced (4 weight rows x 3 x
    rows, 8 lanes) on the Xeon with AVX-512: 0.86x the time at 1 row, 0.69x at 11, 0.58x at 32; and below
-   oneDNN's prepacked GEMM up to ~100 rows. More rows than MR_MAX: balanced tiles, the panel re-read from L2. */
+   oneDNN's prepacked GEMM up to ~100 rows. More rows than MR_MAX: balanced tiles, the panel re-read from L2.
+   Rows K floats apart share L1 sets where 4 KB divides K * 4 (K = 1024: a 12-row tile's rows in one 8-way set),
+   so there a tile of more than PACKED_ROWS rows reads them from a copy packed k-major ([K][MR]): a 0.5B model's
+   projections ran 0.82-0.89x the time at 12-32 rows; at K = 576 the copy cost 4-6%, at 8-row tiles 2-4%. */
 #ifdef __AVX512F__
 typedef float vw __attribute__((vector_size(64)));
 static const int VL = 16, MR_MAX = 12;  /* 24 accumulators + 2 weights + 1 broadcast of 32 zmm registers */
@@ -89,6 +92,13 @@ static const int64_t PREFETCH = 1024;  /* floats ahead in the panel (4 KB; 1 KB 
    lines can be in flight than in L1, while the tile's FMAs run (0.95-0.96x the time at 4-11 rows; at 32-48
    rows, whose later tiles prefetch the next panel, 1.04-1.07x, so not there) */
 static const int64_t PREFETCH_ALONE = 8192;
+static const int PACKED_ROWS = 8;
+
+/* Row i's x at k in a tile of MR rows: packed k-major (PK), or x's own rows, K apart. */
+template <int MR, bool PK>
+static inline float x_at(const float *x, int64_t K, int64_t k, int i) {
+  return PK ? x[k * MR + i] : x[i * K + k];
+}
 
 typedef int32_t vwi __attribute__((vector_size(sizeof(vw))));
 
@@ -110,7 +120,7 @@ extern "C" void pack_panels(const float *w, int64_t N, int64_t K, float *panels)
       }
 }
 
-template <int MR>
+template <int MR, bool PK>
 static void tile(const float *x, int64_t K, const float *panel, float *y, int64_t ldy, int64_t nn, const float *pf,
                  int64_t pf_step, bool alone) {
   vw acc[MR][2];
@@ -130,7 +140,7 @@ static void tile(const float *x, int64_t K, const float *panel, float *y, int64_
     const vw w0 = loadw(pk), w1 = loadw(pk + VL);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-      const vw b = splatw(x[i * K + k]);
+      const vw b = splatw(x_at<MR, PK>(x, K, k, i));
       acc[i][0] += b * w0;
       acc[i][1] += b * w1;
     }
@@ -150,16 +160,39 @@ static void tile(const float *x, int64_t K, const float *panel, float *y, int64_
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const float *, int64_t, bool);
 #ifdef __AVX512F__
-static const tile_fn TILES[MR_MAX + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
-                                          tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+#define TILE_ROW(T, PK) {nullptr, T<1, PK>, T<2, PK>, T<3, PK>, T<4, PK>, T<5, PK>, T<6, PK>, T<7, PK>, T<8, PK>, \
+                         T<9, PK>, T<10, PK>, T<11, PK>, T<12, PK>}
 #else
-static const tile_fn TILES[MR_MAX + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+#define TILE_ROW(T, PK) {nullptr, T<1, PK>, T<2, PK>, T<3, PK>, T<4, PK>, T<5, PK>, T<6, PK>}
 #endif
+/* [whether the tile's rows are packed][rows] */
+static const tile_fn TILES[2][MR_MAX + 1] = {TILE_ROW(tile, false), TILE_ROW(tile, true)};
+
+/* x [M, K] as the tiles read it, tile after tile, where K * 4 is a multiple of 4 KB: the rows of a tile of more than
+   PACKED_ROWS k-major ([K][mr]), the others as they are; empty elsewhere (the tiles read x itself). */
+static std::vector<float> pack_tiles(const float *x, int64_t M, int64_t K, int64_t tiles) {
+  std::vector<float> packed;
+  if (K * sizeof(float) % 4096 != 0 || (M + tiles - 1) / tiles <= PACKED_ROWS) return packed;
+  packed.resize(M * K);
+  for (int64_t j = 0, m0 = 0; j < tiles; j++) {
+    const int64_t mr = (M - m0) / (tiles - j);
+    float *xp = packed.data() + m0 * K;
+    if (mr > PACKED_ROWS)
+      for (int64_t i = 0; i < mr; i++)
+        for (int64_t k = 0; k < K; k++) xp[k * mr + i] = x[(m0 + i) * K + k];
+    else
+      memcpy(xp, x + m0 * K, mr * K * sizeof(float));
+    m0 += mr;
+  }
+  return packed;
+}
 
 /* y[m, n] = sum_k x[m, k] w[n, k] for m < M, n < N; x [M, K], y [M, ldy]; `panels` from pack_panels. */
 extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, float *y,
                              int64_t ldy) {
   const int64_t np = (N + NR - 1) / NR, tiles = (M + MR_MAX - 1) / MR_MAX;
+  const std::vector<float> packed = pack_tiles(x, M, K, tiles);
+  const float *xs = packed.empty() ? x : packed.data();
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < np; b++) {
     const float *panel = panels + b * K * NR;
@@ -171,7 +204,7 @@ extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *
     for (int64_t j = 0, m0 = 0; j < tiles; j++) {
       const int64_t mr = (M - m0) / (tiles - j);
       const float *pf = j > 0 && next ? next + (j - 1) * K * pf_step : nullptr;
-      TILES[mr](x + m0 * K, K, panel, y + m0 * ldy + b * NR, ldy, nn, pf, pf_step, tiles == 1);
+      TILES[!packed.empty() && mr > PACKED_ROWS][mr](xs + m0 * K, K, panel, y + m0 * ldy + b * NR, ldy, nn, pf, pf_step, tiles == 1);
       m0 += mr;
     }
   }
@@ -267,7 +300,7 @@ static inline void store_tile(vw (&acc)[MR][2], float *y, int64_t ldy, int64_t n
   }
 }
 
-template <int MR>
+template <int MR, bool PK>
 static void tile_q8(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t, float *y,
                     int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
   vw acc[MR][2];
@@ -278,7 +311,7 @@ static void tile_q8(const float *x, int64_t K, const uint8_t *panel, const void 
     const vw w0 = s8_to_float(pk), w1 = s8_to_float(pk + VL);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-      const vw b = splatw(x[i * K + k]);
+      const vw b = splatw(x_at<MR, PK>(x, K, k, i));
       acc[i][0] += b * w0;
       acc[i][1] += b * w1;
     }
@@ -303,7 +336,7 @@ static inline float sum_floats(const float *p, int64_t n) {
    x·w = s Σ x q + m Σ x, two FMAs a k fewer than dequantizing every weight, for 2·MR more accumulators. */
 static const int Q4_GROUPED_ROWS = 4;
 
-template <int MR>
+template <int MR, bool PK>
 static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t gs, float *y,
                     int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
   vw acc[MR][2];
@@ -325,7 +358,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
         const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
-          const float xv = x[i * K + k];
+          const float xv = x_at<MR, PK>(x, K, k, i);
           const vw xb = splatw(xv);
           ga[i][0] += xb * q0;
           ga[i][1] += xb * q1;
@@ -347,7 +380,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
       const vw w1 = __builtin_convertvector(v >> 4, vw) * s1 + m1;
 #pragma GCC unroll 16
       for (int i = 0; i < MR; i++) {
-        const vw xb = splatw(x[i * K + k]);
+        const vw xb = splatw(x_at<MR, PK>(x, K, k, i));
         acc[i][0] += xb * w0;
         acc[i][1] += xb * w1;
       }
@@ -358,12 +391,8 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
 
 typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const void *, int64_t, float *, int64_t, int64_t,
                          const uint8_t *, int64_t, bool);
-#ifdef __AVX512F__
-#define QTILES(T) {nullptr, T<1>, T<2>, T<3>, T<4>, T<5>, T<6>, T<7>, T<8>, T<9>, T<10>, T<11>, T<12>}
-#else
-#define QTILES(T) {nullptr, T<1>, T<2>, T<3>, T<4>, T<5>, T<6>}
-#endif
-static const qtile_fn Q8_TILES[MR_MAX + 1] = QTILES(tile_q8), Q4_TILES[MR_MAX + 1] = QTILES(tile_q4);
+static const qtile_fn Q8_TILES[2][MR_MAX + 1] = {TILE_ROW(tile_q8, false), TILE_ROW(tile_q8, true)},
+                      Q4_TILES[2][MR_MAX + 1] = {TILE_ROW(tile_q4, false), TILE_ROW(tile_q4, true)};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 /* int4 at one or two rows, with integer dot products (vpdpbusd: 64 byte products a call) instead of turning every
@@ -508,7 +537,9 @@ extern "C" void linear_quantized(const float *x, int64_t M, int64_t K, const uin
 #endif
   const int64_t np = (N + NR - 1) / NR, tiles = (M + MR_MAX - 1) / MR_MAX;
   const int64_t panel_bytes = bits == 8 ? K * NR : K * VL, groups = bits == 8 ? 0 : (K + gs - 1) / gs;
-  const qtile_fn *fns = bits == 8 ? Q8_TILES : Q4_TILES;
+  const qtile_fn (*fns)[MR_MAX + 1] = bits == 8 ? Q8_TILES : Q4_TILES;
+  const std::vector<float> packed = pack_tiles(x, M, K, tiles);
+  const float *xs = packed.empty() ? x : packed.data();
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < np; b++) {
     const uint8_t *panel = panels + b * panel_bytes;
@@ -521,7 +552,7 @@ extern "C" void linear_quantized(const float *x, int64_t M, int64_t K, const uin
       const int64_t mr = (M - m0) / (tiles - j);
       const uint8_t *pf = j > 0 && next ? next + (j - 1) * K * pf_step : nullptr;
       float *out = y2 && b * NR >= split ? y2 + m0 * (N - split) + (b * NR - split) : y + m0 * ldy + b * NR;
-      fns[mr](x + m0 * K, K, panel, sc, gs, out, y2 && b * NR >= split ? N - split : ldy, nn, pf, pf_step,
+      fns[!packed.empty() && mr > PACKED_ROWS][mr](xs + m0 * K, K, panel, sc, gs, out, y2 && b * NR >= split ? N - split : ldy, nn, pf, pf_step,
               tiles == 1);
       m0 += mr;
     }
