@@ -298,19 +298,34 @@ def _every_tenth(console: Console):
     return report
 
 
+MIN_REFIT_SAMPLES = 24  # two steps per term of the fit: fewer leave it underdetermined, its held-out error meaningless
+
+
 def refit(prof: dict) -> dict:
     """The profile with its step-cost model fitted again on its own stored samples (no new measurements):
     for a profile measured before the model's form changed."""
-    return {**prof, "fit": fit_samples(prof["samples"])}
+    samples = prof["samples"]
+    if not isinstance(samples, list) or len(samples) < MIN_REFIT_SAMPLES:
+        raise TypeError(f"{len(samples) if isinstance(samples, list) else 'no list of'} samples; allowed: at least "
+                        f"{MIN_REFIT_SAMPLES} measured steps")
+    for i, smp in enumerate(samples):
+        times = [smp.get("time_s"), smp.get("forward_s") or 1.0] if isinstance(smp, dict) else [None]
+        if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6 for t in times):
+            raise TypeError(f"samples[{i}]: time_s and forward_s are step times in seconds, finite and > 0")
+    return {**prof, "fit": fit_samples(samples)}
 
 
 def refit_command(path: Path) -> dict:
     """`infersim profile --refit`: refit the profile at `path` in place and summarize it."""
     try:
+        if Path(path).is_dir():
+            raise ConfigError(f"{path} is a folder, not a profile to refit", "--out")
         prof = refit(json.loads(Path(path).read_text()))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such profile to refit", "--out") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path} ({type(e).__name__})", "--out") from None
+    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
         raise ConfigError(f"{path} is not an infersim profile with samples ({type(e).__name__}: {e})", "--out") from None
     write_profile(path, prof)
     f = prof["fit"]
@@ -354,7 +369,10 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
         torch.set_num_threads(threads)
     try:
         if scenario is not None:
-            loaded = load_model(plan, device)
+            try:
+                loaded = load_model(plan, device)
+            except ConfigError as e:  # e.g. a model without weights here: named in the scenario file
+                raise e.with_file(str(scenario)) from None
             net, tok, spec = loaded.model, loaded.tokenizer, plan.model
         elif model.lower() == "smollm2-135m":
             net, _, tok = load_hf_model(smollm2_gguf_path())

@@ -177,6 +177,31 @@ def _read_records(path: Path, required: dict, optional: dict) -> list[dict]:
     return out
 
 
+def _check_consistent(folder: Path, recorded: list[dict], steps: list[dict]) -> None:
+    """A run's records agree with themselves: each request's tokens in time order after its arrival, as many as it
+    asked for when it finished by length, each step ending after it started with a context per new-token entry, and
+    the steps reaching the last token (a steps.jsonl cut at a line's end used to be scored as if whole)."""
+    def bad(what: str, name: str, line: int) -> ConfigError:
+        return ConfigError(f"not a recorded executor run: {what}", f"line {line}", str(folder / name))
+
+    for n, d in enumerate(recorded, 1):
+        times = d["token_times"]
+        if times and (times[0] < d["arrival_s"] or any(b < a for a, b in zip(times, times[1:]))):
+            raise bad("token_times must be in time order, none before arrival_s", "requests.jsonl", n)
+        length = d.get("finish_reason", "length") == "length" and d["status"] == "finished"
+        if len(times) > d["max_tokens"] or (length and len(times) != d["max_tokens"]):
+            raise bad(f"{len(times)} token_times for max_tokens {d['max_tokens']} (a request that finished by "
+                      "length has one per token)", "requests.jsonl", n)
+    for n, st in enumerate(steps, 1):
+        if st["end_s"] < st["start_s"] or len(st["new_tokens"]) != len(st["context_lens"]):
+            raise bad("a step ends after it starts, with one context_lens entry per new_tokens entry", "steps.jsonl", n)
+    last_token = max((t for d in recorded for t in d["token_times"][-1:]), default=None)
+    last_step = max((st["end_s"] for st in steps), default=None)
+    if last_token is not None and last_step is not None and last_step < last_token - 1e-6 * max(1.0, last_token):
+        raise bad(f"the steps stop at {last_step:.6g} s, before the last token at {last_token:.6g} s: cut short",
+                  "steps.jsonl", len(steps))
+
+
 def read_run(folder: Path, specs=None):
     """A recorded executor run (the traces `run_real` wrote) as (records, step records); with `specs`, checked to be
     a run of those requests (a run of another scenario would be scored as if it were this one's)."""
@@ -191,6 +216,7 @@ def read_run(folder: Path, specs=None):
     if not steps and any(d["status"] == "finished" for d in recorded):
         raise ConfigError("not a recorded executor run: requests finished but no step is recorded", "",
                           str(folder / "steps.jsonl"))
+    _check_consistent(folder, recorded, steps)
     if specs is not None:
         mine = sorted(recorded, key=lambda d: d["id"])
         for i, spec in enumerate(specs):

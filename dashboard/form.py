@@ -193,7 +193,7 @@ def policy(f: Form, seed: dict) -> dict:
     with c1:
         kv["allocator"] = f.choice("KV allocator", "kv.allocator", ["paged", "contiguous"], kv.get("allocator"))
     with c2:
-        kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", 16), hi=4096)
+        kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", 16))
     with c3:
         kv["preemption"] = f.choice("Preemption", "kv.preemption", ["recompute", "swap"], kv.get("preemption"))
     return {"serving": {k: v for k, v in serving.items() if v is not None}, "kv_cache": kv}

@@ -31,6 +31,17 @@ def parse_capacity(text: bytes, name: str) -> dict:
         row = data.get(key)
         if not isinstance(row, dict) or not isinstance(row.get("capacity_rps"), (int, float)):
             raise ConfigError("a mapping with capacity_rps (a number)", key, name)
+    if not _number(data["measured"].get("missed_at_rps")):
+        raise ConfigError("a number or null", "measured.missed_at_rps", name)
+    at_speed = data.get("predicted_at_run_speed") or {}
+    if not isinstance(at_speed, dict) or not _number(at_speed.get("capacity_rps")):
+        raise ConfigError("a mapping with capacity_rps (a number)", "predicted_at_run_speed", name)
+    for key in ("error_pct", "error_at_run_speed_pct"):
+        if not _number(data.get(key)):
+            raise ConfigError("a number or null", key, name)
+    probes = data.get("probes") or []
+    if not isinstance(probes, list) or not all(isinstance(p, dict) for p in probes):
+        raise ConfigError("a list of mappings (rate, passes, sim_passes)", "probes", name)
     return data
 
 
@@ -59,17 +70,47 @@ def _json(text: bytes, name: str):
         raise ConfigError(f"not JSON ({type(e).__name__}: {str(e)[:80]})", file=name) from None
 
 
-def parse(text: bytes, name: str) -> dict:
-    """A validation.json's content, checked for the keys shown; ConfigError naming the file otherwise."""
-    data = _json(text, name)
-    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
-        raise ConfigError("no 'metrics' mapping: not a validation.json of `infersim validate`", file=name)
-    for metric, row in data["metrics"].items():
+def _number(v) -> bool:
+    return v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _rows(rows: dict, where: str, name: str) -> None:
+    """Each row of a metrics-like mapping: real, sim and error_pct, and every figure the table shows, numbers."""
+    for metric, row in rows.items():
         if not isinstance(row, dict) or not {"real", "sim", "error_pct"} <= set(row):
-            raise ConfigError("each metric has real, sim and error_pct", f"metrics.{metric}", name)
-        if not all(v is None or isinstance(v, (int, float)) for v in (row["real"], row["sim"], row["error_pct"])):
-            raise ConfigError("real, sim and error_pct are numbers (or null)", f"metrics.{metric}", name)
+            raise ConfigError("each metric has real, sim and error_pct", f"{where}.{metric}", name)
+        if not all(_number(row.get(k)) for k in ("real", "sim", "error_pct", "error_at_run_speed_pct",
+                                                  "spread_pct")):
+            raise ConfigError("real, sim, error_pct (and error_at_run_speed_pct, spread_pct) are numbers (or null)",
+                              f"{where}.{metric}", name)
+
+
+def parse(text: bytes, name: str) -> dict:
+    """A validation.json's content, checked for everything the page shows (a table cell of text, a list where a
+    mapping goes, used to raise inside the page); ConfigError naming the file otherwise."""
+    data = _json(text, name)
+    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict) or not data["metrics"]:
+        raise ConfigError("no 'metrics' mapping: not a validation.json of `infersim validate`", file=name)
+    _rows(data["metrics"], "metrics", name)
+    for key in ("requests", "speculative", "latency_cdf"):
+        if not isinstance(data.get(key) or {}, dict):
+            raise ConfigError(f"a mapping, not a {type(data[key]).__name__}", key, name)
+    _rows({k: v for k, v in (data.get("speculative") or {}).items() if k in SPEEDUPS}, "speculative", name)
+    ratios = data.get("step_time_ratio") or []
+    if not isinstance(ratios, list) or not all(isinstance(r, dict) and _number(r.get("all")) for r in ratios):
+        raise ConfigError("a list of mappings whose 'all' is a number", "step_time_ratio", name)
+    cdf = data.get("latency_cdf") or {}
+    if {"levels", "real", "sim"} <= set(cdf) and not (
+            _numbers(cdf["levels"]) and all(isinstance(cdf[k], dict) and all(
+                v is None or _numbers(v) and len(v) == len(cdf["levels"]) for v in cdf[k].values())
+                for k in ("real", "sim"))):
+        raise ConfigError("levels a list of numbers; real and sim mappings of lists as long (or null)", "latency_cdf",
+                          name)
     return data
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
 
 
 def table(data: dict) -> pd.DataFrame:

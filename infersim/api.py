@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
@@ -80,6 +81,10 @@ def prepare_out_file(path: Path | None, key_path: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise ConfigError(f"cannot write to {path} (permission denied)", key_path)
+        # os.access says yes to root even where nothing can be written (/sys, a read-only mount): try it
+        probe = path.parent / f".{path.name}.infersim-write-test"
+        probe.write_text("")
+        probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to {path} ({type(e).__name__}: {e.strerror or e})", key_path) from None
 
@@ -166,6 +171,8 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
         cost = load_profile(profile, plan.model, "--profile")
     elif plan.cost.profile is not None:
         cost = make_cost_model(plan)
+    _check_drafters([(path, plan)])
+    warn_threads(plan, threads)
     err = Console(stderr=True)
     stage = (lambda text: None) if quiet else (lambda text: err.print(f"{plan.name}: {text}", highlight=False))
     try:
@@ -268,8 +275,12 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
     prepare_out(out)
-    prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=real_from is None)
+    prof = _validation_profile(profile, alongside, device, plans)
+    _check_profile(prof, alongside, plans)
+    if real_from is None:
+        for plan in {plan.executor.threads: plan for _, plan in plans}.values():
+            warn_threads(plan, threads)
     for path, plan in plans if real_from is None else ():
         check_checkpoint(plan, path)
     folders = [None if out is None else (out if len(plans) == 1 else out / path.stem) for path, _ in plans]
@@ -314,8 +325,9 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     if requests is not None:
         plans = [(path, _with_requests(plan, requests, path)) for path, plan in plans]
     prepare_out(out)
-    prof = _validation_profile(profile, alongside, device, plans)
     _check_before_runs(plans, drafters=True)
+    prof = _validation_profile(profile, alongside, device, plans)
+    _check_profile(prof, alongside, plans)
     for path, plan in plans:
         check_checkpoint(plan, path)
     check_graphs([plan for _, plan in plans], None if alongside else prof, device)
@@ -349,7 +361,10 @@ def _with_requests(plan, requests: int, path: Path):
     if workload.get("trace") is not None:
         raise ConfigError(f"{path}: --requests sizes a generated workload; this one replays a trace", "--requests")
     workload.pop("duration_s", None)  # a workload is sized by one of the two
-    return replan(plan, workload={**workload, "num_requests": requests})
+    try:
+        return replan(plan, workload={**workload, "num_requests": requests})
+    except ConfigError as e:  # e.g. past the request limit: the flag's fault, in this scenario
+        raise ConfigError(e.message, "--requests", str(path)) from None
 
 
 def _validation_profile(profile: Path | None, alongside: Path | None, device: str, plans: list = ()) -> Path:
@@ -371,20 +386,55 @@ def _validation_profile(profile: Path | None, alongside: Path | None, device: st
     return prof
 
 
+def _check_profile(prof: Path, alongside: Path | None, plans: list) -> None:
+    """The profile predicted with read for each plan's model before any executor run (a broken one, or one of
+    another model, surfaced after the runs); a plan's own cost_model.profile was read with it."""
+    from sim.config.profile import read_profile
+
+    for _, plan in plans if alongside is None else ():
+        if plan.cost.profile is None or plan.cost.profile.path.resolve() != prof.resolve():
+            read_profile(prof, plan.model, "--profile")
+
+
 def _check_before_runs(plans: list, drafters: bool) -> None:
     """What the simulator (and, with `drafters`, a draft-model or Medusa drafter) needs, per (path, plan), checked
     before any executor run, which takes minutes; errors name the scenario file."""
-    from executor.speculative.build import drafter_dir
     from sim.cost.build import speculation_model
 
     for path, plan in plans:
         try:
             speculation_model(plan, 0)
-            method = plan.speculative.method if plan.speculative else None
-            if drafters and method in ("draft_model", "medusa"):
-                drafter_dir(plan)
         except ConfigError as e:
             raise e.with_file(str(path)) from None
+    if drafters:
+        _check_drafters(plans)
+
+
+def _check_drafters(plans: list) -> None:
+    """Each (path, plan)'s draft model or Medusa heads are there, and a Medusa tree fits its heads, checked before
+    the target model loads; errors name the scenario file."""
+    from executor.speculative.build import drafter_dir
+
+    for path, plan in plans:
+        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
+            try:
+                drafter_dir(plan)
+            except ConfigError as e:
+                raise e.with_file(str(path)) from None
+
+
+def warn_threads(plan: Plan, threads: int | None) -> None:
+    """One line on stderr when the torch threads asked for (`threads`, else executor.threads) outnumber the cores
+    this process may run on: each step then waits on threads that share a core, and latencies come out many times
+    those of the machine."""
+    want = threads or plan.executor.threads
+    procs = plan.tensor_parallel_size * plan.pipeline_parallel_size  # each process of a parallel serve takes as many
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if want and want * procs > cores:
+        where = ("--threads" if threads else "executor.threads") + f" {want}" + (f" x {procs} processes"
+                                                                              if procs > 1 else "")
+        print(f"infersim: warning: {where} on {cores} cores here: the threads share cores and every step slows "
+              f"down; allowed, but the latencies measured are not this machine's at {cores} threads", file=sys.stderr)
 
 
 def profile(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int,
@@ -421,6 +471,9 @@ def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: flo
             retree_command(out, profile)
         except FileNotFoundError as e:
             raise ConfigError(str(e), "--out") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # a medusa.json not as trained
+            raise ConfigError(f"medusa.json there is not what `infersim train-medusa` writes ({type(e).__name__}: "
+                              f"{str(e)[:80]})", "--out", None if out is None else str(out)) from None
         return
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
 

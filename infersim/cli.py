@@ -39,6 +39,8 @@ class _OneLineUsage(TyperGroup):
 app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True,
                   help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
 DEFAULT_SCENARIO = "default.yaml"
+MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
+MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
 
 
 def _fail(e: ConfigError) -> None:
@@ -62,7 +64,8 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
 def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
           out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the report and the step trace"),
           device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
-          threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: all cores)"),
+          threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
+                                                help="torch CPU threads (default: all cores)"),
           quiet: bool = typer.Option(False, "--quiet", "-q"),
           no_plots: bool = typer.Option(False, "--no-plots"),
           profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
@@ -85,9 +88,10 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
 def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
             out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o"),
-            threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: all cores)"),
+            threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
+                                                  help="torch CPU threads (default: all cores)"),
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
-            repeats: int = typer.Option(3, "--repeats", min=1, help="runs of each workload; a step's time is "
+            repeats: int = typer.Option(3, "--repeats", min=1, max=100, help="runs of each workload; a step's time is "
                                         "the median over them"),
             refit: bool = typer.Option(False, "--refit", help="no sweep: fit the step-cost model again on the "
                                        "samples stored in the --out profile, in place"),
@@ -106,9 +110,10 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder
                                                "~/.cache/infersim/drafts/smollm2-135m)"),
             layers: str = typer.Option("0,1", "--layers", help="teacher layers the student starts from, comma-separated"),
             vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the draft can propose"),
-            minutes: float = typer.Option(10.0, "--train-minutes", min=0.0, help="training time budget"),
+            minutes: float = typer.Option(10.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
+                                          help="training time budget"),
             max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-            threads: Optional[int] = typer.Option(None, "--threads", min=1)) -> None:
+            threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS)) -> None:
     """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
     try:
         picked = [int(x) for x in layers.split(",") if x.strip()]
@@ -117,9 +122,8 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder
     teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
     if not picked or any(not 0 <= n < teacher for n in picked):
         _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
-    if out is not None and out.exists() and not out.is_dir():
-        _fail(ConfigError(f"{out} exists and is not a folder", "--out"))
     try:
+        api.prepare_out(out)  # before minutes of training that would end in the write
         api.distill(out, picked, vocab_size, minutes, max_new, threads)
     except ConfigError as e:
         _fail(e)
@@ -130,17 +134,20 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
                                                     "ones shipped in executor/data/medusa-smollm2-135m)"),
                  num_heads: int = typer.Option(3, "--heads", min=1, max=8, help="K: head d guesses d + 1 tokens on"),
                  vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the heads can propose"),
-                 minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, help="training time budget"),
+                 minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
+                                               help="training time budget"),
                  max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-                 threads: Optional[int] = typer.Option(None, "--threads", min=1),
+                 threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
                  profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
                                                         "tree size (default: calibration/profiles/cpu.json)"),
                  retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
-    if out is not None and out.exists() and not out.is_dir():
-        _fail(ConfigError(f"{out} exists and is not a folder", "--out"))
     try:
+        if not retree:  # before minutes of training that would end in the write
+            api.prepare_out(out)
+        elif out is not None and out.exists() and not out.is_dir():
+            raise ConfigError(f"{out} exists and is not a folder", "--out")
         api.train_medusa(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
     except ConfigError as e:
         _fail(e)
@@ -154,9 +161,9 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              device: str = typer.Option("cpu", "--device"),
              profile_path: Optional[Path] = typer.Option(None, "--profile",
                                                          help="default: calibration/profiles/DEVICE.json"),
-             threads: Optional[int] = typer.Option(None, "--threads", min=1),
-             repeat: int = typer.Option(1, "--repeat", min=1, help="executor runs per scenario: real is their mean, "
-                                        "and two or more report the real-vs-real spread"),
+             threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
+             repeat: int = typer.Option(1, "--repeat", min=1, max=100, help="executor runs per scenario: real is their "
+                                        "mean, and two or more report the real-vs-real spread"),
              real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
                                                       "by an earlier `validate --out DIR` (DIR) instead of running "
                                                       "them: e.g. to compare a new profile on the same runs"),
@@ -343,6 +350,14 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
             dirs, files = dirs * len(items), [f"{scenarios[0]} (--sweep {label})"[:200] for label, _ in items]
         elif len(items) < 2:
             raise ConfigError("give two or more scenarios, or one and --sweep KEY=V1,V2")
+        else:
+            which, sections = cmp.differing(items, dirs)
+            if which:  # they run the first's: say so, a table of unlike workloads would mislead
+                names = ", ".join(str(scenarios[i]) for i in which[:3]) + (" ..." if len(which) > 3 else "")
+                what = " and ".join(sections)
+                print(f"infersim: note: {names}: {what} {'differ' if len(sections) > 1 else 'differs'} from "
+                      f"{scenarios[0]}'s; every scenario runs "
+                      f"{scenarios[0]}'s {what}", file=sys.stderr)
         api.prepare_out(out)
         results = cmp.compare_data(items, scenarios[0].parent, dirs=dirs, files=files)
     except ConfigError as e:

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from pydantic import ValidationError
 
 from infersim.api import Outcome, simulate_data
 from infersim.search import apply
 from sim.config.errors import ConfigError
+from sim.config.scenario import SLOConfig
 from sim.report.metrics import per_request_latency
 
 # (label, report path) of each table column
@@ -78,7 +80,9 @@ def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), prog
     workload, slo = _anchored(items[0][1].get("workload"), dirs[0]), items[0][1].get("slo")
     out = []
     for i, (label, data) in enumerate(items):
-        data = {**data, "workload": workload, **({"slo": slo} if slo is not None else {})}
+        # the first's SLOs, also when it has none (another's own SLOs used to grade it alone)
+        data = {**{k: v for k, v in data.items() if k != "slo"}, "workload": workload,
+                **({"slo": slo} if slo is not None else {})}
         try:
             out.append((label, simulate_data(data, dirs[i])))
         except ConfigError as e:
@@ -86,6 +90,25 @@ def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), prog
         if progress:
             progress(i + 1, len(items))
     return out
+
+
+def differing(items: list[tuple[str, dict]], dirs: list[Path]) -> tuple[list[int], list[str]]:
+    """Which configurations after the first have a workload or SLOs of their own (compare_data replaces them by the
+    first's), and which of the two sections differ: (their indices, ["workload", "slo"] or a part of it)."""
+    def slo_of(data: dict):
+        try:
+            return SLOConfig.model_validate(data.get("slo") or {})
+        except ValidationError:
+            return data.get("slo")
+
+    first_w, first_s = _anchored(items[0][1].get("workload"), dirs[0]), slo_of(items[0][1])
+    which, sections = [], set()
+    for i, (_, data) in enumerate(items[1:], 1):
+        differs = {"workload": _anchored(data.get("workload"), dirs[i]) != first_w, "slo": slo_of(data) != first_s}
+        if any(differs.values()):
+            which.append(i)
+            sections |= {k for k, v in differs.items() if v}
+    return which, [k for k in ("workload", "slo") if k in sections]
 
 
 def _anchored(node, folder: Path, parent: str = ""):

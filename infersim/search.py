@@ -38,7 +38,9 @@ WHOLE = ("speculative", "pools", "model", "hardware", "workload")
 # keys a space may not sweep: every probe replays the base scenario's workload, under target.slo, named by the search
 NOT_SWEPT = {"workload": "every probe replays the base scenario's workload at the grid's rates",
              "slo": "the SLOs are the search's target: set target.slo", "name": "the search names each configuration",
-             "description": "the search names each configuration"}
+             "description": "the search names each configuration",
+             "executor": "the simulator does not read it (`infersim serve` and `validate` do): every value would "
+                         "give the same capacity"}
 
 
 class SearchTarget(StrictModel):
@@ -171,6 +173,14 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
     if count > MAX_CONFIGURATIONS:
         raise ConfigError(f"{count:,} configurations; allowed: at most {MAX_CONFIGURATIONS:,}", "space")
     for key, values in spec.space.items():
+        twice = next((i for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:  # the same configuration twice: two rows of one label, probed twice
+            raise ConfigError(f"{_short_value(values[twice])} is listed twice; allowed: each value once",
+                              f"space.{key}[{twice}]")
+        within = next((k for k in spec.space if k != key and key.startswith(k + ".")), None)
+        if within is not None:  # which one won depended on the keys' order
+            raise ConfigError(f"inside space.{within}, which sets that section whole; allowed: one or the other",
+                              f"space.{key}")
         for i, v in enumerate(values):
             _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
     rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
@@ -187,6 +197,11 @@ def load_search_spec(path: str | Path) -> Search:
         return parse_search_spec(read_yaml(path), path.parent)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
+
+
+def _short_value(v) -> str:
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def _is_ratio(v) -> bool:

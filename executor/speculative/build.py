@@ -25,7 +25,36 @@ def drafter_dir(plan: Plan) -> Path:
     folder = default if name is None else (plan.base_dir / Path(name).expanduser())
     if not (folder / meta).is_file():
         raise ConfigError(f"nothing in {folder}; {cmd} --out {folder}`", key)
+    _check_saved(folder, meta, plan, key, cmd)
     return folder
+
+
+def _check_saved(folder: Path, meta: str, plan: Plan, key: str, cmd: str) -> None:
+    """What the folder's meta file says fits the scenario: its weights beside it, the target's hidden size and, for
+    Medusa, a head for every depth of the tree; read before the target model loads (a mismatch used to surface
+    after it, as a KeyError or a traceback)."""
+    import json
+
+    weights = folder / meta.replace(".json", ".safetensors")
+    try:
+        data = json.loads((folder / meta).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{folder / meta} is not readable JSON ({type(e).__name__}); {cmd} --out {folder}`",
+                          key) from None
+    counts = ("num_heads", "hidden_size") if meta == "medusa.json" else ("num_layers", "hidden_size")
+    if not isinstance(data, dict) or any(not isinstance(data.get(k), int) or isinstance(data.get(k), bool)
+                                         or data[k] < 1 for k in counts):
+        raise ConfigError(f"{folder / meta} has no {' and '.join(counts)} (whole numbers); {cmd} --out {folder}`", key)
+    if not weights.is_file():
+        raise ConfigError(f"{folder} has {meta} but no {weights.name}; {cmd} --out {folder}`", key)
+    if data["hidden_size"] != plan.model.hidden_size:
+        raise ConfigError(f"{folder} was made for a target of hidden size {data['hidden_size']}, not "
+                          f"{plan.model.name}'s {plan.model.hidden_size}; {cmd} --out DIR` for this model", key)
+    depth = max((len(p) for p in plan.speculative.medusa_tree or ()), default=0) if meta == "medusa.json" else 0
+    if depth > data.get("num_heads", 0):
+        raise ConfigError(f"a tree {depth} deep, but the heads in {folder} are {data['num_heads']} (one per depth); "
+                          f"allowed: paths of at most {data['num_heads']} ranks, or heads trained with `infersim "
+                          f"train-medusa --heads {depth}`", "speculative.medusa_tree")
 
 
 def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):

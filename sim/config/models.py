@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
@@ -171,23 +171,54 @@ MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KB
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+# config.json key -> ModelSpec field, for the keys read from it (errors name the file's key, not the spec's)
+HF_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
+           "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
+           "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+           "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta"}
+_HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _hf_value(config: dict, key: str):
+    """A config.json value as the file types it: whole numbers for counts, a number for rope_theta, true/false for
+    tie_word_embeddings (transformers loads nothing else; "64" or "false" used to pass here and fail there)."""
+    v = config[key]
+    if key == "tie_word_embeddings":
+        ok = isinstance(v, bool)
+    elif key == "rope_theta":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        what = {"tie_word_embeddings": "true or false", "rope_theta": "a number"}.get(key, "a whole number")
+        raise ValueError(f"{key} {repr(v)[:40]}: {what}")
+    return v
+
+
 def model_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
-    """Build a ModelSpec from the dict of a Hugging Face llama-family config.json."""
-    heads = config["num_attention_heads"]
-    return ModelSpec(
-        name=name,
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim"),
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        weight_dtype=_DTYPES.get(config.get("torch_dtype") or config.get("dtype") or "float16", "fp16"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-    )
+    """Build a ModelSpec from the dict of a Hugging Face llama-family config.json; ValueError naming the file's key
+    for a value missing, mistyped or out of the spec's bounds."""
+    if not isinstance(config, dict):
+        raise ValueError(f"a JSON object, not a {type(config).__name__}")
+    missing = [k for k in _HF_REQUIRED if config.get(k) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    rope = config.get("rope_parameters")  # transformers >= 5 keeps rope_theta there
+    if config.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        config = {**config, "rope_theta": rope["rope_theta"]}
+    if config.get("num_key_value_heads") is None:
+        config = {**config, "num_key_value_heads": config["num_attention_heads"]}
+    fields = {HF_KEYS[k]: _hf_value(config, k) for k in HF_KEYS if config.get(k) is not None}
+    dtype = config.get("torch_dtype") or config.get("dtype") or "float16"
+    try:
+        return ModelSpec(name=name, weight_dtype=_DTYPES.get(dtype, "fp16") if isinstance(dtype, str) else "fp16",
+                         **fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = err["loc"][0] if err["loc"] else None
+        key = next((k for k, f in HF_KEYS.items() if f == field), None)
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{key} {err.get('input')!r}: {msg}" if key else msg) from None
 
 
 def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
@@ -203,7 +234,10 @@ def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
         raise ConfigError(f"file not found: {path}; expected a Hugging Face config.json", key_path) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {path} ({type(e).__name__})", key_path) from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"{path} is not a usable llama-family config.json ({type(e).__name__}: {e}); "
                           "needs num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
                           "vocab_size", key_path) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}; allowed: a llama-family config.json (whole num_hidden_layers, hidden_size, "
+                          "num_attention_heads, intermediate_size, vocab_size)", key_path) from None
