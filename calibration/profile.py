@@ -382,7 +382,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
                 raise ConfigError(f"{model}: no such file or directory (allowed: SmolLM2-135M, a local HF "
                                   "safetensors directory or a .gguf file)", "--model")
             net, _, tok = load_hf_model(Path(model))
-            spec = load_hf_config(Path(model), "--model").model_copy(update={"weight_dtype": "fp32"})
+            spec = load_hf_config(Path(model), "--model", weight_dtype="fp32")
     except (FileNotFoundError, OSError, ValueError) as e:  # transformers: ValueError for a folder it cannot read
         raise ConfigError(f"cannot load {model}: {e}", "--scenario" if scenario is not None else "--model") from None
     net = net.to(device)

@@ -444,8 +444,24 @@ def profile(device: str, model: str, out: Path, threads: int | None, quick: bool
     from calibration.profile import profile_command, refit_command
 
     if not refit:
+        _check_replaces_a_profile(out)
         prepare_out_file(out, "--out")
     return refit_command(out) if refit else profile_command(device, model, out, threads, quick, repeats, scenario)
+
+
+def _check_replaces_a_profile(out: Path) -> None:
+    """`--out` is a new path or a profile to measure again: any other file there would be overwritten after a sweep
+    of minutes (a scenario or a report named by mistake)."""
+    if not out.is_file():
+        return
+    try:
+        data = json.loads(out.read_text(encoding="utf-8"))
+        ok = isinstance(data, dict) and "samples" in data and "fit" in data
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{out} exists and is not an infersim profile; allowed: a new path, or a profile to "
+                          "measure again", "--out")
 
 
 def distill(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,

@@ -64,6 +64,9 @@ HF_CONFIGS = {
     "tie-text": ({"tie_word_embeddings": "false"}, "tie_word_embeddings 'false'"),
     "vocab-fraction": ({"vocab_size": 1000.5}, "vocab_size 1000.5"),
     "rope-text": ({"rope_theta": "abc"}, "rope_theta 'abc'"),
+    # W: read as fp16, so an fp32 or quantized checkpoint's weights were priced at 2 bytes unannounced
+    "dtype-unknown": ({"dtype": None, "torch_dtype": "float64"}, "torch_dtype 'float64'"),
+    "dtype-list": ({"dtype": ["float32"]}, "torch_dtype ['float32']"),
 }
 
 
@@ -87,6 +90,14 @@ def test_hf_config_rope_theta_of_transformers_5_is_read():
 
     config = {**TINY_CONFIG, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
     assert model_from_hf_config(config).rope_theta == 100000.0
+
+
+def test_hf_config_dtype_the_scenario_sets_or_the_file_names():
+    from sim.config.models import model_from_hf_config
+
+    config = {k: v for k, v in TINY_CONFIG.items() if k != "dtype"}
+    assert model_from_hf_config({**config, "torch_dtype": "float8_e4m3fn"}).weight_dtype == "fp8"
+    assert model_from_hf_config({**config, "torch_dtype": "float64"}, weight_dtype="int8").weight_dtype == "int8"
 
 
 # -- speculative drafters: checked before the target model loads -----------------------------------------------------
@@ -271,6 +282,14 @@ def test_refit_of_a_folder(tmp_path):
 def test_profile_out_nothing_can_be_written_to(tmp_path):
     """H: root passes os.access on /sys; the sweep ran for minutes before the write failed."""
     one_line_error(invoke("profile", "--quick", "--out", "/sys/infersim-profile.json"), "--out")
+
+
+@pytest.mark.parametrize("text", ["name: a scenario\n", "{}", "\x00\x01"], ids=["yaml", "json", "binary"])
+def test_profile_out_onto_a_file_that_is_not_a_profile(tmp_path, text):
+    """W: the sweep's minutes ended by overwriting it."""
+    target = write(tmp_path / "chat.yaml", text)
+    one_line_error(invoke("profile", "--quick", "--out", target), "--out", "not an infersim profile")
+    assert target.read_text() == text
 
 
 @pytest.mark.parametrize("command", ["distill", "train-medusa"])

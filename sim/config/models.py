@@ -168,7 +168,7 @@ def catalog_model(name: str, key_path: str = "model") -> ModelSpec:
 
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KB
-_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 
 # config.json key -> ModelSpec field, for the keys read from it (errors name the file's key, not the spec's)
@@ -195,9 +195,10 @@ def _hf_value(config: dict, key: str):
     return v
 
 
-def model_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
+def model_from_hf_config(config: dict, name: str = "hf-model", weight_dtype: str | None = None) -> ModelSpec:
     """Build a ModelSpec from the dict of a Hugging Face llama-family config.json; ValueError naming the file's key
-    for a value missing, mistyped or out of the spec's bounds."""
+    for a value missing, mistyped or out of the spec's bounds. `weight_dtype`: how it is served, instead of the
+    file's torch_dtype."""
     if not isinstance(config, dict):
         raise ValueError(f"a JSON object, not a {type(config).__name__}")
     missing = [k for k in _HF_REQUIRED if config.get(k) is None]
@@ -210,9 +211,11 @@ def model_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
         config = {**config, "num_key_value_heads": config["num_attention_heads"]}
     fields = {HF_KEYS[k]: _hf_value(config, k) for k in HF_KEYS if config.get(k) is not None}
     dtype = config.get("torch_dtype") or config.get("dtype") or "float16"
+    if weight_dtype is None and (not isinstance(dtype, str) or dtype not in _DTYPES):  # read as fp16, it priced other weights' bytes unannounced
+        raise ValueError(f"torch_dtype {repr(dtype)[:40]}: one of {', '.join(_DTYPES)}, or the model's "
+                         "weight_dtype set beside hf_config")
     try:
-        return ModelSpec(name=name, weight_dtype=_DTYPES.get(dtype, "fp16") if isinstance(dtype, str) else "fp16",
-                         **fields)
+        return ModelSpec(name=name, weight_dtype=weight_dtype or _DTYPES[dtype], **fields)
     except ValidationError as e:
         err = e.errors()[0]
         field = err["loc"][0] if err["loc"] else None
@@ -221,7 +224,7 @@ def model_from_hf_config(config: dict, name: str = "hf-model") -> ModelSpec:
         raise ValueError(f"{key} {err.get('input')!r}: {msg}" if key else msg) from None
 
 
-def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
+def load_hf_config(path: Path, key_path: str = "model.hf_config", weight_dtype: str | None = None) -> ModelSpec:
     """Read a config.json file (or a folder holding one) into a ModelSpec."""
     path = path / "config.json" if path.is_dir() else path
     try:
@@ -229,7 +232,7 @@ def load_hf_config(path: Path, key_path: str = "model.hf_config") -> ModelSpec:
             raise ConfigError(f"{path} is not a Hugging Face config.json (not a regular file of at most "
                               f"{MAX_CONFIG_BYTES // 2**20} MiB)", key_path)
         config = json.loads(path.read_text())
-        return model_from_hf_config(config, name=path.parent.name or "hf-model")
+        return model_from_hf_config(config, name=path.parent.name or "hf-model", weight_dtype=weight_dtype)
     except FileNotFoundError:
         raise ConfigError(f"file not found: {path}; expected a Hugging Face config.json", key_path) from None
     except (OSError, UnicodeDecodeError) as e:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
 from sim.config.hardware import HardwareSpec, catalog_hardware
 from sim.config.limits import MAX_TOTAL_BLOCKS
-from sim.config.models import ModelSpec, catalog_model, load_hf_config
+from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
     CostModelConfig,
@@ -220,7 +220,8 @@ def resolve_model(raw: str | dict, base_dir: Path) -> tuple[ModelSpec, Path | No
             raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config, "
                               f"{', '.join(CHECKPOINT_OVERRIDES)}", "model")
         path = base_dir / str(raw["hf_config"])
-        spec = load_hf_config(path)
+        served = raw.get("weight_dtype")  # replaces the file's torch_dtype (checked with the other overrides below)
+        spec = load_hf_config(path, weight_dtype=served if served in get_args(WeightDtype) else None)
         overrides = {k: raw[k] for k in CHECKPOINT_OVERRIDES if k in raw}
         if overrides:  # how the checkpoint is served compressed: validated as the catalog's entries are
             try:
