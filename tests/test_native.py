@@ -15,9 +15,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels n
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 13, 7), (16, 40, 9), (5, 1536, 576), (11, 579, 33),
-                                       (12, 64, 32), (13, 70, 65), (32, 64, 5), (64, 96, 130)])
+                                       (12, 64, 32), (13, 70, 65), (32, 64, 5), (64, 96, 130),
+                                       (9, 1024, 70), (12, 1024, 33), (17, 1024, 64), (30, 2048, 40)])
 def test_linear_small_equals_matmul(rows, k, n):
-    """Every tile height (balanced tiles above a dozen rows) and a last panel that is only partly columns."""
+    """Every tile height (balanced tiles above a dozen rows) and a last panel that is only partly columns; rows 4 KB
+    apart (K = 1024, 2048), whose tiles of more than 8 read a packed copy (17 rows: a tile of 8 beside one of 9)."""
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     assert rel_err(native.linear_small(x, native.pack_weight(w)), x @ w.T) < 1e-5

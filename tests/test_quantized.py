@@ -31,11 +31,12 @@ def weight(n, k, seed=0):
 
 @pytest.mark.parametrize("use_native", PATHS)
 @pytest.mark.parametrize("bits,group", [(8, 128), (4, 128), (4, 32)])
-@pytest.mark.parametrize("rows", [1, 3, 5, 13, 40, 300])
-@pytest.mark.parametrize("n,k", [(960, 576), (65, 70), (33, 37)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 13, 17, 40, 300])
+@pytest.mark.parametrize("n,k", [(960, 576), (65, 70), (33, 37), (40, 1024)])
 def test_quantized_matmul_equals_dequantized_reference(monkeypatch, use_native, bits, group, rows, n, k):
-    """Every tile height (1 and 3: int4's group-summed tiles, 5, 13: two tiles, 40, 300), an N that the panels do
-    not divide, an odd K and a K that ends in a short group (576 = 4 · 128 + 64)."""
+    """Every tile height (1 and 3: int4's group-summed tiles, 5, 13, 17: two tiles, 40, 300), an N that the panels
+    do not divide, an odd K, a K that ends in a short group (576 = 4 · 128 + 64) and rows 4 KB apart (K = 1024: tiles
+    of more than 8 rows read a packed copy)."""
     monkeypatch.setattr(quantize, "USE_NATIVE_QUANT", use_native)
     q = QuantizedWeight(weight(n, k), bits, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
