@@ -20,5 +20,4 @@ def make_policy(plan: Plan, eager: bool = True, hand_off: Plan | None = None) ->
     `hand_off`: the decode pool of a disaggregated prefill instance, which hands requests on to it after their prompt
     and turns away on arrival what it could never hold."""
     decode_pool = make_policy(hand_off) if hand_off is not None else None
-    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager, hand_off=decode_pool is not None,
-                          decode_pool=decode_pool)
+    return make_scheduler(plan.scheduler, make_allocator(plan), eager=eager, decode_pool=decode_pool)

@@ -8,7 +8,7 @@ Speculative decoding (num_speculative_tokens > 0): a decoding request's row carr
 the drafts proposed for it (request.num_draft, set by the drafter before the step); the step reserves KV
 for all of them, and afterwards the caller says how many drafts were accepted; the slots of rejected
 ones are given back.
-Disaggregated serving: a prefill instance's scheduler (`hand_off`) hands a request whose prompt is done to the
+Disaggregated serving: a prefill instance's scheduler (`decode_pool`) hands a request whose prompt is done to the
 caller instead of decoding it, keeping its blocks until the caller has sent its KV (`take_handoffs`, `release`); a
 decode instance's scheduler queues handed-off requests (`add_prefilled`), reserves their blocks when it has room
 (`reserve_transfers`: the caller copies the KV in) and, once `received`, decodes them like a swapped-in request.
@@ -94,13 +94,13 @@ class Scheduler:
     costs O(events), not O(batch); the executor keeps them current.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False,
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True,
                  decode_pool: "Scheduler | None" = None):
         self.cfg = cfg
         self.kv = kv
         self.eager = eager
-        self.hand_off = hand_off  # a prefill instance: prompts done are handed to a decode instance
-        # a prefill instance: its decode pool's policy (any instance's), whose limits an arrival must fit too
+        # a prefill instance: prompts done are handed to a decode instance of this pool (its policy: any instance's),
+        # whose limits an arrival must fit too
         self.decode_pool = decode_pool
         self.sending: dict[Request, list[int]] = {}  # handed off, KV not yet sent: the blocks it still holds
         self.outbox: list[Request] = []  # handed off since the caller last took them
@@ -114,8 +114,6 @@ class Scheduler:
         self.speculative = cfg.num_speculative_tokens > 0
         # speculative rows advance by different amounts: no lockstep block calendar, blocks reserved per step
         self.decoding = DecodeSet(None if kv.contiguous or self.speculative else kv.block_size)
-        # speculative: _verify_shape of the decode rows as _reserve_verify_slots left them (None: changed since)
-        self._verify_sums: tuple[int, int, int, int, int] | None = None
         self.steps_since_admission = 0
         self.num_preemptions = 0
 
@@ -241,7 +239,6 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
-        self._verify_sums = None
         if self.cfg.enable_chunked_prefill:
             preempted = self._grow_decodes(budget)
             budget -= self._decode_tokens()
@@ -286,8 +283,6 @@ class Scheduler:
         """Tokens the decode rows compute this step."""
         if not self.speculative:
             return len(self.decoding)
-        if self._verify_sums is not None:
-            return self._verify_sums[0]
         return sum(1 + r.num_draft for r in self.decoding.members)
 
     def _grow_decodes(self, budget: int) -> list[Request]:
@@ -321,7 +316,6 @@ class Scheduler:
         # this step decodes, so whether a prompt would run alone (`drafting`'s other question) is settled
         budget = budget - len(members) if self._may_draft() else 0
         gamma, max_len, kv = self.cfg.num_speculative_tokens, self.cfg.max_model_len, self.kv
-        tokens = ctx = pairs = verify = 0  # _verify_shape of the rows, summed on the way
         for r in list(members):
             if preempted and r not in members:
                 continue  # preempted for an earlier row
@@ -329,15 +323,9 @@ class Scheduler:
             if d:
                 d = r.num_draft = max(0, min(d, gamma, r.remaining_tokens - 1, max_len - r.num_tokens, budget))
                 budget -= d
-            n = 1 + d
-            c = r.num_computed + n
+            c = r.num_computed + 1 + d
             if kv.extra_blocks(r, c):  # most rows need a block only every few steps
                 self._make_room(r, c, self.running, preempted)
-            tokens += n
-            ctx += c
-            pairs += n * (c - n) + n * (n + 1) // 2
-            verify += d > 0
-        self._verify_sums = None if preempted else (tokens, ctx, pairs, tokens, verify)
         return preempted
 
     def _make_room(self, r: Request, num_tokens: int, pool: dict, preempted: list[Request]) -> bool:
@@ -370,7 +358,6 @@ class Scheduler:
         """Take `req` off the device: swap its blocks to host memory, or free them to recompute later."""
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._verify_sums = None
         req.num_draft = 0
         if req in self.decoding:
             self.decoding.leave(req)
@@ -399,8 +386,6 @@ class Scheduler:
             self.decoding.join(r, self._block_capacity(r))
             out.append(r)
             budget -= 1
-        if out:
-            self._verify_sums = None
         return out
 
     def _join_received(self, budget: int) -> list[Request]:
@@ -413,8 +398,6 @@ class Scheduler:
             self.decoding.join(r, self._block_capacity(r))
             out.append(r)
             budget -= 1
-        if out:
-            self._verify_sums = None
         return out
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
@@ -467,7 +450,7 @@ class Scheduler:
         b = len(self.decoding) if decodes else 0
         verify = 0
         if decodes and self.speculative:
-            d_tokens, d_ctx, d_pairs, d_sampled, verify = self._verify_sums or _verify_shape(self.decoding.members)
+            d_tokens, d_ctx, d_pairs, d_sampled, verify = _verify_shape(self.decoding.members)
         else:  # one token each, attending to its whole context
             d_tokens = d_sampled = b
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
@@ -508,7 +491,7 @@ class Scheduler:
             started.append(r)
             if r.num_generated >= r.max_tokens or r in stopped:
                 finished.append(self._finish(r))
-            elif self.hand_off:
+            elif self.decode_pool is not None:
                 self._hand_off(r)
             else:
                 dec.join(r, self._block_capacity(r))
@@ -669,10 +652,10 @@ class StaticScheduler(Scheduler):
         return finished
 
 
-def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, hand_off: bool = False,
+def make_scheduler(cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True,
                    decode_pool: Scheduler | None = None) -> Scheduler:
-    """The scheduler for `cfg.batching`; `hand_off`: a disaggregated prefill instance's (continuous batching), with
-    `decode_pool` the policy of the decode instances it hands to."""
+    """The scheduler for `cfg.batching`; `decode_pool`: a disaggregated prefill instance's (continuous batching), the
+    policy of the decode instances it hands to."""
     if cfg.batching == "static":
         return StaticScheduler(cfg, kv, eager)
-    return Scheduler(cfg, kv, eager, hand_off, decode_pool)
+    return Scheduler(cfg, kv, eager, decode_pool)
