@@ -1,0 +1,29 @@
+"""Same seed, same result on any machine: the report's figures do not depend on how many cores the process may use
+(a BLAS dot product splits its sum over threads, so the weighted ITL mean once moved in its last bit with them)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import numpy as np
+from sim.report.metrics import summarize
+rng = np.random.default_rng(0)
+x = np.sort(rng.exponential(0.01, 2_000_000))
+print(repr(summarize(x, np.cumsum(rng.integers(1, 5, len(x))))["mean"]))
+"""
+
+
+def _mean_on(cores: set[int]) -> str:
+    return subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, cores)).stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to compare with one")
+def test_weighted_mean_is_the_same_on_one_core_and_on_all():
+    cores = os.sched_getaffinity(0)
+    assert _mean_on({min(cores)}) == _mean_on(cores)
