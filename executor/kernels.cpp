@@ -78,7 +78,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
    oneDNN's prepacked GEMM up to ~100 rows. More rows than MR_MAX: balanced tiles, the panel re-read from L2.
    Rows K floats apart share L1 sets where 4 KB divides K * 4 (K = 1024: a 12-row tile's rows in one 8-way set),
    so there a tile of more than PACKED_ROWS rows reads them from a copy packed k-major ([K][MR]): a 0.5B model's
-   projections ran 0.82-0.89x the time at 12-32 rows; at K = 576 the copy cost 4-6%, at 8-row tiles 2-4%. */
+   projections ran 0.75-0.93x the time at 12-32 rows; at K = 576 the copy cost 4-6%, at 8-row tiles 2-4%. */
 #ifdef __AVX512F__
 typedef float vw __attribute__((vector_size(64)));
 static const int VL = 16, MR_MAX = 12;  /* 24 accumulators + 2 weights + 1 broadcast of 32 zmm registers */
