@@ -181,8 +181,13 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         if within is not None:  # which one won depended on the keys' order
             raise ConfigError(f"inside space.{within}, which sets that section whole; allowed: one or the other",
                               f"space.{key}")
+        seen: dict[str, int] = {}
         for i, v in enumerate(values):
-            _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
+            same = _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
+            if same is not None and same in seen:  # e.g. "cpu" and {base: cpu}: one configuration searched twice
+                raise ConfigError(f"{_short_value(v)} is the configuration of value [{seen[same]}] again; allowed: "
+                                  "each value once", f"space.{key}[{i}]")
+            seen.setdefault(same, i)
     rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
     slo = spec.target.slo or scenario.slo
     if slo.ttft_s is None and slo.tpot_s is None:
@@ -209,21 +214,27 @@ def _is_ratio(v) -> bool:
                                                        for x in v)
 
 
-def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> None:
+def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> str | None:
     """A value the key itself refuses (a type, a bound, an unknown sub-key: the key's own schema, or a model or
-    hardware spec) is an error in the spec; one that only clashes with other keys prunes its configurations."""
+    hardware spec) is an error in the spec; one that only clashes with other keys prunes its configurations.
+    Returns the configuration the value makes, as canonical JSON (None where it clashes), so that two spellings
+    of one configuration are found."""
     from sim.config.plan import resolve_hardware, resolve_model
 
     try:
         scenario = parse_scenario(apply(base, key, value))
+        same = scenario.model_dump(mode="json")
         if key.split(".")[0] == "model":
-            resolve_model(scenario.model, base_dir)
+            spec, folder = resolve_model(scenario.model, base_dir)
+            same["model"] = [spec.model_dump(mode="json"), str(folder)]
         elif key.split(".")[0] == "hardware":
-            resolve_hardware(scenario.hardware)
+            same["hardware"] = resolve_hardware(scenario.hardware).model_dump(mode="json")
+        return json.dumps(same, sort_keys=True, default=str)
     except ConfigError as e:
         at = e.key_path
         if at and (at == key or at.startswith((key + ".", key + "[")) or key.startswith(at + ".")):
             raise ConfigError(e.message if at == key else f"{at}: {e.message}", where) from None
+        return None
 
 
 def _probe_specs(scenario, base_dir: Path, n: int) -> list[RequestSpec]:

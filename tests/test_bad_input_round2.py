@@ -327,6 +327,10 @@ SPACES = {
     "duplicate": ({"serving.max_num_seqs": [4, 8, 4]}, "space.serving.max_num_seqs[2]"),
     "duplicate-as-float": ({"serving.max_num_seqs": [4, 4.0]}, "space.serving.max_num_seqs[1]"),
     "duplicate-null": ({"pools": [None, None]}, "space.pools[1]"),
+    # W: two spellings of one configuration were two rows, each probed
+    "duplicate-spelling": ({"hardware": ["cpu", {"base": "cpu"}]}, "space.hardware[1]"),
+    "duplicate-default": ({"kv_cache": [{"block_size": 16}, {"block_size": 16, "allocator": "paged"}]},
+                          "space.kv_cache[1]"),
     # W: which of the two won depended on the keys' order
     "key-inside-a-whole-section": ({"serving": [{"max_num_seqs": 8}], "serving.max_num_seqs": [4]},
                                    "space.serving.max_num_seqs"),
