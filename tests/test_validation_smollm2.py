@@ -48,7 +48,7 @@ def test_small_validation_within_bound(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     prof = tmp_path / "cpu.json"
-    r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "2",
+    r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "1",
                                  "--out", str(prof)])
     assert r.exit_code == 0, r.output
     host = json.loads(prof.read_text())["host"]
