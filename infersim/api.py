@@ -121,6 +121,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     from sim.simulator.cluster import sim_records, simulate
 
     plan = load_plan(path)
+    _check_named_drafter(path, plan)
     prepare_out(out)
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
@@ -421,6 +422,17 @@ def _check_drafters(plans: list) -> None:
                 drafter_dir(plan)
             except ConfigError as e:
                 raise e.with_file(str(path)) from None
+
+
+def _check_named_drafter(path: Path, plan: Plan) -> None:
+    """A simulation may plan with heads or a draft not made yet; but where the scenario names a folder that holds
+    them, they must fit it (a Medusa tree deeper than its heads, a draft for another model) as on the executor."""
+    spec = plan.speculative
+    if spec is None or spec.method not in ("draft_model", "medusa"):
+        return
+    name, meta = (spec.medusa_heads, "medusa.json") if spec.method == "medusa" else (spec.draft_model, "draft.json")
+    if name is not None and (plan.base_dir / Path(name).expanduser() / meta).is_file():
+        _check_drafters([(path, plan)])
 
 
 def warn_threads(plan: Plan, threads: int | None) -> None:

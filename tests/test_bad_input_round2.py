@@ -143,6 +143,18 @@ def test_broken_drafter(tmp_path, command, spec, key):
                    path, key)
 
 
+def test_run_checks_named_heads_that_exist_and_plans_with_heads_not_made_yet(tmp_path):
+    """W: `infersim run` planned a tree 4 deep on a folder of 3 heads that `serve` then refused."""
+    probs = {"medusa_rank_probs": [[0.5, 0.5]] * 4}
+    named = write(tmp_path / "s.yaml", smollm2(speculative={"method": "medusa", "medusa_tree": DEEP, **probs,
+                                                            "medusa_heads": str(_heads(tmp_path))}))
+    one_line_error(invoke("run", named, "-q"), named, "speculative.medusa_tree")
+    planned = write(tmp_path / "p.yaml", smollm2(speculative={"method": "medusa", "medusa_tree": DEEP, **probs,
+                                                              "medusa_heads": str(tmp_path / "to-train")}))
+    r = invoke("run", planned, "-q")
+    assert r.exit_code == 0, r.output
+
+
 def test_heads_of_another_model(tmp_path):
     """T at engine construction: heads of hidden size 576 on a 64-wide model."""
     path = write(tmp_path / "s.yaml", tiny(tmp_path, speculative={"method": "medusa", "medusa_tree": [[0]]}))
