@@ -177,10 +177,12 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         if twice is not None:  # the same configuration twice: two rows of one label, probed twice
             raise ConfigError(f"{_short_value(values[twice])} is listed twice; allowed: each value once",
                               f"space.{key}[{twice}]")
-        within = next((k for k in spec.space if k != key and key.startswith(k + ".")), None)
-        if within is not None:  # which one won depended on the keys' order
-            raise ConfigError(f"inside space.{within}, which sets that section whole; allowed: one or the other",
-                              f"space.{key}")
+        for within in (k for k in spec.space if k != key and key.startswith(k + ".")):
+            inner = key[len(within) + 1:].split(".")
+            clash = next((i for i, v in enumerate(spec.space[within]) if _has_path(v, inner)), None)
+            if clash is not None:  # the section is applied first: the dotted key would silently replace its value
+                raise ConfigError(f"space.{within}[{clash}] sets {'.'.join(inner)}, which space.{key} searches too; "
+                                  "allowed: one or the other", f"space.{key}")
         seen: dict[str, int] = {}
         for i, v in enumerate(values):
             same = _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
@@ -202,6 +204,15 @@ def load_search_spec(path: str | Path) -> Search:
         return parse_search_spec(read_yaml(path), path.parent)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
+
+
+def _has_path(value, path: list[str]) -> bool:
+    """Whether a mapping value sets the nested key `path`."""
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def _short_value(v) -> str:
@@ -281,11 +292,13 @@ def apply(base: dict, key: str, value) -> dict:
 def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     """(label, overrides, scenario data) for every combination of the space's values, in the space's order."""
     keys = list(search.space)
+    # a whole section before the dotted keys inside it, whatever the spec's order: those refine it
+    order = sorted(range(len(keys)), key=lambda i: keys[i].count("."))
     out = []
     for values in itertools.product(*(search.space[k] for k in keys)):
         data = search.base
-        for k, v in zip(keys, values):
-            data = apply(data, k, v)
+        for i in order:
+            data = apply(data, keys[i], values[i])
         overrides = dict(zip(keys, values))
         label = " ".join(f"{_short(k)}={_value_label(v)}" for k, v in overrides.items())
         data = {**data, "name": f"{search.name}: {label}", "slo": search.slo.model_dump(mode="json")}

@@ -3,6 +3,7 @@ backends agreeing, and the command line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -13,6 +14,8 @@ from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.capacity import scaled
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
         "workload": {"seed": 5, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 600,
@@ -136,3 +139,24 @@ def test_cli_compare_two_files_and_a_sweep(tmp_path):
     assert (tmp_path / "s" / "cdf.png").exists()
     r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "max_num_seqs"])
     assert r.exit_code == 2 and "--sweep" in r.output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scenarios" / "search").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_search_specs_parse(path):
+    """W: llama2_70b_capacity.yaml stopped parsing when a dotted key inside a searched section became an error."""
+    from infersim.search import configurations, load_search_spec
+
+    assert len(configurations(load_search_spec(path))) > 1
+
+
+def test_a_section_and_a_key_inside_it_combine_in_either_order():
+    sections = [{"enable_chunked_prefill": True, "max_num_batched_tokens": 512}, {"enable_chunked_prefill": False}]
+    from infersim.search import configurations
+
+    one = parse_search_spec(spec(**{"serving": sections, "serving.max_num_seqs": [16, 64]}))
+    other = parse_search_spec(spec(**{"serving.max_num_seqs": [16, 64], "serving": sections}))
+    seqs = sorted((d["serving"]["max_num_seqs"], d["serving"]["enable_chunked_prefill"])
+                  for _, _, d in configurations(one))
+    assert seqs == [(16, False), (16, True), (64, False), (64, True)]
+    assert seqs == sorted((d["serving"]["max_num_seqs"], d["serving"]["enable_chunked_prefill"])
+                          for _, _, d in configurations(other))
