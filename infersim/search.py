@@ -294,13 +294,15 @@ def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     keys = list(search.space)
     # a whole section before the dotted keys inside it, whatever the spec's order: those refine it
     order = sorted(range(len(keys)), key=lambda i: keys[i].count("."))
+    names = [_value_labels(search.space[k]) for k in keys]
     out = []
-    for values in itertools.product(*(search.space[k] for k in keys)):
+    for picks in itertools.product(*(range(len(search.space[k])) for k in keys)):
+        values = [search.space[k][j] for k, j in zip(keys, picks)]
         data = search.base
         for i in order:
             data = apply(data, keys[i], values[i])
         overrides = dict(zip(keys, values))
-        label = " ".join(f"{_short(k)}={_value_label(v)}" for k, v in overrides.items())
+        label = " ".join(f"{_short(k)}={names[i][j]}" for i, (k, j) in enumerate(zip(keys, picks)))
         data = {**data, "name": f"{search.name}: {label}", "slo": search.slo.model_dump(mode="json")}
         out.append((label, overrides, data))
     return out
@@ -310,6 +312,24 @@ def _short(key: str) -> str:
     return {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}.get(key, key.split(".")[-1])
 
 
+def _value_labels(values: list) -> list[str]:
+    """One short label per value of a key, each its own: mappings that share a name (two `ngram` speculative
+    sections, two A100 variants) add the sub-keys on which they differ, so that no two rows share a label."""
+    labels = [_value_label(v) for v in values]
+    for name in {x for x in labels if labels.count(x) > 1}:
+        group = [i for i, x in enumerate(labels) if x == name]
+        dicts = [values[i] if isinstance(values[i], dict) else {} for i in group]
+        keys = sorted({k for d in dicts for k in d} - {"method", "name", "base"})  # those make the name itself
+        differ = [k for k in keys if len({json.dumps(d.get(k), sort_keys=True, default=str) for d in dicts}) > 1]
+        for i, d in zip(group, dicts):
+            inner = ",".join(f"{k}={_value_label(d[k])}" for k in differ if k in d)
+            labels[i] = f"{name}({inner})" if inner else name
+    for i, x in enumerate(labels):  # still shared (spellings the parser tells apart): the position decides
+        if labels.count(x) > 1:
+            labels[i] = f"{x}#{i}"
+    return labels
+
+
 def _value_label(v) -> str:
     if v is None:
         return "none" if not isinstance(v, list) else ""
@@ -317,7 +337,7 @@ def _value_label(v) -> str:
         return f"{v[0]}:{v[1]}"
     if isinstance(v, dict):
         return v.get("method") or v.get("name") or v.get("base") or json.dumps(v, sort_keys=True)
-    return str(v)
+    return f"{v:.6g}" if isinstance(v, float) else str(v)  # 1.2e+12, not 1200000000000.0
 
 
 def devices_of(plan: Plan) -> int:

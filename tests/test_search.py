@@ -160,3 +160,18 @@ def test_a_section_and_a_key_inside_it_combine_in_either_order():
     assert seqs == [(16, False), (16, True), (64, False), (64, True)]
     assert seqs == sorted((d["serving"]["max_num_seqs"], d["serving"]["enable_chunked_prefill"])
                           for _, _, d in configurations(other))
+
+
+def test_every_configuration_has_its_own_label():
+    """W: two `ngram` sections of different γ, or an A100 and an A100 with other bandwidth, made rows of one label
+    (the recommendation named four configurations at once)."""
+    from infersim.search import configurations
+
+    search = parse_search_spec(spec(**{
+        "speculative": [None, {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rate": 0.5},
+                        {"method": "ngram", "num_speculative_tokens": 5, "acceptance_rate": 0.5}],
+        "hardware": ["A100-80GB", {"base": "A100-80GB", "memory_bandwidth": 1.2e12}]}))
+    labels = [label for label, _, _ in configurations(search)]
+    assert len(set(labels)) == len(labels) == 6
+    assert "speculative=ngram(num_speculative_tokens=5) hardware=A100-80GB(memory_bandwidth=1.2e+12)" in labels
+    assert "speculative=none hardware=A100-80GB" in labels
