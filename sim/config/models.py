@@ -177,6 +177,50 @@ HF_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num
            "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
            "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta"}
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+# the llama-shaped decoders the simulator prices and the executor runs (Mistral-7B is in the catalog); others differ in
+# layers (MoE, biases, other activations) or keys, and would be priced as something they are not
+HF_MODEL_TYPES = ("llama", "mistral")
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
+# a quantized checkpoint's bits -> the weight_dtype that serves it
+_QUANT_DTYPES = {4: "int4", 8: "int8"}
+
+
+class UnsupportedModel(ValueError):
+    """A config.json of a model the simulator does not model; its message says what is allowed."""
+
+
+def _check_supported(config: dict, weight_dtype: str | None) -> None:
+    """Refuse what would be priced as a dense llama without being one: mixture-of-experts, another model_type, and
+    quantized weights whose serving dtype the scenario does not say."""
+    for key in _EXPERT_KEYS:
+        experts = config.get(key)
+        if experts is not None and not (type(experts) is int and experts <= 1):
+            raise UnsupportedModel(f"{key} {repr(experts)[:40]}: mixture-of-experts is not modelled; allowed: a dense "
+                                   "llama-family config")
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in HF_MODEL_TYPES:
+        raise UnsupportedModel(f"model_type {repr(model_type)[:40]} is not modelled; allowed: "
+                               f"{', '.join(HF_MODEL_TYPES)} (a llama-family config)")
+    quant = config.get("quantization_config")
+    if quant is not None and weight_dtype is None:
+        raise UnsupportedModel(f"quantized checkpoint ({_quantization(quant)}); allowed: model.weight_dtype "
+                               f"{_served(quant)} (how it is served) beside hf_config, not its torch_dtype")
+
+
+def _quantization(quant) -> str:
+    """A quantization_config in a few words: its method and bits."""
+    if not isinstance(quant, dict):
+        return f"quantization_config {repr(quant)[:30]}"
+    bits = quant.get("bits", quant.get("w_bit"))
+    return f"{str(quant.get('quant_method', 'unknown method'))[:30]}" + (f", {str(bits)[:10]} bits" if bits else "")
+
+
+def _served(quant) -> str:
+    """The weight_dtype that most likely serves a quantized checkpoint."""
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        return "fp8"
+    bits = quant.get("bits", quant.get("w_bit")) if isinstance(quant, dict) else None
+    return _QUANT_DTYPES.get(bits, "int4 or int8") if type(bits) is int else "int4 or int8"
 
 
 def _hf_value(config: dict, key: str):
@@ -201,6 +245,7 @@ def model_from_hf_config(config: dict, name: str = "hf-model", weight_dtype: str
     file's torch_dtype."""
     if not isinstance(config, dict):
         raise ValueError(f"a JSON object, not a {type(config).__name__}")
+    _check_supported(config, weight_dtype)
     missing = [k for k in _HF_REQUIRED if config.get(k) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
@@ -241,6 +286,8 @@ def load_hf_config(path: Path, key_path: str = "model.hf_config", weight_dtype: 
         raise ConfigError(f"{path} is not a usable llama-family config.json ({type(e).__name__}: {e}); "
                           "needs num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, "
                           "vocab_size", key_path) from None
+    except UnsupportedModel as e:
+        raise ConfigError(f"{path}: {e}", key_path) from None
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}; allowed: a llama-family config.json (whole num_hidden_layers, hidden_size, "
                           "num_attention_heads, intermediate_size, vocab_size)", key_path) from None

@@ -10,6 +10,7 @@ Each length distribution has `sample(rng, n, load) -> int64 array of n lengths >
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -34,7 +35,10 @@ TRACE_FORMATS = {"azure": (*TRACE_COLUMNS, None),
                  "burstgpt": ("Timestamp", "Request tokens", "Response tokens", 1.0),
                  "mooncake": ("timestamp", "input_length", "output_length", 1e-3),
                  "seconds": ("arrival_s", "prompt_len", "output_len", 1.0)}
-_MINUTE = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}")
+_MINUTE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}")
+# Azure's seconds: plain digits and an optional fraction (float() also takes 1e1, -0, 1_0, inf); checked in bulk
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
+_ALL_SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?|nan)(?:\n(?:[0-9]+(?:\.[0-9]+)?|nan))*")
 _TRACE_CACHE: dict = {}  # (resolved path, mtime_ns, size) -> arrays
 MAX_ZIPF_SUPPORT = 10_000_000  # the inverse-CDF table holds one float per support value
 
@@ -272,12 +276,31 @@ def _read_rows(path: Path) -> tuple[list[list[str]], int]:
     with open(path, newline="", encoding="utf-8-sig") as f:
         text = f.read()
     if not text.lstrip().startswith("{"):
-        return [r for r in csv.reader(text.splitlines()) if r], 2
-    objects = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if not all(isinstance(o, dict) for o in objects):
-        raise ValueError("a JSON line is not an object")
+        # only \n, \r\n and \r end a row (splitlines also splits at \f, U+2028, ... and inside quoted cells)
+        return [r for r in csv.reader(io.StringIO(text, newline="")) if r], 2
+    lines = io.StringIO(text, newline="")
+    objects = [_json_object(line, i) for i, line in enumerate(lines, 1) if line.strip()]
     header = list(objects[0])
     return [header] + [["" if o.get(k) is None else str(o.get(k)) for k in header] for o in objects], 1
+
+
+def _json_object(line: str, number: int) -> dict:
+    """One JSON line's object; ValueError naming the line for anything else, or a key given twice."""
+    def unique(pairs: list) -> dict:
+        o = dict(pairs)
+        if len(o) < len(pairs):  # json.loads keeps the last silently: which one the trace meant is unknown
+            seen = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"line {number}: key {twice[:40]!r} given twice")
+        return o
+
+    try:
+        o = json.loads(line, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {number}: {e.msg} at column {e.colno}") from None
+    if not isinstance(o, dict):
+        raise ValueError(f"line {number}: a JSON line is not an object")
+    return o
 
 
 def _trace_format(header: list[str]) -> tuple | None:
@@ -296,15 +319,22 @@ def _real_minute(m: str) -> bool:
 
 def _num(s: str) -> float:
     try:
-        return float(s)
+        return float(s) if _plain(s) else math.nan
     except ValueError:
         return math.nan
+
+
+def _plain(s: str) -> bool:
+    """No underscores (float() reads 1_000) and ASCII only (float() reads other scripts' digits)."""
+    return "_" not in s and s.isascii()
 
 
 def _column(cells, shown, name, expect, ok, path, key_path, first_row: int = 2) -> np.ndarray:
     """Parse `cells` as floats in bulk; report the first cell that isn't a number or fails `ok` (by its row in the
     file: `first_row` is the first cell's)."""
     try:
+        if not _plain("".join(cells)):
+            raise ValueError("an odd number")  # float() would read it: find the cell one by one
         v = np.array(cells, dtype=float)
     except ValueError:
         v = np.array([_num(c) for c in cells])
@@ -344,6 +374,9 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
         # the header's cells are not echoed: the file may be anything (a user's private file)
         missing = [c for c in TRACE_COLUMNS if c not in header]
         raise _bad(path, key_path, f"missing column(s) {missing} in its first line ({len(header)} cells)")
+    twice = next((c for c in fmt[:3] if header.count(c) > 1), None)
+    if twice is not None:  # which of the two the trace means is unknown
+        raise _bad(path, key_path, f"column {twice!r} named twice in its first line")
     if len(rows) < 2:
         raise _bad(path, key_path, "no data rows")
     if len(rows) - 1 > MAX_REQUESTS:
@@ -376,12 +409,19 @@ def _arrivals(ts: list[str], fmt: tuple, path: Path, key_path: str, first: int) 
     # split "YYYY-MM-DD HH:MM" (few distinct values, parsed by numpy) from the seconds (floats).
     minutes = {m: i for i, m in enumerate(dict.fromkeys(t[:16] for t in ts))}
     good = {m for m in minutes if _MINUTE.fullmatch(m) and _real_minute(m)}
-    secs = [t[17:] if t[16:17] == ":" and t[:16] in good else "nan" for t in ts]
+    secs = _plain_seconds([t[17:] if t[16:17] == ":" and t[:16] in good else "nan" for t in ts])
     seconds = _column(secs, ts, "TIMESTAMP", "a date-time like 2023-11-16 18:15:46.6805900",
                       lambda v: (v >= 0) & (v < 61), path, key_path)
     base = np.array([m.replace(" ", "T") for m in minutes], dtype="datetime64[m]")
     whole = (base - base.min()).astype(np.int64)[[minutes[t[:16]] for t in ts]]
     return whole * 60.0 + seconds
+
+
+def _plain_seconds(secs: list[str]) -> list[str]:
+    """`secs` with "nan" for each cell that is not plain digits and an optional fraction."""
+    if _ALL_SECONDS.fullmatch("\n".join(secs)):  # one regex over all rows: the usual, clean file
+        return secs
+    return [c if _SECONDS.fullmatch(c) else "nan" for c in secs]
 
 
 class _Traces:
