@@ -5,13 +5,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-import yaml
 from pydantic import ValidationError
 
 from infersim.api import Outcome, simulate_data
 from infersim.search import apply
 from sim.config.errors import ConfigError
 from sim.config.scenario import SLOConfig
+from sim.config.yaml_file import load_yaml
 from sim.report.metrics import per_request_latency
 
 # (label, report path) of each table column
@@ -42,9 +42,9 @@ def parse_sweep(text: str) -> tuple[str, list]:
     if not sep or not key or not rest:
         raise ConfigError(f"expected KEY=V1,V2,... (e.g. serving.max_num_seqs=64,256); got {text!r}", "--sweep")
     try:
-        values = [yaml.safe_load(v) for v in _split_top(rest)]
-    except yaml.YAMLError:
-        raise ConfigError(f"cannot read the values in {rest!r}", "--sweep") from None
+        values = [load_yaml(v) for v in _split_top(rest)]
+    except ConfigError as e:
+        raise ConfigError(f"cannot read the values in {rest[:60]!r}: {e.message}", "--sweep") from None
     return key.strip(), values
 
 

@@ -21,7 +21,13 @@ class ConfigError(Exception):
     def one_line(self) -> str:
         """`file: key.path: what is wrong and what is allowed`, on one line of at most MAX_LINE characters (the
         message is cut, never the file or the key path)."""
-        where = ": ".join([p for p in (self.file, self.key_path) if p] + [""])
-        message = " ".join(self.message.split())
+        where = ": ".join([_printable(p) for p in (self.file, self.key_path) if p] + [""])
+        message = _printable(" ".join(self.message.split()))
         room = max(40, MAX_LINE - len(where))
         return where + (message if len(message) <= room else message[:room - 1] + "…")
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters escaped (a key holding a newline or a terminal escape would break the one
+    line, or rewrite the user's terminal)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

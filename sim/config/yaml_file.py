@@ -29,6 +29,24 @@ class _Loader(_SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_INT_DIGITS = 100  # past Python's 4,300-digit limit int() raises; the bounds of each key name it below that
+
+
+def _construct_int(loader, node):
+    if len(node.value) > MAX_INT_DIGITS:
+        raise ConfigError(f"a number of {len(node.value):,} characters (line {node.start_mark.line + 1}); allowed: at "
+                          f"most {MAX_INT_DIGITS} digits")
+    return _SafeLoader.construct_yaml_int(loader, node)
+
+
+def _refuse_binary(loader, node):  # bytes pass pydantic as text or a number, and break JSON copies of the scenario
+    raise ConfigError(f"a !!binary value (line {node.start_mark.line + 1}); allowed: plain numbers and text")
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:binary", _refuse_binary)
+
+
 def _check_size(node: yaml.Node) -> None:
     """The document's node count with aliases expanded, its depth and its longest scalar, within the limits."""
     sizes: dict[int, int] = {}
@@ -85,6 +103,14 @@ def read_yaml(path: Path):
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read it ({type(e).__name__})", file=str(path)) from None
     try:
+        return load_yaml(text)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+
+
+def load_yaml(text: str):
+    """The YAML document in `text`, within the same bounds as a file; ConfigError for anything else."""
+    try:
         _check_events(text)
         loader = _Loader(text)
         try:
@@ -96,11 +122,9 @@ def read_yaml(path: Path):
         finally:
             loader.dispose()
     except RecursionError:
-        raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=str(path)) from None
+        raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         problem = str(getattr(e, "problem", None) or type(e).__name__)[:120]
-        raise ConfigError(f"not valid YAML{where}: {problem}", file=str(path)) from None
-    except ConfigError as e:
-        raise e.with_file(str(path)) from None
+        raise ConfigError(f"not valid YAML{where}: {problem}") from None
