@@ -175,20 +175,29 @@ def policy(f: Form, seed: dict) -> dict:
     with c1:
         serving["batching"] = f.choice("Batching", "serving.batching", ["continuous", "static"],
                                        serving.get("batching"))
+    static = serving["batching"] == "static"
+    # the keys the other batching mode reads are dropped: the scenario refuses keys nothing reads
+    for k in (("max_num_seqs", "max_num_batched_tokens", "waiting_served_ratio", "max_waiting_tokens",
+               "enable_chunked_prefill", "prefill_chunk_size") if static else ("batch_size",)):
+        serving.pop(k, None)
     with c2:
-        if serving["batching"] == "static":
+        if static:
             serving["batch_size"] = f.integer("batch_size", "serving.batch_size", serving.get("batch_size", 8))
         else:
             serving["max_num_seqs"] = f.integer("max_num_seqs", "serving.max_num_seqs",
                                                 serving.get("max_num_seqs", 256))
-    c1, c2 = st.columns(2)
-    with c1:
-        budget = f.integer("max_num_batched_tokens", "serving.budget", serving.get("max_num_batched_tokens"),
-                           optional=True, help="empty: 2048 with chunked prefill, else max(max_model_len, 2048)")
-    serving["max_num_batched_tokens"] = budget
-    with c2:
-        serving["enable_chunked_prefill"] = st.checkbox("Chunked prefill", bool(serving.get("enable_chunked_prefill")),
-                                                        key=f.key("serving.chunked"))
+    if not static:
+        c1, c2 = st.columns(2)
+        with c1:
+            budget = f.integer("max_num_batched_tokens", "serving.budget", serving.get("max_num_batched_tokens"),
+                               optional=True, help="empty: 2048 with chunked prefill, else max(max_model_len, 2048)")
+        serving["max_num_batched_tokens"] = budget
+        with c2:
+            serving["enable_chunked_prefill"] = st.checkbox("Chunked prefill",
+                                                            bool(serving.get("enable_chunked_prefill")),
+                                                            key=f.key("serving.chunked"))
+        if not serving["enable_chunked_prefill"]:
+            serving.pop("prefill_chunk_size", None)
     c1, c2, c3 = st.columns(3)
     with c1:
         kv["allocator"] = f.choice("KV allocator", "kv.allocator", ["paged", "contiguous"], kv.get("allocator"))

@@ -143,8 +143,7 @@ def test_whatif_compression_fits_a_bigger_model_and_frees_kv():
 
 @pytest.mark.parametrize("change, where", [
     (lambda at: widget(at, "number_input", "parallel.tp").set_value(3), "parallel.tensor_parallel_size"),
-    (lambda at: (widget(at, "selectbox", "serving.batching").set_value("static").run(),
-                 widget(at, "checkbox", "serving.chunked").check()), "enable_chunked_prefill"),
+    (lambda at: widget(at, "number_input", "serving.budget").set_value(16), "max_num_batched_tokens"),
     (lambda at: (widget(at, "toggle", "speculative.on").set_value(True), widget(at, "toggle", "pools.on")
                  .set_value(True)), "speculative decoding with pools"),
     (lambda at: widget(at, "number_input", "workload.rate").set_value(0.0), "workload.arrival.rate"),
@@ -300,3 +299,14 @@ def test_app_serves_four_pages():
         at.switch_page(page).run()
         assert_clean(at)
         assert at.title[0].value in {"What-if", "Compare", "Search", "Validation"}
+
+
+def test_whatif_static_batching_drops_what_only_continuous_batching_reads():
+    """The seed's max_num_seqs / chunked prefill are not carried into a static-batching scenario (which refuses
+    keys it does not read), and come back with continuous batching."""
+    at = whatif()
+    widget(at, "selectbox", "serving.batching").set_value("static").run()
+    assert not [w for w in at.checkbox if w.key and w.key.endswith("serving.chunked")]
+    assert simulate(at)["Completed"]
+    widget(at, "selectbox", "serving.batching").set_value("continuous").run()
+    assert simulate(at)["Completed"]

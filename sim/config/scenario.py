@@ -85,7 +85,7 @@ class ExecutorConfig(StrictModel):
     attention: Literal["naive", "sdpa", "flash", "paged"] = "sdpa"
     threads: PositiveInt | None = Field(None, le=4096, description="torch CPU threads (per process with tensor or pipeline "
                                                           "parallelism); default: all cores, shared among the processes")
-    temperature: NonNegativeFloat = Field(0.0, description="0 is greedy")
+    temperature: NonNegativeFloat = Field(0.0, description="0 is greedy (so is anything below 1e-5, as in vLLM)")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int = Field(0, ge=0, le=2**63 - 1, description="torch's sampling generator takes a 64-bit seed")
@@ -221,6 +221,13 @@ class ParallelConfig(StrictModel):
                                                 "flight (vLLM: one per stage; fewer leave stages idle: the bubble); "
                                                 "each has its own scheduler and share of the KV blocks")
 
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> "ParallelConfig":
+        if self.sequence_parallel and self.tensor_parallel_size == 1:  # it would change nothing, without a word
+            raise ValueError("sequence_parallel splits a tensor-parallel group's norms; allowed: with "
+                             "tensor_parallel_size of 2 or more")
+        return self
+
 
 class PoolConfig(StrictModel):
     """One pool of a disaggregated cluster (DistServe, Splitwise): its own devices, count, parallelism, serving knobs
@@ -278,6 +285,7 @@ class Scenario(StrictModel):
 
     @model_validator(mode="after")
     def _check_static(self) -> "Scenario":
+        _check_serving_keys(self.serving, "serving")
         if self.serving.batching == "static" and self.serving.enable_chunked_prefill:
             raise ValueError("serving.enable_chunked_prefill needs batching: continuous")
         if self.serving.batching == "static" and self.speculative:
@@ -289,6 +297,7 @@ class Scenario(StrictModel):
                 raise ValueError("with pools, replicas is set per pool (pools.prefill.replicas, pools.decode.replicas)")
             for name in ("prefill", "decode"):
                 sv = self.pools_serving(name)
+                _check_serving_keys(sv, f"pools.{name}.serving")
                 if sv.batching == "static":
                     raise ValueError(f"pools.{name}: disaggregated pools need batching: continuous")
             if self.speculative is not None:
@@ -300,7 +309,30 @@ class Scenario(StrictModel):
         own = getattr(self.pools, name).serving
         if own is None:
             return self.serving
-        return ServingConfig.model_validate({**self.serving.model_dump(), **own.model_dump(exclude_unset=True)})
+        return ServingConfig.model_validate({**self.serving.model_dump(exclude_unset=True),
+                                             **own.model_dump(exclude_unset=True)})
+
+
+# serving keys that only one batching mode, or only another key, reads: set where nothing reads them, the run would
+# silently be the run without them
+CONTINUOUS_ONLY = ("max_num_seqs", "max_num_batched_tokens", "waiting_served_ratio", "max_waiting_tokens")
+
+
+def _check_serving_keys(sv: ServingConfig, where: str) -> None:
+    # a key at its default changes nothing either way (and dumped scenarios carry every default)
+    given = {k for k, f in ServingConfig.model_fields.items() if getattr(sv, k) != f.default}
+    if sv.batching == "static":
+        ignored = [k for k in CONTINUOUS_ONLY if k in given]
+        if ignored:
+            raise ValueError(f"{where}.{ignored[0]} applies to batching: continuous; static batching reads batch_size")
+    elif "batch_size" in given:
+        raise ValueError(f"{where}.batch_size applies to batching: static; continuous batching reads max_num_seqs")
+    if "prefill_chunk_size" in given and not sv.enable_chunked_prefill:
+        raise ValueError(f"{where}.prefill_chunk_size applies with enable_chunked_prefill: true (a whole prompt "
+                         "runs in one step without it)")
+    if "max_waiting_tokens" in given and sv.waiting_served_ratio is None:
+        raise ValueError(f"{where}.max_waiting_tokens applies with waiting_served_ratio (TGI's admission gate), "
+                         "which is not set")
 
 
 def _loc_to_path(loc: list) -> str:
