@@ -29,6 +29,7 @@ from executor.serve import check_device
 from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
+from sim.config.profile import MIN_STEP_S, check_fit
 from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, shape_of
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
@@ -310,9 +311,33 @@ def refit(prof: dict) -> dict:
                         f"{MIN_REFIT_SAMPLES} measured steps")
     for i, smp in enumerate(samples):
         times = [smp.get("time_s"), smp.get("forward_s") or 1.0] if isinstance(smp, dict) else [None]
-        if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6 for t in times):
-            raise TypeError(f"samples[{i}]: time_s and forward_s are step times in seconds, finite and > 0")
-    return {**prof, "fit": fit_samples(samples)}
+        if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_STEP_S <= t < 1e6 for t in times):
+            raise TypeError(f"samples[{i}]: time_s and forward_s are step times in seconds, finite and at least "
+                            f"{MIN_STEP_S:g}")
+        _check_sample_shape(smp, f"samples[{i}]")
+    fitted = {**prof, "fit": fit_samples(samples)}
+    check_fit(fitted["fit"], Path("the refit"), "fit")  # what `run` would refuse is not written over the file
+    if "forward" in fitted["fit"]:
+        check_fit(fitted["fit"]["forward"], Path("the refit"), "fit.forward")
+    return fitted
+
+
+def _whole(x, low: int, high: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _check_sample_shape(smp: dict, where: str) -> None:
+    """A recorded step's shape as the executor writes it: per sequence its new tokens (>= 1) and its context after
+    the step (at least those), and counts of sampled and prefill rows within the batch."""
+    new, ctx = smp.get("new_tokens"), smp.get("context_lens")
+    if not isinstance(new, list) or not isinstance(ctx, list) or not new or len(new) != len(ctx):
+        raise TypeError(f"{where}: new_tokens and context_lens are lists of one entry per sequence, equally long")
+    if not all(_whole(n, 1, 10**7) and _whole(c, n, 10**8) for n, c in zip(new, ctx)):
+        raise TypeError(f"{where}: each new_tokens entry a whole number from 1, each context_lens entry at least it "
+                        "(the context after the step)")
+    for key, most, what in (("num_sampled", sum(new), "tokens"), ("num_prefill", len(new), "sequences")):
+        if smp.get(key) is not None and not _whole(smp[key], 0, most):
+            raise TypeError(f"{where}.{key}: a whole number from 0 to the step's {most} {what}")
 
 
 def refit_command(path: Path) -> dict:
@@ -325,8 +350,11 @@ def refit_command(path: Path) -> dict:
         raise ConfigError(f"{path}: no such profile to refit", "--out") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {path} ({type(e).__name__})", "--out") from None
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path} is not an infersim profile with samples ({type(e).__name__}: {e})", "--out") from None
+    except ConfigError as e:  # the fit came out as no profile may hold: the file is left as it was
+        raise ConfigError(f"{path}: its samples refit to a {e.key_path} that `infersim run` would refuse "
+                          f"({e.message.removeprefix('not an infersim profile: ')})", "--out") from None
     write_profile(path, prof)
     f = prof["fit"]
     Console().print(f"refitted {len(prof['samples'])} steps; held-out MAPE {f['heldout']['mape'] * 100:.1f}%, "

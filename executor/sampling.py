@@ -7,6 +7,8 @@ import torch
 
 from executor import native
 
+SAMPLING_EPS = 1e-5  # temperatures below it sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,6 +19,10 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     ignore_eos: bool = True  # a workload's output length is the number of tokens to generate
+
+    def __post_init__(self):
+        if self.temperature < SAMPLING_EPS:  # logits / 1e-300 overflow to inf: greedy is the limit, as in vLLM
+            object.__setattr__(self, "temperature", 0.0)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

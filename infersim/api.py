@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sim.config.errors import ConfigError
-from sim.config.plan import Plan, load_scenario, plan_of
+from sim.config.plan import Plan, check_profile_device, load_scenario, plan_of
 from sim.config.workload import generate_requests
 from sim.report.metrics import RequestRecords
 from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
@@ -107,6 +107,7 @@ def simulate_data(data: dict, base_dir: Path = Path("."), *,
     from sim.simulator.cluster import sim_records, simulate
 
     plan = plan_of(data, base_dir)
+    check_profile_device(plan)
     specs = generate_requests(plan.workload, plan.base_dir)
     n, step = len(specs), max(1, len(specs) // 100)
     result = simulate(plan, specs, progress=progress and (lambda done: done % step == 0 and progress(done, n)))
@@ -121,6 +122,10 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     from sim.simulator.cluster import sim_records, simulate
 
     plan = load_plan(path)
+    try:
+        check_profile_device(plan)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
     _check_named_drafter(path, plan)
     prepare_out(out)
     try:
@@ -261,7 +266,18 @@ def scenario_files(paths: list[Path]) -> list[Path]:
             found_all += found
         else:
             found_all.append(p)
+    check_distinct(found_all)
     return found_all
+
+
+def check_distinct(paths: list[Path]) -> None:
+    """Each scenario file named once (twice, one's outputs replaced the other's and the medians counted it twice)."""
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        key = p.resolve() if p.exists() else p
+        if key in seen:
+            raise ConfigError(f"{seen[key]} and {p} are one file; allowed: each scenario once", "SCENARIO")
+        seen[key] = p
 
 
 def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu", profile: Path | None = None,
@@ -319,12 +335,20 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader
     from executor.serve import check_device, set_threads
+    from sim.report.capacity import check_scalable
 
     check_device(device)
     paths = scenario_files(scenarios)
     plans = [(path, load_plan(path)) for path in paths]
     if requests is not None:
         plans = [(path, _with_requests(plan, requests, path)) for path, plan in plans]
+    for path, plan in plans:
+        if plan.slo.ttft_s is None and plan.slo.tpot_s is None:
+            raise ConfigError("a capacity needs an SLO to meet: give slo a ttft_s or tpot_s", "slo", str(path))
+        try:
+            check_scalable([s.arrival_s for s in generate_requests(plan.workload, plan.base_dir)])
+        except ConfigError as e:
+            raise e.with_file(str(path)) from None
     prepare_out(out)
     _check_before_runs(plans, drafters=True)
     prof = _validation_profile(profile, alongside, device, plans)

@@ -325,7 +325,8 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
 
 @app.command()
 def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (the first one's workload runs on all)"),
-            sweep: Optional[str] = typer.Option(None, "--sweep", help="KEY=V1,V2,...: one scenario, one key swept"),
+            sweep: Optional[List[str]] = typer.Option(None, "--sweep", help="KEY=V1,V2,...: one scenario, one key "
+                                                      "swept (several keys: `infersim search`)"),
             out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for compare.json, compare.md, cdf.png"),
             quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
@@ -333,6 +334,10 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
     from sim.config.yaml_file import read_yaml
 
     try:
+        api.check_distinct(scenarios)
+        if sweep and len(sweep) > 1:  # typer kept the last and dropped the others without a word
+            raise ConfigError(f"given {len(sweep)} times; allowed: once (several keys: `infersim search`)", "--sweep")
+        sweep = sweep[0] if sweep else None
         items = []
         for path in scenarios:
             data = read_yaml(path)

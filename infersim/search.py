@@ -25,12 +25,13 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from sim.config.errors import ConfigError
-from sim.config.plan import Plan, make_plan
+from sim.config.plan import Plan, check_profile_device, make_plan
+from sim.config.profile import read_profile
 from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
-from sim.report.capacity import grid_capacity, passes, scaled
+from sim.report.capacity import check_scalable, grid_capacity, passes, scaled
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -155,6 +156,12 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
             scenario = parse_scenario(base)
         except ConfigError as e:
             raise ConfigError(e.message, f"scenario.{e.key_path}" if e.key_path else "scenario") from None
+    swept = {k.split(".")[0] for k in spec.space}
+    if scenario.cost_model.profile and "cost_model" not in swept:  # else every configuration is pruned for it
+        try:
+            read_profile(scenario_dir / scenario.cost_model.profile)
+        except ConfigError as e:
+            raise ConfigError(e.message, e.key_path if e.file else "scenario.cost_model.profile", e.file) from None
     if not spec.space:
         raise ConfigError("no keys to search; allowed: dotted scenario keys, each with the values to try (e.g. "
                           "serving.max_num_seqs: [64, 256])", "space")
@@ -250,8 +257,7 @@ def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> str
 
 def _probe_specs(scenario, base_dir: Path, n: int) -> list[RequestSpec]:
     specs = generate_requests(scenario.workload, base_dir)[:n]
-    if len(specs) < 2:
-        raise ConfigError("the workload has fewer than 2 requests: no rate to search", "scenario.workload")
+    check_scalable([s.arrival_s for s in specs], "scenario.workload")
     return specs
 
 
@@ -400,6 +406,7 @@ def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:
     row = ConfigResult(probe.label, probe.overrides, probe.data)
     try:
         plan = make_plan(parse_scenario(probe.data), Path(probe.base_dir))
+        check_profile_device(plan)
     except ConfigError as e:
         return replace(row, status="pruned", reason=e.one_line()), None
     row.devices, row.usd_per_hour = devices_of(plan), usd_per_hour(plan)

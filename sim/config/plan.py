@@ -9,7 +9,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
-from sim.config.hardware import HardwareSpec, catalog_hardware
+from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
@@ -349,6 +349,22 @@ def _check_tensor_parallel(model: ModelSpec, tp: int) -> int:
         raise ConfigError(f"{tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads of "
                           f"{model.name}", key)
     return max(1, model.num_kv_heads // tp)
+
+
+def check_profile_device(plan: Plan) -> None:
+    """For a simulation: a profile measured on the CPU does not price a GPU's steps, nor a GPU's the CPU's (a CPU
+    profile on an H100 priced every step at the CPU's speed and the H100's price, without a word). Not in make_plan:
+    validation predicts an executor run on whatever device it ran on, with the scenario's hardware only its label."""
+    for name, p in [("prefill", plan.pools.prefill), ("decode", plan.pools.decode)] if plan.pools else [("", plan)]:
+        profile, hw = p.cost.profile, p.hardware
+        host = profile.data.get("host") if profile is not None else None
+        measured = str(host.get("device", "")) if isinstance(host, dict) else ""
+        gpu = hw.name in HARDWARE_CATALOG and hw.name != "cpu"
+        if (measured == "cpu" and gpu) or (measured.startswith("cuda") and hw.name == "cpu"):
+            where = host.get("gpu") or host.get("cpu") or measured
+            raise ConfigError(f"{profile.path} was measured on {measured} ({str(where)[:40]}), and hardware is "
+                              f"{hw.name}; allowed: a profile measured on that device (`infersim profile`), or none "
+                              "(the roofline)", f"pools.{name}.cost_model.profile" if name else "cost_model.profile")
 
 
 def plan_of(data: dict, base_dir: Path = Path(".")) -> Plan:

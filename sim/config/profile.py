@@ -52,7 +52,7 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"not an infersim profile: not readable JSON ({type(e).__name__})", file=str(path)) from None
     coefs, knot, ramp_knot = _check(data, path)
-    forward = _check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
+    forward = check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
     comm = _check_comm(data["comm"], path) if "comm" in data else None
     parallel = _check_parallel(data.get("parallel") or {}, path)
     m = data.get("model", {})
@@ -90,7 +90,7 @@ def _check(data, path: Path) -> tuple[dict, int, int]:
     """The coefficients and knots of a profile's fit, and the model it names, checked."""
     if not isinstance(data, dict):
         raise _bad(path, "", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
-    coefs, knot, ramp_knot = _check_fit(data.get("fit"), path, "fit")
+    coefs, knot, ramp_knot = check_fit(data.get("fit"), path, "fit")
     m = data.get("model", {})
     if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
                                       for k in ("num_layers", "hidden_size")):
@@ -111,7 +111,7 @@ def _seconds(value, path: Path, key: str, what: str = "a time in seconds") -> fl
     return float(value)
 
 
-def _check_fit(fit, path: Path, key: str) -> tuple[dict, int, int]:
+def check_fit(fit, path: Path, key: str) -> tuple[dict, int, int]:
     """A fit section's coefficients and knots, every one checked: finite, non-negative, known terms."""
     if not isinstance(fit, dict) or not isinstance(fit.get("coefs"), dict):
         raise _bad(path, f"{key}.coefs", "missing: the fitted coefficients (`infersim profile` writes them)")

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.config.errors import ConfigError
 from sim.config.workload import RequestSpec
 
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
@@ -24,6 +25,16 @@ def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
     span = specs[-1][0] - first
     factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
     return [RequestSpec(i, (a - first) * factor, p, o) for i, (a, p, o) in enumerate(specs)]
+
+
+def check_scalable(arrivals: list[float], key_path: str = "workload") -> None:
+    """A capacity search scales the workload's arrival gaps: it needs two requests or more at distinct times (all at
+    one instant, every rate scales them to that instant and no rate passes)."""
+    if len(arrivals) < 2:
+        raise ConfigError("the workload has fewer than 2 requests: no rate to search", key_path)
+    if arrivals[-1] - arrivals[0] <= 0:
+        raise ConfigError(f"all {len(arrivals)} requests arrive at one instant: no rate to scale them to; allowed: "
+                          "arrivals spread over time (an arrival process, or a trace of distinct times)", key_path)
 
 
 def offered_rate(arrivals: list[float]) -> float:
