@@ -70,12 +70,17 @@ HF_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("change, needle", list(HF_CONFIGS.values()), ids=list(HF_CONFIGS))
-def test_broken_hf_config(tmp_path, change, needle):
+def hf_config_error(tmp_path: Path, change: dict, needle: str) -> None:
+    """`run` of the tiny config.json with `change` (None drops a key) is one line naming the file and `needle`."""
     config = {k: v for k, v in {**TINY_CONFIG, **change}.items() if v is not None}
     path = write(tmp_path / "s.yaml", tiny(tmp_path, config))
     line = one_line_error(invoke("run", path, "-q", "--no-plots"), path, "model.hf_config", needle)
     assert "config.json" in line
+
+
+@pytest.mark.parametrize("change, needle", list(HF_CONFIGS.values()), ids=list(HF_CONFIGS))
+def test_broken_hf_config(tmp_path, change, needle):
+    hf_config_error(tmp_path, change, needle)
 
 
 def test_hf_config_a_list(tmp_path):

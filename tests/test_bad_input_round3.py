@@ -12,7 +12,7 @@ import yaml
 
 from sim.config.workload import load_trace
 from tests.test_bad_input_more import invoke, one_line_error, write
-from tests.test_bad_input_round2 import TINY_CONFIG, tiny
+from tests.test_bad_input_round2 import TINY_CONFIG, hf_config_error, tiny
 
 SECONDS_HEADER = "arrival_s,prompt_len,output_len\n"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -106,10 +106,7 @@ BROKEN_HF = {
 
 @pytest.mark.parametrize("change, needle", list(BROKEN_HF.values()), ids=list(BROKEN_HF))
 def test_unmodelled_hf_config(tmp_path, change, needle):
-    config = {k: v for k, v in {**TINY_CONFIG, **change}.items() if v is not None}
-    path = write(tmp_path / "s.yaml", tiny(tmp_path, config))
-    line = one_line_error(invoke("run", path, "-q", "--no-plots"), path, "model.hf_config", needle)
-    assert "config.json" in line
+    hf_config_error(tmp_path, change, needle)
 
 
 def test_quantized_hf_config_with_weight_dtype_runs(tmp_path):

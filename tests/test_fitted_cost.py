@@ -144,9 +144,9 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
     shapes, _ = synthetic(noise=0.0)
     samples = []
     for s in shapes:
-        # shape_of's inputs back: any per-row split with the same sums gives the same features here
+        # shape_of's inputs back: a per-row split with the same sums, each context at least its new tokens
         new = [s.num_new_tokens - (s.num_seqs - 1)] + [1] * (s.num_seqs - 1)
-        ctx = [s.sum_context - (s.num_seqs - 1) * new[0]] + [new[0]] * (s.num_seqs - 1)
+        ctx = [s.sum_context - (s.num_seqs - 1)] + [1] * (s.num_seqs - 1)
         samples.append({"new_tokens": new, "context_lens": ctx, "num_sampled": s.num_sampled,
                         "num_prefill": s.num_prefill, "time_s": FittedCostModel(TRUE).step_time(
                             shape_of(new, ctx, s.num_sampled, s.num_prefill))})
