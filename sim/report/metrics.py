@@ -1,7 +1,9 @@
 """Serving metrics as vLLM's benchmark defines them, shared by the simulator and the executor.
 
 TTFT: arrival → first token. E2E: arrival → last token. TPOT: (E2E − TTFT) / (output tokens − 1).
-ITL: every gap between consecutive tokens of a request. Throughput: over first arrival → last finish.
+ITL: every gap between consecutive token arrivals of a request; tokens one step emits together (speculative
+decoding's accepted drafts) arrive as one streamed chunk, one gap, as vLLM's benchmark times them, not a gap of 0.
+Throughput: over first arrival → last finish.
 Goodput: completed requests per second that meet every SLO target.
 """
 from __future__ import annotations
@@ -64,9 +66,11 @@ class RequestRecords:
 
 
 def token_gaps(requests: list[Request]) -> list[np.ndarray]:
-    """Every gap between consecutive tokens of each completed request, from the token times kept on it."""
+    """Every gap between consecutive token arrivals of each completed request, from the token times kept on it
+    (tokens of one step share its time: a chunk, one gap)."""
     gaps = [np.diff(r.token_times) for r in requests if r.status is Status.FINISHED and len(r.token_times) > 1]
     values = np.concatenate(gaps) if gaps else np.zeros(0)
+    values = values[values > 0]
     return [values, np.ones(len(values), dtype=np.int64)]
 
 
