@@ -43,6 +43,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     if plan.pools is not None:  # the decode pool holds the long-lived KV: the kv_cache section is its
         replicas = [r for r in replicas if r.pool == "decode"]
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
+    engines = (plan.pools.decode if plan.pools is not None else plan).virtual_engines
     out_tok_s = m["throughput"]["output_tokens_per_s"]
     pool_plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
     usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size
@@ -62,7 +63,10 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             "preemptions": int(sum(r.num_preemptions for r in replicas)),
             "num_blocks": replicas[0].num_blocks, "block_size": replicas[0].block_size,
             "bytes_per_token": plan.kv_bytes_per_token,
-            "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size,
+            # a pipeline's virtual engines each hold num_blocks (kv_cache.num_blocks is per engine): the replica's
+            # room is their sum, as memory_gib.kv_cache counts it
+            "engines_per_replica": engines,
+            "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size * engines,
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
                        "kv_cache": plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
