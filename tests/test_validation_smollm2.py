@@ -34,7 +34,7 @@ SCENARIO = {
     "executor": {"attention": "sdpa", "threads": 2},
     "serving": {"max_num_seqs": 16, "max_model_len": 1024},
     "kv_cache": {"allocator": "paged", "block_size": 16, "num_blocks": 256},
-    "workload": {"seed": 21, "arrival": {"process": "poisson", "rate": 1.0}, "num_requests": 16,
+    "workload": {"seed": 21, "arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 16,
                  "prompt_len": {"dist": "uniform", "min": 32, "max": 256},
                  "output_len": {"dist": "uniform", "min": 16, "max": 48}},
 }
