@@ -12,6 +12,7 @@ import streamlit as st
 from dashboard.seeds import saved, upload_dir
 from infersim import api
 from sim.config.limits import MAX_REPLICAS, MAX_REQUESTS
+from sim.config.scenario import CONTINUOUS_ONLY
 
 AS_SEEDED = "as in the scenario"
 LENGTHS = ("fixed", "uniform", "lognormal", "zipf")
@@ -177,8 +178,7 @@ def policy(f: Form, seed: dict) -> dict:
                                        serving.get("batching"))
     static = serving["batching"] == "static"
     # the keys the other batching mode reads are dropped: the scenario refuses keys nothing reads
-    for k in (("max_num_seqs", "max_num_batched_tokens", "waiting_served_ratio", "max_waiting_tokens",
-               "enable_chunked_prefill", "prefill_chunk_size") if static else ("batch_size",)):
+    for k in ((*CONTINUOUS_ONLY, "enable_chunked_prefill", "prefill_chunk_size") if static else ("batch_size",)):
         serving.pop(k, None)
     with c2:
         if static:

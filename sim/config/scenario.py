@@ -309,8 +309,7 @@ class Scenario(StrictModel):
         own = getattr(self.pools, name).serving
         if own is None:
             return self.serving
-        return ServingConfig.model_validate({**self.serving.model_dump(exclude_unset=True),
-                                             **own.model_dump(exclude_unset=True)})
+        return ServingConfig.model_validate({**self.serving.model_dump(), **own.model_dump(exclude_unset=True)})
 
 
 # serving keys that only one batching mode, or only another key, reads: set where nothing reads them, the run would
