@@ -43,6 +43,13 @@ MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on -
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
 
 
+def _path(value: str) -> Path:
+    """A path flag's value; an empty one (an unset shell variable) would silently mean the current folder."""
+    if not value.strip():
+        raise typer.BadParameter("an empty path; give a folder or file name")
+    return Path(value)
+
+
 def _fail(e: ConfigError) -> None:
     print(f"infersim: error: {e.one_line()}", file=sys.stderr)
     raise typer.Exit(2)
@@ -50,7 +57,7 @@ def _fail(e: ConfigError) -> None:
 
 @app.command()
 def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
-        out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for report.json, requests.csv, plots"),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for report.json, requests.csv, plots"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots")) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
@@ -62,7 +69,7 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
 
 @app.command()
 def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
-          out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the report and the step trace"),
+          out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the report and the step trace"),
           device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
           threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
                                                 help="torch CPU threads (default: all cores)"),
@@ -87,7 +94,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
 @app.command()
 def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
-            out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o"),
+            out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o", parser=_path),
             threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
                                                   help="torch CPU threads (default: all cores)"),
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
@@ -106,7 +113,7 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
 
 
 @app.command()
-def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the draft model (default: "
+def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the draft model (default: "
                                                "~/.cache/infersim/drafts/smollm2-135m)"),
             layers: str = typer.Option("0,1", "--layers", help="teacher layers the student starts from, comma-separated"),
             vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the draft can propose"),
@@ -130,7 +137,7 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder
 
 
 @app.command("train-medusa")
-def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the heads (default: the "
+def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the heads (default: the "
                                                     "ones shipped in executor/data/medusa-smollm2-135m)"),
                  num_heads: int = typer.Option(3, "--heads", min=1, max=8, help="K: head d guesses d + 1 tokens on"),
                  vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the heads can propose"),
@@ -156,7 +163,7 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", help="f
 @app.command()
 def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (or folders of them) with a model "
                                                                "that has real weights"),
-             out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for validation.json and the CDF plot "
+             out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for validation.json and the CDF plot "
                                                 "(one subfolder per scenario when there are several)"),
              device: str = typer.Option("cpu", "--device"),
              profile_path: Optional[Path] = typer.Option(None, "--profile",
@@ -285,7 +292,7 @@ def _pct(x) -> str:
 
 @app.command()
 def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, target, space, search"),
-           out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for search.json, search.md, pareto.png"),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for search.json, search.md, pareto.png"),
            backend: str = typer.Option("local", "--backend", help="local (processes on this machine) or ray"),
            address: Optional[str] = typer.Option(None, "--address", help="ray: the cluster (default: a local Ray)"),
            workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: processes (default: cores)"),
@@ -327,7 +334,7 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
 def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (the first one's workload runs on all)"),
             sweep: Optional[List[str]] = typer.Option(None, "--sweep", help="KEY=V1,V2,...: one scenario, one key "
                                                       "swept (several keys: `infersim search`)"),
-            out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for compare.json, compare.md, cdf.png"),
+            out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for compare.json, compare.md, cdf.png"),
             quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
     from infersim import compare as cmp

@@ -248,3 +248,10 @@ def test_temperature_below_the_sampling_floor_is_greedy(tmp_path):
     path = write(tmp_path / "s.yaml", tiny(tmp_path, executor={"temperature": 1e-300}))
     r = invoke("serve", path, "-q", "--no-plots")
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("command", [["run"], ["serve", "s.yaml"], ["search", "s.yaml"], ["compare", "a.yaml", "b.yaml"],
+                                     ["validate", "s.yaml"], ["profile"], ["distill"], ["train-medusa"]])
+def test_empty_out_flag(command):
+    """W: `--out ""` (an unset shell variable) wrote report.json and plots into the current folder."""
+    one_line_error(invoke(*command, "--out", " "), "--out", "empty path")
