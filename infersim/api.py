@@ -126,7 +126,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         check_profile_device(plan)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
-    _check_named_drafter(path, plan)
+    _check_drafters([(path, plan)], named_only=True)
     prepare_out(out)
     try:
         specs = generate_requests(plan.workload, plan.base_dir)
@@ -335,7 +335,7 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader
     from executor.serve import check_device, set_threads
-    from sim.report.capacity import check_scalable
+    from sim.report.capacity import check_has_slo, check_scalable
 
     check_device(device)
     paths = scenario_files(scenarios)
@@ -343,9 +343,8 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     if requests is not None:
         plans = [(path, _with_requests(plan, requests, path)) for path, plan in plans]
     for path, plan in plans:
-        if plan.slo.ttft_s is None and plan.slo.tpot_s is None:
-            raise ConfigError("a capacity needs an SLO to meet: give slo a ttft_s or tpot_s", "slo", str(path))
         try:
+            check_has_slo(plan.slo)
             check_scalable([s.arrival_s for s in generate_requests(plan.workload, plan.base_dir)])
         except ConfigError as e:
             raise e.with_file(str(path)) from None
@@ -435,28 +434,18 @@ def _check_before_runs(plans: list, drafters: bool) -> None:
         _check_drafters(plans)
 
 
-def _check_drafters(plans: list) -> None:
+def _check_drafters(plans: list, named_only: bool = False) -> None:
     """Each (path, plan)'s draft model or Medusa heads are there, and a Medusa tree fits its heads, checked before
-    the target model loads; errors name the scenario file."""
+    the target model loads; errors name the scenario file. `named_only`: a simulation may plan with heads or a draft
+    not made yet, so only a folder the scenario names that holds them is checked against it."""
     from executor.speculative.build import drafter_dir
 
     for path, plan in plans:
         if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
             try:
-                drafter_dir(plan)
+                drafter_dir(plan, named_only)
             except ConfigError as e:
                 raise e.with_file(str(path)) from None
-
-
-def _check_named_drafter(path: Path, plan: Plan) -> None:
-    """A simulation may plan with heads or a draft not made yet; but where the scenario names a folder that holds
-    them, they must fit it (a Medusa tree deeper than its heads, a draft for another model) as on the executor."""
-    spec = plan.speculative
-    if spec is None or spec.method not in ("draft_model", "medusa"):
-        return
-    name, meta = (spec.medusa_heads, "medusa.json") if spec.method == "medusa" else (spec.draft_model, "draft.json")
-    if name is not None and (plan.base_dir / Path(name).expanduser() / meta).is_file():
-        _check_drafters([(path, plan)])
 
 
 def warn_threads(plan: Plan, threads: int | None) -> None:

@@ -31,7 +31,7 @@ from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
-from sim.report.capacity import check_scalable, grid_capacity, passes, scaled
+from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, passes, scaled
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -199,9 +199,7 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
             seen.setdefault(same, i)
     rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
     slo = spec.target.slo or scenario.slo
-    if slo.ttft_s is None and slo.tpot_s is None:
-        raise ConfigError("the search needs an SLO: give target.slo (or the scenario's slo) a ttft_s or tpot_s",
-                          "target.slo")
+    check_has_slo(slo, "target.slo")
     return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search)
 
 

@@ -10,9 +10,10 @@ from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 
 
-def drafter_dir(plan: Plan) -> Path:
+def drafter_dir(plan: Plan, named_only: bool = False) -> Path | None:
     """The folder of a draft_model scenario's draft or a medusa scenario's heads (the scenario's, relative to
-    it, or the default); a one-line error if there is none."""
+    it, or the default); a one-line error if there is none. `named_only`: None unless the scenario names a folder
+    that holds them (which is then checked as ever)."""
     from executor.speculative.training import default_draft_dir, default_medusa_dir
 
     spec = plan.speculative
@@ -23,6 +24,8 @@ def drafter_dir(plan: Plan) -> Path:
         name, default, meta, key, cmd = (spec.draft_model, default_draft_dir(), "draft.json",
                                          "speculative.draft_model", "make a draft model with `infersim distill")
     folder = default if name is None else (plan.base_dir / Path(name).expanduser())
+    if named_only and (name is None or not (folder / meta).is_file()):
+        return None
     if not (folder / meta).is_file():
         raise ConfigError(f"nothing in {folder}; {cmd} --out {folder}`", key)
     _check_saved(folder, meta, plan, key, cmd)

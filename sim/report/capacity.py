@@ -37,6 +37,12 @@ def check_scalable(arrivals: list[float], key_path: str = "workload") -> None:
                           "arrivals spread over time (an arrival process, or a trace of distinct times)", key_path)
 
 
+def check_has_slo(slo, key_path: str = "slo") -> None:
+    """A capacity is the highest rate that meets an SLO: it needs a TTFT or TPOT bound to meet."""
+    if slo.ttft_s is None and slo.tpot_s is None:
+        raise ConfigError("a capacity needs an SLO to meet: give it a ttft_s or tpot_s", key_path)
+
+
 def offered_rate(arrivals: list[float]) -> float:
     """Requests per second the arrivals offer (gaps between the first and the last)."""
     return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
