@@ -25,6 +25,10 @@ class HardwareSpec(StrictModel):
     # the links' bounds keep one transfer's time finite and meaningful (1e-300 B/s priced steps at 1e300 s)
     interconnect_bandwidth: float = Field(64e9, ge=1e6, description="device-to-device bytes/s (NVLink or PCIe)")
     interconnect_latency_s: NonNegativeFloat = Field(5e-6, le=60)
+    interconnect_topology: Literal["switch", "ring"] = Field(
+        "ring", description="switch: every device one hop from every other (NVSwitch), so an all-reduce waits on two "
+        "link latencies whatever the device count (vLLM's one-/two-shot custom all-reduce); ring: 2(n-1) of them "
+        "(NCCL's ring over PCIe)")
     host_bandwidth: float = Field(25e9, ge=1e6, description="device-to-host bytes/s (PCIe), used by KV swap")
     price_per_hour: float = Field(0.0, ge=0, le=1e6, description="USD per device-hour")
     sparse_tensor_cores: bool = Field(False, description="2:4 structured sparsity runs at twice the dense rate "
@@ -39,23 +43,26 @@ class HardwareSpec(StrictModel):
         return self.memory_gib * GiB
 
 
-def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9, fp8=True):
+def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9, fp8=True,
+         topology="switch"):
     rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": fp8_int8} | ({"fp8": fp8_int8} if fp8 else {})
     return HardwareSpec(
         name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
-        interconnect_bandwidth=link, interconnect_latency_s=link_latency, host_bandwidth=host_bw,
-        price_per_hour=price, sparse_tensor_cores=True)
+        interconnect_bandwidth=link, interconnect_latency_s=link_latency, interconnect_topology=topology,
+        host_bandwidth=host_bw, price_per_hour=price, sparse_tensor_cores=True)
 
 
-# Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi).
+# Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi). Links: the SXM
+# parts' NVLink through NVSwitch (an 8-GPU HGX board), per direction.
 # Prices: rough 2024-25 on-demand USD per GPU-hour at GPU clouds; they vary by provider, set your own.
 HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
     _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 600e9, 1.29, fp8=False),  # Ampere: int8, no fp8
     _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 600e9, 1.79, fp8=False),
     _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 900e9, 2.99, host_bw=50e9),
     _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 900e9, 3.79, host_bw=50e9),
-    _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6),
-    _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 32e9, 1.49, link_latency=10e-6),
+    # PCIe cards: no NVLink, NCCL's ring
+    _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6, topology="ring"),
+    _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 32e9, 1.49, link_latency=10e-6, topology="ring"),
     # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
     # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
     HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,

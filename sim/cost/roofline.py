@@ -55,9 +55,9 @@ class RooflineCostModel:
     - attention: 4·layers·heads·head_dim FLOPs per (query, key) pair, causal within a prompt;
       K/V read for the whole context, GQA-aware (2·layers·kv_heads·head_dim·bytes per token);
     - tensor parallelism over n devices: FLOPs, weight and K/V reads split n ways (K/V by KV heads, a copy per
-      device when there are fewer KV heads than devices), plus two ring all-reduces of the step's hidden states
-      per layer, 2(n−1)/n · bytes / link bandwidth + 2(n−1) · link latency each, and the sampled rows' logits
-      gathered from the vocab-parallel lm_head. Sequence parallelism splits the norm and residual traffic too
+      device when there are fewer KV heads than devices), plus two all-reduces of the step's hidden states per
+      layer, 2(n−1)/n · bytes / link bandwidth + 2(n−1) · link latency each over a ring (2 latencies through a
+      switch), and the sampled rows' logits gathered from the vocab-parallel lm_head. Sequence parallelism splits the norm and residual traffic too
       (its reduce-scatter + all-gather move what the all-reduce did).
     """
 
@@ -88,8 +88,12 @@ class RooflineCostModel:
         # communication per step: 2 all-reduces a layer of each token's hidden state, and the logits gather
         link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
         ring = 2 * (n - 1) / n
+        # a ring passes 2(n-1) messages one after another; through a switch every peer is one hop away, so the
+        # reduce-scatter and the all-gather each wait one latency (the logits gather: n-1 hops, or one)
+        switch = hw.interconnect_topology == "switch"
+        all_reduce_hops, gather_hops = (2, 1) if switch else (2 * (n - 1), n - 1)
         self.s_comm_per_token = 2 * model.num_layers * ring * model.hidden_size * act_bytes / link
-        self.s_comm_per_step = 2 * model.num_layers * 2 * (n - 1) * lat + (n - 1) * lat
+        self.s_comm_per_step = (2 * model.num_layers * all_reduce_hops + gather_hops) * lat
         self.s_comm_per_logit_row = (n - 1) / n * model.vocab_size * 4 / link
         self.parallel = n > 1
 
