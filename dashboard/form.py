@@ -168,6 +168,9 @@ def speculative(f: Form, seeded: dict | None) -> dict | None:
     return spec
 
 
+CHUNKED = {"auto": None, "on": True, "off": False}
+
+
 def policy(f: Form, seed: dict) -> dict:
     """The serving section (batching, step budget, chunked prefill) and the KV cache's allocator and preemption."""
     serving = dict(seed.get("serving") or {})
@@ -193,10 +196,11 @@ def policy(f: Form, seed: dict) -> dict:
                                optional=True, help="empty: 2048 with chunked prefill, else max(max_model_len, 2048)")
         serving["max_num_batched_tokens"] = budget
         with c2:
-            serving["enable_chunked_prefill"] = st.checkbox("Chunked prefill",
-                                                            bool(serving.get("enable_chunked_prefill")),
-                                                            key=f.key("serving.chunked"))
-        if not serving["enable_chunked_prefill"]:
+            chunked = f.choice("Chunked prefill", "serving.chunked", list(CHUNKED),
+                               next(k for k, v in CHUNKED.items() if v == serving.get("enable_chunked_prefill")),
+                               help="auto: on when max_model_len is over 32,768 (vLLM's default)")
+            serving["enable_chunked_prefill"] = CHUNKED[chunked]
+        if serving["enable_chunked_prefill"] is not True:
             serving.pop("prefill_chunk_size", None)
     c1, c2, c3 = st.columns(3)
     with c1:

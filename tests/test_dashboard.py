@@ -96,7 +96,7 @@ def test_whatif_simulates_and_follows_a_widget():
 def test_whatif_policy_techniques_and_slo_widgets():
     at = whatif()
     widget(at, "number_input", "serving.max_num_seqs").set_value(4)
-    widget(at, "checkbox", "serving.chunked").check()
+    widget(at, "selectbox", "serving.chunked").set_value("on")
     widget(at, "selectbox", "kv.preemption").set_value("recompute")
     widget(at, "number_input", "slo.ttft_s").set_value(0.05)
     widget(at, "toggle", "speculative.on").set_value(True).run()
@@ -306,7 +306,7 @@ def test_whatif_static_batching_drops_what_only_continuous_batching_reads():
     keys it does not read), and come back with continuous batching."""
     at = whatif()
     widget(at, "selectbox", "serving.batching").set_value("static").run()
-    assert not [w for w in at.checkbox if w.key and w.key.endswith("serving.chunked")]
+    assert not [w for w in at.selectbox if w.key and w.key.endswith("serving.chunked")]
     assert simulate(at)["Completed"]
     widget(at, "selectbox", "serving.batching").set_value("continuous").run()
     assert simulate(at)["Completed"]

@@ -42,6 +42,40 @@ def test_kv_blocks_follow_the_memory_budget():
     assert contiguous.block_size == 4096 and contiguous.num_blocks == int(kv // (4096 * model.kv_bytes_per_token))
 
 
+def test_long_context_models_chunk_their_prompts_by_default():
+    """vLLM's rule: chunked prefill is on by default past a 32k context. Without it Llama-3.1-8B's step budget was a
+    whole 131,072-token prompt: 11.1 GiB of activations reserved on an A100-80GB, a quarter of the KV taken away,
+    and the model refused on an L4 as needing TP 2."""
+    long = plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB"))
+    assert long.scheduler.enable_chunked_prefill and long.scheduler.max_num_batched_tokens == 2048
+    off = plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB", serving={"enable_chunked_prefill": False}))
+    assert not off.scheduler.enable_chunked_prefill and off.scheduler.max_num_batched_tokens == 131072
+    assert off.activation_bytes > 10 * 2**30 > 2**30 > long.activation_bytes
+    assert long.num_blocks > 1.2 * off.num_blocks
+    at_32k = plan_of(scenario(model="Mistral-7B", hardware="A100-80GB"))  # 32,768: not past it
+    assert not at_32k.scheduler.enable_chunked_prefill
+    short = plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB", serving={"max_model_len": 8192}))
+    assert not short.scheduler.enable_chunked_prefill
+    static = plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB",
+                              serving={"batching": "static", "max_model_len": 8192}))
+    assert not static.scheduler.enable_chunked_prefill
+    with pytest.raises(ConfigError) as e:  # on an L4 the KV cannot hold one 131k sequence: vLLM's refusal too
+        plan_of(scenario(model="Llama-3.1-8B", hardware="L4"))
+    assert e.value.key_path == "serving.max_model_len"
+
+
+@pytest.mark.parametrize("serving", [{"prefill_chunk_size": 512}, {"prefill_chunk_size": 512, "max_model_len": 8192}])
+def test_a_prompt_chunk_where_chunked_prefill_is_off_by_default(serving):
+    """prefill_chunk_size with chunked prefill unset: read past a 32k context, refused where nothing reads it."""
+    if "max_model_len" not in serving:
+        assert plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB", serving=serving)) \
+            .scheduler.prefill_chunk_size == 512
+        return
+    with pytest.raises(ConfigError) as e:
+        plan_of(scenario(model="Llama-3.1-8B", hardware="A100-80GB", serving=serving))
+    assert e.value.key_path == "serving.prefill_chunk_size" and "max_model_len 8192" in e.value.message
+
+
 @pytest.mark.parametrize("overrides, path", [
     ({"model": "Llama-2-70B", "hardware": "L4"}, "hardware"),
     ({"model": {"base": "Llama-2-7B", "num_kv_heads": 5}}, "model.num_kv_heads"),

@@ -48,6 +48,11 @@ class SchedulerConfig:
     max_queue_delay_s: float | None  # admission bound: a request not started this long after arriving is rejected
 
 
+# vLLM turns chunked prefill on by default past this context (engine args, V0; V1 always): a step budget of a whole
+# 128k-token prompt reserves ~11 GiB of activations for Llama-3.1-8B
+LONG_CONTEXT = 32768
+
+
 def _default(cls, name: str):
     return cls.model_fields[name].default
 
@@ -62,6 +67,8 @@ def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
     k = {name: knobs.get(name, _default(ServingConfig, name)) for name in
          ("batching", "max_num_seqs", "enable_chunked_prefill", "waiting_served_ratio", "max_waiting_tokens",
           "batch_size", "max_queue_len", "max_queue_delay_s")}
+    if k["enable_chunked_prefill"] is None:
+        k["enable_chunked_prefill"] = k["batching"] == "continuous" and max_model_len > LONG_CONTEXT
     budget = knobs.get("max_num_batched_tokens") or (2048 if k["enable_chunked_prefill"] else max(max_model_len, 2048))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
     return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,
@@ -249,11 +256,16 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         num_speculative_tokens=spec.num_draft_tokens if spec else 0,
         speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
     budget = scheduler.max_num_batched_tokens
-    if sv.batching == "continuous" and not sv.enable_chunked_prefill and budget < max_model_len:
+    if sv.prefill_chunk_size is not None and not scheduler.enable_chunked_prefill:
+        why = "static batching" if sv.batching == "static" else \
+            f"max_model_len {max_model_len} (on by default past {LONG_CONTEXT})"
+        raise ConfigError(f"applies with chunked prefill, which is off under {why}; a whole prompt runs in one step "
+                          "without it", "serving.prefill_chunk_size")
+    if sv.batching == "continuous" and not scheduler.enable_chunked_prefill and budget < max_model_len:
         raise ConfigError(f"{budget} is smaller than max_model_len ({max_model_len}); without chunked prefill "
                           "a whole prompt must fit one step: raise it or set enable_chunked_prefill: true",
                           "serving.max_num_batched_tokens")
-    if sv.batching == "continuous" and budget < sv.max_num_seqs and sv.enable_chunked_prefill:
+    if sv.batching == "continuous" and budget < sv.max_num_seqs and scheduler.enable_chunked_prefill:
         raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
     tp, sp = scenario.parallel.tensor_parallel_size, scenario.parallel.sequence_parallel

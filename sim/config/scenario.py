@@ -29,7 +29,9 @@ class ServingConfig(StrictModel):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt | None = Field(
         None, description="token budget of one step; default 2048 with chunked prefill, else max(max_model_len, 2048)")
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split prompts across steps; default: on under continuous batching when max_model_len is "
+        "over 32,768 (vLLM's rule: one step of a whole 128k prompt reserves GiBs of activations), else off")
     prefill_chunk_size: PositiveInt | None = Field(
         None, description="most prompt tokens of one request per step (default: the step budget)")
     waiting_served_ratio: NonNegativeFloat | None = Field(
@@ -326,7 +328,8 @@ def _check_serving_keys(sv: ServingConfig, where: str) -> None:
             raise ValueError(f"{where}.{ignored[0]} applies to batching: continuous; static batching reads batch_size")
     elif "batch_size" in given:
         raise ValueError(f"{where}.batch_size applies to batching: static; continuous batching reads max_num_seqs")
-    if "prefill_chunk_size" in given and not sv.enable_chunked_prefill:
+    # unset, chunked prefill is the plan's to decide (on past a long context)
+    if "prefill_chunk_size" in given and sv.enable_chunked_prefill is False:
         raise ValueError(f"{where}.prefill_chunk_size applies with enable_chunked_prefill: true (a whole prompt "
                          "runs in one step without it)")
     if "max_waiting_tokens" in given and sv.waiting_served_ratio is None:
