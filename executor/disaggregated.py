@@ -48,7 +48,9 @@ from executor.serve import (
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
+from sim.policy.block_manager import PrefixCachingAllocator
 from sim.policy.build import make_policy, make_router
+from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
@@ -278,7 +280,10 @@ class PrefillDriver:
 
     def start(self, specs: list[RequestSpec]) -> None:
         """The shared clock starts now; every decode instance gets it and the prefill KV tensor."""
-        self.requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
+        kv = self.engine.scheduler.kv
+        make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
+        self.requests = [make(s) for s in specs]
+        self.prompts = {s.id: (s.prefix_id, s.prefix_len) for s in specs}
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:
@@ -294,7 +299,7 @@ class PrefillDriver:
             while self.arrived < len(reqs) and reqs[self.arrived].arrival_s <= now:
                 r = reqs[self.arrived]
                 self.arrived += 1
-                if engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id)):  # a rejection is final and recorded
+                if engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id, *self.prompts[r.id])):  # rejection: final
                     self.live.add(r)
             if now >= next_sample:
                 next_sample = now + LOAD_EVERY_S

@@ -16,9 +16,18 @@ def corpus_ids(tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompt_ids(corpus: list[int], length: int, request_id: int) -> list[int]:
-    """`length` consecutive ids of the corpus, read cyclically from a start that depends on the request."""
-    start = (request_id * 7919) % len(corpus)
+def prompt_ids(corpus: list[int], length: int, request_id: int, prefix_id: int = -1, prefix_len: int = 0) -> list[int]:
+    """`length` consecutive ids of the corpus, read cyclically from a start that depends on the request; with a
+    shared prefix (workload.shared_prefix), its first `prefix_len` come from a start that depends on the prefix
+    alone, so every prompt of that prefix begins with the same tokens (sim/policy/prefix.py hashes them alike)."""
+    if prefix_id < 0 or prefix_len <= 0:
+        return _window(corpus, (request_id * 7919) % len(corpus), length)
+    shared = min(prefix_len, length)
+    return _window(corpus, (prefix_id * 104729 + 17) % len(corpus), shared) + \
+        _window(corpus, (request_id * 7919) % len(corpus), length - shared)
+
+
+def _window(corpus: list[int], start: int, length: int) -> list[int]:
     reps = (start + length) // len(corpus) + 1
     return (corpus * (reps + 1))[start:start + length]
 

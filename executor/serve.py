@@ -23,7 +23,9 @@ from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
+from sim.policy.block_manager import PrefixCachingAllocator
 from sim.policy.build import make_policy
+from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
@@ -190,10 +192,14 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
     free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
     sleeping while the machine is otherwise quiet (see executor.keep_warm)."""
-    requests = [Request(s.id, s.arrival_s, s.prompt_len, s.output_len) for s in specs]
+    kv = getattr(engine, "engines", [engine])[0].scheduler.kv
+    make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
+    requests = [make(s) for s in specs]
+    # a prompt's token ids: a shared prefix's where the workload gives it one, as its block hashes say
+    prompts = [(s.prefix_id, s.prefix_len) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, requests, corpus, load, adapt_threads, progress, keep_warm)
+        _replay(engine, requests, prompts, corpus, load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -211,15 +217,15 @@ def _keep_warm(engine, until: float) -> None:
         torch.mul(a, 1.0, out=a)
 
 
-def _replay(engine, requests: list[Request], corpus: list[int], load: CpuLoad | None, adapt_threads: bool,
-            progress, keep_warm: bool = False) -> None:
+def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], corpus: list[int],
+            load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool = False) -> None:
     nxt = 0
     next_sample = LOAD_EVERY_S
     while nxt < len(requests) or engine.has_work():
         now = engine.now()
         while nxt < len(requests) and requests[nxt].arrival_s <= now:
             r = requests[nxt]
-            engine.add(r, prompt_ids(corpus, r.prompt_len, r.id))  # a rejection is final and recorded
+            engine.add(r, prompt_ids(corpus, r.prompt_len, r.id, *prompts[nxt]))  # a rejection is final and recorded
             nxt += 1
         if now >= next_sample:
             next_sample = now + LOAD_EVERY_S
@@ -249,7 +255,9 @@ def trace_of(engine) -> list[ReplicaTrace]:
         kv = e.scheduler.kv
         traces.append(ReplicaTrace(np.array([r.end_s for r in e.records], float), np.ones(len(e.records), bool),
                                    np.asarray(e.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
-                                   e.scheduler.num_preemptions, kv.peak_used, pipeline_busy_s=busy))
+                                   e.scheduler.num_preemptions, kv.peak_used, pipeline_busy_s=busy,
+                                   prefix_queried_tokens=getattr(kv, "queried_tokens", 0),
+                                   prefix_hit_tokens=getattr(kv, "hit_tokens", 0)))
     return traces
 
 

@@ -84,6 +84,8 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
     outputs up to max_len / 2 mostly, so that most requests fit and some do not."""
     w = {"seed": draw(st.integers(0, 3))}
     hi = max(1, max_len // 2)
+    if draw(st.booleans()):  # prompts that begin alike: what prefix caching finds
+        w["shared_prefix"] = {"prefix_len": draw(st.sampled_from([1, 8, 64])), "num_prefixes": draw(st.sampled_from([1, 3]))}
     if draw(st.integers(0, 5)) == 0:
         w["trace"] = {"path": "builtin:azure_conv", "max_requests": draw(st.integers(1, max_requests)),
                       "time_scale": draw(st.sampled_from([1.0, 50.0])), "prompt_len": draw(lengths(hi))}
@@ -159,6 +161,8 @@ def kv_caches(draw, max_model_len: int, contiguous: bool | None = None) -> dict:
         kv["block_size"] = 16
     if draw(st.booleans()):
         kv.update(preemption="swap", swap_space_gib=draw(st.sampled_from([0.0, 1e-5, 1e-3, 1.0])))
+    if "allocator" not in kv and draw(st.booleans()):
+        kv["enable_prefix_caching"] = True
     return kv
 
 
@@ -203,6 +207,8 @@ def colocated(draw, max_requests: int = 40) -> dict:
     max_model_len = draw(st.sampled_from([8, 32, 256]))
     static = draw(st.integers(0, 5)) == 0
     kv = draw(kv_caches(max_model_len))
+    if static:
+        kv.pop("enable_prefix_caching", None)
     sc = {"model": draw(models(kv)), "hardware": draw(st.sampled_from(["A100-80GB", "H100-SXM", "L4", "cpu"])),
           "workload": draw(workloads(max_model_len, max_requests)),
           "serving": draw(serving(max_model_len, static)), "kv_cache": kv}
@@ -275,6 +281,8 @@ def under_pressure(draw) -> dict:
                       "prompt_len": {"dist": "uniform", "min": 1, "max": max(1, n // 4)},
                       "output_len": {"dist": "uniform", "min": max(1, n // 4), "max": max(1, n // 2)},
                       "bursts": [{"at_s": 0.0, "count": draw(st.integers(0, 10)) or 1}]}
+    if kv.get("enable_prefix_caching"):
+        sc["workload"]["shared_prefix"] = {"prefix_len": max(1, n // 8), "num_prefixes": draw(st.sampled_from([1, 2]))}
     return sc
 
 

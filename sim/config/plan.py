@@ -107,6 +107,7 @@ class Plan:
     virtual_engines: int  # batches a pipelined replica keeps in flight, each its own scheduler and num_blocks
     kv_bytes_per_token: float  # on one device of a replica (its share of the KV heads)
     kv_allocator: str  # paged | contiguous
+    enable_prefix_caching: bool
     kv_watermark: float
     weight_bytes: float
     activation_bytes: float
@@ -343,6 +344,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
                 sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,
                 kv_bytes_per_token=kv_bytes_per_token, kv_allocator=kv.allocator,
+                enable_prefix_caching=kv.enable_prefix_caching,
                 kv_watermark=kv.watermark, weight_bytes=weight_bytes, activation_bytes=activation,
                 kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
                 workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,

@@ -58,6 +58,9 @@ class KVCacheConfig(StrictModel):
     preemption: Literal["recompute", "swap"] = "recompute"
     swap_space_gib: NonNegativeFloat = Field(4.0, le=1e6)  # past it the swap block count overflows to NaN
     num_blocks: PositiveInt | None = Field(None, description="override the computed block count")
+    enable_prefix_caching: bool = Field(False, description="vLLM's automatic prefix caching: full prompt blocks stay "
+                                        "in the cache, and a prompt that begins alike reuses them instead of computing "
+                                        "them (paged blocks, continuous batching)")
 
 
 class SLOConfig(StrictModel):
@@ -290,6 +293,12 @@ class Scenario(StrictModel):
         _check_serving_keys(self.serving, "serving")
         if self.serving.batching == "static" and self.serving.enable_chunked_prefill:
             raise ValueError("serving.enable_chunked_prefill needs batching: continuous")
+        for where, kv in [("kv_cache", self.kv_cache)] + [(f"pools.{n}.kv_cache", self.pools_kv(n)) for n in
+                                                          (("prefill", "decode") if self.pools else ())]:
+            if kv.enable_prefix_caching and kv.allocator == "contiguous":
+                raise ValueError(f"{where}.enable_prefix_caching shares paged blocks; allowed with allocator: paged")
+        if self.serving.batching == "static" and self.kv_cache.enable_prefix_caching:
+            raise ValueError("kv_cache.enable_prefix_caching needs batching: continuous")
         if self.serving.batching == "static" and self.speculative:
             raise ValueError("speculative decoding needs batching: continuous")
         if self.speculative and self.speculative.method == "medusa" and self.executor.attention not in ("sdpa", "naive"):
@@ -305,6 +314,13 @@ class Scenario(StrictModel):
             if self.speculative is not None:
                 raise ValueError("speculative decoding with pools is not supported yet; allowed: one of the two")
         return self
+
+    def pools_kv(self, name: str) -> KVCacheConfig:
+        """The KV cache of pool `name`: the scenario's, with the keys the pool sets overriding them."""
+        own = getattr(self.pools, name).kv_cache
+        if own is None:
+            return self.kv_cache
+        return KVCacheConfig.model_validate({**self.kv_cache.model_dump(), **own.model_dump(exclude_unset=True)})
 
     def pools_serving(self, name: str) -> ServingConfig:
         """The serving knobs of pool `name`: the scenario's, with the keys the pool sets overriding them."""

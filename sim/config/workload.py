@@ -220,6 +220,15 @@ class TraceConfig(StrictModel):
         return self
 
 
+class SharedPrefixConfig(StrictModel):
+    """Prompts that begin alike (vLLM's prefix-repetition benchmark): each request's first `prefix_len` tokens are
+    one of `num_prefixes` shared prefixes (a system prompt, a few-shot preamble, a document asked about), drawn
+    uniformly; the rest of its prompt_len is its own. A prompt shorter than the prefix is the prefix's beginning."""
+
+    prefix_len: int = Field(gt=0, le=10_000_000)
+    num_prefixes: int = Field(1, gt=0, le=1_000_000)
+
+
 class WorkloadConfig(StrictModel):
     """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
     `num_requests` / `duration_s`.  `bursts` add requests on top of either."""
@@ -232,6 +241,7 @@ class WorkloadConfig(StrictModel):
     num_requests: Optional[int] = Field(default=None, gt=0, le=MAX_REQUESTS)
     duration_s: Optional[float] = Field(default=None, gt=0)
     bursts: list[BurstConfig] = []
+    shared_prefix: Optional[SharedPrefixConfig] = None
 
     @model_validator(mode="after")
     def _one_mode(self):
@@ -263,6 +273,8 @@ class RequestSpec:
     arrival_s: float
     prompt_len: int
     output_len: int
+    prefix_id: int = -1  # workload.shared_prefix: which shared prefix the prompt begins with (-1: none)
+    prefix_len: int = 0
 
 
 def _bad(path: Path, key_path: str, what: str) -> ConfigError:
@@ -483,8 +495,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     stream and the bursts use independent child generators of `seed`, so changing a length
     distribution or adding bursts leaves the other draws unchanged.
     """
-    rng_arr, rng_p, rng_o, rng_bp, rng_bo = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(5))
+    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(6))
     traces = _Traces(base_dir)
     n_burst = sum(b.count for b in cfg.bursts)
     if cfg.trace is not None:
@@ -521,4 +533,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
-    return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
+    if cfg.shared_prefix is None:
+        return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
+    sp = cfg.shared_prefix
+    prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
+    return [RequestSpec(i, *row, p, sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]

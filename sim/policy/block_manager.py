@@ -5,6 +5,8 @@ max_model_len slot at admission, and the reserved-but-unused part is the waste p
 """
 from __future__ import annotations
 
+from collections import deque
+
 from sim.policy.request import Request
 
 
@@ -97,3 +99,141 @@ class BlockAllocator:
         self.free_host_blocks.extend(reversed(req.host_block_table))
         req.host_block_table = ()
         return pairs
+
+
+class FreeBlockQueue:
+    """The free blocks of a prefix-caching allocator, least recently freed first (vLLM's free block queue): a block
+    freed with a cached prefix in it stays findable until it is handed out again, so the blocks freed longest ago
+    go first. `pop()` hands one out (evicting its prefix) as the decode fast path pops from a plain list."""
+
+    def __init__(self, kv: "PrefixCachingAllocator", blocks: list[int]):
+        self.kv = kv
+        self.queue: deque[tuple[int, int]] = deque((b, 0) for b in blocks)
+        self.stamp = [0] * kv.num_blocks  # an entry is stale once its block is taken (a hit) or freed again
+        self.size = len(blocks)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        """The free blocks, least recently freed first."""
+        stamp = self.stamp
+        return (b for b, s in self.queue if stamp[b] == s)
+
+    def append(self, block: int) -> None:
+        self.stamp[block] += 1
+        self.queue.append((block, self.stamp[block]))
+        self.size += 1
+
+    def take(self, block: int) -> None:
+        """A free block with a cached prefix comes back into use (a prefix hit); its queue entry goes stale."""
+        self.stamp[block] += 1
+        self.size -= 1
+
+    def pop(self) -> int:
+        queue, stamp = self.queue, self.stamp
+        while True:
+            block, s = queue.popleft()
+            if stamp[block] == s:
+                break
+        stamp[block] += 1
+        self.size -= 1
+        self.kv.hand_out(block)
+        return block
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """Paged blocks shared between requests whose prompts begin alike (vLLM's automatic prefix caching).
+
+    A full block of prompt tokens, once computed, is registered under its hash (`Request.block_hashes`: the
+    prompt's content up to and including that block); a request admitted later takes the blocks of its longest
+    cached prefix instead of computing them. Blocks count references; one nobody holds is free but keeps its
+    prefix until the free queue hands it out again (least recently freed first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, num_swap_blocks: int = 0):
+        super().__init__(num_blocks, block_size, watermark, num_swap_blocks)
+        self.ref = [0] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block
+        self.hash_of: dict[int, int] = {}  # block -> the hash it is registered under
+        self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)))
+        self.queried_tokens = 0  # tokens of the requests admitted (vLLM's prefix cache queries), and those found cached
+        self.hit_tokens = 0
+        self.shared_refs = 0  # references past the first to blocks held (their tokens are stored once)
+
+    def hand_out(self, block: int) -> None:
+        """A free block becomes a new one: whatever prefix it held is evicted."""
+        self.ref[block] = 1
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            del self.cached[h]
+
+    def cached_prefix(self, req: Request) -> tuple[int, int]:
+        """(blocks of `req`'s prompt found cached, how many of those are free now); at least the prompt's last token
+        is left to compute, as its logits sample the first output token."""
+        hashes, cached, ref = req.block_hashes, self.cached, self.ref
+        limit = min(len(hashes), (req.num_tokens - 1) // self.block_size)
+        hits = free = 0
+        while hits < limit:
+            block = cached.get(hashes[hits])
+            if block is None:
+                break
+            hits += 1
+            free += ref[block] == 0
+        return hits, free
+
+    def take_prefix(self, req: Request, hits: int) -> None:
+        """Give a request with no blocks the first `hits` blocks of its cached prefix (from cached_prefix)."""
+        self.queried_tokens += req.num_tokens
+        self.hit_tokens += hits * self.block_size
+        for h in req.block_hashes[:hits]:
+            block = self.cached[h]
+            if self.ref[block] == 0:
+                self.free_blocks.take(block)
+            else:
+                self.shared_refs += 1
+            self.ref[block] += 1
+            req.block_table.append(block)
+        req.num_computed = hits * self.block_size
+
+    def register(self, req: Request) -> None:
+        """Make the full prompt blocks `req` has computed findable (a prefix computed twice at once keeps the block
+        registered first; the other stays private)."""
+        upto = min(len(req.block_hashes), req.num_computed // self.block_size, len(req.block_table))
+        for j in range(req.num_registered, upto):
+            h, block = req.block_hashes[j], req.block_table[j]
+            if h not in self.cached and block not in self.hash_of:
+                self.cached[h] = block
+                self.hash_of[block] = h
+        req.num_registered = max(req.num_registered, upto)
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        need = self.extra_blocks(req, num_tokens)
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"request {req.id}: needs {need} blocks, {len(self.free_blocks)} free")
+        for _ in range(need):
+            req.block_table.append(self.free_blocks.pop())
+
+    def append_block(self, req: Request) -> None:
+        req.block_table.append(self.free_blocks.pop())
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_table) > keep:
+            self.release(req.block_table[keep:])
+            del req.block_table[keep:]
+
+    def free(self, req: Request) -> None:
+        self.release(req.block_table)
+        req.block_table = []
+        req.num_registered = 0
+
+    def release(self, block_table: list[int]) -> None:
+        # the last blocks first: a prompt's tail is the part other requests are least likely to share
+        ref, queue = self.ref, self.free_blocks
+        for block in reversed(block_table):
+            ref[block] -= 1
+            if ref[block] == 0:
+                queue.append(block)
+            else:
+                self.shared_refs -= 1

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from sim.config.plan import Plan
-from sim.policy.block_manager import BlockAllocator
+from sim.policy.block_manager import BlockAllocator, PrefixCachingAllocator
 from sim.policy.router import make_router
 from sim.policy.scheduler import Scheduler, make_scheduler
 
@@ -10,7 +10,11 @@ __all__ = ["make_allocator", "make_policy", "make_router"]
 
 
 def make_allocator(plan: Plan) -> BlockAllocator:
-    """The plan's KV block allocator (paged, or one max-length block per sequence)."""
+    """The plan's KV block allocator (paged, with or without prefix caching, or one max-length block per
+    sequence)."""
+    if plan.enable_prefix_caching:
+        return PrefixCachingAllocator(plan.num_blocks, plan.block_size, watermark=plan.kv_watermark,
+                                      num_swap_blocks=plan.num_swap_blocks)
     return BlockAllocator(plan.num_blocks, plan.block_size, watermark=plan.kv_watermark,
                           num_swap_blocks=plan.num_swap_blocks, contiguous=plan.kv_allocator == "contiguous")
 

@@ -49,6 +49,9 @@ class Request:
     num_accepted: int = 0
     num_verify_steps: int = 0  # steps that verified at least one draft
     num_rejections: int = 0  # of those, the steps where a draft was rejected (the rest accepted all)
+    # prefix caching: one hash per full block of the prompt (its content so far), and how many are registered
+    block_hashes: tuple = ()
+    num_registered: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -116,6 +116,7 @@ class Scheduler:
         self.decoding = DecodeSet(None if kv.contiguous or self.speculative else kv.block_size)
         self.steps_since_admission = 0
         self.num_preemptions = 0
+        self.prefix_caching = getattr(kv, "cached", None) is not None
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -225,10 +226,13 @@ class Scheduler:
 
     @property
     def num_kv_tokens(self) -> int:
-        """Tokens whose K/V is in the cache now."""
-        if not self.prefilling:
-            return self.decoding.sum_computed
-        return self.decoding.sum_computed + sum(r.num_computed for r in self.prefilling)
+        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once)."""
+        tokens = self.decoding.sum_computed
+        if self.prefilling:
+            tokens += sum(r.num_computed for r in self.prefilling)
+        if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
+            return max(0, tokens - self.kv.shared_refs * self.kv.block_size)
+        return tokens
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -403,6 +407,10 @@ class Scheduler:
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
         picks = self._admissible(budget, chunked)
+        if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
+            for r, _ in picks:
+                if not r.block_table:
+                    self.kv.take_prefix(r, self.kv.cached_prefix(r)[0])
         for r, n in picks:
             self.waiting.popleft()
             self.kv.allocate(r, r.num_computed + n)
@@ -422,8 +430,13 @@ class Scheduler:
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0:
                 break
-            n = min(r.num_uncomputed, cfg.prefill_chunk_size, budget) if chunked else r.num_uncomputed
-            need = self.kv.extra_blocks(r, r.num_computed + n)
+            computed, held, revive = r.num_computed, len(r.block_table), 0
+            if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived
+                held, revive = self.kv.cached_prefix(r)
+                computed = held * self.kv.block_size
+            uncomputed = r.num_tokens - computed
+            n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
+            need = revive + max(0, self.kv.blocks_for(computed + n) - held)
             if n > budget or need > free:
                 break
             free -= need
@@ -484,6 +497,8 @@ class Scheduler:
             dec.advance(1)
         for r, n in batch.prefill:
             r.num_computed += n
+            if self.prefix_caching:
+                self.kv.register(r)
             if r.num_computed < r.num_tokens:
                 continue  # a prompt chunk: no token yet
             self.prefilling.pop(r, None)

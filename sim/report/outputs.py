@@ -67,6 +67,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             # room is their sum, as memory_gib.kv_cache counts it
             "engines_per_replica": engines,
             "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size * engines,
+            **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
                        "kv_cache": plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
@@ -93,6 +94,14 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     return report
 
 
+def prefix_cache_section(replicas: list) -> dict:
+    """Prefix caching's share of the admitted prompts' tokens found cached (vLLM's prefix cache hit rate), and the
+    tokens it saved computing."""
+    queried = sum(r.prefix_queried_tokens for r in replicas)
+    hits = sum(r.prefix_hit_tokens for r in replicas)
+    return {"prefix_cache_hit_rate": hits / queried if queried else 0.0, "prefix_cache_hit_tokens": int(hits)}
+
+
 def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
     """One pool of a disaggregated cluster: its layout, how busy its engines were, its KV use and cost."""
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
@@ -105,6 +114,7 @@ def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
             "kv_peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
             "kv_mean_utilization": float(np.mean([u["mean"] for u in usage])),
             "preemptions": int(sum(r.num_preemptions for r in replicas)),
+            **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
             "engine_steps": int(sum(len(r.step_end) for r in replicas)),
             "usd_per_hour": plan.hardware.price_per_hour * devices}
 
@@ -199,7 +209,9 @@ def print_summary(report: dict, console=None) -> None:
                   f"{_slo_verdict(slo, rq)}; attainment {report['slo_attainment'] * 100:.1f}%")
     console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
                   f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
-                  f"{kv['capacity_tokens']} tokens")
+                  f"{kv['capacity_tokens']} tokens"
+                  + (f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv
+                     else ""))
     for name, pool in report.get("pools", {}).items():
         console.print(f"{name} pool: {pool['replicas']}× {pool['hardware']}"
                       + (f" × TP{pool['tensor_parallel_size']}" if pool["tensor_parallel_size"] > 1 else "")

@@ -27,3 +27,6 @@ class ReplicaTrace:
     # disaggregated decode instance: each handed-off request's gap from its first token (in the prefill pool) to
     # its second (here)
     handoff_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # prefix caching: tokens of the requests admitted (prompt, and outputs so far after a preemption), those found cached
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0

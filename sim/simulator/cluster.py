@@ -11,6 +11,7 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
+from sim.policy.prefix import request_maker
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.simulator.disaggregated import simulate_pools
@@ -36,7 +37,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     router = make_router(plan.router)
     requests: list[Request] = []
 
-    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas)].add(req), done))
+    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas)].add(req), done,
+                         request_maker(plan.enable_prefix_caching, plan.block_size)))
     run_env(env, done.stop)
     for r in replicas:
         r.settle_token_times()

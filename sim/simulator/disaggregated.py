@@ -20,6 +20,7 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
+from sim.policy.prefix import request_maker
 from sim.policy.request import Request
 from sim.simulator.engines import Done, RunResult, arrivals, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
@@ -109,7 +110,8 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     router = make_router(pools.prefill.router)
     requests: list[Request] = []
 
-    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done))
+    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done,
+                         request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size)))
     run_env(env, done.stop)
     for r in prefill + decode:
         r.settle_token_times()

@@ -10,6 +10,7 @@ import numpy as np
 import simpy
 
 from sim.config.plan import Plan
+from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, speculation_model
 from sim.policy.build import make_policy
 from sim.policy.request import Request
@@ -62,18 +63,18 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
                         np.frombuffer(r.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
                         r.scheduler.num_preemptions, kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3),
                         pipeline.busy_s if pipeline is not None else None, pool, r.busy_s,
-                        np.frombuffer(r.handoff_gaps, float))
+                        np.frombuffer(r.handoff_gaps, float), getattr(kv, "queried_tokens", 0), getattr(kv, "hit_tokens", 0))
 
 
 def arrivals(env: simpy.Environment, specs: list, pending: list[float], requests: list, admit: Callable,
-             done: Callable[[], None]):
+             done: Callable[[], None], make_request: Callable[[RequestSpec], Request]):
     """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now), with
     `pending[0]` the time of the next one not yet admitted (the replicas' bulk decode stops short of it)."""
     for spec in specs:
         pending[0] = spec.arrival_s
         if spec.arrival_s > env.now:
             yield env.timeout(spec.arrival_s - env.now)
-        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
+        req = make_request(spec)
         requests.append(req)
         if not admit(req):
             done()

@@ -1,0 +1,242 @@
+"""Prefix caching (vLLM's automatic prefix caching) in the shared policy, the simulator and the executor."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from sim.config.errors import ConfigError
+from sim.config.plan import load_scenario, scheduler_config
+from sim.config.workload import RequestSpec, generate_requests
+from sim.policy.block_manager import PrefixCachingAllocator
+from sim.policy.prefix import PrefixHashes, request_maker
+from sim.policy.request import Request, Status
+from sim.policy.scheduler import make_scheduler
+from tests.helpers import plan_of, run, scenario, tiny_checkpoint, write_tiny_scenario
+
+SHARED = {"arrival": {"process": "poisson", "rate": 8.0}, "num_requests": 300,
+          "prompt_len": {"dist": "uniform", "min": 1500, "max": 2500},
+          "output_len": {"dist": "uniform", "min": 50, "max": 150},
+          "shared_prefix": {"prefix_len": 1024, "num_prefixes": 4}}
+
+
+def check_shared_blocks(kv: PrefixCachingAllocator, holders: list[Request]) -> None:
+    """Every block's references are the tables holding it; the free ones are those nobody holds; a block
+    registered under a hash holds that content for every request that has it where its hashes reach."""
+    count = [0] * kv.num_blocks
+    for r in holders:
+        for b in r.block_table:
+            count[b] += 1
+    assert count == kv.ref, "reference counts are not the tables' holdings"
+    assert kv.shared_refs == sum(c - 1 for c in count if c > 1)
+    assert len(kv.free_blocks) == count.count(0), "free blocks are not the unreferenced ones"
+    assert kv.num_used + kv.num_free == kv.num_blocks
+    assert {b: h for h, b in kv.cached.items()} == kv.hash_of
+    for r in holders:
+        for j, b in enumerate(r.block_table[:len(r.block_hashes)]):
+            if b in kv.hash_of and j < r.num_computed // kv.block_size:
+                assert kv.hash_of[b] == r.block_hashes[j], "a block shared between different prompt contents"
+
+
+def make_request(i: int, prompt: int, output: int, prefix: int, block_size: int) -> Request:
+    spec = RequestSpec(i, 0.0, prompt, output, prefix, 24)
+    return request_maker(True, block_size)(spec)
+
+
+def test_a_second_prompt_of_the_same_prefix_computes_only_its_own_part():
+    cfg = scheduler_config(256, max_num_seqs=4, max_num_batched_tokens=256)
+    kv = PrefixCachingAllocator(32, 4)
+    sched = make_scheduler(cfg, kv)
+    first, second, other = (make_request(i, 40, 3, p, 4) for i, p in enumerate((0, 0, 1)))
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.prefill == [(first, 40)]
+    sched.complete_step(batch)
+    sched.add(second)
+    sched.add(other)
+    batch = sched.schedule()
+    # 24 shared tokens = 6 blocks of 4: the second prompt's first 6 blocks are the first's
+    assert batch.prefill == [(second, 16), (other, 40)]
+    assert second.block_table[:6] == first.block_table[:6] and other.block_table[0] not in first.block_table
+    assert kv.hit_tokens == 24 and kv.queried_tokens == 3 * 40
+    check_shared_blocks(kv, [first, second, other])
+
+
+def test_freed_prefixes_stay_until_their_blocks_are_needed():
+    """A finished request's prefix blocks are free but still found; handed out again (least recently freed
+    first), they are forgotten."""
+    cfg = scheduler_config(256, max_num_seqs=4, max_num_batched_tokens=256)
+    kv = PrefixCachingAllocator(16, 4)
+    sched = make_scheduler(cfg, kv)
+    a = make_request(0, 30, 1, 0, 4)
+    sched.add(a)
+    sched.complete_step(sched.schedule())
+    assert a.status is Status.FINISHED and kv.num_free == 16 and len(kv.cached) == 6
+    b = make_request(1, 30, 1, 0, 4)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.prefill == [(b, 6)] and kv.num_free == 16 - 8
+    sched.complete_step(batch)
+    big = Request(2, 0.0, 60, 1)  # 15 of the 16 blocks: the prefix's, freed tail first, go but its first block
+    sched.add(big)
+    sched.complete_step(sched.schedule())
+    assert len(kv.cached) == 1
+    c = make_request(3, 30, 1, 0, 4)
+    sched.add(c)
+    assert sched.schedule().prefill == [(c, 26)]
+
+
+def test_a_prompt_found_whole_still_computes_its_last_token():
+    cfg = scheduler_config(256, max_num_seqs=4, max_num_batched_tokens=256)
+    kv = PrefixCachingAllocator(32, 4)
+    sched = make_scheduler(cfg, kv)
+    a, b = make_request(0, 24, 2, 0, 4), make_request(1, 24, 2, 0, 4)
+    sched.add(a)
+    sched.complete_step(sched.schedule())
+    sched.add(b)
+    batch = sched.schedule()
+    assert (b, 4) in batch.prefill  # 5 of its 6 blocks found: the last one is computed for the logits
+
+
+class PrefixSchedulerMachine(RuleBasedStateMachine):
+    """The scheduler over a prefix-caching allocator under KV pressure: shared blocks stay consistent, and every
+    request ends finished or rejected."""
+
+    @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4]), chunked=st.booleans(),
+                preemption=st.sampled_from(["recompute", "swap"]), gamma=st.sampled_from([0, 0, 3]))
+    def setup(self, num_blocks, block_size, chunked, preemption, gamma):
+        cfg = scheduler_config(64, max_num_seqs=4, max_num_batched_tokens=32 if chunked else 64,
+                               enable_chunked_prefill=chunked, preemption=preemption, num_speculative_tokens=gamma)
+        kv = PrefixCachingAllocator(num_blocks, block_size, num_swap_blocks=num_blocks if preemption == "swap" else 0)
+        self.sched = make_scheduler(cfg, kv)
+        self.hashes = PrefixHashes(block_size)
+        self.reqs: list[Request] = []
+        self.gamma = gamma
+
+    @rule(prompt=st.integers(1, 40), output=st.integers(1, 20), prefix=st.integers(-1, 2))
+    def arrive(self, prompt, output, prefix):
+        r = Request(len(self.reqs), 0.0, prompt, output)
+        r.block_hashes = self.hashes(RequestSpec(r.id, 0.0, prompt, output, prefix, 16))
+        self.reqs.append(r)
+        accepted = self.sched.add(r)
+        assert accepted or (r.status is Status.REJECTED and r.reject_reason)
+
+    @precondition(lambda self: hasattr(self, "sched") and self.sched.has_work())
+    @rule(stop=st.booleans(), accept=st.integers(0, 3), draft=st.integers(0, 3))
+    def step(self, stop, accept, draft):
+        sched = self.sched
+        if self.gamma and sched.drafting:
+            for r in sched.decoding.members:
+                r.num_draft = min(draft, self.gamma, max(0, r.remaining_tokens - 1))
+        batch = sched.schedule()
+        assert batch, "work queued but nothing schedulable"
+        stopped = batch.decode[:1] if stop and batch.decode else []
+        accepted = {r: min(accept, r.num_draft) for r in batch.decode if r.num_draft}
+        sched.complete_step(batch, stopped, accepted)
+
+    @invariant()
+    def blocks_add_up(self):
+        if hasattr(self, "sched"):
+            self.sched.sync_all()
+            check_shared_blocks(self.sched.kv, self.reqs)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(10_000):
+            if not self.sched.has_work():
+                break
+            batch = self.sched.schedule()
+            assert batch
+            self.sched.complete_step(batch)
+        assert not self.sched.has_work()
+        for r in self.reqs:
+            assert r.status is Status.FINISHED or (r.status is Status.REJECTED and r.reject_reason), r
+            assert not r.block_table and not r.host_block_table
+        check_shared_blocks(self.sched.kv, self.reqs)
+        assert self.sched.kv.num_free == self.sched.kv.num_blocks
+
+
+TestPrefixScheduler = PrefixSchedulerMachine.TestCase
+TestPrefixScheduler.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_simulator_skips_cached_prefixes():
+    """Prompts of 1,500-2,500 tokens, the first 1,024 one of 4 system prompts, on Llama-3-8B / A100 at 8 requests/s:
+    without caching the prefill work outruns the GPU; with it 3/4 of each 1,024-token prefix is found."""
+    on = run(scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True},
+                      workload=SHARED))[0]
+    off = run(scenario(model="Llama-3-8B", hardware="A100-80GB", workload=SHARED))[0]
+    assert on["requests"]["completed"] == off["requests"]["completed"] == 300
+    assert "prefix_cache_hit_rate" not in off["kv_cache"]
+    # 1,024 of ~2,000 prompt tokens shared: all but each prefix's first few requests find them
+    assert 0.45 < on["kv_cache"]["prefix_cache_hit_rate"] < 0.52
+    assert on["ttft_s"]["p50"] < 0.2 * off["ttft_s"]["p50"]
+    assert on == run(scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True},
+                              workload=SHARED))[0] | {"wall_time_s": on["wall_time_s"]}
+
+
+def test_prompts_that_share_nothing_run_as_without_caching():
+    plain = {**SHARED, "num_requests": 100}
+    plain.pop("shared_prefix")
+    on = run(scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True},
+                      workload=plain))[0]
+    off = run(scenario(model="Llama-3-8B", hardware="A100-80GB", workload=plain))[0]
+    assert on["kv_cache"]["prefix_cache_hit_rate"] == 0.0
+    assert on["ttft_s"] == off["ttft_s"] and on["tpot_s"] == off["tpot_s"]
+
+
+def test_shared_prefixes_leave_the_other_draws_alone():
+    plain = {**SHARED}
+    plain.pop("shared_prefix")
+    a = generate_requests(plan_of(scenario(workload=SHARED)).workload)
+    b = generate_requests(plan_of(scenario(workload=plain)).workload)
+    assert [(s.arrival_s, s.prompt_len, s.output_len) for s in a] == [(s.arrival_s, s.prompt_len, s.output_len)
+                                                                      for s in b]
+    assert {s.prefix_id for s in a} == {0, 1, 2, 3} and {s.prefix_id for s in b} == {-1}
+
+
+@pytest.mark.parametrize("change, where", [
+    ({"kv_cache": {"enable_prefix_caching": True, "allocator": "contiguous"}}, "kv_cache.enable_prefix_caching"),
+    ({"kv_cache": {"enable_prefix_caching": True}, "serving": {"batching": "static"}}, "enable_prefix_caching"),
+    ({"workload": {**SHARED, "shared_prefix": {"prefix_len": 0}}}, "workload.shared_prefix.prefix_len"),
+    ({"workload": {**SHARED, "shared_prefix": {"prefix_len": 10, "num_prefixes": 0}}},
+     "workload.shared_prefix.num_prefixes"),
+])
+def test_prefix_caching_where_it_cannot_apply(change, where):
+    with pytest.raises(ConfigError) as e:
+        plan_of(scenario(**change))
+    assert where in e.value.one_line()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+def test_the_executor_reuses_cached_blocks_and_generates_the_same_tokens(tmp_path, checkpoint):
+    """A tiny model served twice on prompts that share 4 prefixes: with prefix caching fewer prompt tokens are
+    computed, yet every request's greedy output is the one computed from scratch."""
+    from executor.serve import serve
+
+    outputs, prompt_tokens, reports = {}, {}, {}
+    for caching in (False, True):
+        path = write_tiny_scenario(tmp_path, checkpoint, name=f"tiny-prefix-{caching}",
+                                   kv_cache={"num_blocks": 96, "block_size": 8, "enable_prefix_caching": caching},
+                                   serving={"max_num_seqs": 4},
+                                   workload={"arrival": {"process": "poisson", "rate": 200.0},
+                                             "prompt_len": {"dist": "uniform", "min": 40, "max": 90},
+                                             "shared_prefix": {"prefix_len": 32, "num_prefixes": 3}})
+        _, plan = load_scenario(path)
+        specs = generate_requests(plan.workload, plan.base_dir)
+        torch.manual_seed(0)
+        records, traces, engine, requests, wall, _ = serve(plan, specs, "cpu", threads=1)
+        assert all(r.status is Status.FINISHED for r in requests)
+        outputs[caching] = {r.id: engine.output_ids(r) for r in requests}
+        prompt_tokens[caching] = sum(sum(n for n in rec.new_tokens) for rec in engine.records if rec.num_prefill)
+        reports[caching] = traces[0]
+    assert outputs[True] == outputs[False]
+    assert prompt_tokens[True] < prompt_tokens[False]
+    assert reports[True].prefix_hit_tokens > 0 and reports[False].prefix_hit_tokens == 0
