@@ -209,6 +209,13 @@ def policy(f: Form, seed: dict) -> dict:
         kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", 16))
     with c3:
         kv["preemption"] = f.choice("Preemption", "kv.preemption", ["recompute", "swap"], kv.get("preemption"))
+    if static or kv["allocator"] == "contiguous":  # prefix caching shares paged blocks of running batches
+        kv.pop("enable_prefix_caching", None)
+    else:
+        kv["enable_prefix_caching"] = st.checkbox("Prefix caching", bool(kv.get("enable_prefix_caching")),
+                                                  key=f.key("kv.prefix_caching"),
+                                                  help="vLLM's: full prompt blocks stay cached; a prompt that begins "
+                                                       "alike (workload: shared prefix) reuses them")
     return {"serving": {k: v for k, v in serving.items() if v is not None}, "kv_cache": kv}
 
 
@@ -287,6 +294,21 @@ def workload(f: Form, seeded: dict) -> dict | None:
                                           hi=MAX_REQUESTS)
     w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
     w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
+    return _shared_prefix(f, w)
+
+
+def _shared_prefix(f: Form, w: dict) -> dict:
+    """Prompts that begin with one of a few shared prefixes (what prefix caching finds); empty: none."""
+    shared = w.pop("shared_prefix", None) or {}
+    c1, c2 = st.columns(2)
+    with c1:
+        length = f.integer("Shared prefix (tokens)", "workload.prefix_len", shared.get("prefix_len"), optional=True,
+                           help="each prompt begins with one of the shared prefixes (a system prompt, a few-shot "
+                                "block); empty: prompts share nothing")
+    with c2:
+        count = f.integer("Distinct prefixes", "workload.num_prefixes", shared.get("num_prefixes", 1))
+    if length:
+        w["shared_prefix"] = {"prefix_len": length, "num_prefixes": count}
     return w
 
 
@@ -311,7 +333,7 @@ def _trace(f: Form, w: dict) -> dict | None:
         trace["max_requests"] = f.integer("Most requests", "workload.max_requests", trace.get("max_requests"),
                                           optional=True, help="the first N rows (empty: all of them)")
     w["trace"] = {k: v for k, v in trace.items() if v is not None}
-    return w
+    return _shared_prefix(f, w)
 
 
 def slo(f: Form, seeded: dict | None) -> dict:

@@ -62,14 +62,17 @@ def slo_line(report: dict) -> None:
 
 
 def techniques(report: dict) -> None:
-    """One line each for the model's memory (what compression frees for KV), speculative decoding's acceptance and
-    the disaggregated pools' use."""
+    """One line each for the model's memory (what compression frees for KV), prefix caching's hits, speculative
+    decoding's acceptance and the disaggregated pools' use."""
     mem, kv, model = report.get("memory_gib"), report["kv_cache"], report["scenario"]["config"]["model"]
     if mem:
         dtypes = ", ".join(f"{k} {model[k]}" for k in ("weight_dtype", "kv_dtype", "sparsity")
                            if isinstance(model, dict) and k in model)
         st.caption(f"Memory per device{f' ({dtypes})' if dtypes else ''}: weights {mem['weights']:.2f} GiB, KV cache "
                    f"{mem['kv_cache']:.2f} GiB ({kv['capacity_tokens']:,} tokens) of {mem['device']:.0f} GiB.")
+    if "prefix_cache_hit_rate" in kv:
+        st.caption(f"Prefix caching: {kv['prefix_cache_hit_rate'] * 100:.1f}% of the prompt tokens found cached, "
+                   f"{kv['prefix_cache_hit_tokens']:,} tokens not computed.")
     spec = report.get("speculative")
     if spec:
         st.caption(f"Speculative decoding: α {spec['alpha']:.2f}, {spec['mean_accepted_length']:.2f} tokens per "

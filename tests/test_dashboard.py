@@ -113,6 +113,16 @@ def test_whatif_policy_techniques_and_slo_widgets():
     assert any(c.value.startswith("Decode pool: 2 ×") for c in at.caption)
 
 
+def test_whatif_prefix_caching_on_prompts_that_share_a_prefix():
+    at = whatif()
+    widget(at, "checkbox", "kv.prefix_caching").check()
+    widget(at, "number_input", "workload.prefix_len").set_value(256)
+    widget(at, "number_input", "workload.num_prefixes").set_value(2)
+    simulate(at)
+    line = next(c.value for c in at.caption if c.value.startswith("Prefix caching:"))
+    assert float(line.split(": ")[1].split("%")[0]) > 10
+
+
 def memory_caption(at: AppTest) -> tuple[str, float, int]:
     """(its compression note, weights GiB, KV tokens) from the What-if's memory line."""
     line = next(c.value for c in at.caption if c.value.startswith("Memory per device"))
