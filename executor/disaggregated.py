@@ -283,7 +283,7 @@ class PrefillDriver:
         kv = self.engine.scheduler.kv
         make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
         self.requests = [make(s) for s in specs]
-        self.prompts = {s.id: (s.prefix_id, s.prefix_len) for s in specs}
+        self.prompts = {s.id: (s.prefix, s.prefix_unit) for s in specs}
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:

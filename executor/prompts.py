@@ -16,15 +16,16 @@ def corpus_ids(tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompt_ids(corpus: list[int], length: int, request_id: int, prefix_id: int = -1, prefix_len: int = 0) -> list[int]:
-    """`length` consecutive ids of the corpus, read cyclically from a start that depends on the request; with a
-    shared prefix (workload.shared_prefix), its first `prefix_len` come from a start that depends on the prefix
-    alone, so every prompt of that prefix begins with the same tokens (sim/policy/prefix.py hashes them alike)."""
-    if prefix_id < 0 or prefix_len <= 0:
-        return _window(corpus, (request_id * 7919) % len(corpus), length)
-    shared = min(prefix_len, length)
-    return _window(corpus, (prefix_id * 104729 + 17) % len(corpus), shared) + \
-        _window(corpus, (request_id * 7919) % len(corpus), length - shared)
+def prompt_ids(corpus: list[int], length: int, request_id: int, prefix: tuple = (), prefix_unit: int = 0) -> list[int]:
+    """`length` consecutive ids of the corpus, read cyclically from a start that depends on the request; with shared
+    content (RequestSpec.prefix: content ids of `prefix_unit` tokens each), each unit's tokens come from a start that
+    depends on its id alone, so prompts of equal ids begin with equal tokens (sim/policy/prefix.py hashes them alike)."""
+    ids: list[int] = []
+    for cid in prefix:
+        if len(ids) >= length:
+            break
+        ids += _window(corpus, (cid * 104729 + 17) % len(corpus), min(prefix_unit, length - len(ids)))
+    return ids + _window(corpus, (request_id * 7919) % len(corpus), length - len(ids))
 
 
 def _window(corpus: list[int], start: int, length: int) -> list[int]:

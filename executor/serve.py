@@ -196,7 +196,7 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
     requests = [make(s) for s in specs]
     # a prompt's token ids: a shared prefix's where the workload gives it one, as its block hashes say
-    prompts = [(s.prefix_id, s.prefix_len) for s in specs]
+    prompts = [(s.prefix, s.prefix_unit) for s in specs]
     engine.t0 = time.perf_counter()
     try:
         _replay(engine, requests, prompts, corpus, load, adapt_threads, progress, keep_warm)

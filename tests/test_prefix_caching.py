@@ -41,7 +41,7 @@ def check_shared_blocks(kv: PrefixCachingAllocator, holders: list[Request]) -> N
 
 
 def make_request(i: int, prompt: int, output: int, prefix: int, block_size: int) -> Request:
-    spec = RequestSpec(i, 0.0, prompt, output, prefix, 24)
+    spec = RequestSpec(i, 0.0, prompt, output, (prefix,), 24)
     return request_maker(True, block_size)(spec)
 
 
@@ -118,7 +118,7 @@ class PrefixSchedulerMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(1, 40), output=st.integers(1, 20), prefix=st.integers(-1, 2))
     def arrive(self, prompt, output, prefix):
         r = Request(len(self.reqs), 0.0, prompt, output)
-        r.block_hashes = self.hashes(RequestSpec(r.id, 0.0, prompt, output, prefix, 16))
+        r.block_hashes = self.hashes(RequestSpec(r.id, 0.0, prompt, output, () if prefix < 0 else (prefix,), 16))
         self.reqs.append(r)
         accepted = self.sched.add(r)
         assert accepted or (r.status is Status.REJECTED and r.reject_reason)
@@ -195,7 +195,7 @@ def test_shared_prefixes_leave_the_other_draws_alone():
     b = generate_requests(plan_of(scenario(workload=plain)).workload)
     assert [(s.arrival_s, s.prompt_len, s.output_len) for s in a] == [(s.arrival_s, s.prompt_len, s.output_len)
                                                                       for s in b]
-    assert {s.prefix_id for s in a} == {0, 1, 2, 3} and {s.prefix_id for s in b} == {-1}
+    assert {s.prefix for s in a} == {(0,), (1,), (2,), (3,)} and {s.prefix for s in b} == {()}
 
 
 @pytest.mark.parametrize("change, where", [
@@ -240,3 +240,55 @@ def test_the_executor_reuses_cached_blocks_and_generates_the_same_tokens(tmp_pat
     assert outputs[True] == outputs[False]
     assert prompt_tokens[True] < prompt_tokens[False]
     assert reports[True].prefix_hit_tokens > 0 and reports[False].prefix_hit_tokens == 0
+
+
+MOONCAKE = [{"timestamp": 0, "input_length": 1200, "output_length": 8, "hash_ids": [11, 12, 13]},
+            {"timestamp": 2000, "input_length": 1100, "output_length": 8, "hash_ids": [11, 12, 14]},
+            {"timestamp": 4000, "input_length": 700, "output_length": 8, "hash_ids": [21, 22]},
+            {"timestamp": 6000, "input_length": 300, "output_length": 8, "hash_ids": [12]}]
+
+
+def write_jsonl(path, rows) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_mooncake_trace_s_hash_ids_are_what_its_prompts_share(tmp_path):
+    """Mooncake's hash_ids name 512-token blocks (each id covers the blocks before it): the second prompt finds the
+    first one's first 1,024 tokens; the fourth, starting with the first one's second id, finds nothing."""
+    trace = write_jsonl(tmp_path / "mooncake.jsonl", MOONCAKE)
+    data = {**scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True}),
+            "workload": {"trace": {"path": trace}}}
+    specs = generate_requests(plan_of(data).workload)
+    assert [s.prefix for s in specs] == [(11, 12, 13), (11, 12, 14), (21, 22), (12,)]
+    assert {s.prefix_unit for s in specs} == {512}
+    hashes = PrefixHashes(16)
+    first, second, _, fourth = (hashes(s) for s in specs)
+    assert len(first) == 75 and first[:64] == second[:64] and first[64] != second[64]
+    assert not set(fourth) & set(first)
+    assert run(data)[0]["kv_cache"]["prefix_cache_hit_tokens"] == 1024
+
+
+@pytest.mark.parametrize("hash_ids", ["abc", [-1], [1.5], [[1]], ["7"], {"a": 1}, [True]])
+def test_mooncake_hash_ids_that_are_not_block_ids(tmp_path, hash_ids):
+    from tests.test_bad_input_more import invoke, one_line_error
+
+    trace = write_jsonl(tmp_path / "bad.jsonl", [MOONCAKE[0], {**MOONCAKE[1], "hash_ids": hash_ids}])
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nmodel: Llama-3-8B\nhardware: A100-80GB\nworkload: {{trace: {{path: {trace}}}}}\n")
+    one_line_error(invoke("run", path, "-q", "--no-plots"), "workload.trace.path", "row 2", "hash_ids")
+
+
+def test_prompt_ids_follow_the_shared_content():
+    from executor.prompts import prompt_ids
+
+    corpus = list(range(3, 1000))
+    a = prompt_ids(corpus, 1200, 0, (11, 12, 13), 512)
+    b = prompt_ids(corpus, 1100, 1, (11, 12, 14), 512)
+    c = prompt_ids(corpus, 300, 3, (12,), 512)
+    assert len(a) == 1200 and len(b) == 1100 and len(c) == 300
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    assert c != a[:300]
+    assert prompt_ids(corpus, 40, 5) == prompt_ids(corpus, 40, 5, (), 0)

@@ -40,6 +40,7 @@ _MINUTE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}")
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 _ALL_SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?|nan)(?:\n(?:[0-9]+(?:\.[0-9]+)?|nan))*")
 _TRACE_CACHE: dict = {}  # (resolved path, mtime_ns, size) -> arrays
+MOONCAKE_BLOCK_TOKENS = 512  # the tokens one of a Mooncake trace's hash_ids names
 MAX_ZIPF_SUPPORT = 10_000_000  # the inverse-CDF table holds one float per support value
 
 
@@ -273,8 +274,11 @@ class RequestSpec:
     arrival_s: float
     prompt_len: int
     output_len: int
-    prefix_id: int = -1  # workload.shared_prefix: which shared prefix the prompt begins with (-1: none)
-    prefix_len: int = 0
+    # what the prompt shares with others: content ids, each naming `prefix_unit` tokens of its beginning (equal ids
+    # at equal positions after equal ids: equal tokens); workload.shared_prefix gives one id, a Mooncake trace its
+    # hash_ids (512 tokens each)
+    prefix: tuple = ()
+    prefix_unit: int = 0
 
 
 def _bad(path: Path, key_path: str, what: str) -> ConfigError:
@@ -364,6 +368,17 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
     "builtin:azure_conv".  Any problem with the file raises ConfigError at `key_path`.  Results
     are cached per (file, mtime, size) and returned read-only, as sweeps replay one trace often.
     """
+    return _load_trace(path, key_path)[:3]
+
+
+def trace_hash_ids(path: str | Path, key_path: str = "workload.trace.path") -> list[tuple] | None:
+    """A Mooncake trace's `hash_ids` per row (file order): the ids of the prompt's 512-token blocks, equal ids for
+    equal content (each id covers its block and every block before it); None for a trace without them."""
+    return _load_trace(path, key_path)[3]
+
+
+def _load_trace(path: str | Path, key_path: str) -> tuple:
+    """(arrival_s, prompt_len, output_len, hash_ids or None) of a trace file, cached (see load_trace)."""
     path = BUILTIN_TRACES.get(str(path), Path(path))
     try:
         st = path.stat()
@@ -403,12 +418,32 @@ def load_trace(path: str | Path, key_path: str = "workload.trace.path"
     is_count = lambda v: np.isfinite(v) & (v >= 0) & (v <= MAX_LENGTH) & (v == np.round(v))  # noqa: E731
     prompt = _column(ctx, ctx, fmt[1], count, is_count, path, key_path, first)
     output = _column(gen, gen, fmt[2], count, is_count, path, key_path, first)
+    hash_ids = None
+    if fmt == TRACE_FORMATS["mooncake"] and "hash_ids" in header:
+        cells = [r[header.index("hash_ids")] if len(r) > header.index("hash_ids") else "" for r in rows[1:]]
+        hash_ids = [_hash_ids(c, i + first, path, key_path) for i, c in enumerate(cells)]
     result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))
     for a in result:
         a.flags.writeable = False
+    result = (*result, hash_ids)
     if cache_key is not None:
         _TRACE_CACHE[cache_key] = result
     return result
+
+
+def _hash_ids(cell: str, row: int, path: Path, key_path: str) -> tuple:
+    """A Mooncake row's hash_ids (as the JSON line reader wrote its list: "[1, 2, 3]"); () where absent."""
+    text = cell.strip()
+    if text in ("", "[]"):
+        return ()
+    if not (text.startswith("[") and text.endswith("]")):
+        raise _bad(path, key_path, f"row {row}: hash_ids is not a list of block ids")
+    parts = [p.strip() for p in text[1:-1].split(",")]
+    if len(parts) > MAX_LENGTH // MOONCAKE_BLOCK_TOKENS + 1 or \
+            not all(p.isascii() and p.isdigit() and len(p) <= 19 for p in parts):
+        raise _bad(path, key_path, f"row {row}: hash_ids holds something other than block ids (integers >= 0), "
+                   f"or more than a {MAX_LENGTH:,}-token prompt has blocks")
+    return tuple(int(p) for p in parts)
 
 
 def _arrivals(ts: list[str], fmt: tuple, path: Path, key_path: str, first: int) -> np.ndarray:
@@ -446,6 +481,11 @@ class _Traces:
         if path not in BUILTIN_TRACES and self.base_dir is not None:
             path = str(Path(self.base_dir) / path)  # an absolute path survives the join unchanged
         return load_trace(path, key_path)
+
+    def hash_ids(self, path: str, key_path: str) -> list[tuple] | None:
+        if path not in BUILTIN_TRACES and self.base_dir is not None:
+            path = str(Path(self.base_dir) / path)
+        return trace_hash_ids(path, key_path)
 
     def draw(self, dist, rng, n: int, key_path: str) -> np.ndarray:
         return dist.sample(rng, n, lambda p: self.load(p, f"{key_path}.trace"))
@@ -499,6 +539,7 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(6))
     traces = _Traces(base_dir)
     n_burst = sum(b.count for b in cfg.bursts)
+    chains = None  # a Mooncake trace's hash_ids, per kept row
     if cfg.trace is not None:
         tr, key = cfg.trace, "workload.trace"
         t, prompt, output = traces.load(tr.path, f"{key}.path")
@@ -517,6 +558,9 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
         rows = np.concatenate((rows, rng_bp.choice(rows, size=n_burst)))
         prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
+        hash_ids = traces.hash_ids(tr.path, f"{key}.path")
+        if hash_ids is not None:
+            chains = [hash_ids[r] for r in rows.tolist()]
         if tr.prompt_len is not None:
             prompt = traces.draw(tr.prompt_len, rng_p, len(rows), f"{key}.prompt_len")
         if tr.output_len is not None:
@@ -533,8 +577,11 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
+    if cfg.shared_prefix is None and chains is not None:
+        chains = [chains[k] for k in order.tolist()]
+        return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
     if cfg.shared_prefix is None:
         return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
     sp = cfg.shared_prefix
     prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
-    return [RequestSpec(i, *row, p, sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+    return [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]

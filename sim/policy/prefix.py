@@ -1,8 +1,8 @@
 """Block hashes for prefix caching: what a request's prompt shares with others, block by block.
 
-A workload describes shared content (workload.shared_prefix: prompts that begin with one of a few prefixes); the
-hash of a full block names the prompt's content up to and including it, so two requests' blocks of one hash hold the
-same K/V. The simulator and the executor take a request's hashes from here alike (the executor builds the prompt's
+A workload describes shared content (RequestSpec.prefix: content ids, each naming `prefix_unit` tokens of the prompt's
+beginning: workload.shared_prefix gives one id per prompt, a Mooncake trace its hash_ids); the hash of a full block
+names the prompt's content up to and including it, so two requests' blocks of one hash hold the same K/V. The simulator and the executor take a request's hashes from here alike (the executor builds the prompt's
 token ids to match: executor/prompts.py), so both see the same hits.
 """
 from __future__ import annotations
@@ -20,14 +20,22 @@ class PrefixHashes:
         self._made: dict[tuple[int, int], tuple] = {}
 
     def __call__(self, spec: RequestSpec) -> tuple:
-        if spec.prefix_id < 0:
+        if not spec.prefix:
             return ()
-        n = min(spec.prefix_len, spec.prompt_len) // self.block_size
-        key = (spec.prefix_id, n)
+        unit, bs = spec.prefix_unit, self.block_size
+        n = min(len(spec.prefix) * unit, spec.prompt_len) // bs
+        key = (spec.prefix, unit, n)
         hashes = self._made.get(key)
         if hashes is None:
-            # the prefix's content up to block j is its id and j (every request of the workload has one prefix_len)
-            hashes = self._made[key] = tuple(hash((spec.prefix_id, j)) for j in range(n))
+            # the content up to block j: the chain of ids through the unit holding the block's last token, and j
+            chain, through = [], []
+            for cid in spec.prefix[:-(-n * bs // unit)]:
+                chain.append(hash((chain[-1] if chain else 0, cid)))
+            for j in range(n):
+                through.append(hash((chain[((j + 1) * bs - 1) // unit], j)))
+            hashes = tuple(through)
+            if len(spec.prefix) == 1:  # one prefix of many requests: keep it (a trace's chains are mostly their own)
+                self._made[key] = hashes
         return hashes
 
 
