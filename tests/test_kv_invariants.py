@@ -129,11 +129,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         accepted = {r: min(accept, r.num_draft) for r in batch.decode if r.num_draft}
         sched.complete_step(batch, stopped, accepted)
 
+    def check(self) -> None:
+        check_allocator(self.sched.kv, self.reqs)
+
     @invariant()
     def blocks_add_up(self):
         if hasattr(self, "sched"):
             self.sched.sync_all()
-            check_allocator(self.sched.kv, self.reqs)
+            self.check()
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -148,7 +151,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in self.reqs:
             assert r.status is Status.FINISHED or (r.status is Status.REJECTED and r.reject_reason), r
             assert not r.block_table and not r.host_block_table
-        check_allocator(self.sched.kv, self.reqs)
+        self.check()
+        assert self.sched.kv.num_free == self.sched.kv.num_blocks
 
 
 TestAllocator = AllocatorMachine.TestCase

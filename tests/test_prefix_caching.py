@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, rule
 
 from sim.config.errors import ConfigError
 from sim.config.plan import load_scenario, scheduler_config
@@ -15,6 +15,7 @@ from sim.policy.prefix import PrefixHashes, request_maker
 from sim.policy.request import Request, Status
 from sim.policy.scheduler import make_scheduler
 from tests.helpers import plan_of, run, scenario, tiny_checkpoint, write_tiny_scenario
+from tests.test_kv_invariants import SchedulerMachine
 
 SHARED = {"arrival": {"process": "poisson", "rate": 8.0}, "num_requests": 300,
           "prompt_len": {"dist": "uniform", "min": 1500, "max": 2500},
@@ -100,9 +101,9 @@ def test_a_prompt_found_whole_still_computes_its_last_token():
     assert (b, 4) in batch.prefill  # 5 of its 6 blocks found: the last one is computed for the logits
 
 
-class PrefixSchedulerMachine(RuleBasedStateMachine):
-    """The scheduler over a prefix-caching allocator under KV pressure: shared blocks stay consistent, and every
-    request ends finished or rejected."""
+class PrefixSchedulerMachine(SchedulerMachine):
+    """The scheduler over a prefix-caching allocator under KV pressure (test_kv_invariants' machine, its steps and
+    drain): shared blocks stay consistent, and every request ends finished or rejected."""
 
     @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([2, 4]), chunked=st.booleans(),
                 preemption=st.sampled_from(["recompute", "swap"]), gamma=st.sampled_from([0, 0, 3]))
@@ -123,40 +124,8 @@ class PrefixSchedulerMachine(RuleBasedStateMachine):
         accepted = self.sched.add(r)
         assert accepted or (r.status is Status.REJECTED and r.reject_reason)
 
-    @precondition(lambda self: hasattr(self, "sched") and self.sched.has_work())
-    @rule(stop=st.booleans(), accept=st.integers(0, 3), draft=st.integers(0, 3))
-    def step(self, stop, accept, draft):
-        sched = self.sched
-        if self.gamma and sched.drafting:
-            for r in sched.decoding.members:
-                r.num_draft = min(draft, self.gamma, max(0, r.remaining_tokens - 1))
-        batch = sched.schedule()
-        assert batch, "work queued but nothing schedulable"
-        stopped = batch.decode[:1] if stop and batch.decode else []
-        accepted = {r: min(accept, r.num_draft) for r in batch.decode if r.num_draft}
-        sched.complete_step(batch, stopped, accepted)
-
-    @invariant()
-    def blocks_add_up(self):
-        if hasattr(self, "sched"):
-            self.sched.sync_all()
-            check_shared_blocks(self.sched.kv, self.reqs)
-
-    def teardown(self):
-        if not hasattr(self, "sched"):
-            return
-        for _ in range(10_000):
-            if not self.sched.has_work():
-                break
-            batch = self.sched.schedule()
-            assert batch
-            self.sched.complete_step(batch)
-        assert not self.sched.has_work()
-        for r in self.reqs:
-            assert r.status is Status.FINISHED or (r.status is Status.REJECTED and r.reject_reason), r
-            assert not r.block_table and not r.host_block_table
+    def check(self) -> None:
         check_shared_blocks(self.sched.kv, self.reqs)
-        assert self.sched.kv.num_free == self.sched.kv.num_blocks
 
 
 TestPrefixScheduler = PrefixSchedulerMachine.TestCase
