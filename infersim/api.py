@@ -438,10 +438,10 @@ def _check_drafters(plans: list, named_only: bool = False) -> None:
     """Each (path, plan)'s draft model or Medusa heads are there, and a Medusa tree fits its heads, checked before
     the target model loads; errors name the scenario file. `named_only`: a simulation may plan with heads or a draft
     not made yet, so only a folder the scenario names that holds them is checked against it."""
-    from executor.speculative.build import drafter_dir
-
     for path, plan in plans:
         if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
+            from executor.speculative.build import drafter_dir  # torch: only where a drafter is named
+
             try:
                 drafter_dir(plan, named_only)
             except ConfigError as e:

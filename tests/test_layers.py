@@ -148,3 +148,23 @@ def test_shared_layers_import_neither_simpy_nor_torch():
 def test_the_two_clocks_do_not_pull_in_each_other(side, forbidden):
     mods = [m for m in project_modules() if layer_of(m)[0] == side]
     assert mods and forbidden not in _heavy_imports(mods)
+
+
+_RUN_PROBE = """
+import sys, tempfile
+from pathlib import Path
+from infersim import api
+with tempfile.TemporaryDirectory() as out:
+    api.run_scenario(Path(sys.argv[1]), Path(out), quiet=True, plots=False)
+print("torch" in sys.modules)
+"""
+
+
+def test_a_simulation_never_loads_torch():
+    """`infersim run` of a plain scenario stays on the simulator's side: torch (~190 MiB resident, seconds to import)
+    was pulled in by a drafter check that imported the executor for every run."""
+    path = ROOT / "scenarios" / "azure_conv_llama2_7b_a100.yaml"
+    r = subprocess.run([sys.executable, "-c", _RUN_PROBE, str(path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"
