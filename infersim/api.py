@@ -190,6 +190,8 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     except ConfigError as e:
         raise e.with_file(str(path)) from None
     except WorkerError as e:  # a worker process died: what completed before it, and one line
+        if getattr(e, "requests", None) is None:  # it died starting up (a model load, a spawn): nothing was served
+            raise WorkerError(f"{e}, before any request was served", e.rank) from None
         done = sum(r.status.value == "finished" for r in e.requests)
         if out is not None:
             write_traces(out, e.engine, e.requests)

@@ -188,6 +188,22 @@ def test_a_decode_worker_killed_mid_run_ends_the_serve_with_one_line_and_a_parti
     assert rq["arrived"] == rq["completed"] + rq["rejected"] and rq["rejected_by_reason"] == {STOPPED: rq["rejected"]}
 
 
+def test_a_worker_that_dies_starting_up_is_one_line(checkpoint, tmp_path, monkeypatch):
+    """W: a decode process that died before the serve began (its model load, a spawn that failed) left the error
+    path reading the requests of a run that never started: an AttributeError traceback."""
+    from executor.distributed.launch import WorkerError
+
+    def dies(*args, **kwargs):
+        raise WorkerError("rank 1 died (exited with code 1)", 1)
+
+    monkeypatch.setattr(executor.disaggregated, "serve_pools", dies)
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-dead", pools=POOLS)
+    r = CliRunner().invoke(app, ["serve", str(path), "--out", str(tmp_path / "out"), "-q", "--no-plots"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    line = [x for x in r.output.splitlines() if x.startswith("infersim: error:")]
+    assert len(line) == 1 and "before any request was served" in line[0], r.output
+
+
 @pytest.mark.parametrize("pools, where", [
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 1}}, "pools.prefill.replicas"),
     ({**POOLS, "decode": {"replicas": 1, "parallel": {"tensor_parallel_size": 2}}}, "pools.decode.parallel"),
