@@ -47,11 +47,11 @@ class Form:
         return f"{self.prefix}::{name}"
 
     def integer(self, label: str, name: str, value, lo: int = 1, hi: int | None = None, optional: bool = False,
-                help: str | None = None) -> int | None:
-        """An integer input (`optional`: may be left empty, None)."""
+                help: str | None = None, empty: str = "default") -> int | None:
+        """An integer input (`optional`: may be left empty, None, shown as `empty`)."""
         value = None if value is None else _clip(int(value), lo, hi)
         return st.number_input(label, min_value=lo, max_value=hi, value=value, step=1, key=self.key(name),
-                               help=help, placeholder="default" if optional else None)
+                               help=help, placeholder=empty if optional else None)
 
     def number(self, label: str, name: str, value, lo: float = 0.0, hi: float | None = None, step: float = 0.1,
                optional: bool = False, help: str | None = None) -> float | None:
@@ -303,8 +303,8 @@ def _shared_prefix(f: Form, w: dict) -> dict:
     c1, c2 = st.columns(2)
     with c1:
         length = f.integer("Shared prefix (tokens)", "workload.prefix_len", shared.get("prefix_len"), optional=True,
-                           help="each prompt begins with one of the shared prefixes (a system prompt, a few-shot "
-                                "block); empty: prompts share nothing")
+                           empty="none", help="each prompt begins with one of the shared prefixes (a system prompt, "
+                                              "a few-shot block); empty: prompts share nothing")
     with c2:
         count = f.integer("Distinct prefixes", "workload.num_prefixes", shared.get("num_prefixes", 1))
     if length:
