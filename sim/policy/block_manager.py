@@ -120,26 +120,48 @@ class FreeBlockQueue:
         stamp = self.stamp
         return (b for b, s in self.queue if stamp[b] == s)
 
-    def append(self, block: int) -> None:
-        self.stamp[block] += 1
-        self.queue.append((block, self.stamp[block]))
-        self.size += 1
+    def extend(self, blocks: list[int]) -> None:
+        """Blocks freed, in the order they should be handed out again."""
+        stamp = self.stamp
+        for b in blocks:
+            stamp[b] += 1
+        self.queue.extend(zip(blocks, [stamp[b] for b in blocks]))
+        self.size += len(blocks)
 
-    def take(self, block: int) -> None:
+    def revive(self, block: int) -> None:
         """A free block with a cached prefix comes back into use (a prefix hit); its queue entry goes stale."""
         self.stamp[block] += 1
         self.size -= 1
 
     def pop(self) -> int:
+        """One block handed out (the decode fast path's call, as on a plain list)."""
         queue, stamp = self.queue, self.stamp
-        while True:
+        block, s = queue.popleft()
+        while stamp[block] != s:
             block, s = queue.popleft()
-            if stamp[block] == s:
-                break
-        stamp[block] += 1
+        stamp[block] = s + 1
         self.size -= 1
-        self.kv.hand_out(block)
+        self.kv.ref[block] = 1
+        if block in self.kv.hash_of:
+            del self.kv.cached[self.kv.hash_of.pop(block)]
         return block
+
+    def take(self, n: int) -> list[int]:
+        """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
+        popleft, stamp, kv = self.queue.popleft, self.stamp, self.kv
+        ref, hash_of, out = kv.ref, kv.hash_of, []
+        add = out.append
+        for _ in range(n):
+            block, s = popleft()
+            while stamp[block] != s:  # taken back by a prefix hit, or freed again since
+                block, s = popleft()
+            stamp[block] = s + 1
+            ref[block] = 1
+            if hash_of and block in hash_of:
+                del kv.cached[hash_of.pop(block)]
+            add(block)
+        self.size -= n
+        return out
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -160,13 +182,6 @@ class PrefixCachingAllocator(BlockAllocator):
         self.queried_tokens = 0  # tokens of the requests admitted (vLLM's prefix cache queries), and those found cached
         self.hit_tokens = 0
         self.shared_refs = 0  # references past the first to blocks held (their tokens are stored once)
-
-    def hand_out(self, block: int) -> None:
-        """A free block becomes a new one: whatever prefix it held is evicted."""
-        self.ref[block] = 1
-        h = self.hash_of.pop(block, None)
-        if h is not None:
-            del self.cached[h]
 
     def cached_prefix(self, req: Request) -> tuple[int, int]:
         """(blocks of `req`'s prompt found cached, how many of those are free now); at least the prompt's last token
@@ -189,7 +204,7 @@ class PrefixCachingAllocator(BlockAllocator):
         for h in req.block_hashes[:hits]:
             block = self.cached[h]
             if self.ref[block] == 0:
-                self.free_blocks.take(block)
+                self.free_blocks.revive(block)
             else:
                 self.shared_refs += 1
             self.ref[block] += 1
@@ -211,8 +226,8 @@ class PrefixCachingAllocator(BlockAllocator):
         need = self.extra_blocks(req, num_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError(f"request {req.id}: needs {need} blocks, {len(self.free_blocks)} free")
-        for _ in range(need):
-            req.block_table.append(self.free_blocks.pop())
+        if need:
+            req.block_table.extend(self.free_blocks.take(need))
 
     def append_block(self, req: Request) -> None:
         req.block_table.append(self.free_blocks.pop())
@@ -230,10 +245,12 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def release(self, block_table: list[int]) -> None:
         # the last blocks first: a prompt's tail is the part other requests are least likely to share
-        ref, queue = self.ref, self.free_blocks
+        ref, freed = self.ref, []
+        add = freed.append
         for block in reversed(block_table):
-            ref[block] -= 1
-            if ref[block] == 0:
-                queue.append(block)
-            else:
+            left = ref[block] = ref[block] - 1
+            if left:
                 self.shared_refs -= 1
+            else:
+                add(block)
+        self.free_blocks.extend(freed)
