@@ -13,6 +13,7 @@ from dashboard.seeds import saved, upload_dir
 from infersim import api
 from sim.config.limits import MAX_REPLICAS, MAX_REQUESTS
 from sim.config.scenario import CONTINUOUS_ONLY
+from sim.policy.router import ROUTERS
 
 AS_SEEDED = "as in the scenario"
 LENGTHS = ("fixed", "uniform", "lognormal", "zipf")
@@ -120,7 +121,7 @@ def deployment(f: Form, seed: dict) -> dict:
             out["replicas"] = f.integer("Replicas", "replicas", seed.get("replicas", 1), hi=MAX_REPLICAS)
         out["pools"] = None
     with c3:
-        out["router"] = f.choice("Router", "router", ["round_robin", "least_outstanding"], seed.get("router"))
+        out["router"] = f.choice("Router", "router", list(ROUTERS), seed.get("router"))
     parallel = dict(seed.get("parallel") or {})
     c1, c2 = st.columns(2)
     with c1:

@@ -170,7 +170,7 @@ class PipelineEngine:
 
     def add(self, req, prompt_ids: list[int]) -> bool:
         """Queue a request on the virtual engine the router picks; False if its scheduler rejected it."""
-        return self.engines[self.router.pick([e.scheduler for e in self.engines])].add(req, prompt_ids)
+        return self.engines[self.router.pick([e.scheduler for e in self.engines], req)].add(req, prompt_ids)
 
     def has_work(self) -> bool:
         return bool(self.inflight) or any(e.scheduler.has_work() for e in self.engines)

@@ -37,7 +37,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     router = make_router(plan.router)
     requests: list[Request] = []
 
-    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas)].add(req), done,
+    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas, req)].add(req), done,
                          request_maker(plan.enable_prefix_caching, plan.block_size)))
     run_env(env, done.stop)
     for r in replicas:

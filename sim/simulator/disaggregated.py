@@ -110,7 +110,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     router = make_router(pools.prefill.router)
     requests: list[Request] = []
 
-    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill)].add(req), done,
+    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill, req)].add(req), done,
                          request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size)))
     run_env(env, done.stop)
     for r in prefill + decode:
