@@ -220,7 +220,7 @@ def colocated(draw, max_requests: int = 40) -> dict:
     if draw(st.booleans()):
         sc["parallel"] = draw(parallel())
     if draw(st.booleans()):
-        sc.update(replicas=draw(st.integers(1, 3)), router=draw(st.sampled_from(["round_robin", "least_outstanding"])))
+        sc.update(replicas=draw(st.integers(1, 3)), router=draw(st.sampled_from(["round_robin", "least_outstanding", "cache_aware"])))
     if not static and draw(st.integers(0, 2)) == 0:
         sc["speculative"] = draw(speculative())
     if draw(st.booleans()):
@@ -234,7 +234,7 @@ def disaggregated(draw, max_requests: int = 40) -> dict:
     max_model_len = draw(st.sampled_from([16, 64, 256]))
     kv = draw(kv_caches(max_model_len, contiguous=False))
     sc = {"model": draw(models(kv)), "hardware": draw(st.sampled_from(["A100-80GB", "cpu"])),
-          "router": draw(st.sampled_from(["round_robin", "least_outstanding"])),
+          "router": draw(st.sampled_from(["round_robin", "least_outstanding", "cache_aware"])),
           "workload": draw(workloads(max_model_len, max_requests)),
           "serving": draw(serving(max_model_len, static=False)), "kv_cache": kv}
     pools: dict = {}
@@ -248,7 +248,7 @@ def disaggregated(draw, max_requests: int = 40) -> dict:
         if draw(st.integers(0, 3)) == 0:
             pool["parallel"] = draw(parallel())
         if draw(st.booleans()):
-            pool["router"] = draw(st.sampled_from(["round_robin", "least_outstanding"]))
+            pool["router"] = draw(st.sampled_from(["round_robin", "least_outstanding", "cache_aware"]))
         pools[name] = pool
     if draw(st.booleans()):
         pools["kv_transfer"] = {"bandwidth": draw(st.sampled_from([1e6, 1e11])),
