@@ -184,6 +184,8 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
         e.samples.clear()
         e.tokens.clear()
         e.scheduler.kv.peak_used = 0
+        if hasattr(e.scheduler.kv, "queried_tokens"):  # prefix caching: the warm-up's prompts are not the run's
+            e.scheduler.kv.queried_tokens = e.scheduler.kv.hit_tokens = 0
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,

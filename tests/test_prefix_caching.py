@@ -206,6 +206,8 @@ def test_the_executor_reuses_cached_blocks_and_generates_the_same_tokens(tmp_pat
         outputs[caching] = {r.id: engine.output_ids(r) for r in requests}
         prompt_tokens[caching] = sum(sum(n for n in rec.new_tokens) for rec in engine.records if rec.num_prefill)
         reports[caching] = traces[0]
+        if caching:  # the warm-up's prompts are not counted: what the simulator counts for the same requests
+            assert traces[0].prefix_queried_tokens == sum(s.prompt_len for s in specs)
     assert outputs[True] == outputs[False]
     assert prompt_tokens[True] < prompt_tokens[False]
     assert reports[True].prefix_hit_tokens > 0 and reports[False].prefix_hit_tokens == 0
