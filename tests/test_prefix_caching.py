@@ -311,3 +311,16 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica():
     assert ca["kv_cache"]["prefix_cache_hit_rate"] > rr["kv_cache"]["prefix_cache_hit_rate"] + 0.2
     assert ca["ttft_s"]["p50"] < 0.8 * rr["ttft_s"]["p50"]
     assert ca["requests"]["completed"] == rr["requests"]["completed"] == 600
+
+
+def test_a_hot_prefix_found_again_and_again_keeps_the_free_queue_small():
+    """Each hit leaves a stale entry in the free queue; one prefix freed and found 2,000 times over does not grow it
+    without bound."""
+    cfg = scheduler_config(256, max_num_seqs=4, max_num_batched_tokens=256)
+    kv = PrefixCachingAllocator(32, 4)
+    sched = make_scheduler(cfg, kv)
+    for i in range(2000):
+        sched.add(make_request(i, 25, 1, 0, 4))
+        sched.complete_step(sched.schedule())
+    assert kv.hit_tokens == 1999 * 24 and len(kv.free_blocks.queue) <= 4 * 32 + 64 + 8
+    assert sorted(kv.free_blocks) == list(range(32))

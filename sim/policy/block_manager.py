@@ -127,6 +127,8 @@ class FreeBlockQueue:
             stamp[b] += 1
         self.queue.extend(zip(blocks, [stamp[b] for b in blocks]))
         self.size += len(blocks)
+        if len(self.queue) > 4 * len(stamp) + 64:  # hits leave stale entries: a hot prefix freed and found again
+            self.queue = deque((b, s) for b, s in self.queue if stamp[b] == s)
 
     def revive(self, block: int) -> None:
         """A free block with a cached prefix comes back into use (a prefix hit); its queue entry goes stale."""
