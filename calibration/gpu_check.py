@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "scenarios/gpu"
 # model -> its validation scenarios (the first is also the one it is profiled as)
 MODELS = {"smollm2-135m": [GPU / "smollm2_h200.yaml"],
-          "llama-3.2-1b": [GPU / "llama32_1b_h200.yaml"],
+          "llama-3.2-1b": [GPU / "llama32_1b_h200.yaml", GPU / "llama32_1b_h200_prefix.yaml"],
           "llama-3-8b": [GPU / "llama3_8b_h200.yaml", GPU / "llama3_8b_h200_chunked.yaml"]}
 CAPACITY = {"llama-3-8b": GPU / "llama3_8b_h200.yaml"}  # the capacity search costs a few minutes: one scenario
 # the dry run's stand-in for every model: the family's layout at a size a 2-core CPU profiles in seconds
