@@ -17,7 +17,7 @@ from calibration.validate import print_stage, run_real, simulated, slo_metrics, 
 from sim.config.plan import Plan
 from sim.config.workload import generate_requests
 from sim.cost.build import make_cost_model
-from sim.report.capacity import grid_capacity, offered_rate, passes, scaled
+from sim.report.capacity import grid_capacity, offered_rate, passes, probe_rows, scaled
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
 
@@ -42,7 +42,7 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
     with each probe's traces). `sweep`: an alongside profile sweep to advance between probes; `write_sweep()` then
     finishes it, writes it and returns its path, which predicts instead of `profile`."""
     specs = generate_requests(plan.workload, plan.base_dir)
-    base = tuple((s.arrival_s, s.prompt_len, s.output_len) for s in specs)
+    base = probe_rows(specs)
     target = offered_rate([s.arrival_s for s in specs])
     probes: list[dict] = []
     steps_of: dict[float, list] = {}

@@ -31,7 +31,7 @@ from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
-from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, passes, scaled
+from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, passes, probe_rows, scaled
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -443,8 +443,7 @@ def search_one(probe: Probe) -> ConfigResult:
 # -- the whole search ---------------------------------------------------------------------------------------------
 def probes_of(search: Search) -> list[Probe]:
     scenario = parse_scenario(search.base)
-    specs = tuple((s.arrival_s, s.prompt_len, s.output_len)
-                  for s in _probe_specs(scenario, search.base_dir, search.settings.max_requests))
+    specs = probe_rows(_probe_specs(scenario, search.base_dir, search.settings.max_requests))
     return [Probe(label, overrides, data, str(search.base_dir), specs, search.target_rate,
                   search.settings.model_dump())
             for label, overrides, data in configurations(search)]

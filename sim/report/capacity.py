@@ -18,13 +18,19 @@ from sim.config.workload import RequestSpec
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
 
 
+def probe_rows(specs: list[RequestSpec]) -> tuple:
+    """The requests a capacity search scales, as plain rows: (arrival_s, prompt_len, output_len, prefix, prefix_unit)
+    each — what their prompts share goes with them."""
+    return tuple((s.arrival_s, s.prompt_len, s.output_len, s.prefix, s.prefix_unit) for s in specs)
+
+
 def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
-    """Requests ((arrival_s, prompt_len, output_len) each) with their arrival gaps scaled so that they arrive at
-    `rate` requests/s on average: every rate sees the same requests and burst pattern."""
+    """Requests (probe_rows) with their arrival gaps scaled so that they arrive at `rate` requests/s on average: every
+    rate sees the same requests and burst pattern."""
     first = specs[0][0]
     span = specs[-1][0] - first
     factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
-    return [RequestSpec(i, (a - first) * factor, p, o) for i, (a, p, o) in enumerate(specs)]
+    return [RequestSpec(i, (a - first) * factor, *rest) for i, (a, *rest) in enumerate(specs)]
 
 
 def check_scalable(arrivals: list[float], key_path: str = "workload") -> None:
