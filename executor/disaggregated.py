@@ -48,7 +48,6 @@ from executor.serve import (
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
-from sim.policy.block_manager import PrefixCachingAllocator
 from sim.policy.build import make_policy, make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
@@ -281,7 +280,7 @@ class PrefillDriver:
     def start(self, specs: list[RequestSpec]) -> None:
         """The shared clock starts now; every decode instance gets it and the prefill KV tensor."""
         kv = self.engine.scheduler.kv
-        make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
+        make = request_maker(kv.prefix_caching, kv.block_size)
         self.requests = [make(s) for s in specs]
         self.prompts = {s.id: (s.prefix, s.prefix_unit) for s in specs}
         self.by_id = {r.id: r for r in self.requests}

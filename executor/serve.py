@@ -23,7 +23,6 @@ from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
-from sim.policy.block_manager import PrefixCachingAllocator
 from sim.policy.build import make_policy
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
@@ -184,8 +183,7 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
         e.samples.clear()
         e.tokens.clear()
         e.scheduler.kv.peak_used = 0
-        if hasattr(e.scheduler.kv, "queried_tokens"):  # prefix caching: the warm-up's prompts are not the run's
-            e.scheduler.kv.queried_tokens = e.scheduler.kv.hit_tokens = 0
+        e.scheduler.kv.queried_tokens = e.scheduler.kv.hit_tokens = 0  # prefix caching: the run's prompts only
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
@@ -195,7 +193,7 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
     sleeping while the machine is otherwise quiet (see executor.keep_warm)."""
     kv = getattr(engine, "engines", [engine])[0].scheduler.kv
-    make = request_maker(isinstance(kv, PrefixCachingAllocator), kv.block_size)
+    make = request_maker(kv.prefix_caching, kv.block_size)
     requests = [make(s) for s in specs]
     # a prompt's token ids: a shared prefix's where the workload gives it one, as its block hashes say
     prompts = [(s.prefix, s.prefix_unit) for s in specs]
@@ -258,8 +256,7 @@ def trace_of(engine) -> list[ReplicaTrace]:
         traces.append(ReplicaTrace(np.array([r.end_s for r in e.records], float), np.ones(len(e.records), bool),
                                    np.asarray(e.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
                                    e.scheduler.num_preemptions, kv.peak_used, pipeline_busy_s=busy,
-                                   prefix_queried_tokens=getattr(kv, "queried_tokens", 0),
-                                   prefix_hit_tokens=getattr(kv, "hit_tokens", 0)))
+                                   prefix_queried_tokens=kv.queried_tokens, prefix_hit_tokens=kv.hit_tokens))
     return traces
 
 

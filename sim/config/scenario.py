@@ -319,17 +319,17 @@ class Scenario(StrictModel):
 
     def pools_kv(self, name: str) -> KVCacheConfig:
         """The KV cache of pool `name`: the scenario's, with the keys the pool sets overriding them."""
-        own = getattr(self.pools, name).kv_cache
-        if own is None:
-            return self.kv_cache
-        return KVCacheConfig.model_validate({**self.kv_cache.model_dump(), **own.model_dump(exclude_unset=True)})
+        return self._pool_section(name, "kv_cache")
 
     def pools_serving(self, name: str) -> ServingConfig:
         """The serving knobs of pool `name`: the scenario's, with the keys the pool sets overriding them."""
-        own = getattr(self.pools, name).serving
+        return self._pool_section(name, "serving")
+
+    def _pool_section(self, name: str, section: str):
+        ours, own = getattr(self, section), getattr(getattr(self.pools, name), section)
         if own is None:
-            return self.serving
-        return ServingConfig.model_validate({**self.serving.model_dump(), **own.model_dump(exclude_unset=True)})
+            return ours
+        return type(ours).model_validate({**ours.model_dump(), **own.model_dump(exclude_unset=True)})
 
 
 # serving keys that only one batching mode, or only another key, reads: set where nothing reads them, the run would

@@ -420,7 +420,8 @@ def _load_trace(path: str | Path, key_path: str) -> tuple:
     output = _column(gen, gen, fmt[2], count, is_count, path, key_path, first)
     hash_ids = None
     if fmt == TRACE_FORMATS["mooncake"] and "hash_ids" in header:
-        cells = [r[header.index("hash_ids")] if len(r) > header.index("hash_ids") else "" for r in rows[1:]]
+        col = header.index("hash_ids")
+        cells = [r[col] if len(r) > col else "" for r in rows[1:]]
         hash_ids = [_hash_ids(c, i + first, path, key_path) for i, c in enumerate(cells)]
     result = (arrival - arrival.min(), prompt.astype(np.int64), output.astype(np.int64))
     for a in result:
@@ -477,15 +478,16 @@ class _Traces:
     def __init__(self, base_dir: Path | None):
         self.base_dir = base_dir
 
-    def load(self, path: str, key_path: str):
+    def _resolve(self, path: str) -> str:
         if path not in BUILTIN_TRACES and self.base_dir is not None:
             path = str(Path(self.base_dir) / path)  # an absolute path survives the join unchanged
-        return load_trace(path, key_path)
+        return path
+
+    def load(self, path: str, key_path: str):
+        return load_trace(self._resolve(path), key_path)
 
     def hash_ids(self, path: str, key_path: str) -> list[tuple] | None:
-        if path not in BUILTIN_TRACES and self.base_dir is not None:
-            path = str(Path(self.base_dir) / path)
-        return trace_hash_ids(path, key_path)
+        return trace_hash_ids(self._resolve(path), key_path)
 
     def draw(self, dist, rng, n: int, key_path: str) -> np.ndarray:
         return dist.sample(rng, n, lambda p: self.load(p, f"{key_path}.trace"))

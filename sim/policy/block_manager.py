@@ -13,6 +13,10 @@ from sim.policy.request import Request
 class BlockAllocator:
     """Fixed pool of KV blocks; request.block_table lists the physical block ids a request holds."""
 
+    # prefix caching (PrefixCachingAllocator): off here, so its counters read zero
+    prefix_caching = False
+    queried_tokens = hit_tokens = shared_refs = 0
+
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, num_swap_blocks: int = 0,
                  contiguous: bool = False):
         self.num_blocks = num_blocks
@@ -62,12 +66,13 @@ class BlockAllocator:
         """Return the blocks past those `num_tokens` tokens need (speculative slots of rejected drafts)."""
         keep = self.blocks_for(num_tokens)
         if len(req.block_table) > keep:
-            self.free_blocks.extend(reversed(req.block_table[keep:]))
+            self.release(req.block_table[keep:])
             del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
         self.release(req.block_table)
         req.block_table = []
+        req.num_registered = 0
 
     def release(self, block_table: list[int]) -> None:
         """Give back the blocks of a table no request holds any more (a handed-off prefill's, once sent)."""
@@ -137,16 +142,7 @@ class FreeBlockQueue:
 
     def pop(self) -> int:
         """One block handed out (the decode fast path's call, as on a plain list)."""
-        queue, stamp = self.queue, self.stamp
-        block, s = queue.popleft()
-        while stamp[block] != s:
-            block, s = queue.popleft()
-        stamp[block] = s + 1
-        self.size -= 1
-        self.kv.ref[block] = 1
-        if block in self.kv.hash_of:
-            del self.kv.cached[self.kv.hash_of.pop(block)]
-        return block
+        return self.take(1)[0]
 
     def take(self, n: int) -> list[int]:
         """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
@@ -174,6 +170,8 @@ class PrefixCachingAllocator(BlockAllocator):
     cached prefix instead of computing them. Blocks count references; one nobody holds is free but keeps its
     prefix until the free queue hands it out again (least recently freed first).
     """
+
+    prefix_caching = True
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, num_swap_blocks: int = 0):
         super().__init__(num_blocks, block_size, watermark, num_swap_blocks)
@@ -230,20 +228,6 @@ class PrefixCachingAllocator(BlockAllocator):
             raise RuntimeError(f"request {req.id}: needs {need} blocks, {len(self.free_blocks)} free")
         if need:
             req.block_table.extend(self.free_blocks.take(need))
-
-    def append_block(self, req: Request) -> None:
-        req.block_table.append(self.free_blocks.pop())
-
-    def trim(self, req: Request, num_tokens: int) -> None:
-        keep = self.blocks_for(num_tokens)
-        if len(req.block_table) > keep:
-            self.release(req.block_table[keep:])
-            del req.block_table[keep:]
-
-    def free(self, req: Request) -> None:
-        self.release(req.block_table)
-        req.block_table = []
-        req.num_registered = 0
 
     def release(self, block_table: list[int]) -> None:
         # the last blocks first: a prompt's tail is the part other requests are least likely to share

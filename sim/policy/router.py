@@ -55,7 +55,7 @@ class CacheAwareRouter:
         best, best_tokens = least, 0
         for i, r in enumerate(replicas):
             kv = getattr(r, "scheduler", r).kv  # a simulated replica, or an engine's scheduler
-            if getattr(kv, "cached", None) is None:
+            if not kv.prefix_caching:
                 continue
             tokens = kv.cached_prefix(req)[0] * kv.block_size
             if tokens > best_tokens or (tokens == best_tokens and tokens and loads[i] < loads[best]):

@@ -116,7 +116,7 @@ class Scheduler:
         self.decoding = DecodeSet(None if kv.contiguous or self.speculative else kv.block_size)
         self.steps_since_admission = 0
         self.num_preemptions = 0
-        self.prefix_caching = getattr(kv, "cached", None) is not None
+        self.prefix_caching = kv.prefix_caching
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
