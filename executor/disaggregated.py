@@ -388,7 +388,8 @@ def _pool_trace(trace: ReplicaTrace, steps: list[StepRecord], pool: str) -> Repl
 
 def check_pools(plan: Plan) -> None:
     """What the disaggregated executor runs, as one-line errors: one prefill instance (the driver), no parallelism
-    inside an instance, no speculative decoding."""
+    inside an instance, no speculative decoding, no conversations (a turn's answer is generated in a decode process,
+    and the next turn's prompt is built from it)."""
     pools = plan.pools
     if pools.prefill.replicas != 1:
         raise ConfigError("the executor's prefill pool is one instance (the driver process); the simulator prices "
@@ -399,6 +400,9 @@ def check_pools(plan: Plan) -> None:
                               "tensor and pipeline parallel pools", f"pools.{name}.parallel")
     if plan.speculative is not None:
         raise ConfigError("the disaggregated executor runs without speculative decoding", "speculative")
+    if plan.workload.conversation is not None:
+        raise ConfigError("the disaggregated executor replays requests that follow no other; the simulator runs "
+                          "conversations on pools", "workload.conversation")
 
 
 def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,

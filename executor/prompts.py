@@ -28,6 +28,13 @@ def prompt_ids(corpus: list[int], length: int, request_id: int, prefix: tuple = 
     return ids + _window(corpus, (request_id * 7919) % len(corpus), length - len(ids))
 
 
+def next_turn_ids(corpus: list[int], history: list[int], length: int, request_id: int) -> list[int]:
+    """A conversation's next prompt of `length` ids: the turn before it (its prompt and generated tokens) and the
+    user's new tokens; what the sim's block hashes of a conversation stand for (sim/policy/prefix.py)."""
+    head = history[:length]
+    return head + _window(corpus, (request_id * 7919) % len(corpus), length - len(head))
+
+
 def _window(corpus: list[int], start: int, length: int) -> list[int]:
     reps = (start + length) // len(corpus) + 1
     return (corpus * (reps + 1))[start:start + length]

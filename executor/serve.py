@@ -1,7 +1,9 @@
 """Serving a plan on the real executor: load its weights, build its engine, replay its requests online."""
 from __future__ import annotations
 
+import heapq
 import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,13 +19,14 @@ from executor.cpu_load import CpuLoad
 from executor.distributed.launch import STOPPED, WorkerError
 from executor.engine import Engine, SamplingParams
 from executor.model import LlamaConfig, LlamaModel
-from executor.prompts import corpus_ids, prompt_ids
+from executor.prompts import corpus_ids, next_turn_ids, prompt_ids
 from executor.speculative.build import make_drafter
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
+from sim.policy.conversation import Conversations, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
@@ -199,7 +202,7 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     prompts = [(s.prefix, s.prefix_unit) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, requests, prompts, corpus, load, adapt_threads, progress, keep_warm)
+        _replay(engine, requests, prompts, corpus, load, adapt_threads, progress, keep_warm, specs)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -218,32 +221,72 @@ def _keep_warm(engine, until: float) -> None:
 
 
 def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], corpus: list[int],
-            load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool = False) -> None:
+            load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool, specs: list[RequestSpec]) -> None:
+    """The replay loop. A conversation's later turn (RequestSpec.after) is sent its think time after the turn before
+    it ends, its prompt that turn's prompt and generated tokens and its own new tokens; or rejected with it."""
+    turns = Conversations(specs)
+    follows = turns.any
+    first = [i for i, s in enumerate(specs) if s.after < 0]
+    index = {r.id: i for i, r in enumerate(requests)} if follows else {}
+    sent: list[tuple[float, int, list[int]]] = []  # heap of later turns known: (arrival, index, prompt ids)
+    open_turns: set[int] = set()  # indices of turns added whose next turn is not yet known
     nxt = 0
     next_sample = LOAD_EVERY_S
-    while nxt < len(requests) or engine.has_work():
+    while nxt < len(first) or sent or open_turns or engine.has_work():
         now = engine.now()
-        while nxt < len(requests) and requests[nxt].arrival_s <= now:
-            r = requests[nxt]
-            engine.add(r, prompt_ids(corpus, r.prompt_len, r.id, *prompts[nxt]))  # a rejection is final and recorded
-            nxt += 1
+        while True:  # every arrival due by now, in time order
+            a = requests[first[nxt]].arrival_s if nxt < len(first) else math.inf
+            b = sent[0][0] if sent else math.inf
+            if min(a, b) > now:
+                break
+            if a <= b:
+                i, ids = first[nxt], None
+                nxt += 1
+            else:
+                _, i, ids = heapq.heappop(sent)
+            r = requests[i]
+            engine.add(r, ids if ids is not None else prompt_ids(corpus, r.prompt_len, r.id, *prompts[i]))
+            if follows:
+                open_turns.add(i)
+        if follows:
+            for i in [i for i in open_turns if requests[i].is_done]:
+                open_turns.discard(i)
+                spec, gone = turns.ended(requests[i])
+                if spec is not None:
+                    r = requests[index[spec.id]]
+                    r.arrival_s = requests[i].finish_s + spec.think_s
+                    ids = next_turn_ids(corpus, _sequence(engine, requests[i]), r.prompt_len, r.id)
+                    heapq.heappush(sent, (r.arrival_s, index[spec.id], ids))
+                for g in gone:
+                    reject_unsent(requests[index[g.id]], now)
         if now >= next_sample:
             next_sample = now + LOAD_EVERY_S
             others = load.sample() if load is not None else None
             if adapt_threads and others is not None and load.threads_for(others) != torch.get_num_threads():
                 torch.set_num_threads(load.threads_for(others))
             if progress is not None:
-                progress(sum(r.is_done for r in requests[:nxt]), len(requests))
+                progress(sum(r.is_done for r in requests), len(requests))
         if engine.has_work():
             engine.step()
-        elif nxt < len(requests):
-            until = min(requests[nxt].arrival_s, now + LOAD_EVERY_S)
+        elif nxt < len(first) or sent:
+            due = min(requests[first[nxt]].arrival_s if nxt < len(first) else math.inf, sent[0][0] if sent else math.inf)
+            until = min(due, now + LOAD_EVERY_S)
             if keep_warm and load is not None and not load.others_busy():
                 _keep_warm(engine, until)
             else:
                 time.sleep(max(0.0, until - engine.now()))
+        elif open_turns:  # the last step ended turns whose next turns are not yet known: look again
+            continue
     if progress is not None:
         progress(len(requests), len(requests))
+
+
+def _sequence(engine, req: Request) -> list[int]:
+    """The token ids of a request the engine ran: its prompt and what it generated."""
+    for e in getattr(engine, "engines", [engine]):  # a pipelined engine: the virtual engine that ran it
+        if req in e.tokens:
+            return e.tokens[req]
+    raise KeyError(f"request {req.id}: no tokens kept")
 
 
 def trace_of(engine) -> list[ReplicaTrace]:

@@ -315,7 +315,7 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     from executor.serve import load_model
     from sim.config.plan import load_scenario
     from sim.config.workload import generate_requests
-    from sim.report.capacity import offered_rate, passes, scaled
+    from sim.report.capacity import offered_rate, passes, probe_rows, scaled
 
     path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},
                                workload={"num_requests": 40})
@@ -330,7 +330,7 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
 
     plan = load_scenario(path)[1]
     specs = generate_requests(plan.workload, plan.base_dir)
-    base = tuple((s.arrival_s, s.prompt_len, s.output_len) for s in specs)
+    base = probe_rows(specs)
     sim, _ = predicted_capacity(plan, profile, base, offered_rate([s.arrival_s for s in specs]), 0.1)
     assert sim.rate > 0 and sim.missed_at is not None
     loaded = load_model(plan, "cpu")

@@ -104,6 +104,10 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
             w["duration_s"] = max_requests / 2 / w["arrival"]["rate"]
     if draw(st.integers(0, 3)) == 0:
         w["bursts"] = [{"at_s": draw(st.sampled_from([0.0, 0.01, 0.5])), "count": draw(st.integers(1, 15))}]
+    if draw(st.integers(0, 3)) == 0:  # conversations: later turns arrive when the turns before them end
+        w["conversation"] = {"turns": {"dist": "uniform", "min": 1, "max": draw(st.sampled_from([2, 4]))},
+                             "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0])),
+                             "user_len": draw(lengths(max(1, hi // 4)))}
     return w
 
 

@@ -230,9 +230,22 @@ class SharedPrefixConfig(StrictModel):
     num_prefixes: int = Field(1, gt=0, le=1_000_000)
 
 
+class ConversationConfig(StrictModel):
+    """Multi-turn chat, closed loop (vLLM's multi-turn benchmark): every request the workload describes opens a
+    conversation of `turns` turns. Turn k+1 is sent `think_time_s` after turn k's last token (exponential with this
+    mean; 0: at once) and never before it; its prompt is the whole conversation so far (turn k's prompt and answer)
+    and `user_len` new tokens; its answer is drawn from the workload's output lengths. A turn rejected ends its
+    conversation: the turns after it are rejected with it."""
+
+    turns: LengthDist
+    think_time_s: float = Field(default=0.0, ge=0, le=MAX_ARRIVAL_S)
+    user_len: LengthDist
+
+
 class WorkloadConfig(StrictModel):
     """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
-    `num_requests` / `duration_s`.  `bursts` add requests on top of either."""
+    `num_requests` / `duration_s`.  `bursts` add requests on top of either. With `conversation`, each of those
+    requests is a conversation's first turn."""
 
     seed: int = Field(default=0, ge=0)
     trace: Optional[TraceConfig] = None
@@ -243,6 +256,7 @@ class WorkloadConfig(StrictModel):
     duration_s: Optional[float] = Field(default=None, gt=0)
     bursts: list[BurstConfig] = []
     shared_prefix: Optional[SharedPrefixConfig] = None
+    conversation: Optional[ConversationConfig] = None
 
     @model_validator(mode="after")
     def _one_mode(self):
@@ -279,6 +293,12 @@ class RequestSpec:
     # hash_ids (512 tokens each)
     prefix: tuple = ()
     prefix_unit: int = 0
+    # workload.conversation: the conversation (-1: none), the turn this one follows (-1: the first) and how long after
+    # that turn's last token it is sent; its arrival_s is then the earliest it could arrive (the turns before it
+    # answered at once), the run's own arrival comes from the previous turn's end
+    conversation: int = -1
+    after: int = -1
+    think_s: float = 0.0
 
 
 def _bad(path: Path, key_path: str, what: str) -> ConfigError:
@@ -537,8 +557,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     stream and the bursts use independent child generators of `seed`, so changing a length
     distribution or adding bursts leaves the other draws unchanged.
     """
-    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(6))
+    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix, rng_conv = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(7))
     traces = _Traces(base_dir)
     n_burst = sum(b.count for b in cfg.bursts)
     chains = None  # a Mooncake trace's hash_ids, per kept row
@@ -558,6 +578,7 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
             raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
                               f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")
         # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
+        kept_output = np.maximum(output[rows], 1)
         rows = np.concatenate((rows, rng_bp.choice(rows, size=n_burst)))
         prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
         hash_ids = traces.hash_ids(tr.path, f"{key}.path")
@@ -567,6 +588,9 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
             prompt = traces.draw(tr.prompt_len, rng_p, len(rows), f"{key}.prompt_len")
         if tr.output_len is not None:
             output = traces.draw(tr.output_len, rng_o, len(rows), f"{key}.output_len")
+            more_outputs = lambda rng, n: traces.draw(tr.output_len, rng, n, f"{key}.output_len")  # noqa: E731
+        else:  # a later turn's answer: one of the kept rows'
+            more_outputs = lambda rng, n: kept_output[rng.integers(0, len(kept_output), n)]  # noqa: E731
     else:
         arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
         _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate {cfg.arrival.rate:g}/s "
@@ -576,14 +600,65 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
                                  traces.draw(cfg.prompt_len, rng_bp, n_burst, kp)))
         output = np.concatenate((traces.draw(cfg.output_len, rng_o, n, ko),
                                  traces.draw(cfg.output_len, rng_bo, n_burst, ko)))
+        more_outputs = lambda rng, n: traces.draw(cfg.output_len, rng, n, ko)  # noqa: E731
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
     if cfg.shared_prefix is None and chains is not None:
+        if cfg.conversation is not None:
+            raise ConfigError("the trace's hash_ids already say what its prompts share; a conversation's turns "
+                              "would share more: drop workload.conversation, or use a trace without hash_ids",
+                              "workload.conversation")
         chains = [chains[k] for k in order.tolist()]
         return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
     if cfg.shared_prefix is None:
-        return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
-    sp = cfg.shared_prefix
-    prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
-    return [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+        specs = [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
+    else:
+        sp = cfg.shared_prefix
+        prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
+        specs = [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+    if cfg.conversation is None:
+        return specs
+    return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces)
+
+
+def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces
+                   ) -> list[RequestSpec]:
+    """Each of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). Sorted by
+    the earliest each could arrive (stable: a turn after the one it follows), ids 0..n-1 in that order."""
+    key = "workload.conversation"
+    rng_turns, rng_user, rng_out, rng_think = rng.spawn(4)
+    turns = traces.draw(conv.turns, rng_turns, len(first), f"{key}.turns")
+    total = int(turns.sum())
+    if total > MAX_REQUESTS:
+        raise ConfigError(f"{len(first):,} conversations of {turns.mean():.3g} turns on average are {total:,} "
+                          f"requests; allowed: at most {MAX_REQUESTS:,} in one run", f"{key}.turns")
+    # conversation-major rows: each conversation's turns in order, a turn right after the one it follows
+    start = np.concatenate(([0], np.cumsum(turns)[:-1]))
+    owner = np.repeat(np.arange(len(first)), turns)
+    later = np.ones(total, bool)
+    later[start] = False
+    n_later = total - len(first)
+    output = np.empty(total, np.int64)
+    output[start] = [s.output_len for s in first]
+    output[later] = more_outputs(rng_out, n_later)
+    grow = np.empty(total, np.int64)  # a turn's prompt: the one before, its answer and the user's new tokens
+    grow[start] = [s.prompt_len for s in first]
+    grow[later] = output[np.flatnonzero(later) - 1] + traces.draw(conv.user_len, rng_user, n_later, f"{key}.user_len")
+    total_grow = np.cumsum(grow)
+    prompt = np.minimum(total_grow - (total_grow[start] - grow[start])[owner], MAX_LENGTH)
+    think = np.zeros(total)
+    if conv.think_time_s > 0:
+        think[later] = rng_think.exponential(conv.think_time_s, n_later)
+    waited = np.cumsum(think)
+    arrival = np.array([s.arrival_s for s in first])[owner] + (waited - waited[start][owner])
+    _check_span(arrival, f"{key}.think_time_s", f"{total:,} turns with think times of {conv.think_time_s:g} s "
+                "on average arrive")
+    order = np.argsort(arrival, kind="stable")
+    new_id = np.empty(total, np.int64)
+    new_id[order] = np.arange(total)
+    after = np.where(later, new_id[np.maximum(np.arange(total) - 1, 0)], -1)
+    rows = zip(arrival[order].tolist(), prompt[order].tolist(), output[order].tolist(), owner[order].tolist(),
+               after[order].tolist(), think[order].tolist())
+    return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th)
+            for i, (a, p, o, c, parent, th) in enumerate(rows)]

@@ -211,10 +211,11 @@ class PrefixCachingAllocator(BlockAllocator):
             req.block_table.append(block)
         req.num_computed = hits * self.block_size
 
-    def register(self, req: Request) -> None:
-        """Make the full prompt blocks `req` has computed findable (a prefix computed twice at once keeps the block
-        registered first; the other stays private)."""
-        upto = min(len(req.block_hashes), req.num_computed // self.block_size, len(req.block_table))
+    def register(self, req: Request, num_computed: int | None = None) -> None:
+        """Make the full blocks `req` has computed (or its first `num_computed` tokens) findable (a prefix computed
+        twice at once keeps the block registered first; the other stays private)."""
+        computed = req.num_computed if num_computed is None else num_computed
+        upto = min(len(req.block_hashes), computed // self.block_size, len(req.block_table))
         for j in range(req.num_registered, upto):
             h, block = req.block_hashes[j], req.block_table[j]
             if h not in self.cached and block not in self.hash_of:

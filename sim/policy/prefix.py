@@ -4,8 +4,15 @@ A workload describes shared content (RequestSpec.prefix: content ids, each namin
 beginning: workload.shared_prefix gives one id per prompt, a Mooncake trace its hash_ids); the hash of a full block
 names the prompt's content up to and including it, so two requests' blocks of one hash hold the same K/V. The simulator and the executor take a request's hashes from here alike (the executor builds the prompt's
 token ids to match: executor/prompts.py), so both see the same hits.
+
+A conversation's turns (workload.conversation) are one token stream: each turn's prompt is the turn before it, that
+turn's answer and new tokens. Its blocks past any shared prefix are named by (conversation, block index), through its
+answer, so a turn finds the blocks of the turn before it, prompt and answer (vLLM caches blocks as decode fills them;
+the executor sends the answer's own tokens back in the next prompt).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from sim.config.workload import RequestSpec
 from sim.policy.request import Request
@@ -20,6 +27,11 @@ class PrefixHashes:
         self._made: dict[tuple[int, int], tuple] = {}
 
     def __call__(self, spec: RequestSpec) -> tuple:
+        if spec.conversation >= 0:
+            shared = self(replace(spec, conversation=-1))  # the shared prefix's full blocks, as any prompt's
+            # every token but the last has its K/V computed when the turn ends
+            n = (spec.prompt_len + spec.output_len - 1) // self.block_size
+            return shared + tuple(hash(("conversation", spec.conversation, j)) for j in range(len(shared), n))
         if not spec.prefix:
             return ()
         unit, bs = spec.prefix_unit, self.block_size

@@ -557,6 +557,8 @@ class Scheduler:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
         r.status = Status.FINISHED
         del self.running[r]
+        if len(r.block_hashes) > r.num_registered:  # a conversation's turn: its answer's blocks, for the next turn
+            self.kv.register(r, r.num_tokens - 1)
         self.kv.free(r)
         return r
 

@@ -19,23 +19,35 @@ KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the
 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
-    """The requests a capacity search scales, as plain rows: (arrival_s, prompt_len, output_len, prefix, prefix_unit)
-    each — what their prompts share goes with them."""
-    return tuple((s.arrival_s, s.prompt_len, s.output_len, s.prefix, s.prefix_unit) for s in specs)
+    """The requests a capacity search scales, as plain rows: (arrival_s, prompt_len, output_len, prefix, prefix_unit,
+    conversation, after, think_s) each — what their prompts share and which turn follows which go with them."""
+    return tuple((s.arrival_s, s.prompt_len, s.output_len, s.prefix, s.prefix_unit, s.conversation, s.after, s.think_s)
+                 for s in specs)
 
 
 def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
-    """Requests (probe_rows) with their arrival gaps scaled so that they arrive at `rate` requests/s on average: every
-    rate sees the same requests and burst pattern."""
-    first = specs[0][0]
-    span = specs[-1][0] - first
-    factor = (len(specs) - 1) / (rate * span) if span > 0 else 0.0
-    return [RequestSpec(i, (a - first) * factor, *rest) for i, (a, *rest) in enumerate(specs)]
+    """Requests (probe_rows, ids their positions) with their arrival gaps scaled so that they arrive at `rate`
+    requests/s on average: every rate sees the same requests and burst pattern. A conversation's later turns keep
+    their think times; its first turns are spread so that all turns would arrive at `rate` if each were answered at
+    once (the rate a closed loop offers an infinitely fast server)."""
+    firsts = [row[0] for row in specs if row[6] < 0]
+    first, span = firsts[0], firsts[-1] - firsts[0]
+    factor = (len(firsts) - 1) / (rate * span * len(firsts) / len(specs)) if span > 0 else 0.0
+    arrival = []
+    for a, *_, after, think in specs:  # a turn follows one before it in the rows
+        arrival.append((a - first) * factor if after < 0 else arrival[after] + think)
+    if len(firsts) == len(specs):
+        return [RequestSpec(i, t, *row[1:]) for i, (t, row) in enumerate(zip(arrival, specs))]
+    order = sorted(range(len(specs)), key=arrival.__getitem__)  # stable: a turn after the one it follows
+    new_id = {k: i for i, k in enumerate(order)}
+    return [RequestSpec(i, arrival[k], *specs[k][1:6], specs[k][6] if specs[k][6] < 0 else new_id[specs[k][6]],
+                        specs[k][7]) for i, k in enumerate(order)]
 
 
 def check_scalable(arrivals: list[float], key_path: str = "workload") -> None:
-    """A capacity search scales the workload's arrival gaps: it needs two requests or more at distinct times (all at
-    one instant, every rate scales them to that instant and no rate passes)."""
+    """A capacity search scales the workload's arrival gaps (its first turns', for conversations): it needs two
+    requests or more at distinct times (all at one instant, every rate scales them to that instant and no rate
+    passes)."""
     if len(arrivals) < 2:
         raise ConfigError("the workload has fewer than 2 requests: no rate to search", key_path)
     if arrivals[-1] - arrivals[0] <= 0:

@@ -1,7 +1,6 @@
 """The simulated cluster: arrivals → router → replicas, run to completion in SimPy."""
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ from sim.policy.prefix import request_maker
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.simulator.disaggregated import simulate_pools
-from sim.simulator.engines import Done, RunResult, arrivals, make_engines, make_pipeline, run_env, trace_of
+from sim.simulator.engines import Arrivals, Done, RunResult, make_engines, make_pipeline, run_env, trace_of
 
 __all__ = ["Done", "RunResult", "make_pipeline", "simulate", "sim_records", "itl_sample"]
 
@@ -31,20 +30,18 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     t0 = time.perf_counter()
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
-    pending = [math.inf]  # arrival time of the next request not yet handed to a replica
     done = Done(env, progress, watch)
-    replicas, pipelines = make_engines(env, plan, lambda: pending[0], bulk, done, spec_draw)
+    arrivals = Arrivals(env, specs, done, request_maker(plan.enable_prefix_caching, plan.block_size))
+    replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
+                                       arrivals_known=arrivals.known)
     router = make_router(plan.router)
-    requests: list[Request] = []
-
-    env.process(arrivals(env, specs, pending, requests, lambda req: replicas[router.pick(replicas, req)].add(req), done,
-                         request_maker(plan.enable_prefix_caching, plan.block_size)))
+    arrivals.start(lambda req: replicas[router.pick(replicas, req)].add(req))
     run_env(env, done.stop)
     for r in replicas:
         r.settle_token_times()
     engines = plan.virtual_engines
     traces = [trace_of(r, pipelines[i // engines]) for i, r in enumerate(replicas)]
-    return RunResult(requests, traces, time.perf_counter() - t0, stopped=bool(done.stop and done.stop.triggered))
+    return RunResult(arrivals.requests, traces, time.perf_counter() - t0, stopped=bool(done.stop and done.stop.triggered))
 
 
 def sim_records(result: RunResult) -> RequestRecords:

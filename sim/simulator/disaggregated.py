@@ -22,7 +22,7 @@ from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request
-from sim.simulator.engines import Done, RunResult, arrivals, make_engines, run_env, trace_of
+from sim.simulator.engines import Arrivals, Done, RunResult, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
 
@@ -97,25 +97,22 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     t0 = time.perf_counter()
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
-    pending = [math.inf]
     done = Done(env, progress, watch)
     link = KVTransfers(env, plan, done)
     pools = plan.pools
-    prefill, p_pipes = make_engines(env, pools.prefill, lambda: pending[0], bulk, done, hand_off=pools.decode,
-                                    on_handoff=link.hand_off)
+    arrivals = Arrivals(env, specs, done, request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size))
+    prefill, p_pipes = make_engines(env, pools.prefill, arrivals.next_arrival, bulk, done, hand_off=pools.decode,
+                                    on_handoff=link.hand_off, arrivals_known=arrivals.known)
     # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)
     decode, d_pipes = make_engines(env, pools.decode, lambda: math.inf, bulk, done, first_index=len(prefill),
                                    on_reserve=link.start)
     link.attach(decode)
     router = make_router(pools.prefill.router)
-    requests: list[Request] = []
-
-    env.process(arrivals(env, specs, pending, requests, lambda req: prefill[router.pick(prefill, req)].add(req), done,
-                         request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size)))
+    arrivals.start(lambda req: prefill[router.pick(prefill, req)].add(req))
     run_env(env, done.stop)
     for r in prefill + decode:
         r.settle_token_times()
     traces = [trace_of(r, p_pipes[i // pools.prefill.virtual_engines], "prefill") for i, r in enumerate(prefill)] + \
         [trace_of(r, d_pipes[i // pools.decode.virtual_engines], "decode") for i, r in enumerate(decode)]
-    return RunResult(requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()},
+    return RunResult(arrivals.requests, traces, time.perf_counter() - t0, extra={"kv_transfer": link.summary()},
                      stopped=bool(done.stop and done.stop.triggered))

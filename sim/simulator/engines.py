@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, speculation_model
 from sim.policy.build import make_policy
+from sim.policy.conversation import Conversations, reject_unsent
 from sim.policy.request import Request
 from sim.report.trace import ReplicaTrace
 from sim.simulator.pipeline import Pipeline
@@ -66,19 +68,67 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
                         np.frombuffer(r.handoff_gaps, float), kv.queried_tokens, kv.hit_tokens)
 
 
-def arrivals(env: simpy.Environment, specs: list, pending: list[float], requests: list, admit: Callable,
-             done: Callable[[], None], make_request: Callable[[RequestSpec], Request]):
-    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now), with
-    `pending[0]` the time of the next one not yet admitted (the replicas' bulk decode stops short of it)."""
-    for spec in specs:
-        pending[0] = spec.arrival_s
-        if spec.arrival_s > env.now:
-            yield env.timeout(spec.arrival_s - env.now)
-        req = make_request(spec)
-        requests.append(req)
-        if not admit(req):
-            done()
-    pending[0] = math.inf
+class Arrivals:
+    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A
+    conversation's later turn (RequestSpec.after) arrives its think time after the turn before it ends, or is rejected
+    with it. `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short of it)."""
+
+    def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
+                 make_request: Callable[[RequestSpec], Request]):
+        self.env, self.specs, self.done, self.make = env, specs, done, make_request
+        self.requests: list[Request] = []
+        self.turns = Conversations(specs)
+        self.next_first = math.inf  # the next request that follows no other
+        self.scheduled: list[float] = []  # heap: later turns' arrival times, known since their turns before ended
+        self.admit: Callable[[Request], bool] | None = None
+        self.known = not self.turns.any  # every arrival time known from the start
+        if self.turns.any:
+            done.on_end = self.ended
+
+    def next_arrival(self) -> float:
+        return min(self.next_first, self.scheduled[0]) if self.scheduled else self.next_first
+
+    def start(self, admit: Callable[[Request], bool]) -> None:
+        self.admit = admit
+        self.env.process(self._first())
+
+    def _first(self):
+        env = self.env
+        for spec in self.specs:
+            if spec.after >= 0:
+                continue
+            self.next_first = spec.arrival_s
+            if spec.arrival_s > env.now:
+                yield env.timeout(spec.arrival_s - env.now)
+            self._arrive(self.make(spec))
+        self.next_first = math.inf
+
+    def _arrive(self, req: Request) -> None:
+        self.requests.append(req)
+        if not self.admit(req):
+            self.done()
+            if self.turns.any:
+                self.ended(req)
+
+    def ended(self, req: Request) -> None:
+        """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent."""
+        spec, gone = self.turns.ended(req)
+        if spec is not None:
+            at = req.finish_s + spec.think_s
+            heapq.heappush(self.scheduled, at)
+            self.env.process(self._later(spec, at))
+        for s in gone:
+            turn = self.make(s)
+            reject_unsent(turn, self.env.now)
+            self.requests.append(turn)
+            self.done()
+
+    def _later(self, spec: RequestSpec, at: float):
+        yield self.env.timeout(max(0.0, at - self.env.now))
+        heapq.heappop(self.scheduled)
+        req = self.make(spec)
+        req.arrival_s = at
+        self._arrive(req)
 
 
 def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:
@@ -103,8 +153,11 @@ class Done:
                  watch: Callable[[Request | None], bool] | None = None):
         self.count, self.progress, self.watch = 0, progress, watch
         self.stop = env.event() if watch is not None else None
+        self.on_end: Callable[[Request], None] | None = None  # told of each request that ends after it was admitted
 
     def __call__(self, req: Request | None = None) -> None:
+        if req is not None and self.on_end is not None:
+            self.on_end(req)
         self.count += 1
         if self.progress:
             self.progress(self.count)

@@ -34,7 +34,7 @@ class Replica:
                  next_arrival: Callable[[], float], bulk: bool = True,
                  on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
-                 on_reserve: Callable[[Replica, list[Request]], None] | None = None):
+                 on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -49,6 +49,11 @@ class Replica:
         self.busy_s = 0.0  # time spent in steps
         self.handoff_gaps = array("d")  # disaggregated decode instance: first token (prefill pool) to the second
         self.in_run = False  # in a run of decode steps that `wake` may cut short
+        self.run_horizon = math.inf  # the next arrival the run in progress was priced to stop at
+        # False where an arrival can become known during a run (a conversation's next turn, when the turn before it
+        # ends): a run is then cut short by an arrival before its horizon, and a pipelined engine, whose stages are
+        # booked for the whole run, does not run in bulk
+        self.arrivals_known = arrivals_known
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -72,6 +77,9 @@ class Replica:
         accepted = self.scheduler.add(req)
         if accepted and self.wakeup is not None and not self.wakeup.triggered:
             self.wakeup.succeed(req.arrival_s)
+        elif accepted and self.in_run and req.arrival_s < self.run_horizon:  # a turn the run was not priced for
+            self.in_run = False
+            self.process.interrupt()
         return accepted
 
     def wake(self, at: float) -> None:
@@ -128,8 +136,9 @@ class Replica:
             # a pipelined engine runs a bulk run only while it has the stages to itself until the next arrival (a decode
             # pool's hand-offs could cut it short after the stages were booked: not there)
             if batch.decode_only and self.bulk and (self.pipeline is None or (
-                    self.on_reserve is None and self.pipeline.alone(self))):
+                    self.on_reserve is None and self.arrivals_known and self.pipeline.alone(self))):
                 horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
+                self.run_horizon = horizon
                 b, s = batch.shape.num_seqs, batch.shape.sum_context
                 # steps only get slower as contexts grow, so this many reach the next arrival
                 k_max = MAX_BULK_STEPS if horizon == math.inf else \

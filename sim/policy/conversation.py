@@ -1,0 +1,34 @@
+"""Conversations (workload.conversation), closed loop: a turn arrives its think time after the turn before it ends,
+or is rejected with it. One bookkeeping for the simulator's arrivals and the executor's replay."""
+from __future__ import annotations
+
+from sim.config.workload import RequestSpec
+from sim.policy.request import Request, Status
+
+CONVERSATION_ENDED = "an earlier turn of its conversation was rejected"
+
+
+class Conversations:
+    """Which request each later turn follows, until it is sent."""
+
+    def __init__(self, specs: list[RequestSpec]):
+        self.next_turn = {s.after: s for s in specs if s.after >= 0}  # a turn's id -> the turn after it, until sent
+        self.any = bool(self.next_turn)  # some request follows another
+
+    def ended(self, req: Request) -> tuple[RequestSpec | None, list[RequestSpec]]:
+        """`req` ended: (the turn that now follows it, sent at req.finish_s + its think_s; or None) and the turns that
+        end with it unsent, in order (a rejected turn ends its conversation)."""
+        spec = self.next_turn.pop(req.id, None)
+        if spec is None or req.status is Status.FINISHED:
+            return spec, []
+        gone = []
+        while spec is not None:
+            gone.append(spec)
+            spec = self.next_turn.pop(spec.id, None)
+        return None, gone
+
+
+def reject_unsent(req: Request, now: float) -> None:
+    """A turn whose conversation ended before it was sent: rejected at `now`, when that became known."""
+    req.arrival_s = now
+    req.status, req.reject_reason = Status.REJECTED, CONVERSATION_ENDED
