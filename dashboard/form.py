@@ -295,7 +295,7 @@ def workload(f: Form, seeded: dict) -> dict | None:
                                           hi=MAX_REQUESTS)
     w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
     w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
-    return _shared_prefix(f, w)
+    return _conversation(f, _shared_prefix(f, w))
 
 
 def _shared_prefix(f: Form, w: dict) -> dict:
@@ -310,6 +310,23 @@ def _shared_prefix(f: Form, w: dict) -> dict:
         count = f.integer("Distinct prefixes", "workload.num_prefixes", shared.get("num_prefixes", 1))
     if length:
         w["shared_prefix"] = {"prefix_len": length, "num_prefixes": count}
+    return w
+
+
+def _conversation(f: Form, w: dict) -> dict:
+    """Multi-turn chat: each request opens a conversation whose later turns resend it with the answers (closed loop)."""
+    conv = w.pop("conversation", None)
+    if not st.checkbox("Multi-turn conversations", conv is not None, key=f.key("workload.conversation"),
+                       help="each request opens a conversation: the next turn is sent a think time after the answer, "
+                            "its prompt the whole conversation so far and the user's new tokens"):
+        return w
+    conv = conv or {}
+    w["conversation"] = {
+        "turns": _length(f, "workload.turns", "Turns", conv.get("turns"), {"dist": "uniform", "min": 2, "max": 6}),
+        "user_len": _length(f, "workload.user_len", "New user tokens per turn", conv.get("user_len"),
+                            {"dist": "uniform", "min": 20, "max": 200}),
+        "think_time_s": f.number("Think time (s, mean)", "workload.think_time_s", conv.get("think_time_s", 5.0),
+                                 step=1.0, help="between an answer's last token and the next turn (exponential)")}
     return w
 
 
@@ -334,7 +351,7 @@ def _trace(f: Form, w: dict) -> dict | None:
         trace["max_requests"] = f.integer("Most requests", "workload.max_requests", trace.get("max_requests"),
                                           optional=True, help="the first N rows (empty: all of them)")
     w["trace"] = {k: v for k, v in trace.items() if v is not None}
-    return _shared_prefix(f, w)
+    return _conversation(f, _shared_prefix(f, w))
 
 
 def slo(f: Form, seeded: dict | None) -> dict:

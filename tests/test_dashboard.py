@@ -123,6 +123,16 @@ def test_whatif_prefix_caching_on_prompts_that_share_a_prefix():
     assert float(line.split(": ")[1].split("%")[0]) > 10
 
 
+def test_whatif_conversations_resend_their_history_to_the_prefix_cache():
+    at = whatif("scenarios/static_vs_continuous_continuous.yaml")  # 1 conversation/s fits an A100's cache
+    widget(at, "checkbox", "kv.prefix_caching").check()
+    widget(at, "checkbox", "workload.conversation").check().run()
+    widget(at, "number_input", "workload.think_time_s").set_value(2.0)
+    simulate(at)
+    line = next(c.value for c in at.caption if c.value.startswith("Prefix caching:"))
+    assert float(line.split(": ")[1].split("%")[0]) > 30  # each later turn finds the turn before it
+
+
 def memory_caption(at: AppTest) -> tuple[str, float, int]:
     """(its compression note, weights GiB, KV tokens) from the What-if's memory line."""
     line = next(c.value for c in at.caption if c.value.startswith("Memory per device"))
