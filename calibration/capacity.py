@@ -24,13 +24,14 @@ EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before th
 
 def predicted_capacity(plan: Plan, profile: Path, base: tuple, target: float, precision: float,
                        scale: float = 1.0) -> tuple:
-    """The simulator's capacity on the grid: (Capacity, {rate: metrics})."""
-    runs: dict[float, dict] = {}
+    """The simulator's capacity on the grid: (Capacity, {rate: (metrics, verdict)})."""
+    runs: dict[float, tuple] = {}
 
     def meets(rate: float) -> bool:
         specs = scaled(base, rate)
-        runs[rate] = simulated(plan, profile, scale, specs)[2]
-        return passes(runs[rate], [s.arrival_s for s in specs])
+        _, records, m = simulated(plan, profile, scale, specs)
+        runs[rate] = m, passes(m, records, specs)
+        return runs[rate][1]
 
     return grid_capacity(meets, target, precision), runs
 
@@ -55,7 +56,7 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
         folder = None if out is None else out / f"probe{len(probes) + 1}"
         records, steps = run_real(plan, probe, device, threads, loaded, folder)
         m = slo_metrics(plan, records)
-        ok = passes(m, [s.arrival_s for s in probe])
+        ok = passes(m, records, probe)
         steps_of[rate] = steps
         probes.append({"rate": rate, "passes": ok, **_summary(m)})
         return ok
@@ -71,8 +72,11 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
     speed = float(np.mean(ratios)) if ratios else None
     at_speed = predicted_capacity(plan, profile, base, target, precision, speed)[0] if speed else None
     for p in probes:  # the simulator's verdict at each rate the executor was probed at
-        m = sim_runs.get(p["rate"]) or simulated(plan, profile, 1.0, scaled(base, p["rate"]))[2]
-        p["sim_passes"] = passes(m, [s.arrival_s for s in scaled(base, p["rate"])])
+        if p["rate"] not in sim_runs:
+            specs = scaled(base, p["rate"])
+            _, records, m = simulated(plan, profile, 1.0, specs)
+            sim_runs[p["rate"]] = m, passes(m, records, specs)
+        m, p["sim_passes"] = sim_runs[p["rate"]]
         p["sim"] = _summary(m)
     result = {"scenario": plan.name, "device": device, "profile": str(profile), "target_rate": target,
               "precision": precision, "slo": plan.slo.model_dump(),

@@ -325,7 +325,8 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
         console.print(f"[bold red]no configuration carries {result.target_rate:.3g} req/s within the SLOs[/]")
     else:
         console.print(f"[bold]recommended:[/] {best.label}: ${best.usd_per_hour:.2f}/h, capacity "
-                      f"{best.capacity_rps:.3g} req/s (margin {best.capacity_rps / result.target_rate - 1:+.0%})")
+                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps:.3g} req/s (margin "
+                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps / result.target_rate - 1:+.0%})")
     if out is not None:
         console.print(f"wrote {out}/search.json, search.md, pareto.png")
 

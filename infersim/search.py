@@ -31,7 +31,7 @@ from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
-from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, passes, probe_rows, scaled
+from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, probe_rows, scaled, why_failed
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -107,6 +107,7 @@ class ConfigResult:
     ttft_p90_s: float | None = None  # at the target rate (the SLO's quantile)
     tpot_p90_s: float | None = None
     meets_at_target: bool = False
+    probe_limited: bool = False  # conversations: the rate above capacity failed only as the probe was too short
     probes: int = 0
     pareto: bool = False  # on the cost-vs-capacity front
     pareto_latency: bool = False  # on the cost-vs-TPOT front (at the target rate, among those that meet it)
@@ -369,10 +370,10 @@ class Probe:
     settings: dict
 
 
-def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> tuple[bool, dict | None]:
+def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> tuple[bool, dict | None, str]:
     """Simulate `specs` on `plan`: (whether the SLOs hold, counting rejected requests as misses; the report's
-    metrics when the run went to its end). With `early_stop` the run stops once more requests have missed a target
-    than its quantile allows: the SLO cannot hold any more."""
+    metrics when the run went to its end; what failed it, as sim.report.capacity.why_failed). With `early_stop` the
+    run stops once more requests have missed a target than its quantile allows: the SLO cannot hold any more."""
     from sim.report.metrics import compute_metrics
     from sim.simulator.cluster import sim_records, simulate
 
@@ -394,9 +395,11 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> 
 
     result = simulate(plan, specs, watch=watch if early_stop else None)
     if result.stopped:
-        return False, None
-    metrics = compute_metrics(sim_records(result), slo.ttft_s, slo.tpot_s, slo.quantile)
-    return passes(metrics, [s.arrival_s for s in specs]), metrics
+        return False, None, "slo"
+    records = sim_records(result)
+    metrics = compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
+    why = why_failed(metrics, records, specs)
+    return not why, metrics, why
 
 
 def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:
@@ -434,6 +437,7 @@ def search_one(probe: Probe) -> ConfigResult:
         row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
     row.probes = len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
+    row.probe_limited = found.missed_at is not None and runs[found.missed_at][2] == "unsteady"
     if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
         tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]
         row.usd_per_million_tokens = row.usd_per_hour / 3600 / tokens_s * 1e6 if tokens_s else None
@@ -505,6 +509,10 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
             at = f"{r.missed_at_rps:.3g}" if r.missed_at_rps is not None else "the grid's top"
             r.reason = (f"SLO missed at {at} req/s: capacity {r.capacity_rps:.3g} < target {target:.3g}"
                         if r.capacity_rps else f"SLO missed even at {search.settings.min_rate:g} req/s")
+            if r.probe_limited:
+                r.reason = (f"capacity {r.capacity_rps:.3g} req/s or more: at {at} its {search.settings.max_requests} "
+                            "probe requests start their conversations too close together to show a sustained rate "
+                            "(raise search.max_requests)")
         else:
             r.reason = f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more" \
                 if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
@@ -523,7 +531,8 @@ def table_rows(result: SearchResult) -> list[list[str]]:
     for r in ordered:
         mark = "*" if r is result.recommended else ("P" if r.pareto else "")
         out.append([mark, r.label, r.status, str(r.devices or "-"), num(r.usd_per_hour, ".2f"),
-                    num(r.capacity_rps if r.status == "ok" else None, ".3g"), num(r.usd_per_million_tokens, ".3f"),
+                    ("≥ " if r.probe_limited else "") + num(r.capacity_rps if r.status == "ok" else None, ".3g"),
+                    num(r.usd_per_million_tokens, ".3f"),
                     num(r.ttft_p90_s, ".3f"), num(None if r.tpot_p90_s is None else r.tpot_p90_s * 1e3, ".1f"),
                     r.reason])
     return out

@@ -206,3 +206,18 @@ def test_the_executor_sends_each_answer_back_and_reuses_its_blocks(tmp_path, che
     assert outputs[True] == outputs[False]
     assert computed[True] < computed[False]
     assert traces[True].prefix_hit_tokens > 0
+
+
+def test_a_capacity_probe_of_conversations_started_at_once_is_not_a_sustained_rate():
+    """At a huge rate the first turns all arrive at once and the later ones follow the answers: a bounded load that
+    meets any SLO a roomy deployment can. The verdict needs the first turns spread over twice a conversation's
+    lifetime; the search marks a capacity the probe's length bounds."""
+    from infersim.search import run_probe
+
+    data = {**chat(num_requests=120), "replicas": 8, "slo": {"ttft_s": 1.0, "tpot_s": 0.1}}
+    plan = plan_of(data)
+    rows = probe_rows(generate_requests(plan.workload))
+    ok, _, why = run_probe(plan, scaled(rows, 1.0))
+    assert ok and why == ""
+    ok, metrics, why = run_probe(plan, scaled(rows, 1000.0))
+    assert not ok and why == "unsteady" and metrics["slo"]["met_counting_rejected"]

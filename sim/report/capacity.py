@@ -3,7 +3,10 @@ simulator's search (`infersim search`) and the executor's measurement (`infersim
 
 A run at a rate passes when the SLO quantiles hold with rejected requests counted as misses, and it keeps up:
 it completes requests at KEEP_UP of the offered rate or more (a burst that drains within the SLOs is not a rate the
-deployment sustains). Rates lie on a grid anchored at a target rate, target · (1 + precision)^k: from the target,
+deployment sustains). A workload of conversations (closed loop: a later turn arrives when the turn before it ends)
+must also have run steady: its first turns spread over STEADY_SPANS times a conversation's mean lifetime or more
+(a probe too short starts its conversations nearly at once: a bounded load, which every deployment that holds them
+all passes, however high the rate). Rates lie on a grid anchored at a target rate, target · (1 + precision)^k: from the target,
 jumps of 2× up or down until the verdict flips, then bisection on the grid, so the capacity is found within one
 grid step and the same rates are tried whoever runs them."""
 from __future__ import annotations
@@ -12,10 +15,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sim.config.errors import ConfigError
 from sim.config.workload import RequestSpec
 
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
+STEADY_SPANS = 2.0  # conversations: the first turns' span over their mean lifetime a passing run needs
 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
@@ -61,15 +67,44 @@ def check_has_slo(slo, key_path: str = "slo") -> None:
         raise ConfigError("a capacity needs an SLO to meet: give it a ttft_s or tpot_s", key_path)
 
 
-def offered_rate(arrivals: list[float]) -> float:
+def offered_rate(arrivals) -> float:
     """Requests per second the arrivals offer (gaps between the first and the last)."""
-    return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-9)
+    arrivals = np.asarray(arrivals, float)
+    return (len(arrivals) - 1) / max(float(arrivals.max() - arrivals.min()), 1e-9) if len(arrivals) else 0.0
 
 
-def passes(metrics: dict, arrivals: list[float]) -> bool:
-    """The capacity verdict on a finished run's metrics (sim.report.metrics.compute_metrics under the SLO)."""
-    keeps_up = metrics["throughput"]["requests_per_s"] >= KEEP_UP * offered_rate(arrivals)
-    return bool(metrics["slo"]["met_counting_rejected"]) and keeps_up
+def passes(metrics: dict, records, specs: list[RequestSpec]) -> bool:
+    """The capacity verdict on a finished run of `specs`: its metrics (sim.report.metrics.compute_metrics under the
+    SLO) and its records (sim.report.metrics.RequestRecords: the arrivals as they came in that run, since a
+    conversation's later turns arrive when the turns before them end, and only the SLOs tell a slow deployment)."""
+    return not why_failed(metrics, records, specs)
+
+
+def why_failed(metrics: dict, records, specs: list[RequestSpec]) -> str:
+    """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations: the probe too short), or ""."""
+    if not metrics["slo"]["met_counting_rejected"]:
+        return "slo"
+    if metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate(records.arrival_s):
+        return "keep_up"
+    return "" if steady(records, specs) else "unsteady"
+
+
+def steady(records, specs: list[RequestSpec]) -> bool:
+    """Whether a run's conversations (if any) overlapped as a sustained stream: their first turns span STEADY_SPANS
+    times their mean lifetime in the run (first turn's arrival to last turn's end) or more."""
+    owner = {s.id: s.conversation for s in specs if s.conversation >= 0}
+    if not owner:
+        return True
+    conv = np.array([owner.get(int(i), -1) for i in records.id])
+    mine = conv >= 0
+    conv, arrival = conv[mine], records.arrival_s[mine]
+    end = np.where(np.isnan(records.finish_s[mine]), arrival, records.finish_s[mine])
+    first, last = np.full(conv.max() + 1, np.inf), np.full(conv.max() + 1, -np.inf)
+    np.minimum.at(first, conv, arrival)
+    np.maximum.at(last, conv, end)
+    held = np.isfinite(first)
+    span = first[held].max() - first[held].min()
+    return bool(span >= STEADY_SPANS * (last[held] - first[held]).mean())
 
 
 @dataclass
