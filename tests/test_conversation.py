@@ -221,3 +221,24 @@ def test_a_capacity_probe_of_conversations_started_at_once_is_not_a_sustained_ra
     assert ok and why == ""
     ok, metrics, why = run_probe(plan, scaled(rows, 1000.0))
     assert not ok and why == "unsteady" and metrics["slo"]["met_counting_rejected"]
+
+
+def test_the_session_router_keeps_a_conversation_on_one_replica():
+    data = {**chat(), "replicas": 4, "router": "session", "kv_cache": {"enable_prefix_caching": True}}
+    report, result, _ = run(data)
+    where: dict[int, set] = {}
+    specs = {s.id: s for s in generate_requests(parse_scenario(data).workload)}
+    for r in result.requests:
+        where.setdefault(specs[r.id].conversation, set()).add(r.replica)
+    assert all(len(v) == 1 for v in where.values())
+    assert len(set().union(*where.values())) == 4  # the conversations spread over the replicas
+    rr, _, _ = run({**data, "router": "round_robin"})
+    assert report["kv_cache"]["prefix_cache_hit_rate"] > rr["kv_cache"]["prefix_cache_hit_rate"] + 0.2
+    # a request of no conversation goes to the least loaded
+    from sim.policy.router import SessionRouter
+
+    class Busy:
+        def __init__(self, n):
+            self.num_outstanding = n
+
+    assert SessionRouter().pick([Busy(3), Busy(1), Busy(2)], None) == 1

@@ -56,7 +56,7 @@ def request_maker(enable_prefix_caching: bool, block_size: int):
     hashes = PrefixHashes(block_size) if enable_prefix_caching else None
 
     def make(spec: RequestSpec) -> Request:
-        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len)
+        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len, conversation=spec.conversation)
         if hashes is not None:
             req.block_hashes = hashes(spec)
         return req

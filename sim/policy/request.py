@@ -52,6 +52,7 @@ class Request:
     # prefix caching: one hash per full block of the prompt (its content so far), and how many are registered
     block_hashes: tuple = ()
     num_registered: int = 0
+    conversation: int = -1  # workload.conversation: which one it is a turn of (the session router's key)
 
     @property
     def num_tokens(self) -> int:

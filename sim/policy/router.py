@@ -1,13 +1,15 @@
-"""Global routers: which replica gets an arriving request (Vidur/Splitwise style, and SGLang's / vLLM's router's
-cache-aware policy)."""
+"""Global routers: which replica gets an arriving request (Vidur/Splitwise style, SGLang's / vLLM's router's
+cache-aware policy, and the vLLM production stack's session affinity)."""
 from __future__ import annotations
 
+from bisect import bisect
 from collections.abc import Sequence
 from typing import Protocol
 
 from sim.policy.request import Request
 
-ROUTERS = ("round_robin", "least_outstanding", "cache_aware")
+ROUTERS = ("round_robin", "least_outstanding", "cache_aware", "session")
+RING_POINTS = 160  # points per replica on the session router's hash ring (as ketama-style rings use)
 
 
 class Routable(Protocol):
@@ -63,6 +65,31 @@ class CacheAwareRouter:
         return best if best_tokens > self.cache_threshold * req.prompt_len else least
 
 
-def make_router(name: str) -> RoundRobinRouter | LeastOutstandingRouter | CacheAwareRouter:
+class SessionRouter:
+    """The vLLM production stack's `session` routing: every turn of a conversation to one replica, found by
+    consistent hashing of the conversation on a ring of the replicas (what stays where when replicas come and go);
+    a request of no conversation to the least loaded. The load follows the conversations, not the replicas' queues."""
+
+    def __init__(self) -> None:
+        self.ring: list[tuple[int, int]] = []
+
+    def pick(self, replicas: Sequence[Routable], req: Request | None = None) -> int:
+        if req is None or req.conversation < 0:
+            return min(range(len(replicas)), key=lambda i: replicas[i].num_outstanding)
+        if len(self.ring) != RING_POINTS * len(replicas):
+            self.ring = sorted((_mix(i * RING_POINTS + p), i) for i in range(len(replicas)) for p in range(RING_POINTS))
+        k = bisect(self.ring, (_mix(~req.conversation), -1))
+        return self.ring[k % len(self.ring)][1]
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit hash of an int, the same in every process (unlike hash(str))."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def make_router(name: str) -> RoundRobinRouter | LeastOutstandingRouter | CacheAwareRouter | SessionRouter:
     return {"round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter,
-            "cache_aware": CacheAwareRouter}[name]()
+            "cache_aware": CacheAwareRouter, "session": SessionRouter}[name]()
