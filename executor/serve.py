@@ -232,11 +232,14 @@ def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], cor
     open_turns: set[int] = set()  # indices of turns added whose next turn is not yet known
     nxt = 0
     next_sample = LOAD_EVERY_S
+
+    def due() -> tuple[float, float]:  # the next first turn's arrival, the next later turn's
+        return (requests[first[nxt]].arrival_s if nxt < len(first) else math.inf), (sent[0][0] if sent else math.inf)
+
     while nxt < len(first) or sent or open_turns or engine.has_work():
         now = engine.now()
         while True:  # every arrival due by now, in time order
-            a = requests[first[nxt]].arrival_s if nxt < len(first) else math.inf
-            b = sent[0][0] if sent else math.inf
+            a, b = due()
             if min(a, b) > now:
                 break
             if a <= b:
@@ -269,14 +272,11 @@ def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], cor
         if engine.has_work():
             engine.step()
         elif nxt < len(first) or sent:
-            due = min(requests[first[nxt]].arrival_s if nxt < len(first) else math.inf, sent[0][0] if sent else math.inf)
-            until = min(due, now + LOAD_EVERY_S)
+            until = min(*due(), now + LOAD_EVERY_S)
             if keep_warm and load is not None and not load.others_busy():
                 _keep_warm(engine, until)
             else:
                 time.sleep(max(0.0, until - engine.now()))
-        elif open_turns:  # the last step ended turns whose next turns are not yet known: look again
-            continue
     if progress is not None:
         progress(len(requests), len(requests))
 

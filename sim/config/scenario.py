@@ -20,6 +20,8 @@ from sim.config.limits import MAX_REPLICAS
 from sim.config.schema_base import StrictModel
 from sim.config.workload import WorkloadConfig
 
+RouterName = Literal["round_robin", "least_outstanding", "cache_aware", "session"]  # sim.policy.router's routers
+
 
 class ServingConfig(StrictModel):
     """Scheduler knobs, named as vLLM and TGI name them."""
@@ -240,7 +242,7 @@ class PoolConfig(StrictModel):
 
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS, description="instances in the pool")
     hardware: str | dict[str, Any] | None = Field(None, description="default: the scenario's hardware")
-    router: Literal["round_robin", "least_outstanding", "cache_aware", "session"] | None = Field(None, description="which instance of the pool "
+    router: RouterName | None = Field(None, description="which instance of the pool "
                                                                        "takes a request; default: the scenario's")
     parallel: ParallelConfig | None = Field(None, description="default: the scenario's parallel")
     serving: ServingConfig | None = Field(None, description="keys set here override the scenario's serving")
@@ -276,7 +278,7 @@ class Scenario(StrictModel):
                                                     "overrides, or {hf_config: path}")
     hardware: str | dict[str, Any] = Field(description="catalog name, explicit spec, or {base: NAME, ...}")
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS)
-    router: Literal["round_robin", "least_outstanding", "cache_aware", "session"] = Field(
+    router: RouterName = Field(
         "round_robin", description="which replica an arrival goes to: in turn, the least loaded, cache_aware "
         "(the replica caching the longest prefix of its prompt; SGLang's and vLLM's router's policy), or session "
         "(a conversation's turns to one replica, by consistent hashing; the vLLM production stack's)")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from bisect import bisect
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, get_args
 
+from sim.config.scenario import RouterName
 from sim.policy.request import Request
 
-ROUTERS = ("round_robin", "least_outstanding", "cache_aware", "session")
+ROUTERS = get_args(RouterName)
 RING_POINTS = 160  # points per replica on the session router's hash ring (as ketama-style rings use)
 
 

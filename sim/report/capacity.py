@@ -50,10 +50,11 @@ def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
                         specs[k][7]) for i, k in enumerate(order)]
 
 
-def check_scalable(arrivals: list[float], key_path: str = "workload") -> None:
+def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None:
     """A capacity search scales the workload's arrival gaps (its first turns', for conversations): it needs two
     requests or more at distinct times (all at one instant, every rate scales them to that instant and no rate
     passes)."""
+    arrivals = [s.arrival_s for s in specs if s.after < 0]
     if len(arrivals) < 2:
         raise ConfigError("the workload has fewer than 2 requests: no rate to search", key_path)
     if arrivals[-1] - arrivals[0] <= 0:
