@@ -62,8 +62,8 @@ def slo_line(report: dict) -> None:
 
 
 def techniques(report: dict) -> None:
-    """One line each for the model's memory (what compression frees for KV), prefix caching's hits, speculative
-    decoding's acceptance and the disaggregated pools' use."""
+    """One line each for the model's memory (what compression frees for KV), prefix caching's hits, the
+    conversations' turns, speculative decoding's acceptance and the disaggregated pools' use."""
     mem, kv, model = report.get("memory_gib"), report["kv_cache"], report["scenario"]["config"]["model"]
     if mem:
         dtypes = ", ".join(f"{k} {model[k]}" for k in ("weight_dtype", "kv_dtype", "sparsity")
@@ -73,6 +73,13 @@ def techniques(report: dict) -> None:
     if "prefix_cache_hit_rate" in kv:
         st.caption(f"Prefix caching: {kv['prefix_cache_hit_rate'] * 100:.1f}% of the prompt tokens found cached, "
                    f"{kv['prefix_cache_hit_tokens']:,} tokens not computed.")
+    conv = report.get("conversations")
+    if conv:
+        first, later = conv["first_turn_ttft_s"]["p50"], conv["later_turn_ttft_s"]["p50"]
+        st.caption(f"Conversations: {conv['conversations']:,} of {conv['turns_mean']:.1f} turns on average, "
+                   f"{conv['answered']:,} with every turn answered; TTFT p50 {seconds(first)} on first turns, "
+                   f"{seconds(later)} on later ones (each resends the conversation so far); first arrival to last "
+                   f"token p50 {seconds(conv['duration_s']['p50'])}.")
     spec = report.get("speculative")
     if spec:
         st.caption(f"Speculative decoding: α {spec['alpha']:.2f}, {spec['mean_accepted_length']:.2f} tokens per "

@@ -34,9 +34,10 @@ from executor.cpu_load import CpuLoad
 from executor.distributed.launch import Group, WorkerError, launch
 from executor.engine import Engine, StepRecord
 from executor.kv_transfer import Transfer, copy_kv, fit_link
-from executor.prompts import corpus_ids, prompt_ids
+from executor.prompts import corpus_ids
 from executor.serve import (
     LOAD_EVERY_S,
+    Arrivals,
     Loaded,
     build_engine,
     check_kv_cache,
@@ -265,10 +266,11 @@ class PrefillDriver:
         self.router = make_router(plan.pools.decode.router)
         self.requests: list[Request] = []
         self.by_id: dict[int, Request] = {}
+        self.arrived: list[Request] = []  # in the order they arrived
         self.live: set[Request] = set()  # arrived, not yet ended
         self.transfers: list[Transfer] = []
         self.outputs: dict[int, list[int]] = {}
-        self.arrived = 0
+        self.handed_prompts: dict[int, list[int]] = {}  # a conversation's handed-off turn: its prompt, for the next
 
     def wait_ready(self) -> None:
         """Until every decode instance has loaded its model and warmed up (one that fails raises its WorkerError)."""
@@ -282,50 +284,63 @@ class PrefillDriver:
         kv = self.engine.scheduler.kv
         make = request_maker(kv.prefix_caching, kv.block_size)
         self.requests = [make(s) for s in specs]
-        self.prompts = {s.id: (s.prefix, s.prefix_unit) for s in specs}
+        self.arrivals = Arrivals(self.requests, specs, self.corpus)
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:
             self._send(link, ("start", self.engine.t0, self.engine.kv_cache.data))
 
     def replay(self, load: CpuLoad, progress=None) -> None:
-        """Submit each request at its arrival time, step, hand off, absorb the decode instances' news, until every
-        request has ended. A decode instance that dies raises its WorkerError."""
-        engine, sched, reqs = self.engine, self.engine.scheduler, self.requests
+        """Submit each request at its arrival time (a conversation's later turn when the turn before it ends, see
+        executor.serve.Arrivals), step, hand off, absorb the decode instances' news, until every request has ended. A
+        decode instance that dies raises its WorkerError."""
+        engine, sched, reqs, arrivals = self.engine, self.engine.scheduler, self.requests, self.arrivals
         next_sample = LOAD_EVERY_S
         while True:
             now = engine.now()
-            while self.arrived < len(reqs) and reqs[self.arrived].arrival_s <= now:
-                r = reqs[self.arrived]
-                self.arrived += 1
-                if engine.add(r, prompt_ids(self.corpus, r.prompt_len, r.id, *self.prompts[r.id])):  # rejection: final
+            for r, ids in arrivals.due(now):
+                self.arrived.append(r)
+                if engine.add(r, ids):  # rejection: final
                     self.live.add(r)
             if now >= next_sample:
                 next_sample = now + LOAD_EVERY_S
                 load.sample()
                 if progress is not None:
-                    progress(self.arrived - len(self.live), len(reqs))
+                    progress(sum(r.is_done for r in reqs), len(reqs))
             self._absorb()
             self.group.check()
-            if self.arrived == len(reqs) and not self.live:
+            arrivals.ended(engine.now(), self._sequence)
+            if not arrivals.pending() and not self.live:
                 break
             if sched.has_work() and engine.step() is not None:
                 for r in sched.take_handoffs():
                     self._hand_off(r)
-                self.live = {r for r in self.live if not r.is_done}
+                for r in [r for r in self.live if r.is_done]:  # ended here: a one-token answer, or rejected
+                    self.live.discard(r)
+                    if r.status is Status.FINISHED:
+                        self.outputs[r.id] = engine.output_ids(r)
             else:  # idle, or every free block is still being read: until a decode instance or an arrival says
-                until = reqs[self.arrived].arrival_s - engine.now() if self.arrived < len(reqs) else LOAD_EVERY_S
+                until = arrivals.next_s() - engine.now()
                 wait([link.conn for link in self.links], max(0.0, min(until, LOAD_EVERY_S)))
         if progress is not None:
             progress(len(reqs), len(reqs))
+
+    def _sequence(self, r: Request) -> list[int]:
+        """The token ids a finished turn ran (its prompt and what it generated), wherever it ended."""
+        if r.id in self.handed_prompts:
+            return self.handed_prompts.pop(r.id) + self.outputs[r.id]
+        return self.engine.tokens[r]  # ended on the prefill instance: a one-token answer
 
 
     def _hand_off(self, r: Request) -> None:
         link = self.links[self.router.pick(self.links)]
         r.replica = link.rank  # the prefill instance is replica 0, decode instances 1..M
         link.num_outstanding += 1
-        self._send(link, Handoff(r.id, r.arrival_s, r.prompt_len, r.max_tokens, self.engine.tokens.pop(r),
-                                 r.first_token_s, self.engine.scheduler.sending[r], r.num_preemptions))
+        tokens = self.engine.tokens.pop(r)
+        if r.id in self.arrivals.turns.next_turn:
+            self.handed_prompts[r.id] = tokens[:r.prompt_len]
+        self._send(link, Handoff(r.id, r.arrival_s, r.prompt_len, r.max_tokens, tokens, r.first_token_s,
+                                 self.engine.scheduler.sending[r], r.num_preemptions))
 
     def _absorb(self) -> None:
         """Everything the decode instances have reported since the last look."""
@@ -346,6 +361,8 @@ class PrefillDriver:
                     r.status, r.reject_reason, r.finish_reason = e.status, e.reject_reason, e.finish_reason
                     r.token_times, r.finish_s, r.num_preemptions = e.token_times, e.finish_s, e.num_preemptions
                     self.outputs[r.id] = e.output_ids
+                    if r.status is not Status.FINISHED:  # a rejected turn has no next one
+                        self.handed_prompts.pop(r.id, None)
                     link.num_outstanding -= 1
                     self.live.discard(r)
 
@@ -363,7 +380,7 @@ class PrefillDriver:
 
     def end_unfinished(self) -> None:
         """After a failure: every arrived request not yet ended is rejected (the counts still add up)."""
-        for r in self.requests[:self.arrived]:
+        for r in self.arrived:
             if not r.is_done:
                 r.status, r.reject_reason = Status.REJECTED, STOPPED
 
@@ -388,8 +405,7 @@ def _pool_trace(trace: ReplicaTrace, steps: list[StepRecord], pool: str) -> Repl
 
 def check_pools(plan: Plan) -> None:
     """What the disaggregated executor runs, as one-line errors: one prefill instance (the driver), no parallelism
-    inside an instance, no speculative decoding, no conversations (a turn's answer is generated in a decode process,
-    and the next turn's prompt is built from it)."""
+    inside an instance, no speculative decoding."""
     pools = plan.pools
     if pools.prefill.replicas != 1:
         raise ConfigError("the executor's prefill pool is one instance (the driver process); the simulator prices "
@@ -400,9 +416,6 @@ def check_pools(plan: Plan) -> None:
                               "tensor and pipeline parallel pools", f"pools.{name}.parallel")
     if plan.speculative is not None:
         raise ConfigError("the disaggregated executor runs without speculative decoding", "speculative")
-    if plan.workload.conversation is not None:
-        raise ConfigError("the disaggregated executor replays requests that follow no other; the simulator runs "
-                          "conversations on pools", "workload.conversation")
 
 
 def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
@@ -448,7 +461,7 @@ def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threa
                 driver.replay(load, progress)
             except WorkerError as e:  # the partial result on the error, as executor.serve has it
                 driver.end_unfinished()
-                e.requests, e.engine = driver.requests[:driver.arrived], driver.result(time.perf_counter() - t0)
+                e.requests, e.engine = driver.arrived, driver.result(time.perf_counter() - t0)
                 raise
             wall = time.perf_counter() - t0
         finally:

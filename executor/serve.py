@@ -189,20 +189,74 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
         e.scheduler.kv.queried_tokens = e.scheduler.kv.hit_tokens = 0  # prefix caching: the run's prompts only
 
 
+class Arrivals:
+    """What a replay sends, and when: first turns at their arrival times; a conversation's later turn its think time
+    after the turn before it ends, its prompt that turn's tokens and its own new ones (next_turn_ids), or rejected
+    with it. One bookkeeping for the colocated replay and the disaggregated driver."""
+
+    def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int]):
+        self.requests, self.specs, self.corpus = requests, specs, corpus
+        self.turns = Conversations(specs)
+        self.first = [i for i, s in enumerate(specs) if s.after < 0]
+        self.index = {r.id: i for i, r in enumerate(requests)} if self.turns.any else {}
+        self.later: list[tuple[float, int, list[int]]] = []  # heap of later turns known: (arrival, index, prompt ids)
+        self.open: set[int] = set()  # indices of turns sent whose next turn waits for them to end
+        self.nxt = 0
+
+    def next_s(self) -> float:
+        """When the next known request arrives (inf: none known)."""
+        a = self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
+        return min(a, self.later[0][0] if self.later else math.inf)
+
+    def pending(self) -> bool:
+        """Whether requests are still to be sent (some may wait for a turn to end)."""
+        return self.nxt < len(self.first) or bool(self.later) or bool(self.open)
+
+    def due(self, now: float) -> list[tuple[Request, list[int]]]:
+        """Every request due by `now`, in arrival order, with its prompt ids."""
+        out = []
+        while self.next_s() <= now:
+            first = self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
+            if not self.later or first <= self.later[0][0]:
+                i, self.nxt = self.first[self.nxt], self.nxt + 1
+                s = self.specs[i]
+                ids = prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)
+            else:
+                _, i, ids = heapq.heappop(self.later)
+            if self.requests[i].id in self.turns.next_turn:
+                self.open.add(i)
+            out.append((self.requests[i], ids))
+        return out
+
+    def ended(self, now: float, sequence) -> None:
+        """Turns that ended since the last look: the turn after each is now known (`sequence(req)`: the token ids the
+        turn ran, its prompt and what it generated), or, after a rejected one, rejected at `now`."""
+        for i in [i for i in self.open if self.requests[i].is_done]:
+            self.open.discard(i)
+            before = self.requests[i]
+            spec, gone = self.turns.ended(before)
+            if spec is not None:
+                r = self.requests[self.index[spec.id]]
+                r.arrival_s = before.finish_s + spec.think_s
+                ids = next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id)
+                heapq.heappush(self.later, (r.arrival_s, self.index[spec.id], ids))
+            for g in gone:
+                reject_unsent(self.requests[self.index[g.id]], now)
+
+
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
            adapt_threads: bool = False, progress=None, keep_warm: bool = False) -> list[Request]:
     """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
     sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
     free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
-    sleeping while the machine is otherwise quiet (see executor.keep_warm)."""
+    sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is sent its
+    think time after the turn before it ends (Arrivals)."""
     kv = getattr(engine, "engines", [engine])[0].scheduler.kv
     make = request_maker(kv.prefix_caching, kv.block_size)
     requests = [make(s) for s in specs]
-    # a prompt's token ids: a shared prefix's where the workload gives it one, as its block hashes say
-    prompts = [(s.prefix, s.prefix_unit) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, requests, prompts, corpus, load, adapt_threads, progress, keep_warm, specs)
+        _replay(engine, Arrivals(requests, specs, corpus), load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -220,48 +274,17 @@ def _keep_warm(engine, until: float) -> None:
         torch.mul(a, 1.0, out=a)
 
 
-def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], corpus: list[int],
-            load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool, specs: list[RequestSpec]) -> None:
-    """The replay loop. A conversation's later turn (RequestSpec.after) is sent its think time after the turn before
-    it ends, its prompt that turn's prompt and generated tokens and its own new tokens; or rejected with it."""
-    turns = Conversations(specs)
-    follows = turns.any
-    first = [i for i, s in enumerate(specs) if s.after < 0]
-    index = {r.id: i for i, r in enumerate(requests)} if follows else {}
-    sent: list[tuple[float, int, list[int]]] = []  # heap of later turns known: (arrival, index, prompt ids)
-    open_turns: set[int] = set()  # indices of turns added whose next turn is not yet known
-    nxt = 0
+def _replay(engine, arrivals: Arrivals, load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool) -> None:
+    """The replay loop: send what is due, learn which turns follow the ones that ended, step; idle until the next
+    arrival."""
+    requests = arrivals.requests
+    sequence = lambda r: _sequence(engine, r)  # noqa: E731
     next_sample = LOAD_EVERY_S
-
-    def due() -> tuple[float, float]:  # the next first turn's arrival, the next later turn's
-        return (requests[first[nxt]].arrival_s if nxt < len(first) else math.inf), (sent[0][0] if sent else math.inf)
-
-    while nxt < len(first) or sent or open_turns or engine.has_work():
+    while arrivals.pending() or engine.has_work():
         now = engine.now()
-        while True:  # every arrival due by now, in time order
-            a, b = due()
-            if min(a, b) > now:
-                break
-            if a <= b:
-                i, ids = first[nxt], None
-                nxt += 1
-            else:
-                _, i, ids = heapq.heappop(sent)
-            r = requests[i]
-            engine.add(r, ids if ids is not None else prompt_ids(corpus, r.prompt_len, r.id, *prompts[i]))
-            if follows:
-                open_turns.add(i)
-        if follows:
-            for i in [i for i in open_turns if requests[i].is_done]:
-                open_turns.discard(i)
-                spec, gone = turns.ended(requests[i])
-                if spec is not None:
-                    r = requests[index[spec.id]]
-                    r.arrival_s = requests[i].finish_s + spec.think_s
-                    ids = next_turn_ids(corpus, _sequence(engine, requests[i]), r.prompt_len, r.id)
-                    heapq.heappush(sent, (r.arrival_s, index[spec.id], ids))
-                for g in gone:
-                    reject_unsent(requests[index[g.id]], now)
+        for r, ids in arrivals.due(now):
+            engine.add(r, ids)
+        arrivals.ended(now, sequence)
         if now >= next_sample:
             next_sample = now + LOAD_EVERY_S
             others = load.sample() if load is not None else None
@@ -271,8 +294,8 @@ def _replay(engine, requests: list[Request], prompts: list[tuple[int, int]], cor
                 progress(sum(r.is_done for r in requests), len(requests))
         if engine.has_work():
             engine.step()
-        elif nxt < len(first) or sent:
-            until = min(*due(), now + LOAD_EVERY_S)
+        elif arrivals.next_s() < math.inf:
+            until = min(arrivals.next_s(), now + LOAD_EVERY_S)
             if keep_warm and load is not None and not load.others_busy():
                 _keep_warm(engine, until)
             else:

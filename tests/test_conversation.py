@@ -86,6 +86,33 @@ def test_a_rejected_turn_ends_its_conversation_and_nothing_is_lost():
             assert reqs[s.after].status is Status.FINISHED
 
 
+def test_the_report_s_conversations_section_counts_turns_and_splits_first_and_later_ttft():
+    """report.json's conversations section against the requests themselves: every conversation counted, those with
+    a rejected turn not answered, the first turns' TTFT apart from the later turns', each answered conversation's
+    length from its first arrival to its last token."""
+    data = chat(prompt_len={"dist": "uniform", "min": 300, "max": 1500})
+    data["serving"] = {"max_model_len": 2048}
+    report, result, _ = run(data)
+    conv = report["conversations"]
+    specs = generate_requests(parse_scenario(data).workload)
+    reqs = by_id(result.requests)
+    turns: dict[int, list] = {}
+    for s in specs:
+        turns.setdefault(s.conversation, []).append(reqs[s.id])
+    answered = [t for t in turns.values() if all(r.status is Status.FINISHED for r in t)]
+    assert conv["conversations"] == 60 and 0 < conv["answered"] == len(answered) < 60
+    assert conv["turns_mean"] == pytest.approx(len(specs) / 60)
+    ttft = lambda rs: [r.first_token_s - r.arrival_s for r in rs if r.status is Status.FINISHED]  # noqa: E731
+    first = ttft(reqs[s.id] for s in specs if s.after < 0)
+    later = ttft(reqs[s.id] for s in specs if s.after >= 0)
+    assert conv["first_turn_ttft_s"]["p90"] == pytest.approx(np.percentile(first, 90))
+    assert conv["later_turn_ttft_s"]["p50"] == pytest.approx(np.percentile(later, 50))
+    lengths = [max(r.finish_s for r in t) - min(r.arrival_s for r in t) for t in answered]
+    assert conv["duration_s"]["p50"] == pytest.approx(np.percentile(lengths, 50))
+    plain, _, _ = run(scenario())
+    assert "conversations" not in plain
+
+
 def test_a_turn_finds_the_turn_before_it_prompt_and_answer_cached():
     """Two turns, far apart, alone on the replica: the second finds every full block of the first's prompt and
     answer (all but the answer's last token have K/V) and computes the rest of its prompt."""

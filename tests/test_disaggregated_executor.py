@@ -23,6 +23,7 @@ from infersim.cli import app
 from sim.config.errors import ConfigError
 from sim.config.plan import load_scenario
 from sim.config.workload import generate_requests
+from sim.report.metrics import compute_metrics
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 POOLS = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -202,6 +203,38 @@ def test_a_worker_that_dies_starting_up_is_one_line(checkpoint, tmp_path, monkey
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     line = [x for x in r.output.splitlines() if x.startswith("infersim: error:")]
     assert len(line) == 1 and "before any request was served" in line[0], r.output
+
+
+def test_conversations_through_the_pools_are_the_colocated_serve_s_turns(checkpoint, tmp_path):
+    """Conversations on a prefill and a decode process: each later turn is sent after the turn before it ended on the
+    decode instance, its prompt that turn's prompt and answer, so every turn generates what a colocated serve of
+    the same conversations generates; with prefix caching the prefill instance finds the earlier turns' prompts."""
+    from executor.serve import serve
+
+    workload = {"num_requests": 5, "arrival": {"process": "poisson", "rate": 40.0},
+                "prompt_len": {"dist": "uniform", "min": 10, "max": 30},
+                "output_len": {"dist": "uniform", "min": 1, "max": 10},
+                "conversation": {"turns": {"dist": "uniform", "min": 2, "max": 4}, "think_time_s": 0.005,
+                                 "user_len": {"dist": "uniform", "min": 2, "max": 8}}}
+    kv = {"num_blocks": 160, "enable_prefix_caching": True}
+    _, pooled = load_scenario(write_tiny_scenario(tmp_path, checkpoint, name="chat-pools", pools=POOLS,
+                                                  kv_cache=kv, workload=workload))
+    _, colocated = load_scenario(write_tiny_scenario(tmp_path, checkpoint, name="chat", kv_cache=kv,
+                                                     workload=workload))
+    specs = generate_requests(pooled.workload, pooled.base_dir)
+    assert any(s.after >= 0 for s in specs) and any(s.output_len == 1 for s in specs)
+    with deadline(120):
+        records, traces, run, requests, _, _ = executor.disaggregated.serve_pools(pooled, specs)
+    assert len(requests) == len(specs) and all(r.status.value == "finished" for r in requests)
+    conv = compute_metrics(records)["conversations"]
+    assert conv["conversations"] == conv["answered"] == 5 and conv["turns_mean"] == len(specs) / 5
+    by_id = {r.id: r for r in requests}
+    for s in specs:
+        if s.after >= 0:
+            assert by_id[s.id].arrival_s >= by_id[s.after].finish_s + s.think_s - 1e-9
+    _, _, engine, alone, _, _ = serve(colocated, specs, "cpu", threads=1)
+    assert {r.id: engine.output_ids(r) for r in alone} == run.outputs
+    assert traces[0].prefix_hit_tokens > 0
 
 
 @pytest.mark.parametrize("pools, where", [

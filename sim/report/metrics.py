@@ -63,6 +63,8 @@ class RequestRecords:
     itl: GapSummary
     # speculative decoding, per request: drafts verified, accepted, verify steps, steps ending at a rejection
     speculation: np.ndarray | None = None
+    # workload.conversation: the conversation each request is a turn of (-1: none)
+    conversation: np.ndarray | None = None
 
 
 def token_gaps(requests: list[Request]) -> list[np.ndarray]:
@@ -97,6 +99,7 @@ def records_from_requests(requests: list[Request], itl: GapSummary | None = None
         itl=itl,
         speculation=np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections)
                               for r in requests], dtype=np.int64).reshape(-1, 4),
+        conversation=np.array([r.conversation for r in requests], dtype=np.int64),
     )
 
 
@@ -199,7 +202,29 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
     }
     if rec.speculation is not None and rec.speculation[:, 0].sum() > 0:
         out["speculative"] = speculation_summary(rec.speculation, rec.output_len)
+    if rec.conversation is not None and (rec.conversation >= 0).any():
+        out["conversations"] = conversation_summary(rec, lat)
     return out
+
+
+def conversation_summary(rec: RequestRecords, lat: dict[str, np.ndarray]) -> dict:
+    """report.json's conversations section: how many, how many had every turn answered, turns per conversation, the
+    first turns' TTFT beside the later turns' (a later turn resends the whole conversation: what prefix caching
+    saves shows there), and each answered conversation's length from its first arrival to its last token."""
+    mine = rec.conversation >= 0
+    conv, arrival, done = rec.conversation[mine], rec.arrival_s[mine], rec.completed[mine]
+    ids, inverse, turns = np.unique(conv, return_inverse=True, return_counts=True)
+    first_arrival = np.full(len(ids), np.inf)
+    np.minimum.at(first_arrival, inverse, arrival)
+    is_first = arrival == first_arrival[inverse]
+    answered = np.ones(len(ids), bool)
+    np.logical_and.at(answered, inverse, done)
+    last = np.full(len(ids), -np.inf)
+    np.maximum.at(last, inverse, np.where(done, rec.finish_s[mine], -np.inf))
+    ttft = lat["ttft"][mine]
+    return {"conversations": len(ids), "answered": int(answered.sum()), "turns_mean": float(turns.mean()),
+            "first_turn_ttft_s": summarize(ttft[is_first]), "later_turn_ttft_s": summarize(ttft[~is_first]),
+            "duration_s": summarize((last - first_arrival)[answered])}
 
 
 def speculation_summary(spec: np.ndarray, output_len: np.ndarray) -> dict:

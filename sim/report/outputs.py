@@ -129,14 +129,15 @@ def write_requests_csv(path: Path, rec: RequestRecords) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "status", "reject_reason",
-                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted"])
+                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted", "conversation"])
         spec = rec.speculation if rec.speculation is not None else np.zeros((len(rec.id), 4), np.int64)
+        conv = rec.conversation if rec.conversation is not None else np.full(len(rec.id), -1)
         for i in range(len(rec.id)):
             w.writerow([int(rec.id[i]), int(rec.replica[i]), f"{rec.arrival_s[i]:.6f}", int(rec.prompt_len[i]),
                         int(rec.output_len[i]), "completed" if rec.completed[i] else "rejected",
                         rec.reject_reason[i], num(first[i]), num(finish[i]), num(lat["ttft"][i]),
                         num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i]), int(spec[i, 0]),
-                        int(spec[i, 1])])
+                        int(spec[i, 1]), int(conv[i]) if conv[i] >= 0 else ""])
 
 
 def check_finite(report: dict) -> None:
@@ -166,6 +167,10 @@ def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas
 
 def _fmt(x) -> str:
     return "-" if x is None else (f"{x * 1000:.1f}" if isinstance(x, float) else str(x))
+
+
+def _seconds(x) -> str:
+    return "-" if x is None else f"{x:.1f} s"
 
 
 def _slo_verdict(slo: dict, requests: dict) -> str:
@@ -212,6 +217,12 @@ def print_summary(report: dict, console=None) -> None:
                   f"{kv['capacity_tokens']} tokens"
                   + (f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv
                      else ""))
+    conv = report.get("conversations")
+    if conv:
+        console.print(f"conversations: {conv['conversations']}, {conv['answered']} with every turn answered, "
+                      f"{conv['turns_mean']:.2f} turns on average; TTFT p50 first turns "
+                      f"{_fmt(conv['first_turn_ttft_s']['p50'])} ms, later turns {_fmt(conv['later_turn_ttft_s']['p50'])} "
+                      f"ms; first arrival to last token p50 {_seconds(conv['duration_s']['p50'])}")
     for name, pool in report.get("pools", {}).items():
         console.print(f"{name} pool: {pool['replicas']}× {pool['hardware']}"
                       + (f" × TP{pool['tensor_parallel_size']}" if pool["tensor_parallel_size"] > 1 else "")
