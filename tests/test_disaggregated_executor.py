@@ -158,6 +158,30 @@ def test_what_the_decode_pool_cannot_hold_is_turned_away_before_its_prefill_as_s
     assert {q.id for q in sim.requests if q.status.value == "rejected"} == rejected
 
 
+def test_a_turn_the_decode_pool_cannot_hold_ends_its_conversation_as_simulated(checkpoint, tmp_path):
+    """Conversations grow past what a 6-block decode pool holds: the turn that no longer fits is turned away on
+    arrival and the turns after it end with it, the same requests as the simulator's; every request ends."""
+    from sim.policy.conversation import CONVERSATION_ENDED
+    from sim.simulator.cluster import simulate
+
+    path = write_tiny_scenario(
+        tmp_path, checkpoint, name="tiny-pools-chat-small-decode",
+        pools={**POOLS, "decode": {"replicas": 1, "kv_cache": {"num_blocks": 6}}},
+        workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 16, "max": 30},
+                  "output_len": {"dist": "uniform", "min": 2, "max": 8},
+                  "conversation": {"turns": {"dist": "uniform", "min": 3, "max": 5},
+                                   "user_len": {"dist": "uniform", "min": 2, "max": 10}}})
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    with deadline(120):
+        _, _, _, requests, _, _ = executor.disaggregated.serve_pools(plan, specs)
+    assert len(requests) == len(specs) and all(r.is_done for r in requests)
+    rejected = {r.id: r.reject_reason for r in requests if r.status.value == "rejected"}
+    assert CONVERSATION_ENDED in rejected.values() and any("decode instance" in w for w in rejected.values())
+    sim = simulate(plan, specs)
+    assert {q.id: q.reject_reason for q in sim.requests if q.status.value == "rejected"} == rejected
+
+
 def kill_decode_worker_after(ended: int):
     """A serve progress callback that kills the decode process once `ended` requests have ended."""
     killed = []
