@@ -267,9 +267,14 @@ def workload(f: Form, seeded: dict) -> dict | None:
     w["seed"] = f.integer("Random seed", "workload.seed", w.get("seed", 0), lo=0)
     if mode == "trace":
         return _trace(f, w)
+    w.pop("trace", None)
+    loop = w.pop("closed_loop", None)
+    if st.checkbox("Closed loop of users", loop is not None, key=f.key("workload.closed_loop"),
+                   help="a number of users, each sending a request when its previous one ends (after a think time): "
+                        "the load follows the deployment's speed, as genai-perf's concurrency does"):
+        return _closed_loop(f, w, loop or {})
     arrival = w.pop("arrival", None) or {"process": "poisson", "rate": 1.0}
     duration = w.pop("duration_s", None)
-    w.pop("trace", None)
     c1, c2, c3 = st.columns(3)
     with c1:
         process = f.choice("Arrival process", "workload.process", ["poisson", "gamma", "constant"], arrival["process"])
@@ -296,6 +301,26 @@ def workload(f: Form, seeded: dict) -> dict | None:
     w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
     w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
     return _conversation(f, _shared_prefix(f, w))
+
+
+def _closed_loop(f: Form, w: dict, loop: dict) -> dict:
+    """Users in a closed loop instead of an arrival rate; a number of requests, not a duration."""
+    arrival, duration = w.pop("arrival", None) or {}, w.pop("duration_s", None)
+    w.pop("conversation", None)
+    w.pop("bursts", None)  # the users send every request
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        users = f.integer("Users", "workload.users", loop.get("users", 32), hi=MAX_REQUESTS)
+    with c2:
+        think = f.number("Think time (s, mean)", "workload.user_think_time_s", loop.get("think_time_s", 0.0), step=1.0,
+                         help="between a request's end and the user's next one (exponential; 0: at once)")
+    with c3:
+        count = w.pop("num_requests", None) or round(arrival.get("rate", 1.0) * (duration or 0)) or 200
+        w["num_requests"] = f.integer("Number of requests", "workload.num_requests", count, hi=MAX_REQUESTS)
+    w["closed_loop"] = {"users": users, "think_time_s": think}
+    w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
+    w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
+    return _shared_prefix(f, w)
 
 
 def _shared_prefix(f: Form, w: dict) -> dict:
@@ -331,7 +356,7 @@ def _conversation(f: Form, w: dict) -> dict:
 
 
 def _trace(f: Form, w: dict) -> dict | None:
-    for k in ("arrival", "prompt_len", "output_len", "num_requests", "duration_s"):
+    for k in ("arrival", "prompt_len", "output_len", "num_requests", "duration_s", "closed_loop"):
         w.pop(k, None)
     trace = dict(w.get("trace") or {"path": BUILTIN})
     options = [BUILTIN, UPLOAD] + ([trace["path"]] if trace["path"] != BUILTIN else [])

@@ -62,8 +62,8 @@ def slo_line(report: dict) -> None:
 
 
 def techniques(report: dict) -> None:
-    """One line each for the model's memory (what compression frees for KV), prefix caching's hits, the
-    conversations' turns, speculative decoding's acceptance and the disaggregated pools' use."""
+    """One line each for the model's memory (what compression frees for KV), prefix caching's hits, a closed
+    loop's users, the conversations' turns, speculative decoding's acceptance and the disaggregated pools' use."""
     mem, kv, model = report.get("memory_gib"), report["kv_cache"], report["scenario"]["config"]["model"]
     if mem:
         dtypes = ", ".join(f"{k} {model[k]}" for k in ("weight_dtype", "kv_dtype", "sparsity")
@@ -73,6 +73,11 @@ def techniques(report: dict) -> None:
     if "prefix_cache_hit_rate" in kv:
         st.caption(f"Prefix caching: {kv['prefix_cache_hit_rate'] * 100:.1f}% of the prompt tokens found cached, "
                    f"{kv['prefix_cache_hit_tokens']:,} tokens not computed.")
+    loop = report.get("closed_loop")
+    if loop:
+        st.caption(f"Closed loop: {loop['users']:,} users, think time {loop['think_time_s']:g} s; "
+                   f"{loop['mean_in_flight']:.1f} requests in flight on average, "
+                   f"{report['throughput']['requests_per_s']:.2f} requests/s.")
     conv = report.get("conversations")
     if conv:
         first, later = conv["first_turn_ttft_s"]["p50"], conv["later_turn_ttft_s"]["p50"]

@@ -26,7 +26,7 @@ from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
-from sim.policy.conversation import Conversations, reject_unsent
+from sim.policy.conversation import Conversations, ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
@@ -192,7 +192,8 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
 class Arrivals:
     """What a replay sends, and when: first turns at their arrival times; a conversation's later turn its think time
     after the turn before it ends, its prompt that turn's tokens and its own new ones (next_turn_ids), or rejected
-    with it. One bookkeeping for the colocated replay and the disaggregated driver."""
+    with it; a closed loop user's next request its think time after the one before it ended. One bookkeeping for the
+    colocated replay and the disaggregated driver."""
 
     def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int]):
         self.requests, self.specs, self.corpus = requests, specs, corpus
@@ -237,8 +238,9 @@ class Arrivals:
             spec, gone = self.turns.ended(before)
             if spec is not None:
                 r = self.requests[self.index[spec.id]]
-                r.arrival_s = before.finish_s + spec.think_s
-                ids = next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id)
+                r.arrival_s = ended_at(before, now) + spec.think_s
+                ids = (next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id) if spec.conversation >= 0
+                       else prompt_ids(self.corpus, spec.prompt_len, spec.id, spec.prefix, spec.prefix_unit))
                 heapq.heappush(self.later, (r.arrival_s, self.index[spec.id], ids))
             for g in gone:
                 reject_unsent(self.requests[self.index[g.id]], now)

@@ -133,6 +133,21 @@ def test_whatif_conversations_resend_their_history_to_the_prefix_cache():
     assert float(line.split(": ")[1].split("%")[0]) > 30  # each later turn finds the turn before it
 
 
+def test_whatif_closed_loop_users_set_the_load():
+    """A closed loop of users replaces the arrival rate: more users, more requests/s, at most the users in flight."""
+    at = whatif()
+    widget(at, "checkbox", "workload.closed_loop").check().run()
+    flights = []
+    for users in (2, 16):
+        widget(at, "number_input", "workload.users").set_value(users)
+        widget(at, "number_input", "workload.num_requests").set_value(120)
+        simulate(at)
+        line = next(c.value for c in at.caption if c.value.startswith("Closed loop:"))
+        assert f"{users:,} users" in line
+        flights.append(float(line.split("; ")[1].split(" requests in flight")[0]))
+    assert 0 < flights[0] <= 2 < flights[1] <= 16
+
+
 def memory_caption(at: AppTest) -> tuple[str, float, int]:
     """(its compression note, weights GiB, KV tokens) from the What-if's memory line."""
     line = next(c.value for c in at.caption if c.value.startswith("Memory per device"))

@@ -35,7 +35,9 @@ import sim.simulator.engines as engines
 from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
+from sim.config.workload import generate_requests
 from sim.policy.build import make_policy
+from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Status
 from sim.report.outputs import build_report, check_finite
 from sim.simulator.cluster import sim_records, simulate
@@ -104,10 +106,19 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
             w["duration_s"] = max_requests / 2 / w["arrival"]["rate"]
     if draw(st.integers(0, 3)) == 0:
         w["bursts"] = [{"at_s": draw(st.sampled_from([0.0, 0.01, 0.5])), "count": draw(st.integers(1, 15))}]
-    if draw(st.integers(0, 3)) == 0:  # conversations: later turns arrive when the turns before them end
+    loop = draw(st.integers(0, 7))
+    if loop <= 1:  # conversations: later turns arrive when the turns before them end
         w["conversation"] = {"turns": {"dist": "uniform", "min": 1, "max": draw(st.sampled_from([2, 4]))},
                              "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0])),
                              "user_len": draw(lengths(max(1, hi // 4)))}
+    elif loop == 2:  # a closed loop of users: each request when the user's one before it ends
+        w.pop("arrival", None)
+        w.pop("bursts", None)
+        if "trace" not in w:
+            w["num_requests"] = w.pop("num_requests", None) or max_requests // 2
+            w.pop("duration_s", None)
+        w["closed_loop"] = {"users": draw(st.sampled_from([1, 3, 64])),
+                            "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0]))}
     return w
 
 
@@ -361,6 +372,26 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
     return times
 
 
+def check_followers(plan, result) -> None:
+    """A request that follows another (a conversation's turn, a closed loop user's next request) arrived its think
+    time after that one's last token; after a rejected one, a conversation's turn was rejected with it and a user's
+    next request was sent its think time after the rejection."""
+    specs = generate_requests(plan.workload, plan.base_dir)
+    reqs = {r.id: r for r in result.requests}
+    assert sorted(reqs) == [s.id for s in specs]
+    for s in specs:
+        if s.after < 0:
+            continue
+        before, r = reqs[s.after], reqs[s.id]
+        if before.status is Status.FINISHED:
+            assert r.arrival_s == pytest.approx(before.finish_s + s.think_s, rel=1e-12, abs=1e-12), (s, r)
+        elif s.conversation >= 0:
+            assert r.reject_reason == CONVERSATION_ENDED, r
+        else:
+            assert r.arrival_s >= before.arrival_s + s.think_s - 1e-12, (s, r)
+            assert r.reject_reason != CONVERSATION_ENDED, r
+
+
 def check_report(report: dict) -> None:
     """Finite, non-negative figures; TTFT ≤ E2E at every quantile."""
     check_finite(report)
@@ -410,6 +441,7 @@ def check_scenario(data: dict) -> dict:
     check_engines(result, schedulers)
     check_report(report)
     times = check_requests(plan, report, result, records)
+    check_followers(plan, result)
     again, *_ = run(plan)
     assert json.dumps(again, allow_nan=False) == json.dumps(report, allow_nan=False)  # the same seed, the same bytes
     step_report, step_result, step_records, step_schedulers = run(plan, bulk=False)

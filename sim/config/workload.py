@@ -14,7 +14,7 @@ import io
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -242,10 +242,22 @@ class ConversationConfig(StrictModel):
     user_len: LengthDist
 
 
+class ClosedLoopConfig(StrictModel):
+    """A closed loop of `users` (genai-perf's concurrency, LLMPerf's concurrent requests): each user sends a request,
+    waits for its last token (or its rejection), thinks `think_time_s` (exponential with this mean; 0: not at all)
+    and sends the next, so the load follows the deployment's own speed and at most `users` requests are in flight.
+    The workload's requests, in order, are dealt to the users in turn (request i is user i mod `users`'s); each
+    user thinks before its first request too. The arrival rate is then what the run measures, not an input."""
+
+    users: int = Field(gt=0, le=MAX_REQUESTS)
+    think_time_s: float = Field(default=0.0, ge=0, le=MAX_ARRIVAL_S)
+
+
 class WorkloadConfig(StrictModel):
     """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
     `num_requests` / `duration_s`.  `bursts` add requests on top of either. With `conversation`, each of those
-    requests is a conversation's first turn."""
+    requests is a conversation's first turn. With `closed_loop`, users send the requests (no `arrival`; a trace's
+    lengths in its order, its times unused)."""
 
     seed: int = Field(default=0, ge=0)
     trace: Optional[TraceConfig] = None
@@ -257,11 +269,16 @@ class WorkloadConfig(StrictModel):
     bursts: list[BurstConfig] = []
     shared_prefix: Optional[SharedPrefixConfig] = None
     conversation: Optional[ConversationConfig] = None
+    closed_loop: Optional[ClosedLoopConfig] = None
 
     @model_validator(mode="after")
     def _one_mode(self):
         synthetic = {k: getattr(self, k) for k in
                      ("arrival", "prompt_len", "output_len", "num_requests", "duration_s")}
+        if self.closed_loop is not None:
+            _check_closed_loop(self)
+            if self.trace is None:
+                synthetic.pop("arrival")
         if self.trace is not None:
             given = [k for k, v in synthetic.items() if v is not None]
             if given:
@@ -269,17 +286,31 @@ class WorkloadConfig(StrictModel):
                                  "overridden inside it) or arrival/prompt_len/output_len + "
                                  "num_requests|duration_s")
             return self
-        missing = [k for k in ("arrival", "prompt_len", "output_len") if synthetic[k] is None]
+        missing = [k for k in ("arrival", "prompt_len", "output_len") if k in synthetic and synthetic[k] is None]
         if missing:
             raise ValueError(f"missing {missing}: give either 'trace', or 'arrival', 'prompt_len', "
                              "'output_len' and one of 'num_requests' / 'duration_s'")
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of 'num_requests' or 'duration_s'")
-        expected = self.num_requests or self.arrival.rate * self.duration_s
+        expected = self.num_requests or self.arrival.rate * self.duration_s  # a closed loop: num_requests
         if expected + sum(b.count for b in self.bursts) > MAX_REQUESTS:
             raise ValueError(f"about {expected + sum(b.count for b in self.bursts):.3g} requests (rate x duration_s, "
                              f"num_requests and bursts); allowed: at most {MAX_REQUESTS:,} in one run")
         return self
+
+
+def _check_closed_loop(w: "WorkloadConfig") -> None:
+    """What a closed loop cannot go with, as the validator's one-line reasons."""
+    if w.arrival is not None:
+        raise ValueError("with 'closed_loop', drop 'arrival': the users send each request when the one before it ends")
+    if w.duration_s is not None:
+        raise ValueError("with 'closed_loop', give 'num_requests', not 'duration_s': how long a closed loop runs is "
+                         "what the deployment's speed makes it")
+    if w.bursts:
+        raise ValueError("with 'closed_loop', drop 'bursts': the users send every request")
+    if w.conversation is not None:
+        raise ValueError("give one of 'closed_loop' and 'conversation': a conversation's turns are already a closed "
+                         "loop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +326,8 @@ class RequestSpec:
     prefix_unit: int = 0
     # workload.conversation: the conversation (-1: none), the turn this one follows (-1: the first) and how long after
     # that turn's last token it is sent; its arrival_s is then the earliest it could arrive (the turns before it
-    # answered at once), the run's own arrival comes from the previous turn's end
+    # answered at once), the run's own arrival comes from the previous turn's end. workload.closed_loop: `after` the
+    # user's request before it (conversation -1: its prompt its own), sent `think_s` after that one ends or is rejected
     conversation: int = -1
     after: int = -1
     think_s: float = 0.0
@@ -557,8 +589,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     stream and the bursts use independent child generators of `seed`, so changing a length
     distribution or adding bursts leaves the other draws unchanged.
     """
-    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix, rng_conv = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(7))
+    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix, rng_conv, rng_users = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(8))
     traces = _Traces(base_dir)
     n_burst = sum(b.count for b in cfg.bursts)
     chains = None  # a Mooncake trace's hash_ids, per kept row
@@ -592,15 +624,20 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         else:  # a later turn's answer: one of the kept rows'
             more_outputs = lambda rng, n: kept_output[rng.integers(0, len(kept_output), n)]  # noqa: E731
     else:
-        arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
-        _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate {cfg.arrival.rate:g}/s "
-                    "arrive")
+        if cfg.closed_loop is not None:  # the users' think times make the arrivals (_closed_loop)
+            arrivals = np.zeros(cfg.num_requests)
+        else:
+            arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
+            _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate "
+                        f"{cfg.arrival.rate:g}/s arrive")
         n, kp, ko = len(arrivals), "workload.prompt_len", "workload.output_len"
         prompt = np.concatenate((traces.draw(cfg.prompt_len, rng_p, n, kp),
                                  traces.draw(cfg.prompt_len, rng_bp, n_burst, kp)))
         output = np.concatenate((traces.draw(cfg.output_len, rng_o, n, ko),
                                  traces.draw(cfg.output_len, rng_bo, n_burst, ko)))
         more_outputs = lambda rng, n: traces.draw(cfg.output_len, rng, n, ko)  # noqa: E731
+    if cfg.closed_loop is not None:
+        arrivals = np.zeros(len(arrivals))  # a trace's rows in its order; the users send them
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
@@ -617,9 +654,29 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         sp = cfg.shared_prefix
         prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
         specs = [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+    if cfg.closed_loop is not None:
+        return _closed_loop(specs, cfg.closed_loop, rng_users)
     if cfg.conversation is None:
         return specs
     return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces)
+
+
+def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
+    """Deal `specs` to the users in turn (ClosedLoopConfig); each follows its user's request before it. Sorted by the
+    earliest each could arrive (every request before it answered at once), ids 0..n-1 in that order."""
+    n, users = len(specs), loop.users
+    think = rng.exponential(loop.think_time_s, n) if loop.think_time_s > 0 else np.zeros(n)
+    rounds = -(-n // users)  # request i is round i // users of user i % users
+    waited = np.cumsum(np.concatenate((think, np.zeros(rounds * users - n))).reshape(rounds, users), axis=0)
+    waited = waited.reshape(-1)[:n]  # each user's think times so far
+    _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
+                f"{loop.think_time_s:g} s on average arrive")
+    order = np.argsort(waited, kind="stable")
+    new_id = np.empty(n, np.int64)
+    new_id[order] = np.arange(n)
+    after = np.where(np.arange(n) >= users, new_id[np.maximum(np.arange(n) - users, 0)], -1)
+    return [replace(specs[k], id=i, arrival_s=float(waited[k]), after=int(after[k]),
+                    think_s=float(think[k]) if after[k] >= 0 else 0.0) for i, k in enumerate(order.tolist())]
 
 
 def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces

@@ -1,5 +1,7 @@
-"""Conversations (workload.conversation), closed loop: a turn arrives its think time after the turn before it ends,
-or is rejected with it. One bookkeeping for the simulator's arrivals and the executor's replay."""
+"""Requests that follow others, closed loop: a conversation's turn (workload.conversation) arrives its think time after
+the turn before it ends, or is rejected with it; a user's request (workload.closed_loop) its think time after the
+user's request before it ends or is rejected. One bookkeeping for the simulator's arrivals and the executor's
+replay."""
 from __future__ import annotations
 
 from sim.config.workload import RequestSpec
@@ -16,16 +18,23 @@ class Conversations:
         self.any = bool(self.next_turn)  # some request follows another
 
     def ended(self, req: Request) -> tuple[RequestSpec | None, list[RequestSpec]]:
-        """`req` ended: (the turn that now follows it, sent at req.finish_s + its think_s; or None) and the turns that
-        end with it unsent, in order (a rejected turn ends its conversation)."""
+        """`req` ended: (the request that now follows it, sent its think_s after `ended_at(req, now)`; or None) and
+        the turns that end with it unsent, in order (a rejected turn ends its conversation; a closed loop's user
+        sends its next request all the same)."""
         spec = self.next_turn.pop(req.id, None)
-        if spec is None or req.status is Status.FINISHED:
+        if spec is None or req.status is Status.FINISHED or spec.conversation < 0:
             return spec, []
         gone = []
         while spec is not None:
             gone.append(spec)
             spec = self.next_turn.pop(spec.id, None)
         return None, gone
+
+
+def ended_at(req: Request, now: float) -> float:
+    """When a request that ended at or before `now` ended: its last token, or (rejected) `now`, when that became
+    known."""
+    return req.finish_s if req.status is Status.FINISHED else now
 
 
 def reject_unsent(req: Request, now: float) -> None:

@@ -82,6 +82,13 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
         report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
                            for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
+    loop = plan.workload.closed_loop
+    if loop is not None:
+        e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
+        duration = report["duration_s"]
+        # Little's law: the users waiting on the deployment, on average (the rest were thinking)
+        report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
+                                 "mean_in_flight": float(e2e.sum() / duration) if duration else 0.0}
     if plan.pipeline_parallel_size > 1:
         busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
         duration = report["duration_s"]
@@ -217,6 +224,10 @@ def print_summary(report: dict, console=None) -> None:
                   f"{kv['capacity_tokens']} tokens"
                   + (f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv
                      else ""))
+    loop = report.get("closed_loop")
+    if loop:
+        console.print(f"closed loop: {loop['users']} users, think time {loop['think_time_s']:g} s; "
+                      f"{loop['mean_in_flight']:.1f} requests in flight on average")
     conv = report.get("conversations")
     if conv:
         console.print(f"conversations: {conv['conversations']}, {conv['answered']} with every turn answered, "

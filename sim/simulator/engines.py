@@ -14,7 +14,7 @@ from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, speculation_model
 from sim.policy.build import make_policy
-from sim.policy.conversation import Conversations, reject_unsent
+from sim.policy.conversation import Conversations, ended_at, reject_unsent
 from sim.policy.request import Request
 from sim.report.trace import ReplicaTrace
 from sim.simulator.pipeline import Pipeline
@@ -69,9 +69,9 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
 
 
 class Arrivals:
-    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A
-    conversation's later turn (RequestSpec.after) arrives its think time after the turn before it ends, or is rejected
-    with it. `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short of it)."""
+    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A request
+    that follows another (RequestSpec.after: a conversation's later turn, a closed loop user's next request) arrives
+    its think time after that one ends (sim.policy.conversation). `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
                  make_request: Callable[[RequestSpec], Request]):
@@ -114,7 +114,7 @@ class Arrivals:
         """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent."""
         spec, gone = self.turns.ended(req)
         if spec is not None:
-            at = req.finish_s + spec.think_s
+            at = ended_at(req, self.env.now) + spec.think_s
             heapq.heappush(self.scheduled, at)
             self.env.process(self._later(spec, at))
         for s in gone:

@@ -1,0 +1,160 @@
+"""A closed loop of users (workload.closed_loop): generation, the simulator, the executor, and what refuses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from sim.config.errors import ConfigError
+from sim.config.plan import load_scenario
+from sim.config.scenario import parse_scenario
+from sim.config.workload import generate_requests
+from sim.policy.request import Status
+from sim.report.capacity import check_scalable
+from tests.helpers import run, scenario, tiny_checkpoint, write_tiny_scenario
+
+LOOP = {"seed": 4, "num_requests": 300, "prompt_len": {"dist": "uniform", "min": 100, "max": 2000},
+        "output_len": {"dist": "uniform", "min": 20, "max": 400}, "closed_loop": {"users": 16, "think_time_s": 2.0}}
+
+
+def users(n: int, think: float = 2.0, **workload) -> dict:
+    data = scenario(workload={**LOOP, "closed_loop": {"users": n, "think_time_s": think}, **workload})
+    data["workload"].pop("arrival")
+    return data
+
+
+def in_flight(requests) -> int:
+    """The most requests ever between arrival and end (a rejected one ends when it arrives)."""
+    events = sorted([(r.arrival_s, 1) for r in requests] +
+                    [(r.finish_s if r.status is Status.FINISHED else r.arrival_s, -1) for r in requests],
+                    key=lambda e: (e[0], e[1]))
+    return int(np.max(np.cumsum([d for _, d in events])))
+
+
+def test_the_requests_are_dealt_to_the_users_in_turn_each_after_the_one_before():
+    specs = generate_requests(parse_scenario(users(16)).workload)
+    plain = generate_requests(parse_scenario(scenario(workload={**LOOP, "closed_loop": None})).workload)
+    assert len(specs) == 300 and [s.id for s in specs] == list(range(300))
+    assert sorted((s.prompt_len, s.output_len) for s in specs) == sorted((s.prompt_len, s.output_len) for s in plain)
+    firsts = [s for s in specs if s.after < 0]
+    assert len(firsts) == 16 and all(s.think_s == 0 and s.arrival_s > 0 for s in firsts)  # each thinks first
+    assert [s.arrival_s for s in specs] == sorted(s.arrival_s for s in specs)
+    chains = {}
+    for s in specs:
+        if s.after >= 0:
+            assert s.after < s.id and s.after not in chains.values() and s.conversation == -1 and s.think_s > 0
+            assert s.arrival_s == pytest.approx(specs[s.after].arrival_s + s.think_s)
+            chains[s.id] = s.after
+    assert len(chains) == 300 - 16
+    at_once = generate_requests(parse_scenario(users(16, think=0.0)).workload)
+    assert sum(s.arrival_s == 0 for s in at_once) == 300 and sum(s.after < 0 for s in at_once) == 16
+    assert generate_requests(parse_scenario(users(16)).workload) == specs  # same seed, same requests
+
+
+def test_a_trace_s_lengths_are_sent_by_the_users_in_its_order():
+    trace = {"trace": {"path": "builtin:azure_conv", "max_requests": 50}}
+    specs = generate_requests(parse_scenario({**scenario(), "workload": {**trace, "closed_loop": {"users": 5}}}).workload)
+    rows = generate_requests(parse_scenario({**scenario(), "workload": trace}).workload)
+    assert [(s.prompt_len, s.output_len) for s in specs] == [(s.prompt_len, s.output_len) for s in rows]
+    assert all(s.arrival_s == 0 for s in specs) and sum(s.after < 0 for s in specs) == 5
+
+
+def test_at_most_the_users_are_in_flight_and_the_load_follows_the_deployment_s_speed():
+    rates, ttft = [], []
+    for n in (2, 8, 32, 128):
+        report, result, _ = run(users(n))
+        reqs = {r.id: r for r in result.requests}
+        assert report["requests"]["completed"] == 300 and in_flight(result.requests) <= n
+        for s in generate_requests(parse_scenario(users(n)).workload):
+            if s.after >= 0:
+                assert reqs[s.id].arrival_s == pytest.approx(reqs[s.after].finish_s + s.think_s, abs=1e-9)
+        assert 0 < report["closed_loop"]["mean_in_flight"] <= n and report["closed_loop"]["users"] == n
+        rates.append(report["throughput"]["requests_per_s"])
+        ttft.append(report["ttft_s"]["p90"])
+    assert rates == sorted(rates) and rates[1] > 3 * rates[0]  # more users, more load, until the engine is full
+    assert rates[3] < 2 * rates[2] and ttft[3] > 5 * ttft[0]  # then only the queue grows
+    # disaggregated pools and bulk decode runs cut short by a request known mid-run: the same invariants
+    pools, result, _ = run({**users(8), "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}})
+    assert pools["requests"]["completed"] == 300 and in_flight(result.requests) <= 8
+    _, bulk, _ = run(users(8))
+    _, eager, _ = run(users(8), bulk=False)
+    assert [r.finish_s for r in bulk.requests] == pytest.approx([r.finish_s for r in eager.requests], abs=1e-9)
+
+
+def test_a_rejected_request_does_not_end_its_user():
+    data = users(4, prompt_len={"dist": "uniform", "min": 100, "max": 3000})
+    data["serving"] = {"max_model_len": 2048}
+    report, result, _ = run(data)
+    reqs = {r.id: r for r in result.requests}
+    rq = report["requests"]
+    assert rq["rejected"] > 0 and rq["arrived"] == 300 == rq["completed"] + rq["rejected"]
+    followed = 0
+    for s in generate_requests(parse_scenario(data).workload):
+        if s.after >= 0 and reqs[s.after].status is Status.REJECTED:
+            followed += 1
+            assert reqs[s.id].arrival_s == pytest.approx(reqs[s.after].arrival_s + s.think_s)  # rejected on arrival
+    assert followed > 0
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"arrival": {"process": "poisson", "rate": 1.0}}, "drop 'arrival'"),
+    ({"duration_s": 60.0, "num_requests": None}, "give 'num_requests', not 'duration_s'"),
+    ({"bursts": [{"at_s": 1.0, "count": 3}]}, "drop 'bursts'"),
+    ({"conversation": {"turns": {"dist": "fixed", "value": 2}, "user_len": {"dist": "fixed", "value": 5}}},
+     "one of 'closed_loop' and 'conversation'"),
+    ({"closed_loop": {"users": 0}}, "workload.closed_loop.users"),
+    ({"closed_loop": {"users": 3, "think_time_s": -1}}, "workload.closed_loop.think_time_s"),
+])
+def test_what_a_closed_loop_cannot_go_with_is_one_line(change, words):
+    data = users(4)
+    data["workload"].update(change)
+    data["workload"] = {k: v for k, v in data["workload"].items() if v is not None}
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(data)
+    assert words in f"{e.value.key_path}: {e.value.message}" and "\n" not in e.value.message
+
+
+def test_a_capacity_search_refuses_a_closed_loop_with_its_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        check_scalable(generate_requests(parse_scenario(users(4)).workload), "scenario.workload")
+    assert e.value.key_path == "scenario.workload.closed_loop" and "arrival process" in e.value.message
+    from typer.testing import CliRunner
+
+    from infersim.cli import app
+
+    (tmp_path / "loop.yaml").write_text(yaml.safe_dump({**users(4), "slo": {"ttft_s": 1.0}}))
+    spec = tmp_path / "search.yaml"
+    spec.write_text(yaml.safe_dump({"scenario": "loop.yaml", "space": {"replicas": [1, 2]}}))
+    r = CliRunner().invoke(app, ["search", str(spec), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "closed_loop" in r.output and "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=11)
+
+
+def test_the_executor_keeps_the_users_loop_and_rejects_what_the_simulator_rejects(tmp_path, checkpoint):
+    """A tiny model served by 3 users: never more than 3 in flight, each request sent its think time after the
+    user's one before it ended, the too-long ones rejected as the simulator rejects them, and the users go on."""
+    from executor.serve import serve
+    from sim.simulator.cluster import simulate
+
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-users", kv_cache={"num_blocks": 128},
+                               serving={"max_model_len": 64},
+                               workload={"num_requests": 18, "prompt_len": {"dist": "uniform", "min": 4, "max": 80},
+                                         "closed_loop": {"users": 3, "think_time_s": 0.005}})
+    data = yaml.safe_load(path.read_text())
+    data["workload"].pop("arrival")
+    path.write_text(yaml.safe_dump(data))
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    _, _, _, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    reqs = {r.id: r for r in requests}
+    assert len(reqs) == 18 and all(r.is_done for r in requests) and in_flight(requests) <= 3
+    for s in specs:
+        if s.after >= 0 and reqs[s.after].status is Status.FINISHED:
+            assert reqs[s.id].arrival_s >= reqs[s.after].finish_s + s.think_s - 1e-9
+    rejected = {r.id for r in requests if r.status is Status.REJECTED}
+    assert rejected == {s.id for s in specs if s.prompt_len + s.output_len > 64} != set()
+    assert {q.id for q in simulate(plan, specs).requests if q.status is Status.REJECTED} == rejected
