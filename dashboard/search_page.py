@@ -13,7 +13,7 @@ from infersim.search import parse_search_spec, run_search
 from sim.config.errors import ConfigError
 
 SPECS = seeds.SCENARIOS / "search"
-FRONTS = {"Cost vs capacity": ("capacity_rps", "capacity within the SLOs (req/s)", "pareto"),
+FRONTS = {"Cost vs capacity": ("capacity_rps", "capacity within the SLOs ({unit})", "pareto"),
           "Cost vs TPOT at the target rate": ("tpot_p90_s", "TPOT at the SLO quantile (s)", "pareto_latency")}
 
 
@@ -41,11 +41,11 @@ def rows_table(result) -> pd.DataFrame:
     ordered = sorted(result.rows, key=lambda r: (r.status != "ok", r.usd_per_hour, -r.capacity_rps, r.label))
     table = pd.DataFrame([{"configuration": r.label, "recommended": r is result.recommended, "status": r.status,
                            "devices": r.devices, "$/h": r.usd_per_hour,
-                           "capacity req/s": r.capacity_rps if r.status == "ok" else None,
+                           f"capacity {result.unit}": r.capacity_rps if r.status == "ok" else None,
                            "$ per 1M tokens": r.usd_per_million_tokens, "TTFT q (s)": r.ttft_p90_s,
                            "TPOT q (s)": r.tpot_p90_s, "Pareto": r.pareto, "why not / note": r.reason}
                            for r in ordered])
-    numbers = ["capacity req/s", "$ per 1M tokens", "TTFT q (s)", "TPOT q (s)"]
+    numbers = [f"capacity {result.unit}", "$ per 1M tokens", "TTFT q (s)", "TPOT q (s)"]
     table[numbers] = table[numbers].apply(pd.to_numeric)  # None → NaN, shown as "-"
     return table
 
@@ -55,15 +55,15 @@ def show(search, result) -> None:
     best = result.recommended
     if best is not None:
         st.success(f"Recommended: {best.label}: {best.devices} devices, ${best.usd_per_hour:,.2f}/h, carries "
-                   f"{best.capacity_rps:.3g} req/s (target {result.target_rate:.3g}).")
+                   f"{best.capacity_rps:.3g} {result.unit} (target {result.target_rate:.3g}).")
     else:
-        st.warning(f"No configuration carries {result.target_rate:.3g} req/s within the SLOs.")
+        st.warning(f"No configuration carries {result.target_rate:.3g} {result.unit} within the SLOs.")
     ok = [(i, r) for i, r in enumerate(result.rows) if r.status == "ok"]
     for tab, (name, (field, title, front)) in zip(st.tabs(list(FRONTS)), FRONTS.items()):
         with tab:
             points = [{"x": r.usd_per_hour, "y": getattr(r, field), "label": r.label, "row": i,
                        "front": getattr(r, front), "best": r is best} for i, r in ok if getattr(r, field) is not None]
-            fig, rows = charts.pareto(points, "$ per hour", title,
+            fig, rows = charts.pareto(points, "$ per hour", title.format(unit=result.unit),
                                       result.target_rate if field == "capacity_rps" else None)
             event = st.plotly_chart(fig, on_select="rerun", selection_mode="points", key=f"search.front.{field}")
             picked = (event or {}).get("selection", {}).get("points", [])
@@ -83,8 +83,8 @@ def show(search, result) -> None:
 
 
 st.title("Search")
-st.caption("Each configuration's capacity: the highest rate at which it meets the SLOs; the cheapest that carries "
-           "the target wins. Click a point to open that configuration in What-if.")
+st.caption("Each configuration's capacity: the highest rate (a closed loop: the most users) at which it meets the "
+           "SLOs; the cheapest that carries the target wins. Click a point to open that configuration in What-if.")
 picked = spec_text()
 if picked is None:
     st.info("Upload a search spec (scenarios/search/*.yaml shows the format).")
@@ -106,7 +106,7 @@ c1, c2, c3 = st.columns(3)
 backend = c1.selectbox("Backend", list(BACKENDS), key="search.backend",
                        help="local: processes on this machine; ray: a local Ray cluster")
 workers = c2.number_input("Workers", 1, 256, min(count, os.cpu_count() or 1), key="search.workers")
-c3.metric("Configurations", f"{count:,}", f"target {search.target_rate:.3g} req/s", delta_color="off",
+c3.metric("Configurations", f"{count:,}", f"target {search.target_rate:.3g} {search.unit}", delta_color="off",
           delta_arrow="off")
 if st.button("Search", type="primary", key="search.run"):
     try:

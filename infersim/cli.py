@@ -314,18 +314,19 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
     if quiet:
         return
     keep = [0, 1, 4, 5, 6, 8, 9]  # search.md has every column; the terminal the ones that decide
-    t = Table(*(srch.HEADER[i] for i in keep[:-1]), Column(srch.HEADER[-1], overflow="fold"),
-              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} req/s ({result.probes} "
+    columns = srch.header(result.unit)
+    t = Table(*(columns[i] for i in keep[:-1]), Column(columns[-1], overflow="fold"),
+              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} {result.unit} ({result.probes} "
               f"probes, {result.wall_s:.1f} s)")
     for row in srch.table_rows(result)[:30]:
         t.add_row(*(row[i] for i in keep))
     console.print(t)
     best = result.recommended
     if best is None:
-        console.print(f"[bold red]no configuration carries {result.target_rate:.3g} req/s within the SLOs[/]")
+        console.print(f"[bold red]no configuration carries {result.target_rate:.3g} {result.unit} within the SLOs[/]")
     else:
         console.print(f"[bold]recommended:[/] {best.label}: ${best.usd_per_hour:.2f}/h, capacity "
-                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps:.3g} req/s (margin "
+                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps:.3g} {result.unit} (margin "
                       f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps / result.target_rate - 1:+.0%})")
     if out is not None:
         console.print(f"wrote {out}/search.json, search.md, pareto.png")

@@ -25,13 +25,23 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from sim.config.errors import ConfigError
+from sim.config.limits import MAX_REQUESTS
 from sim.config.plan import Plan, check_profile_device, make_plan
 from sim.config.profile import read_profile
 from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
-from sim.report.capacity import check_has_slo, check_scalable, grid_capacity, probe_rows, scaled, why_failed
+from sim.report.capacity import (
+    STEADY_ROUNDS,
+    check_has_slo,
+    check_scalable,
+    grid_capacity,
+    probe_rows,
+    scaled,
+    users_probe,
+    why_failed,
+)
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -45,10 +55,11 @@ NOT_SWEPT = {"workload": "every probe replays the base scenario's workload at th
 
 
 class SearchTarget(StrictModel):
-    """What the deployment must do: carry `rate` requests/s (default: the workload's mean rate) within the SLOs
-    (default: the scenario's slo)."""
+    """What the deployment must do: carry `rate` requests/s (default: the workload's mean rate), or serve `users`
+    (a closed loop's; default: its users), within the SLOs (default: the scenario's slo)."""
 
     rate: PositiveFloat | None = Field(None, le=1e6, description="requests/s the deployment must carry")
+    users: PositiveInt | None = Field(None, le=MAX_REQUESTS, description="users a closed loop's deployment must serve")
     slo: SLOConfig | None = Field(None, description="ttft_s, tpot_s, quantile; default: the scenario's slo")
 
 
@@ -85,9 +96,10 @@ class Search:
     base: dict
     base_dir: Path
     space: dict[str, list]
-    target_rate: float
+    target_rate: float  # in `unit`
     slo: SLOConfig
     settings: SearchSettings
+    unit: str = "req/s"  # what a capacity counts: requests/s, or a closed loop's "users"
 
 
 @dataclass
@@ -101,13 +113,13 @@ class ConfigResult:
     reason: str = ""  # pruned: why; else why it lost (empty for the recommended one)
     devices: int = 0
     usd_per_hour: float = 0.0
-    capacity_rps: float = 0.0  # 0: misses the SLOs even at the grid's lowest rate
+    capacity_rps: float = 0.0  # 0: misses the SLOs even at the grid's lowest rate (a closed loop: users)
     missed_at_rps: float | None = None  # the grid rate just above capacity (None: met at the grid's top)
     usd_per_million_tokens: float | None = None  # at capacity
     ttft_p90_s: float | None = None  # at the target rate (the SLO's quantile)
     tpot_p90_s: float | None = None
     meets_at_target: bool = False
-    probe_limited: bool = False  # conversations: the rate above capacity failed only as the probe was too short
+    probe_limited: bool = False  # the rate above capacity failed only as the probe was too short (conversations, users)
     probes: int = 0
     pareto: bool = False  # on the cost-vs-capacity front
     pareto_latency: bool = False  # on the cost-vs-TPOT front (at the target rate, among those that meet it)
@@ -123,9 +135,11 @@ class SearchResult:
     wall_s: float = 0.0
     probes: int = 0
     settings: dict = field(default_factory=dict)
+    unit: str = "req/s"  # of target_rate and each row's capacity_rps and missed_at_rps
 
     def to_json(self) -> dict:
-        return {"name": self.name, "target_rate": self.target_rate, "slo": self.slo, "settings": self.settings,
+        return {"name": self.name, "unit": self.unit, "target_rate": self.target_rate, "slo": self.slo,
+                "settings": self.settings,
                 "recommended": self.recommended.label if self.recommended else None,
                 "margin": self.recommended.capacity_rps / self.target_rate - 1 if self.recommended else None,
                 "configurations": len(self.rows), "probes": self.probes, "wall_s": self.wall_s,
@@ -198,10 +212,20 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
                 raise ConfigError(f"{_short_value(v)} is the configuration of value [{seen[same]}] again; allowed: "
                                   "each value once", f"space.{key}[{i}]")
             seen.setdefault(same, i)
-    rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
+    loop = scenario.workload.closed_loop
+    if loop is not None:  # its load is its users: the capacity is the most users it serves within the SLOs
+        if spec.target.rate is not None:
+            raise ConfigError("a closed loop's target is users, not a rate: give target.users (default: "
+                              "workload.closed_loop.users)", "target.rate")
+        rate, unit = float(spec.target.users or loop.users), "users"
+    else:
+        if spec.target.users is not None:
+            raise ConfigError("target.users is a closed loop's (scenario workload.closed_loop); give target.rate",
+                              "target.users")
+        rate, unit = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests)), "req/s"
     slo = spec.target.slo or scenario.slo
     check_has_slo(slo, "target.slo")
-    return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search)
+    return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search, unit)
 
 
 def load_search_spec(path: str | Path) -> Search:
@@ -368,12 +392,15 @@ class Probe:
     specs: tuple  # (arrival_s, prompt_len, output_len) of the probe requests, at the workload's own rate
     target_rate: float
     settings: dict
+    unit: str = "req/s"  # "users": a closed loop, its probes made per user count (users_probe), `specs` unused
 
 
-def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> tuple[bool, dict | None, str]:
+def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, users: int | None = None
+              ) -> tuple[bool, dict | None, str]:
     """Simulate `specs` on `plan`: (whether the SLOs hold, counting rejected requests as misses; the report's
-    metrics when the run went to its end; what failed it, as sim.report.capacity.why_failed). With `early_stop` the
-    run stops once more requests have missed a target than its quantile allows: the SLO cannot hold any more."""
+    metrics when the run went to its end; what failed it, as sim.report.capacity.why_failed, `users` for a closed
+    loop's). With `early_stop` the run stops once more requests have missed a target than its quantile allows: the
+    SLO cannot hold any more."""
     from sim.report.metrics import compute_metrics
     from sim.simulator.cluster import sim_records, simulate
 
@@ -398,7 +425,7 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True) -> 
         return False, None, "slo"
     records = sim_records(result)
     metrics = compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
-    why = why_failed(metrics, records, specs)
+    why = why_failed(metrics, records, specs, users)
     return not why, metrics, why
 
 
@@ -424,19 +451,32 @@ def search_one(probe: Probe) -> ConfigResult:
         return row
     settings = SearchSettings(**probe.settings)
     runs: dict[float, tuple[bool, dict | None]] = {}
+    by_users: dict[int, tuple[bool, dict | None, str]] = {}
+    users = probe.unit == "users"
 
     def meets(rate: float) -> bool:
-        runs[rate] = run_probe(plan, scaled(probe.specs, rate))
+        if users:  # grid points round to whole users; each count is run once
+            n = max(1, round(rate))
+            if n not in by_users:
+                by_users[n] = run_probe(plan, users_probe(plan.workload, plan.base_dir, n, settings.max_requests),
+                                        users=n)
+            runs[rate] = by_users[n]
+        else:
+            runs[rate] = run_probe(plan, scaled(probe.specs, rate))
         return runs[rate][0]
 
-    found = grid_capacity(meets, probe.target_rate, settings.precision, settings.min_rate, settings.max_rate)
+    lowest = max(settings.min_rate, 1.0) if users else settings.min_rate
+    found = grid_capacity(meets, probe.target_rate, settings.precision, lowest, settings.max_rate)
     at_target = runs.get(probe.target_rate)
     row.meets_at_target = at_target is not None and at_target[0]
     if row.meets_at_target:  # a probe that meets the SLOs ran to its end: its quantiles are the run's
         q = at_target[1]["slo"]
         row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
-    row.probes = len(runs)
+    row.probes = len(by_users) if users else len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
+    if users:
+        row.capacity_rps = float(max(1, round(found.rate))) if found.rate else 0.0
+        row.missed_at_rps = float(max(1, round(found.missed_at))) if found.missed_at is not None else None
     row.probe_limited = found.missed_at is not None and runs[found.missed_at][2] == "unsteady"
     if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
         tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]
@@ -447,9 +487,10 @@ def search_one(probe: Probe) -> ConfigResult:
 # -- the whole search ---------------------------------------------------------------------------------------------
 def probes_of(search: Search) -> list[Probe]:
     scenario = parse_scenario(search.base)
-    specs = probe_rows(_probe_specs(scenario, search.base_dir, search.settings.max_requests))
+    specs = () if search.unit == "users" else \
+        probe_rows(_probe_specs(scenario, search.base_dir, search.settings.max_requests))
     return [Probe(label, overrides, data, str(search.base_dir), specs, search.target_rate,
-                  search.settings.model_dump())
+                  search.settings.model_dump(), search.unit)
             for label, overrides, data in configurations(search)]
 
 
@@ -501,23 +542,25 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
                                    for o in meeting)
     able = [r for r in ok if r.capacity_rps >= search.target_rate]
     best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, r.label)) if able else None
-    target = search.target_rate
+    target, unit = search.target_rate, search.unit
+    lowest = max(search.settings.min_rate, 1.0) if unit == "users" else search.settings.min_rate
     for r in ok:
         if r is best:
             continue
         if r.capacity_rps < target:
             at = f"{r.missed_at_rps:.3g}" if r.missed_at_rps is not None else "the grid's top"
-            r.reason = (f"SLO missed at {at} req/s: capacity {r.capacity_rps:.3g} < target {target:.3g}"
-                        if r.capacity_rps else f"SLO missed even at {search.settings.min_rate:g} req/s")
+            r.reason = (f"SLO missed at {at} {unit}: capacity {r.capacity_rps:.3g} < target {target:.3g}"
+                        if r.capacity_rps else f"SLO missed even at {lowest:g} {unit}")
             if r.probe_limited:
-                r.reason = (f"capacity {r.capacity_rps:.3g} req/s or more: at {at} its {search.settings.max_requests} "
-                            "probe requests start their conversations too close together to show a sustained rate "
-                            "(raise search.max_requests)")
+                why = (f"are fewer than {STEADY_ROUNDS} per user, too few to show a sustained load" if unit == "users"
+                       else "start their conversations too close together to show a sustained rate")
+                r.reason = (f"capacity {r.capacity_rps:.3g} {unit} or more: at {at} its {search.settings.max_requests} "
+                            f"probe requests {why} (raise search.max_requests)")
         else:
             r.reason = f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more" \
                 if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
     return SearchResult(search.name, target, search.slo.model_dump(mode="json"), rows, best,
-                        probes=sum(r.probes for r in rows), settings=search.settings.model_dump())
+                        probes=sum(r.probes for r in rows), settings=search.settings.model_dump(), unit=unit)
 
 
 # -- output -------------------------------------------------------------------------------------------------------
@@ -542,11 +585,16 @@ HEADER = ["", "configuration", "status", "devices", "$/h", "capacity req/s", "$/
           "TPOT q ms (target)", "why not / note"]
 
 
+def header(unit: str) -> list[str]:
+    """The table's columns, the capacity in `unit` (req/s, or a closed loop's users)."""
+    return [f"capacity {unit}" if h == "capacity req/s" else h for h in HEADER]
+
+
 def write_outputs(out: Path, result: SearchResult) -> None:
     """search.json, search.md (the table) and pareto.png in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "search.json").write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines = ["| " + " | ".join(header(result.unit)) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in table_rows(result)]
     (out / "search.md").write_text("\n".join(lines) + "\n")
     write_pareto_png(out / "pareto.png", result)
@@ -560,9 +608,10 @@ def write_pareto_png(path: Path, result: SearchResult) -> None:
 
     ok = [r for r in result.rows if r.status == "ok"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, ys, ylabel, front in ((a, [r.capacity_rps for r in ok], "capacity (req/s within the SLOs)", "pareto"),
+    for ax, ys, ylabel, front in ((a, [r.capacity_rps for r in ok], f"capacity ({result.unit} within the SLOs)",
+                                   "pareto"),
                                   (b, [(r.tpot_p90_s or np.nan) * 1e3 for r in ok], "TPOT at the SLO quantile (ms, "
-                                   "target rate)", "pareto_latency")):
+                                   "at the target)", "pareto_latency")):
         xs = [r.usd_per_hour for r in ok]
         ax.scatter(xs, ys, s=14, c="#bbbbbb", label="configuration")
         pts = sorted((x, y) for r, x, y in zip(ok, xs, ys) if getattr(r, front))
@@ -575,7 +624,7 @@ def write_pareto_png(path: Path, result: SearchResult) -> None:
         ax.set_xlabel("$ per hour")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    a.axhline(result.target_rate, ls="--", c="#2ca02c", lw=1, label=f"target {result.target_rate:.3g} req/s")
+    a.axhline(result.target_rate, ls="--", c="#2ca02c", lw=1, label=f"target {result.target_rate:.3g} {result.unit}")
     a.legend(fontsize=7)
     fig.suptitle(f"{result.name}: {len(result.rows)} configurations", fontsize=10)
     fig.tight_layout()

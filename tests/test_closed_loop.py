@@ -114,19 +114,68 @@ def test_what_a_closed_loop_cannot_go_with_is_one_line(change, words):
     assert words in f"{e.value.key_path}: {e.value.message}" and "\n" not in e.value.message
 
 
-def test_a_capacity_search_refuses_a_closed_loop_with_its_key(tmp_path):
+def loop_spec(**over) -> dict:
+    base = users(16, think=1.0, num_requests=400)
+    base["slo"] = {"ttft_s": 0.5, "tpot_s": 0.04, "quantile": 0.9}
+    return {"name": "u", "scenario": base, "target": {"users": 40}, "space": {"replicas": [1, 2]},
+            "search": {"max_requests": 400, "precision": 0.1}, **over}
+
+
+def test_a_closed_loop_s_capacity_is_the_most_users_within_the_slos(tmp_path):
+    """The search counts users on a closed loop: a whole number of them, the probe at capacity passes and the one
+    just above fails, two replicas hold about twice the users, and a probe with too few requests per user shows its
+    capacity as a lower bound."""
+    from infersim.search import parse_search_spec, probes_of, run_probe, run_search
+    from sim.config.plan import make_plan
+    from sim.report.capacity import STEADY_ROUNDS, users_probe
+
+    search = parse_search_spec(loop_spec())
+    assert search.unit == "users" and search.target_rate == 40
+    result = run_search(search, workers=1)
+    one, two = result.rows
+    assert result.unit == "users" and result.to_json()["unit"] == "users"
+    assert one.capacity_rps == int(one.capacity_rps) and one.missed_at_rps == int(one.missed_at_rps)
+    assert 1.6 * one.capacity_rps <= two.capacity_rps <= 2.5 * one.capacity_rps
+    plan = make_plan(parse_scenario(probes_of(search)[0].data))
+    probe = lambda n: users_probe(plan.workload, plan.base_dir, n, 400)  # noqa: E731
+    assert run_probe(plan, probe(int(one.capacity_rps)), users=int(one.capacity_rps))[0]
+    assert not run_probe(plan, probe(int(one.missed_at_rps)), users=int(one.missed_at_rps))[0]
+    same = [(s.prompt_len, s.output_len) for s in probe(3)]  # every count of users sees the same requests
+    assert sorted(same) == sorted((s.prompt_len, s.output_len) for s in probe(30)) and len(same) == 400
+    short = run_search(parse_search_spec(loop_spec(search={"max_requests": 60, "precision": 0.1})), workers=1)
+    limited = short.rows[1]
+    assert limited.probe_limited and limited.capacity_rps <= 60 / STEADY_ROUNDS
+    assert "too few to show a sustained load" in limited.reason and short.recommended is None
+
+
+@pytest.mark.parametrize("target, where", [({"rate": 3.0}, "target.rate"), ({"users": 0}, "target.users")])
+def test_a_closed_loop_s_search_target_is_users(target, where):
+    from infersim.search import parse_search_spec
+
     with pytest.raises(ConfigError) as e:
-        check_scalable(generate_requests(parse_scenario(users(4)).workload), "scenario.workload")
-    assert e.value.key_path == "scenario.workload.closed_loop" and "arrival process" in e.value.message
+        parse_search_spec(loop_spec(target=target))
+    assert e.value.key_path == where
+    with pytest.raises(ConfigError) as e:  # and users are a closed loop's only
+        parse_search_spec({**loop_spec(target={"users": 5}), "scenario": scenario()})
+    assert e.value.key_path == "target.users"
+
+
+def test_validate_capacity_refuses_a_closed_loop_with_its_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        check_scalable(generate_requests(parse_scenario(users(4)).workload), "workload")
+    assert e.value.key_path == "workload.closed_loop" and "arrival process" in e.value.message
+
+
+def test_cli_search_of_users_writes_users(tmp_path):
     from typer.testing import CliRunner
 
     from infersim.cli import app
 
-    (tmp_path / "loop.yaml").write_text(yaml.safe_dump({**users(4), "slo": {"ttft_s": 1.0}}))
-    spec = tmp_path / "search.yaml"
-    spec.write_text(yaml.safe_dump({"scenario": "loop.yaml", "space": {"replicas": [1, 2]}}))
-    r = CliRunner().invoke(app, ["search", str(spec), "--out", str(tmp_path / "out")])
-    assert r.exit_code == 2 and "closed_loop" in r.output and "Traceback" not in r.output
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(loop_spec(space={"replicas": [1]})))
+    r = CliRunner().invoke(app, ["search", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "target 40 users" in r.output and "users (margin" in r.output
+    assert "capacity users" in (tmp_path / "out" / "search.md").read_text()
 
 
 @pytest.fixture(scope="module")

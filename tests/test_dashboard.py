@@ -319,6 +319,20 @@ def test_search_runs_and_opens_a_configuration_in_whatif():
     assert simulate(at)["Completed"] == "100"
 
 
+def test_search_of_a_closed_loop_counts_users():
+    spec = TINY_SEARCH.replace("    arrival: {process: poisson, rate: 2}\n", "").replace(
+        "    num_requests: 100\n", "    num_requests: 100\n    closed_loop: {users: 8, think_time_s: 1}\n").replace(
+        "target: {rate: 2}", "target: {users: 8}")
+    at = open_page("search_page.py")
+    at.file_uploader(key="search.upload").set_value(("users.yaml", spec.encode(), "application/x-yaml")).run()
+    at.number_input(key="search.workers").set_value(1)
+    at.button(key="search.run").click().run()
+    assert_clean(at)
+    assert not errors(at)
+    assert "users (target 8)" in at.success[0].value
+    assert "capacity users" in at.dataframe[0].value.columns
+
+
 def test_search_spec_errors_are_messages():
     at = open_page("search_page.py")
     at.file_uploader(key="search.upload").set_value(("tiny.yaml", TINY_SEARCH.encode(), "application/x-yaml")).run()

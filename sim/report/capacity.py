@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sim.config.errors import ConfigError
-from sim.config.workload import RequestSpec
+from sim.config.workload import RequestSpec, generate_requests
 
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
 STEADY_SPANS = 2.0  # conversations: the first turns' span over their mean lifetime a passing run needs
+STEADY_ROUNDS = 4  # a closed loop: requests per user a passing run needs (else its first wave is most of it)
 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
@@ -56,14 +57,27 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
     passes)."""
     if any(s.after >= 0 and s.conversation < 0 for s in specs):
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
-                          "measures, not one to scale; allowed: an arrival process or a trace (with or without "
-                          "conversations)", f"{key_path}.closed_loop")
+                          "measures, not one to scale (`infersim search` finds its capacity in users); allowed: an "
+                          "arrival process or a trace (with or without conversations)", f"{key_path}.closed_loop")
     arrivals = [s.arrival_s for s in specs if s.after < 0]
     if len(arrivals) < 2:
         raise ConfigError("the workload has fewer than 2 requests: no rate to search", key_path)
     if arrivals[-1] - arrivals[0] <= 0:
         raise ConfigError(f"all {len(arrivals)} requests arrive at one instant: no rate to scale them to; allowed: "
                           "arrivals spread over time (an arrival process, or a trace of distinct times)", key_path)
+
+
+def users_probe(workload, base_dir, users: int, max_requests: int) -> list[RequestSpec]:
+    """A closed loop's probe at `users` users: the workload's first `max_requests` requests (its own draws, capped;
+    a trace's first rows) dealt to that many users, so every count of users sees the same requests and think
+    times."""
+    loop = workload.closed_loop.model_copy(update={"users": users})
+    if workload.trace is not None:
+        cap = min(workload.trace.max_requests or max_requests, max_requests)
+        update = {"trace": workload.trace.model_copy(update={"max_requests": cap})}
+    else:
+        update = {"num_requests": min(workload.num_requests, max_requests)}
+    return generate_requests(workload.model_copy(update={**update, "closed_loop": loop}), base_dir)
 
 
 def check_has_slo(slo, key_path: str = "slo") -> None:
@@ -85,10 +99,13 @@ def passes(metrics: dict, records, specs: list[RequestSpec]) -> bool:
     return not why_failed(metrics, records, specs)
 
 
-def why_failed(metrics: dict, records, specs: list[RequestSpec]) -> str:
-    """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations: the probe too short), or ""."""
+def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> str:
+    """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations, or a closed loop of `users`: the
+    probe too short), or ""."""
     if not metrics["slo"]["met_counting_rejected"]:
         return "slo"
+    if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
+        return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
     if metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate(records.arrival_s):
         return "keep_up"
     return "" if steady(records, specs) else "unsteady"
