@@ -3,37 +3,80 @@ a scenario meets its SLOs — measured on the executor by a rate search of real 
 simulator with the same definition and the same rate grid (sim/report/capacity.py, as `infersim search` finds it).
 
 Each probe serves the scenario's requests with their arrival gaps scaled to the probe's rate, so every rate sees the
-same prompts, outputs and burst pattern. With `--profile-alongside` a slice of the profile sweep runs before each
+same prompts, outputs and burst pattern; a closed loop's capacity is counted in users instead, each probe dealing the
+same requests and think times to that many users (sim.report.capacity.users_probe). With `--profile-alongside` a slice of the profile sweep runs before each
 probe, so the profile predicting the capacity saw the machine in the same minutes. The prediction is reported raw
 and at the probes' own step speed (the profile scaled by their measured over predicted step time)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from calibration.validate import print_stage, run_real, simulated, slo_metrics, step_time_ratio, with_profile
 from sim.config.plan import Plan
-from sim.config.workload import generate_requests
+from sim.config.workload import RequestSpec, generate_requests
 from sim.cost.build import make_cost_model
-from sim.report.capacity import grid_capacity, offered_rate, passes, probe_rows, scaled
+from sim.report.capacity import Capacity, grid_capacity, offered_rate, probe_rows, scaled, users_probe, why_failed
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
 
 
-def predicted_capacity(plan: Plan, profile: Path, base: tuple, target: float, precision: float,
-                       scale: float = 1.0) -> tuple:
-    """The simulator's capacity on the grid: (Capacity, {rate: (metrics, verdict)})."""
+@dataclass
+class Grid:
+    """What a capacity counts and how a probe at a grid point is made: requests/s scaling the workload's arrival gaps,
+    or (a closed loop) users, the grid's points rounded to whole users."""
+
+    probe: Callable[[float], list[RequestSpec]]
+    target: float
+    unit: str  # "req/s" or "users"
+
+    def point(self, x: float) -> float:
+        """The grid point `x` as it is run: itself, or a whole number of users."""
+        return float(max(1, round(x))) if self.unit == "users" else x
+
+    def passes(self, metrics: dict, records, specs: list[RequestSpec], x: float) -> bool:
+        return not why_failed(metrics, records, specs, int(self.point(x)) if self.unit == "users" else None)
+
+    def search(self, meets: Callable[[float], bool], precision: float) -> Capacity:
+        """grid_capacity over `meets(point)`, each point run once, the result in points."""
+        memo: dict[float, bool] = {}
+
+        def once(x: float) -> bool:
+            if self.point(x) not in memo:
+                memo[self.point(x)] = meets(self.point(x))
+            return memo[self.point(x)]
+
+        found = grid_capacity(once, self.target, precision, min_rate=1.0 if self.unit == "users" else 0.01)
+        return Capacity(self.point(found.rate) if found.rate else 0.0,
+                        None if found.missed_at is None else self.point(found.missed_at),
+                        [(self.point(x), ok) for x, ok in found.tried])
+
+
+def probe_grid(plan: Plan, specs: list[RequestSpec]) -> Grid:
+    """The grid a scenario's capacity is searched on, from its requests (`specs`, the workload's)."""
+    loop = plan.workload.closed_loop
+    if loop is not None:
+        return Grid(lambda x: users_probe(plan.workload, plan.base_dir, int(x), len(specs)), float(loop.users),
+                    "users")
+    base = probe_rows(specs)
+    return Grid(lambda x: scaled(base, x), offered_rate([s.arrival_s for s in specs]), "req/s")
+
+
+def predicted_capacity(plan: Plan, profile: Path, grid: Grid, precision: float, scale: float = 1.0) -> tuple:
+    """The simulator's capacity on the grid: (Capacity, {point: (metrics, verdict)})."""
     runs: dict[float, tuple] = {}
 
-    def meets(rate: float) -> bool:
-        specs = scaled(base, rate)
+    def meets(x: float) -> bool:
+        specs = grid.probe(x)
         _, records, m = simulated(plan, profile, scale, specs)
-        runs[rate] = m, passes(m, records, specs)
-        return runs[rate][1]
+        runs[x] = m, grid.passes(m, records, specs, x)
+        return runs[x][1]
 
-    return grid_capacity(meets, target, precision), runs
+    return grid.search(meets, precision), runs
 
 
 def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: int | None, loaded,
@@ -42,43 +85,42 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
     """Measure the capacity on the executor and predict it; returns capacity.json's content (written under `out`
     with each probe's traces). `sweep`: an alongside profile sweep to advance between probes; `write_sweep()` then
     finishes it, writes it and returns its path, which predicts instead of `profile`."""
-    specs = generate_requests(plan.workload, plan.base_dir)
-    base = probe_rows(specs)
-    target = offered_rate([s.arrival_s for s in specs])
+    grid = probe_grid(plan, generate_requests(plan.workload, plan.base_dir))
     probes: list[dict] = []
     steps_of: dict[float, list] = {}
 
     def real_meets(rate: float) -> bool:
         if sweep is not None:
             sweep.run_until(min(len(probes) + 1, EXPECTED_PROBES) / (EXPECTED_PROBES + 1))
-        probe = scaled(base, rate)
-        stage(f"{plan.name}: executor probe {len(probes) + 1} at {rate:.3g} requests/s")
+        probe = grid.probe(rate)
+        stage(f"{plan.name}: executor probe {len(probes) + 1} at {rate:.3g} {grid.unit}")
         folder = None if out is None else out / f"probe{len(probes) + 1}"
         records, steps = run_real(plan, probe, device, threads, loaded, folder)
         m = slo_metrics(plan, records)
-        ok = passes(m, records, probe)
+        ok = grid.passes(m, records, probe, rate)
         steps_of[rate] = steps
         probes.append({"rate": rate, "passes": ok, **_summary(m)})
         return ok
 
-    real = grid_capacity(real_meets, target, precision)
+    real = grid.search(real_meets, precision)
     if write_sweep is not None:
         profile = write_sweep()
-    sim, sim_runs = predicted_capacity(plan, profile, base, target, precision)
+    sim, sim_runs = predicted_capacity(plan, profile, grid, precision)
     cost = make_cost_model(with_profile(plan, profile))
     verify = plan.speculative.verify_cost_ratio if plan.speculative is not None else 1.0
     ratios = [step_time_ratio(steps, cost, verify)["all"] for steps in steps_of.values()]  # as the sim charges
     ratios = [r for r in ratios if r]
     speed = float(np.mean(ratios)) if ratios else None
-    at_speed = predicted_capacity(plan, profile, base, target, precision, speed)[0] if speed else None
+    at_speed = predicted_capacity(plan, profile, grid, precision, speed)[0] if speed else None
     for p in probes:  # the simulator's verdict at each rate the executor was probed at
         if p["rate"] not in sim_runs:
-            specs = scaled(base, p["rate"])
+            specs = grid.probe(p["rate"])
             _, records, m = simulated(plan, profile, 1.0, specs)
-            sim_runs[p["rate"]] = m, passes(m, records, specs)
+            sim_runs[p["rate"]] = m, grid.passes(m, records, specs, p["rate"])
         m, p["sim_passes"] = sim_runs[p["rate"]]
         p["sim"] = _summary(m)
-    result = {"scenario": plan.name, "device": device, "profile": str(profile), "target_rate": target,
+    result = {"scenario": plan.name, "device": device, "profile": str(profile), "unit": grid.unit,
+              "target_rate": grid.target,
               "precision": precision, "slo": plan.slo.model_dump(),
               "measured": {"capacity_rps": real.rate, "missed_at_rps": real.missed_at},
               "predicted": {"capacity_rps": sim.rate, "missed_at_rps": sim.missed_at},

@@ -329,8 +329,8 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
 def validate_capacity(scenarios: list[Path], out: Path | None = None, device: str = "cpu",
                       profile: Path | None = None, threads: int | None = None, alongside: Path | None = None,
                       precision: float = 0.05, requests: int | None = None) -> tuple[list[dict], Path]:
-    """Each scenario's capacity (the highest rate meeting its SLOs) measured on the executor by a rate search of
-    real serves and predicted by the simulator on the same grid: (each scenario's capacity.json content, the
+    """Each scenario's capacity (the highest rate meeting its SLOs; a closed loop's: the most users) measured on the
+    executor by a search of real serves and predicted by the simulator on the same grid: (each scenario's capacity.json content, the
     profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it.
     `requests`: the probes' workload has this many requests (the scenario's distributions and seed)."""
     from calibration.capacity import validate_capacity as measure
@@ -347,7 +347,8 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     for path, plan in plans:
         try:
             check_has_slo(plan.slo)
-            check_scalable(generate_requests(plan.workload, plan.base_dir))
+            if plan.workload.closed_loop is None:  # a closed loop's capacity is in users: nothing to scale
+                check_scalable(generate_requests(plan.workload, plan.base_dir))
         except ConfigError as e:
             raise e.with_file(str(path)) from None
     prepare_out(out)

@@ -180,9 +180,9 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "write it here and predict with it: profile and runs then "
                                                       "see the machine in the same minutes"),
              capacity: bool = typer.Option(False, "--capacity", help="validate capacity instead: the highest "
-                                           "arrival rate meeting the SLOs, found by a rate search of real serves "
-                                           "(the scenario's requests, their gaps scaled) and predicted on the same "
-                                           "grid; writes capacity.json"),
+                                           "arrival rate meeting the SLOs (a closed loop: the most users), found by "
+                                           "a search of real serves (the scenario's requests, their gaps scaled) "
+                                           "and predicted on the same grid; writes capacity.json"),
              precision: float = typer.Option(0.05, "--precision", min=0.01, max=1.0, help="--capacity: the rate "
                                              "grid's step (capacity is found within it)"),
              requests: Optional[int] = typer.Option(None, "--requests", min=2, help="--capacity: probe with this "
@@ -251,7 +251,9 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
 
 
 def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
-    t = Table("scenario", "measured req/s", "missed at", "predicted", "error %", "at run speed", "error %", "probes")
+    units = sorted({r.get("unit", "req/s") for r in results})
+    t = Table("scenario", f"measured {' / '.join(units)}", "missed at", "predicted", "error %", "at run speed", "error %",
+              "probes")
     for r in results:
         m, p, s = r["measured"], r["predicted"], r["predicted_at_run_speed"] or {}
         t.add_row(r["scenario"], _num(m["capacity_rps"]), _num(m["missed_at_rps"]), _num(p["capacity_rps"]),
@@ -259,7 +261,7 @@ def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
                   " ".join(f"{q['rate']:.3g}{'+' if q['passes'] else '-'}{'' if q['sim_passes'] == q['passes'] else '!'}"
                            for q in r["probes"]))
     Console().print(f"capacity on {device} (grid step {results[0]['precision']:.0%}) vs simulated with {prof}; "
-                    "probes: rate, + met the SLOs / - missed, ! where the simulator said otherwise")
+                    "probes: rate (a closed loop: users), + met the SLOs / - missed, ! where the simulator said otherwise")
     Console().print(t)
 
 

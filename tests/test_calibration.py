@@ -309,13 +309,13 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
         tmp_path, checkpoint, profile):
     """`validate --capacity` end to end on the tiny model, and the check that keeps its bisection honest: the
     simulator's capacity sits between a rate the executor meets the SLOs at and one it misses them at."""
-    from calibration.capacity import predicted_capacity
+    from calibration.capacity import predicted_capacity, probe_grid
     from calibration.validate import run_real, slo_metrics
     from executor.cpu_load import CpuLoad
     from executor.serve import load_model
     from sim.config.plan import load_scenario
     from sim.config.workload import generate_requests
-    from sim.report.capacity import offered_rate, passes, probe_rows, scaled
+    from sim.report.capacity import passes, probe_rows, scaled
 
     path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},
                                workload={"num_requests": 40})
@@ -331,7 +331,7 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     plan = load_scenario(path)[1]
     specs = generate_requests(plan.workload, plan.base_dir)
     base = probe_rows(specs)
-    sim, _ = predicted_capacity(plan, profile, base, offered_rate([s.arrival_s for s in specs]), 0.1)
+    sim, _ = predicted_capacity(plan, profile, probe_grid(plan, specs), 0.1)
     assert sim.rate > 0 and sim.missed_at is not None
     loaded = load_model(plan, "cpu")
     load = CpuLoad()
@@ -344,6 +344,28 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     if load.busy:  # another process's timings: nothing to judge the executor's rate by
         pytest.skip(f"other processes used {load.mean_others:.1f} cores while the executor served")
     assert verdicts == [True, False], (sim.rate, sim.missed_at)
+
+
+def test_a_closed_loop_s_capacity_is_measured_in_users(tmp_path, checkpoint, profile):
+    """`validate --capacity` on a closed loop counts users: whole numbers, the same unit on both sides, each user
+    count probed once."""
+    import yaml
+
+    path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},
+                               workload={"num_requests": 48, "closed_loop": {"users": 4, "think_time_s": 0.01}})
+    data = yaml.safe_load(path.read_text())
+    data["workload"].pop("arrival")
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "cap"
+    r = CliRunner().invoke(app, ["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    cap = json.loads((out / "capacity.json").read_text())
+    assert cap["unit"] == "users" and cap["target_rate"] == 4 and "probe 1 at 4 users" in r.output
+    tried = [p["rate"] for p in cap["probes"]]
+    assert all(u == int(u) and u >= 1 for u in tried) and len(set(tried)) == len(tried)
+    for side in ("measured", "predicted"):
+        assert cap[side]["capacity_rps"] == int(cap[side]["capacity_rps"]) >= 1
 
 
 # -- calibration/gpu_check: the GPU command's scenarios and its CPU dry run -----------------------------------------

@@ -160,7 +160,7 @@ def test_a_closed_loop_s_search_target_is_users(target, where):
     assert e.value.key_path == "target.users"
 
 
-def test_validate_capacity_refuses_a_closed_loop_with_its_key(tmp_path):
+def test_scaling_a_closed_loop_s_rate_is_refused_with_its_key():
     with pytest.raises(ConfigError) as e:
         check_scalable(generate_requests(parse_scenario(users(4)).workload), "workload")
     assert e.value.key_path == "workload.closed_loop" and "arrival process" in e.value.message

@@ -57,7 +57,7 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
     passes)."""
     if any(s.after >= 0 and s.conversation < 0 for s in specs):
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
-                          "measures, not one to scale (`infersim search` finds its capacity in users); allowed: an "
+                          "measures, not one to scale (a capacity search counts it in users); allowed: an "
                           "arrival process or a trace (with or without conversations)", f"{key_path}.closed_loop")
     arrivals = [s.arrival_s for s in specs if s.after < 0]
     if len(arrivals) < 2:
