@@ -46,15 +46,16 @@ def parse_capacity(text: bytes, name: str) -> dict:
 
 
 def capacity_table(runs: list[tuple[str, dict]]) -> pd.DataFrame:
-    """One row per capacity validation: measured (and the rate it missed at), predicted raw and at run speed."""
+    """One row per capacity validation: measured (and the rate it missed at), predicted raw and at run speed, in its
+    unit (requests/s, or a closed loop's users)."""
     rows = []
     for label, d in runs:
         at_speed = d.get("predicted_at_run_speed") or {}
         probes = d.get("probes") or []
-        rows.append({"file": label, "scenario": d.get("scenario"), "measured req/s": d["measured"]["capacity_rps"],
-                     "missed at req/s": d["measured"].get("missed_at_rps"),
-                     "predicted req/s": d["predicted"]["capacity_rps"], "error %": d.get("error_pct"),
-                     "at run speed req/s": at_speed.get("capacity_rps"),
+        rows.append({"file": label, "scenario": d.get("scenario"), "unit": d.get("unit", "req/s"),
+                     "measured": d["measured"]["capacity_rps"], "missed at": d["measured"].get("missed_at_rps"),
+                     "predicted": d["predicted"]["capacity_rps"], "error %": d.get("error_pct"),
+                     "at run speed": at_speed.get("capacity_rps"),
                      "error % at run speed": d.get("error_at_run_speed_pct"), "probes": len(probes),
                      "verdicts agreeing": sum(p.get("passes") == p.get("sim_passes") for p in probes)})
     return pd.DataFrame(rows).set_index("file")
@@ -187,8 +188,7 @@ for label in chosen:
         st.error(e.one_line() if isinstance(e, ConfigError) else f"{label}: cannot read it ({e.strerror})")
 if capacities:
     st.dataframe(capacity_table(capacities).style.format("{:.4g}", na_rep="-", subset=pd.IndexSlice[:, [
-        "measured req/s", "missed at req/s", "predicted req/s", "error %", "at run speed req/s",
-        "error % at run speed"]]))
+        "measured", "missed at", "predicted", "error %", "at run speed", "error % at run speed"]]))
 else:
     st.caption("No capacity.json under runs/ or docs/runs/ yet.")
 
