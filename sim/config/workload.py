@@ -288,8 +288,8 @@ class WorkloadConfig(StrictModel):
             return self
         missing = [k for k in ("arrival", "prompt_len", "output_len") if k in synthetic and synthetic[k] is None]
         if missing:
-            raise ValueError(f"missing {missing}: give either 'trace', or 'arrival', 'prompt_len', "
-                             "'output_len' and one of 'num_requests' / 'duration_s'")
+            raise ValueError(f"missing {missing}: give either 'trace', or 'arrival' (or 'closed_loop': users), "
+                             "'prompt_len', 'output_len' and one of 'num_requests' / 'duration_s'")
         if (self.num_requests is None) == (self.duration_s is None):
             raise ValueError("give exactly one of 'num_requests' or 'duration_s'")
         expected = self.num_requests or self.arrival.rate * self.duration_s  # a closed loop: num_requests
