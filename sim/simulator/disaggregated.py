@@ -81,7 +81,8 @@ class KVTransfers:
 
     def summary(self) -> dict:
         """The report's kv_transfer section."""
-        secs, waits = np.frombuffer(self.seconds, float), np.frombuffer(self.waits, float)
+        # sorted: the same transfers in another event order (bulk runs or step by step) give the same bits
+        secs, waits = np.sort(np.frombuffer(self.seconds, float)), np.sort(np.frombuffer(self.waits, float))
         stats = lambda a: {"mean": float(a.mean()), "p50": float(np.quantile(a, 0.5)),  # noqa: E731
                            "p99": float(np.quantile(a, 0.99))} if len(a) else {"mean": 0.0, "p50": 0.0, "p99": 0.0}
         return {"transfers": len(secs), "bytes": self.tokens * self.pools.prefill.model.kv_bytes_per_token,
