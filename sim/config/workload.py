@@ -671,12 +671,19 @@ def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[
     waited = waited.reshape(-1)[:n]  # each user's think times so far
     _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
                 f"{loop.think_time_s:g} s on average arrive")
-    order = np.argsort(waited, kind="stable")
-    new_id = np.empty(n, np.int64)
-    new_id[order] = np.arange(n)
-    after = np.where(np.arange(n) >= users, new_id[np.maximum(np.arange(n) - users, 0)], -1)
+    order, after = _arrival_order(waited, np.arange(n) - users)
     return [replace(specs[k], id=i, arrival_s=float(waited[k]), after=int(after[k]),
                     think_s=float(think[k]) if after[k] >= 0 else 0.0) for i, k in enumerate(order.tolist())]
+
+
+def _arrival_order(arrival: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Requests that follow others, put in order of their earliest arrival (stable: one after the request it follows):
+    (the order, and per request in its old position the new id of the request it follows, -1: none), from `before`,
+    the old position each follows (negative: none)."""
+    order = np.argsort(arrival, kind="stable")
+    new_id = np.empty(len(arrival), np.int64)
+    new_id[order] = np.arange(len(arrival))
+    return order, np.where(before >= 0, new_id[np.maximum(before, 0)], -1)
 
 
 def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces
@@ -711,10 +718,7 @@ def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more
     arrival = np.array([s.arrival_s for s in first])[owner] + (waited - waited[start][owner])
     _check_span(arrival, f"{key}.think_time_s", f"{total:,} turns with think times of {conv.think_time_s:g} s "
                 "on average arrive")
-    order = np.argsort(arrival, kind="stable")
-    new_id = np.empty(total, np.int64)
-    new_id[order] = np.arange(total)
-    after = np.where(later, new_id[np.maximum(np.arange(total) - 1, 0)], -1)
+    order, after = _arrival_order(arrival, np.where(later, np.arange(total) - 1, -1))
     rows = zip(arrival[order].tolist(), prompt[order].tolist(), output[order].tolist(), owner[order].tolist(),
                after[order].tolist(), think[order].tolist())
     return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th)
