@@ -10,8 +10,6 @@ and at the probes' own step speed (the profile scaled by their measured over pre
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,48 +18,16 @@ from calibration.validate import print_stage, run_real, simulated, slo_metrics, 
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.cost.build import make_cost_model
-from sim.report.capacity import Capacity, grid_capacity, offered_rate, probe_rows, scaled, users_probe, why_failed
+from sim.report.capacity import Grid, offered_rate, probe_rows, scaled, users_grid
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
-
-
-@dataclass
-class Grid:
-    """What a capacity counts and how a probe at a grid point is made: requests/s scaling the workload's arrival gaps,
-    or (a closed loop) users, the grid's points rounded to whole users."""
-
-    probe: Callable[[float], list[RequestSpec]]
-    target: float
-    unit: str  # "req/s" or "users"
-
-    def point(self, x: float) -> float:
-        """The grid point `x` as it is run: itself, or a whole number of users."""
-        return float(max(1, round(x))) if self.unit == "users" else x
-
-    def passes(self, metrics: dict, records, specs: list[RequestSpec], x: float) -> bool:
-        return not why_failed(metrics, records, specs, int(self.point(x)) if self.unit == "users" else None)
-
-    def search(self, meets: Callable[[float], bool], precision: float) -> Capacity:
-        """grid_capacity over `meets(point)`, each point run once, the result in points."""
-        memo: dict[float, bool] = {}
-
-        def once(x: float) -> bool:
-            if self.point(x) not in memo:
-                memo[self.point(x)] = meets(self.point(x))
-            return memo[self.point(x)]
-
-        found = grid_capacity(once, self.target, precision, min_rate=1.0 if self.unit == "users" else 0.01)
-        return Capacity(self.point(found.rate) if found.rate else 0.0,
-                        None if found.missed_at is None else self.point(found.missed_at),
-                        [(self.point(x), ok) for x, ok in found.tried])
 
 
 def probe_grid(plan: Plan, specs: list[RequestSpec]) -> Grid:
     """The grid a scenario's capacity is searched on, from its requests (`specs`, the workload's)."""
     loop = plan.workload.closed_loop
     if loop is not None:
-        return Grid(lambda x: users_probe(plan.workload, plan.base_dir, int(x), len(specs)), float(loop.users),
-                    "users")
+        return users_grid(plan.workload, plan.base_dir, len(specs), float(loop.users))
     base = probe_rows(specs)
     return Grid(lambda x: scaled(base, x), offered_rate([s.arrival_s for s in specs]), "req/s")
 

@@ -34,12 +34,12 @@ from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
 from sim.report.capacity import (
     STEADY_ROUNDS,
+    Grid,
     check_has_slo,
     check_scalable,
-    grid_capacity,
     probe_rows,
     scaled,
-    users_probe,
+    users_grid,
     why_failed,
 )
 
@@ -450,33 +450,22 @@ def search_one(probe: Probe) -> ConfigResult:
     if plan is None:
         return row
     settings = SearchSettings(**probe.settings)
-    runs: dict[float, tuple[bool, dict | None]] = {}
-    by_users: dict[int, tuple[bool, dict | None, str]] = {}
-    users = probe.unit == "users"
+    grid = users_grid(plan.workload, plan.base_dir, settings.max_requests, probe.target_rate) \
+        if probe.unit == "users" else Grid(lambda x: scaled(probe.specs, x), probe.target_rate, "req/s")
+    runs: dict[float, tuple[bool, dict | None, str]] = {}
 
-    def meets(rate: float) -> bool:
-        if users:  # grid points round to whole users; each count is run once
-            n = max(1, round(rate))
-            if n not in by_users:
-                by_users[n] = run_probe(plan, users_probe(plan.workload, plan.base_dir, n, settings.max_requests),
-                                        users=n)
-            runs[rate] = by_users[n]
-        else:
-            runs[rate] = run_probe(plan, scaled(probe.specs, rate))
-        return runs[rate][0]
+    def meets(x: float) -> bool:
+        runs[x] = run_probe(plan, grid.probe(x), users=grid.users(x))
+        return runs[x][0]
 
-    lowest = max(settings.min_rate, 1.0) if users else settings.min_rate
-    found = grid_capacity(meets, probe.target_rate, settings.precision, lowest, settings.max_rate)
+    found = grid.search(meets, settings.precision, settings.min_rate, settings.max_rate)
     at_target = runs.get(probe.target_rate)
     row.meets_at_target = at_target is not None and at_target[0]
     if row.meets_at_target:  # a probe that meets the SLOs ran to its end: its quantiles are the run's
         q = at_target[1]["slo"]
         row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
-    row.probes = len(by_users) if users else len(runs)
+    row.probes = len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
-    if users:
-        row.capacity_rps = float(max(1, round(found.rate))) if found.rate else 0.0
-        row.missed_at_rps = float(max(1, round(found.missed_at))) if found.missed_at is not None else None
     row.probe_limited = found.missed_at is not None and runs[found.missed_at][2] == "unsteady"
     if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
         tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]

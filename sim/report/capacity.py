@@ -130,6 +130,49 @@ def steady(records, specs: list[RequestSpec]) -> bool:
 
 
 @dataclass
+class Grid:
+    """What a capacity counts and how a probe at a grid point is made: requests/s scaling the workload's arrival gaps,
+    or (a closed loop) users, the grid's points rounded to whole users. One grid for the simulator's search
+    (`infersim search`) and the executor's measurement (`validate --capacity`)."""
+
+    probe: Callable[[float], list[RequestSpec]]
+    target: float
+    unit: str  # "req/s" or "users"
+
+    def point(self, x: float) -> float:
+        """The grid point `x` as it is run: itself, or a whole number of users."""
+        return float(max(1, round(x))) if self.unit == "users" else x
+
+    def users(self, x: float) -> int | None:
+        """The users a probe at `x` has (None: not a closed loop): what why_failed judges its length by."""
+        return int(self.point(x)) if self.unit == "users" else None
+
+    def passes(self, metrics: dict, records, specs: list[RequestSpec], x: float) -> bool:
+        return not why_failed(metrics, records, specs, self.users(x))
+
+    def search(self, meets: Callable[[float], bool], precision: float, min_rate: float = 0.01,
+               max_rate: float = 1e5) -> "Capacity":
+        """grid_capacity over `meets(point)`, each point run once (users from 1), the result in points."""
+        memo: dict[float, bool] = {}
+
+        def once(x: float) -> bool:
+            if self.point(x) not in memo:
+                memo[self.point(x)] = meets(self.point(x))
+            return memo[self.point(x)]
+
+        lowest = max(min_rate, 1.0) if self.unit == "users" else min_rate
+        found = grid_capacity(once, self.target, precision, lowest, max_rate)
+        return Capacity(self.point(found.rate) if found.rate else 0.0,
+                        None if found.missed_at is None else self.point(found.missed_at),
+                        [(self.point(x), ok) for x, ok in found.tried])
+
+
+def users_grid(workload, base_dir, max_requests: int, target: float) -> Grid:
+    """A closed loop's grid: probes of its first `max_requests` requests dealt to each count of users."""
+    return Grid(lambda x: users_probe(workload, base_dir, int(x), max_requests), target, "users")
+
+
+@dataclass
 class Capacity:
     """What a grid search found: `rate` the highest passing rate tried (0: none passed), `missed_at` the lowest
     failing one above it (None: none failed), and every rate tried with its verdict, in order."""
