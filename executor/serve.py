@@ -204,10 +204,12 @@ class Arrivals:
         self.open: set[int] = set()  # indices of turns sent whose next turn waits for them to end
         self.nxt = 0
 
+    def _next_first_s(self) -> float:
+        return self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
+
     def next_s(self) -> float:
         """When the next known request arrives (inf: none known)."""
-        a = self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
-        return min(a, self.later[0][0] if self.later else math.inf)
+        return min(self._next_first_s(), self.later[0][0] if self.later else math.inf)
 
     def pending(self) -> bool:
         """Whether requests are still to be sent (some may wait for a turn to end)."""
@@ -217,8 +219,7 @@ class Arrivals:
         """Every request due by `now`, in arrival order, with its prompt ids."""
         out = []
         while self.next_s() <= now:
-            first = self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
-            if not self.later or first <= self.later[0][0]:
+            if not self.later or self._next_first_s() <= self.later[0][0]:
                 i, self.nxt = self.first[self.nxt], self.nxt + 1
                 s = self.specs[i]
                 ids = prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)
