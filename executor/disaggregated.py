@@ -282,7 +282,7 @@ class PrefillDriver:
     def start(self, specs: list[RequestSpec]) -> None:
         """The shared clock starts now; every decode instance gets it and the prefill KV tensor."""
         kv = self.engine.scheduler.kv
-        make = request_maker(kv.prefix_caching, kv.block_size)
+        make = request_maker(kv.prefix_caching, kv.block_size, self.engine.scheduler.cfg.max_model_len)
         self.requests = [make(s) for s in specs]
         self.arrivals = Arrivals(self.requests, specs, self.corpus)
         self.by_id = {r.id: r for r in self.requests}

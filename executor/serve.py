@@ -254,8 +254,8 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
     sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is sent its
     think time after the turn before it ends (Arrivals)."""
-    kv = getattr(engine, "engines", [engine])[0].scheduler.kv
-    make = request_maker(kv.prefix_caching, kv.block_size)
+    scheduler = getattr(engine, "engines", [engine])[0].scheduler
+    make = request_maker(scheduler.kv.prefix_caching, scheduler.kv.block_size, scheduler.cfg.max_model_len)
     requests = [make(s) for s in specs]
     engine.t0 = time.perf_counter()
     try:

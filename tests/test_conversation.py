@@ -123,7 +123,7 @@ def test_a_turn_finds_the_turn_before_it_prompt_and_answer_cached():
     trace = result.replicas[0]
     assert trace.prefix_hit_tokens == (500 + 100 - 1) // 16 * 16
     assert trace.prefix_queried_tokens == 500 + 650
-    hashes = PrefixHashes(16)
+    hashes = PrefixHashes(16, 1 << 20)
     assert hashes(specs[1])[:len(hashes(specs[0]))] == hashes(specs[0])
     # another conversation's blocks are its own; a shared system prompt's are everyone's
     other = RequestSpec(2, 0.0, 500, 100, (7,), 64, conversation=1)

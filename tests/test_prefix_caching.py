@@ -43,7 +43,7 @@ def check_shared_blocks(kv: PrefixCachingAllocator, holders: list[Request]) -> N
 
 def make_request(i: int, prompt: int, output: int, prefix: int, block_size: int) -> Request:
     spec = RequestSpec(i, 0.0, prompt, output, (prefix,), 24)
-    return request_maker(True, block_size)(spec)
+    return request_maker(True, block_size, 1 << 20)(spec)
 
 
 def test_a_second_prompt_of_the_same_prefix_computes_only_its_own_part():
@@ -112,7 +112,7 @@ class PrefixSchedulerMachine(SchedulerMachine):
                                enable_chunked_prefill=chunked, preemption=preemption, num_speculative_tokens=gamma)
         kv = PrefixCachingAllocator(num_blocks, block_size, num_swap_blocks=num_blocks if preemption == "swap" else 0)
         self.sched = make_scheduler(cfg, kv)
-        self.hashes = PrefixHashes(block_size)
+        self.hashes = PrefixHashes(block_size, 1 << 20)
         self.reqs: list[Request] = []
         self.gamma = gamma
 
@@ -235,7 +235,7 @@ def test_a_mooncake_trace_s_hash_ids_are_what_its_prompts_share(tmp_path):
     specs = generate_requests(plan_of(data).workload)
     assert [s.prefix for s in specs] == [(11, 12, 13), (11, 12, 14), (21, 22), (12,)]
     assert {s.prefix_unit for s in specs} == {512}
-    hashes = PrefixHashes(16)
+    hashes = PrefixHashes(16, 1 << 20)
     first, second, _, fourth = (hashes(s) for s in specs)
     assert len(first) == 75 and first[:64] == second[:64] and first[64] != second[64]
     assert not set(fourth) & set(first)

@@ -20,22 +20,25 @@ from sim.policy.request import Request
 
 class PrefixHashes:
     """Per request spec, the hashes of its prompt's full blocks of shared content (an empty tuple when none); the
-    tuples of requests that share a prefix are shared too (a workload of 20k requests holds a few of them)."""
+    tuples of requests that share a prefix are shared too (a workload of 20k requests holds a few of them). Only the
+    blocks within `max_model_len` are named: a request longer than that is turned away before any block of it is
+    cached (naming a million-token prompt's blocks one by one took seconds per turn)."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, max_model_len: int):
         self.block_size = block_size
+        self.max_blocks = max_model_len // block_size
         self._made: dict[tuple[int, int], tuple] = {}
 
     def __call__(self, spec: RequestSpec) -> tuple:
         if spec.conversation >= 0:
             shared = self(replace(spec, conversation=-1))  # the shared prefix's full blocks, as any prompt's
             # every token but the last has its K/V computed when the turn ends
-            n = (spec.prompt_len + spec.output_len - 1) // self.block_size
+            n = min((spec.prompt_len + spec.output_len - 1) // self.block_size, self.max_blocks)
             return shared + tuple(hash(("conversation", spec.conversation, j)) for j in range(len(shared), n))
         if not spec.prefix:
             return ()
         unit, bs = spec.prefix_unit, self.block_size
-        n = min(len(spec.prefix) * unit, spec.prompt_len) // bs
+        n = min(min(len(spec.prefix) * unit, spec.prompt_len) // bs, self.max_blocks)
         key = (spec.prefix, unit, n)
         hashes = self._made.get(key)
         if hashes is None:
@@ -51,9 +54,9 @@ class PrefixHashes:
         return hashes
 
 
-def request_maker(enable_prefix_caching: bool, block_size: int):
+def request_maker(enable_prefix_caching: bool, block_size: int, max_model_len: int):
     """RequestSpec -> the scheduler's Request, with its block hashes where the plan caches prefixes."""
-    hashes = PrefixHashes(block_size) if enable_prefix_caching else None
+    hashes = PrefixHashes(block_size, max_model_len) if enable_prefix_caching else None
 
     def make(spec: RequestSpec) -> Request:
         req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len, conversation=spec.conversation)
