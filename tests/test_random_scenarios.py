@@ -536,6 +536,19 @@ REGRESSIONS = {
                      "prompt_len": {"dist": "fixed", "value": 2}, "output_len": {"dist": "uniform", "min": 6, "max": 6},
                      "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 2}, "think_time_s": 0.0,
                                       "user_len": {"dist": "uniform", "min": 1, "max": 1}}}},
+    # Two prefill instances handed off at the same instant: the round-robin decode router took them in the order SimPy
+    # took the two steps, which differs between bulk runs and steps, and 12 requests' tokens moved by one transfer.
+    "simultaneous_hand_offs_in_request_order": {
+        "model": "SmolLM2-135M", "hardware": "cpu", "router": "round_robin",
+        "kv_cache": {"block_size": 1, "num_blocks": 128},
+        "serving": {"max_model_len": 256, "max_num_seqs": 1, "max_num_batched_tokens": 256},
+        "pools": {"prefill": {"replicas": 3}, "decode": {"replicas": 3},
+                  "kv_transfer": {"bandwidth": 1e6, "latency_s": 0.0}},
+        "workload": {"seed": 0, "arrival": {"process": "poisson", "rate": 1e4}, "duration_s": 0.0075,
+                     "bursts": [{"at_s": 0.0, "count": 1}],
+                     "prompt_len": {"dist": "fixed", "value": 15}, "output_len": {"dist": "fixed", "value": 12},
+                     "conversation": {"turns": {"dist": "fixed", "value": 2}, "think_time_s": 0.0,
+                                      "user_len": {"dist": "fixed", "value": 1}}}},
 }
 
 

@@ -14,7 +14,7 @@ from sim.policy.prefix import request_maker
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
 from sim.simulator.disaggregated import simulate_pools
-from sim.simulator.engines import Arrivals, Done, RunResult, make_engines, make_pipeline, run_env, trace_of
+from sim.simulator.engines import Arrivals, Done, RunResult, SameInstant, make_engines, make_pipeline, run_env, trace_of
 
 __all__ = ["Done", "RunResult", "make_pipeline", "simulate", "sim_records", "itl_sample"]
 
@@ -31,7 +31,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
-    arrivals = Arrivals(env, specs, done, request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len))
+    arrivals = Arrivals(env, specs, done, request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len),
+                        SameInstant(env))
     replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
                                        arrivals_known=arrivals.known)
     router = make_router(plan.router)

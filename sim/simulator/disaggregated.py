@@ -22,15 +22,15 @@ from sim.config.workload import RequestSpec, generate_requests
 from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request
-from sim.simulator.engines import Arrivals, Done, RunResult, make_engines, run_env, trace_of
+from sim.simulator.engines import Arrivals, Done, RunResult, SameInstant, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
 
 class KVTransfers:
     """The hand-off between the pools: routing to a decode instance, the links, and what crossed them."""
 
-    def __init__(self, env: simpy.Environment, plan: Plan, done: Done):
-        self.env, self.pools, self.done = env, plan.pools, done
+    def __init__(self, env: simpy.Environment, plan: Plan, done: Done, instant: SameInstant):
+        self.env, self.pools, self.done, self.instant = env, plan.pools, done, instant
         self.router = make_router(plan.pools.decode.router)
         self.decode: list[Replica] = []
         self.link_free_at: list[float] = []  # per decode instance: when its link takes the next transfer
@@ -44,19 +44,24 @@ class KVTransfers:
         self.link_free_at = [0.0] * len(decode)
 
     def hand_off(self, prefill: Replica, reqs: list[Request]) -> None:
-        """Replica.on_handoff: each request to a decode instance's queue."""
+        """Replica.on_handoff: each request to a decode instance's queue, once every prefill instance whose step ends
+        now has handed off its own (the router's picks and the queues in request order, whichever step SimPy took
+        first)."""
         for r in reqs:
-            d = self.router.pick(self.decode)
-            replica = self.decode[d]
-            if not replica.scheduler.add_prefilled(r):
-                prefill.scheduler.release(r)
-                prefill.wake(r.first_token_s)
-                self.done(r)
-                continue
-            r.replica = replica.index
-            # the logical time (its first token: this hand-off), not env.now, whose last bits differ in bulk runs
-            self.source[r] = (prefill, r.first_token_s)
-            replica.wake(r.first_token_s)
+            self.instant.then(r.id, lambda r=r: self._route(prefill, r))
+
+    def _route(self, prefill: Replica, r: Request) -> None:
+        d = self.router.pick(self.decode)
+        replica = self.decode[d]
+        if not replica.scheduler.add_prefilled(r):
+            prefill.scheduler.release(r)
+            prefill.wake(r.first_token_s)
+            self.done(r)
+            return
+        r.replica = replica.index
+        # the logical time (its first token: this hand-off), not env.now, whose last bits differ in bulk runs
+        self.source[r] = (prefill, r.first_token_s)
+        replica.wake(r.first_token_s)
 
     def start(self, replica: Replica, reqs: list[Request]) -> None:
         """Replica.on_reserve: blocks reserved for these requests on `replica`; their KV goes over its link."""
@@ -99,10 +104,12 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
-    link = KVTransfers(env, plan, done)
+    instant = SameInstant(env)
+    link = KVTransfers(env, plan, done, instant)
     pools = plan.pools
     arrivals = Arrivals(env, specs, done, request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size,
-                                                   pools.prefill.max_model_len))
+                                                   pools.prefill.max_model_len),
+                        instant)
     prefill, p_pipes = make_engines(env, pools.prefill, arrivals.next_arrival, bulk, done, hand_off=pools.decode,
                                     on_handoff=link.hand_off, arrivals_known=arrivals.known)
     # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)

@@ -31,6 +31,42 @@ class RunResult:
     stopped: bool = False  # ended early by `watch`: some requests never finished
 
 
+# SimPy takes an instant's events by priority (URGENT 0, NORMAL 1), then in the order they were scheduled
+AFTER_THE_INSTANT = 2
+
+
+class _AfterTheInstant(simpy.Event):
+    """An event already triggered, taken after every other event of the current instant."""
+
+    def __init__(self, env: simpy.Environment, callback: Callable[[simpy.Event], None]):
+        super().__init__(env)
+        self._ok, self._value = True, None  # triggered, as SimPy's own Timeout is when made
+        self.callbacks.append(callback)
+        env.schedule(self, AFTER_THE_INSTANT)
+
+
+class SameInstant:
+    """Work handed over at one instant by several engines (requests handed off, conversations' next turns), done after
+    every event of that instant, in the order of its keys. SimPy takes simultaneous events in the order they were
+    scheduled, which differs between bulk runs and step-by-step ones; a round-robin router or a queue would carry
+    that order into the results."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+        self.pending: list[tuple[int, Callable[[], None]]] = []
+
+    def then(self, key: int, work: Callable[[], None]) -> None:
+        """Do `work()` at the end of this instant; keys (request ids: unique) order the instant's work."""
+        if not self.pending:
+            _AfterTheInstant(self.env, self._run)
+        self.pending.append((key, work))
+
+    def _run(self, _event: simpy.Event) -> None:
+        todo, self.pending = sorted(self.pending, key=lambda p: p[0]), []
+        for _, work in todo:
+            work()
+
+
 def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
     """The stages of one pipelined replica: activations of hidden_size cross the hardware's link between them."""
     hw, m = plan.hardware, plan.model
@@ -74,8 +110,8 @@ class Arrivals:
     its think time after that one ends (sim.policy.conversation). `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
-                 make_request: Callable[[RequestSpec], Request]):
-        self.env, self.specs, self.done, self.make = env, specs, done, make_request
+                 make_request: Callable[[RequestSpec], Request], instant: SameInstant):
+        self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
         self.requests: list[Request] = []
         self.turns = Conversations(specs)
         self.next_first = math.inf  # the next request that follows no other
@@ -125,6 +161,9 @@ class Arrivals:
 
     def _later(self, spec: RequestSpec, at: float):
         yield self.env.timeout(max(0.0, at - self.env.now))
+        self.instant.then(spec.id, lambda: self._arrive_later(spec, at))  # turns due together: in id order
+
+    def _arrive_later(self, spec: RequestSpec, at: float) -> None:
         heapq.heappop(self.scheduled)
         req = self.make(spec)
         req.arrival_s = at
