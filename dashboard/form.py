@@ -304,23 +304,24 @@ def workload(f: Form, seeded: dict) -> dict | None:
 
 
 def _closed_loop(f: Form, w: dict, loop: dict) -> dict:
-    """Users in a closed loop instead of an arrival rate; a number of requests, not a duration."""
+    """Users in a closed loop instead of an arrival rate; a number of requests (with conversations: of conversations,
+    each user holding one after another), not a duration."""
     arrival, duration = w.pop("arrival", None) or {}, w.pop("duration_s", None)
-    w.pop("conversation", None)
     w.pop("bursts", None)  # the users send every request
     c1, c2, c3 = st.columns(3)
     with c1:
         users = f.integer("Users", "workload.users", loop.get("users", 32), hi=MAX_REQUESTS)
     with c2:
-        think = f.number("Think time (s, mean)", "workload.user_think_time_s", loop.get("think_time_s", 0.0), step=1.0,
-                         help="between a request's end and the user's next one (exponential; 0: at once)")
+        think = f.number("User think time (s, mean)", "workload.user_think_time_s", loop.get("think_time_s", 0.0),
+                         step=1.0, help="between a request's end (with conversations: a conversation's) and the "
+                                        "user's next one (exponential; 0: at once)")
     with c3:
         count = w.pop("num_requests", None) or round(arrival.get("rate", 1.0) * (duration or 0)) or 200
         w["num_requests"] = f.integer("Number of requests", "workload.num_requests", count, hi=MAX_REQUESTS)
     w["closed_loop"] = {"users": users, "think_time_s": think}
     w["prompt_len"] = _length(f, "workload.prompt_len", "Prompt length", w.get("prompt_len"), PROMPT_LEN)
     w["output_len"] = _length(f, "workload.output_len", "Output length", w.get("output_len"), OUTPUT_LEN)
-    return _shared_prefix(f, w)
+    return _conversation(f, _shared_prefix(f, w))
 
 
 def _shared_prefix(f: Form, w: dict) -> dict:

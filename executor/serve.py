@@ -26,7 +26,7 @@ from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
-from sim.policy.conversation import Conversations, ended_at, reject_unsent
+from sim.policy.conversation import Conversations, continues, ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
@@ -240,7 +240,7 @@ class Arrivals:
             if spec is not None:
                 r = self.requests[self.index[spec.id]]
                 r.arrival_s = ended_at(before, now) + spec.think_s
-                ids = (next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id) if spec.conversation >= 0
+                ids = (next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id) if continues(spec, before)
                        else prompt_ids(self.corpus, spec.prompt_len, spec.id, spec.prefix, spec.prefix_unit))
                 heapq.heappush(self.later, (r.arrival_s, self.index[spec.id], ids))
             for g in gone:

@@ -51,6 +51,58 @@ def test_the_requests_are_dealt_to_the_users_in_turn_each_after_the_one_before()
     assert generate_requests(parse_scenario(users(16)).workload) == specs  # same seed, same requests
 
 
+CHATS = {"turns": {"dist": "uniform", "min": 1, "max": 5}, "think_time_s": 3.0,
+         "user_len": {"dist": "uniform", "min": 10, "max": 50}}
+
+
+def test_users_hold_conversations_one_after_another():
+    """With conversations, the workload's requests are first turns, dealt to the users in turn: a conversation's first
+    turn follows the last turn of its user's conversation before it, after the loop's think time; its later turns
+    follow each other after the conversation's. Every turn arrives no earlier than the one it follows."""
+    specs = generate_requests(parse_scenario(users(8, num_requests=40, conversation=CHATS)).workload)
+    alone = generate_requests(parse_scenario(scenario(workload={**LOOP, "num_requests": 40, "closed_loop": None,
+                                                                "conversation": CHATS})).workload)
+    key = lambda s: (s.conversation, s.prompt_len, s.output_len)  # noqa: E731
+    assert sorted(map(key, specs)) == sorted(map(key, alone))  # the same conversations, turn for turn
+    assert [s.id for s in specs] == list(range(len(specs))) and len({s.conversation for s in specs}) == 40
+    turns = {}
+    for s in specs:
+        turns.setdefault(s.conversation, []).append(s)
+    for c, conv in turns.items():
+        first, last = conv[0], turns.get(c - 8, [None])[-1]
+        assert first.after == (last.id if last else -1) and (first.think_s > 0 if last else first.think_s == 0)
+        assert all(t.after == prev.id for prev, t in zip(conv, conv[1:]))  # and later turns follow their own
+    assert sum(s.after < 0 for s in specs) == 8  # each user's first conversation follows nothing
+    assert all(s.arrival_s >= specs[s.after].arrival_s for s in specs if s.after >= 0)
+    assert generate_requests(parse_scenario(users(8, num_requests=40, conversation=CHATS)).workload) == specs
+
+
+def test_a_rejected_turn_ends_its_conversation_not_its_user():
+    """A turn too long for max_model_len ends its conversation (the turns after it are rejected unsent); the user
+    opens its next conversation a think time later all the same. At most the users are in flight, everything ends."""
+    data = users(3, think=0.5, num_requests=24, conversation=CHATS)
+    data["serving"] = {"max_model_len": 2048}
+    report, result, _ = run(data)
+    reqs = {r.id: r for r in result.requests}
+    rq = report["requests"]
+    specs = generate_requests(parse_scenario(data).workload)
+    assert rq["arrived"] == len(specs) == rq["completed"] + rq["rejected"] and rq["rejected"] > 0
+    assert in_flight(result.requests) <= 3 and report["conversations"]["conversations"] == 24
+    opened_after_a_rejection = 0
+    for s in specs:
+        if s.after < 0:
+            continue
+        before, me = reqs[s.after], reqs[s.id]
+        if s.conversation == before.conversation and before.status is Status.REJECTED:
+            assert me.status is Status.REJECTED and "conversation was rejected" in me.reject_reason
+        elif me.reject_reason is None or "conversation was rejected" not in me.reject_reason:
+            end = before.finish_s if before.status is Status.FINISHED else None
+            if end is not None:
+                assert me.arrival_s == pytest.approx(end + s.think_s, abs=1e-9)
+            opened_after_a_rejection += s.conversation != before.conversation and before.status is Status.REJECTED
+    assert opened_after_a_rejection > 0
+
+
 def test_a_trace_s_lengths_are_sent_by_the_users_in_its_order():
     trace = {"trace": {"path": "builtin:azure_conv", "max_requests": 50}}
     specs = generate_requests(parse_scenario({**scenario(), "workload": {**trace, "closed_loop": {"users": 5}}}).workload)
@@ -100,8 +152,6 @@ def test_a_rejected_request_does_not_end_its_user():
     ({"arrival": {"process": "poisson", "rate": 1.0}}, "drop 'arrival'"),
     ({"duration_s": 60.0, "num_requests": None}, "give 'num_requests', not 'duration_s'"),
     ({"bursts": [{"at_s": 1.0, "count": 3}]}, "drop 'bursts'"),
-    ({"conversation": {"turns": {"dist": "fixed", "value": 2}, "user_len": {"dist": "fixed", "value": 5}}},
-     "one of 'closed_loop' and 'conversation'"),
     ({"closed_loop": {"users": 0}}, "workload.closed_loop.users"),
     ({"closed_loop": {"users": 3, "think_time_s": -1}}, "workload.closed_loop.think_time_s"),
 ])
@@ -207,3 +257,40 @@ def test_the_executor_keeps_the_users_loop_and_rejects_what_the_simulator_reject
     rejected = {r.id for r in requests if r.status is Status.REJECTED}
     assert rejected == {s.id for s in specs if s.prompt_len + s.output_len > 64} != set()
     assert {q.id for q in simulate(plan, specs).requests if q.status is Status.REJECTED} == rejected
+
+
+def test_the_executor_s_users_hold_conversations_one_after_another(tmp_path, checkpoint):
+    """A tiny model served by 2 users holding conversations: a later turn resends its conversation so far, a user's
+    next conversation opens with a prompt of its own, each sent its think time after the turn before it ended, and
+    never more than 2 in flight."""
+    from executor.serve import serve
+
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-chat-users", kv_cache={"num_blocks": 128},
+                               workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 8, "max": 20},
+                                         "output_len": {"dist": "uniform", "min": 2, "max": 6},
+                                         "closed_loop": {"users": 2, "think_time_s": 0.005},
+                                         "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 3},
+                                                          "think_time_s": 0.005,
+                                                          "user_len": {"dist": "fixed", "value": 4}}})
+    data = yaml.safe_load(path.read_text())
+    data["workload"].pop("arrival")
+    path.write_text(yaml.safe_dump(data))
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    _, _, engine, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    reqs = {r.id: r for r in requests}
+    assert len(reqs) == len(specs) > 6 and all(r.status is Status.FINISHED for r in requests)
+    assert in_flight(requests) <= 2
+    opened = 0
+    for s in specs:
+        if s.after < 0:
+            continue
+        before, me = reqs[s.after], reqs[s.id]
+        assert me.arrival_s >= before.finish_s + s.think_s - 1e-9
+        so_far = engine.tokens[before]
+        if s.conversation == before.conversation:
+            assert engine.tokens[me][:len(so_far)] == so_far
+        else:
+            opened += 1
+            assert me.prompt_len == s.prompt_len and engine.tokens[me][:len(so_far)] != so_far
+    assert opened == 4  # 6 conversations, 2 users: each opens 2 after its first

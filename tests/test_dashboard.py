@@ -146,6 +146,11 @@ def test_whatif_closed_loop_users_set_the_load():
         assert f"{users:,} users" in line
         flights.append(float(line.split("; ")[1].split(" requests in flight")[0]))
     assert 0 < flights[0] <= 2 < flights[1] <= 16
+    widget(at, "checkbox", "workload.conversation").check().run()  # users holding conversations one after another
+    simulate(at)
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("Closed loop: 16 users") for c in captions)
+    assert any(c.startswith("Conversations: 120 of") for c in captions)
 
 
 def memory_caption(at: AppTest) -> tuple[str, float, int]:

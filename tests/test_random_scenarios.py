@@ -107,11 +107,11 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
     if draw(st.integers(0, 3)) == 0:
         w["bursts"] = [{"at_s": draw(st.sampled_from([0.0, 0.01, 0.5])), "count": draw(st.integers(1, 15))}]
     loop = draw(st.integers(0, 7))
-    if loop <= 1:  # conversations: later turns arrive when the turns before them end
+    if loop in (0, 1, 3):  # conversations: later turns arrive when the turns before them end
         w["conversation"] = {"turns": {"dist": "uniform", "min": 1, "max": draw(st.sampled_from([2, 4]))},
                              "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0])),
                              "user_len": draw(lengths(max(1, hi // 4)))}
-    elif loop == 2:  # a closed loop of users: each request when the user's one before it ends
+    if loop in (2, 3):  # a closed loop of users: each request (3: conversation) when the user's one before it ends
         w.pop("arrival", None)
         w.pop("bursts", None)
         if "trace" not in w:
@@ -373,9 +373,9 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
 
 
 def check_followers(plan, result) -> None:
-    """A request that follows another (a conversation's turn, a closed loop user's next request) arrived its think
-    time after that one's last token; after a rejected one, a conversation's turn was rejected with it and a user's
-    next request was sent its think time after the rejection."""
+    """A request that follows another (a conversation's turn, a closed loop user's next request or conversation)
+    arrived its think time after that one's last token; after a rejected one, a conversation's turn was rejected with
+    it and a user's next request or conversation was sent its think time after the rejection."""
     specs = generate_requests(plan.workload, plan.base_dir)
     reqs = {r.id: r for r in result.requests}
     assert sorted(reqs) == [s.id for s in specs]
@@ -385,9 +385,9 @@ def check_followers(plan, result) -> None:
         before, r = reqs[s.after], reqs[s.id]
         if before.status is Status.FINISHED:
             assert r.arrival_s == pytest.approx(before.finish_s + s.think_s, rel=1e-12, abs=1e-12), (s, r)
-        elif s.conversation >= 0:
+        elif s.conversation >= 0 and s.conversation == before.conversation:
             assert r.reject_reason == CONVERSATION_ENDED, r
-        else:
+        else:  # a user's next request, or next conversation
             assert r.arrival_s >= before.arrival_s + s.think_s - 1e-12, (s, r)
             assert r.reject_reason != CONVERSATION_ENDED, r
 

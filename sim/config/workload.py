@@ -247,7 +247,9 @@ class ClosedLoopConfig(StrictModel):
     waits for its last token (or its rejection), thinks `think_time_s` (exponential with this mean; 0: not at all)
     and sends the next, so the load follows the deployment's own speed and at most `users` requests are in flight.
     The workload's requests, in order, are dealt to the users in turn (request i is user i mod `users`'s); each
-    user thinks before its first request too. The arrival rate is then what the run measures, not an input."""
+    user thinks before its first request too. The arrival rate is then what the run measures, not an input. With
+    `conversation`, the requests are conversations' first turns: each user holds its conversations one after another,
+    the next opened a think time after the last turn of the one before it ends (or is rejected)."""
 
     users: int = Field(gt=0, le=MAX_REQUESTS)
     think_time_s: float = Field(default=0.0, ge=0, le=MAX_ARRIVAL_S)
@@ -257,7 +259,7 @@ class WorkloadConfig(StrictModel):
     """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
     `num_requests` / `duration_s`.  `bursts` add requests on top of either. With `conversation`, each of those
     requests is a conversation's first turn. With `closed_loop`, users send the requests (no `arrival`; a trace's
-    lengths in its order, its times unused)."""
+    lengths in its order, its times unused), or hold the conversations."""
 
     seed: int = Field(default=0, ge=0)
     trace: Optional[TraceConfig] = None
@@ -308,9 +310,6 @@ def _check_closed_loop(w: "WorkloadConfig") -> None:
                          "what the deployment's speed makes it")
     if w.bursts:
         raise ValueError("with 'closed_loop', drop 'bursts': the users send every request")
-    if w.conversation is not None:
-        raise ValueError("give one of 'closed_loop' and 'conversation': a conversation's turns are already a closed "
-                         "loop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +326,9 @@ class RequestSpec:
     # workload.conversation: the conversation (-1: none), the turn this one follows (-1: the first) and how long after
     # that turn's last token it is sent; its arrival_s is then the earliest it could arrive (the turns before it
     # answered at once), the run's own arrival comes from the previous turn's end. workload.closed_loop: `after` the
-    # user's request before it (conversation -1: its prompt its own), sent `think_s` after that one ends or is rejected
+    # user's request before it (or, with conversations, the last turn of the user's conversation before it: a request
+    # whose conversation differs from the one it follows has a prompt of its own), sent `think_s` after that one ends
+    # or is rejected
     conversation: int = -1
     after: int = -1
     think_s: float = 0.0
@@ -654,26 +655,37 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         sp = cfg.shared_prefix
         prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
         specs = [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+    if cfg.conversation is not None:
+        return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces, cfg.closed_loop, rng_users)
     if cfg.closed_loop is not None:
         return _closed_loop(specs, cfg.closed_loop, rng_users)
-    if cfg.conversation is None:
-        return specs
-    return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces)
+    return specs
 
 
 def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
     """Deal `specs` to the users in turn (ClosedLoopConfig); each follows its user's request before it. Sorted by the
     earliest each could arrive (every request before it answered at once), ids 0..n-1 in that order."""
     n, users = len(specs), loop.users
-    think = rng.exponential(loop.think_time_s, n) if loop.think_time_s > 0 else np.zeros(n)
-    rounds = -(-n // users)  # request i is round i // users of user i % users
-    waited = np.cumsum(np.concatenate((think, np.zeros(rounds * users - n))).reshape(rounds, users), axis=0)
-    waited = waited.reshape(-1)[:n]  # each user's think times so far
+    waited, think = _user_starts(np.zeros(n), loop, rng)
     _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
                 f"{loop.think_time_s:g} s on average arrive")
     order, after = _arrival_order(waited, np.arange(n) - users)
     return [replace(specs[k], id=i, arrival_s=float(waited[k]), after=int(after[k]),
                     think_s=float(think[k]) if after[k] >= 0 else 0.0) for i, k in enumerate(order.tolist())]
+
+
+def _user_starts(spans: np.ndarray, loop: ClosedLoopConfig, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A closed loop's units (requests, or conversations) dealt to the users in turn, unit i to user i % users: each
+    starts a think time after the user's unit before it ends, its own first think time included. `spans`: how long
+    each unit lasts at the least (a conversation's own think times). Returns (each unit's earliest start, the think
+    time before it)."""
+    n, users = len(spans), loop.users
+    think = rng.exponential(loop.think_time_s, n) if loop.think_time_s > 0 else np.zeros(n)
+    rounds = -(-n // users)  # unit i is round i // users of user i % users
+    step = np.zeros(rounds * users)
+    step[:n] = think
+    step[users:n] += spans[:n - users]  # after the user's unit before it (a sum, so never before that one's end)
+    return np.cumsum(step.reshape(rounds, users), axis=0).reshape(-1)[:n], think
 
 
 def _arrival_order(arrival: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -686,10 +698,12 @@ def _arrival_order(arrival: np.ndarray, before: np.ndarray) -> tuple[np.ndarray,
     return order, np.where(before >= 0, new_id[np.maximum(before, 0)], -1)
 
 
-def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces
-                   ) -> list[RequestSpec]:
-    """Each of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). Sorted by
-    the earliest each could arrive (stable: a turn after the one it follows), ids 0..n-1 in that order."""
+def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces,
+                   loop: ClosedLoopConfig | None = None, rng_users=None) -> list[RequestSpec]:
+    """Each of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). With a
+    closed `loop`, conversation c is user c % users's: its first turn follows the last turn of the user's conversation
+    before it. Sorted by the earliest each could arrive (stable: a turn after the one it follows), ids 0..n-1 in that
+    order."""
     key = "workload.conversation"
     rng_turns, rng_user, rng_out, rng_think = rng.spawn(4)
     turns = traces.draw(conv.turns, rng_turns, len(first), f"{key}.turns")
@@ -715,10 +729,22 @@ def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more
     if conv.think_time_s > 0:
         think[later] = rng_think.exponential(conv.think_time_s, n_later)
     waited = np.cumsum(think)
-    arrival = np.array([s.arrival_s for s in first])[owner] + (waited - waited[start][owner])
-    _check_span(arrival, f"{key}.think_time_s", f"{total:,} turns with think times of {conv.think_time_s:g} s "
-                "on average arrive")
-    order, after = _arrival_order(arrival, np.where(later, np.arange(total) - 1, -1))
+    offset = waited - waited[start][owner]  # a turn's earliest time after its conversation's first
+    before = np.where(later, np.arange(total) - 1, -1)
+    if loop is None:
+        opens = np.array([s.arrival_s for s in first])
+    else:
+        last = np.r_[start[1:], total] - 1
+        opens, gap = _user_starts(offset[last], loop, rng_users)
+        follows = np.flatnonzero(np.arange(len(first)) >= loop.users)  # a user's second conversation and on
+        before[start[follows]] = last[follows - loop.users]
+        think[start[follows]] = gap[follows]
+    arrival = opens[owner] + offset
+    longer = "workload.closed_loop" if loop is not None and loop.think_time_s > conv.think_time_s else key
+    _check_span(arrival, f"{longer}.think_time_s", f"{total:,} turns with think times of {conv.think_time_s:g} s "
+                + (f"(and {loop.think_time_s:g} s between conversations) " if loop is not None else "")
+                + "on average arrive")
+    order, after = _arrival_order(arrival, before)
     rows = zip(arrival[order].tolist(), prompt[order].tolist(), output[order].tolist(), owner[order].tolist(),
                after[order].tolist(), think[order].tolist())
     return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th)

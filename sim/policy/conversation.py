@@ -20,15 +20,20 @@ class Conversations:
     def ended(self, req: Request) -> tuple[RequestSpec | None, list[RequestSpec]]:
         """`req` ended: (the request that now follows it, sent its think_s after `ended_at(req, now)`; or None) and
         the turns that end with it unsent, in order (a rejected turn ends its conversation; a closed loop's user
-        sends its next request all the same)."""
+        sends its next request, or opens its next conversation, all the same)."""
         spec = self.next_turn.pop(req.id, None)
-        if spec is None or req.status is Status.FINISHED or spec.conversation < 0:
+        if req.status is Status.FINISHED:
             return spec, []
         gone = []
-        while spec is not None:
+        while spec is not None and continues(spec, req):
             gone.append(spec)
             spec = self.next_turn.pop(spec.id, None)
-        return None, gone
+        return spec, gone
+
+
+def continues(spec: RequestSpec, req: Request) -> bool:
+    """Whether `spec` is a later turn of `req`'s conversation (its prompt is that conversation so far)."""
+    return spec.conversation >= 0 and spec.conversation == req.conversation
 
 
 def ended_at(req: Request, now: float) -> float:

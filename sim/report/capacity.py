@@ -55,7 +55,7 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
     """A capacity search scales the workload's arrival gaps (its first turns', for conversations): it needs two
     requests or more at distinct times (all at one instant, every rate scales them to that instant and no rate
     passes)."""
-    if any(s.after >= 0 and s.conversation < 0 for s in specs):
+    if any(s.after >= 0 and (s.conversation < 0 or specs[s.after].conversation != s.conversation) for s in specs):
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
                           "measures, not one to scale (a capacity search counts it in users); allowed: an "
                           "arrival process or a trace (with or without conversations)", f"{key_path}.closed_loop")
