@@ -30,12 +30,23 @@ def smollm2():
     return model, hf, tokenizer
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("graphs", [False, True])  # True: the CUDA graphs' static-shape steps, run eagerly here
-def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
-    model, hf, tokenizer = smollm2
+@pytest.fixture(scope="module")
+def generated(smollm2):
+    """Four prompts of different lengths and transformers' greedy output for each (computed once for every variant)."""
+    _, hf, tokenizer = smollm2
     corpus = corpus_ids(tokenizer)
     work = [(prompt_ids(corpus, n, i), m) for i, (n, m) in enumerate([(7, 12), (85, 10), (30, 16), (160, 8)])]
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p, m in work]
+    return work, refs
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("graphs", [False, True])  # True: the CUDA graphs' static-shape steps, run eagerly here
+def test_continuous_paged_greedy_equals_generate(smollm2, generated, chunked, graphs):
+    model = smollm2[0]
+    work, refs = generated
     cfg = scheduler_config(512, max_num_batched_tokens=64 if chunked else 512,
                            prefill_chunk_size=64 if chunked else 512, enable_chunked_prefill=chunked)
     kv = BlockAllocator(48, 16)
@@ -48,11 +59,8 @@ def test_continuous_paged_greedy_equals_generate(smollm2, chunked, graphs):
             engine.add(reqs[step], work[step][0])
         engine.step()
         step += 1
-    for r, (p, m) in zip(reqs, work):
+    for r, (p, _), ref in zip(reqs, work, refs):
         assert r.status is Status.FINISHED
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                              pad_token_id=0)[0, len(p):].tolist()
         assert engine.output_ids(r) == ref, f"request {r.id} ({len(p)}-token prompt)"
     assert max(len(rec.new_tokens) for rec in engine.records) >= 3  # they really ran together
     if graphs:
