@@ -75,6 +75,10 @@ def test_users_hold_conversations_one_after_another():
     assert sum(s.after < 0 for s in specs) == 8  # each user's first conversation follows nothing
     assert all(s.arrival_s >= specs[s.after].arrival_s for s in specs if s.after >= 0)
     assert generate_requests(parse_scenario(users(8, num_requests=40, conversation=CHATS)).workload) == specs
+    for n in (30, 40, 41, 79, 80, 81):  # more users than conversations (or requests): each holds at most one
+        for conv in (CHATS, None):
+            few = generate_requests(parse_scenario(users(n, num_requests=40, conversation=conv)).workload)
+            assert sum(s.after < 0 for s in few) == min(n, 40)
 
 
 def test_a_rejected_turn_ends_its_conversation_not_its_user():

@@ -684,7 +684,8 @@ def _user_starts(spans: np.ndarray, loop: ClosedLoopConfig, rng) -> tuple[np.nda
     rounds = -(-n // users)  # unit i is round i // users of user i % users
     step = np.zeros(rounds * users)
     step[:n] = think
-    step[users:n] += spans[:n - users]  # after the user's unit before it (a sum, so never before that one's end)
+    if n > users:  # after the user's unit before it (a sum, so never before that one's end)
+        step[users:n] += spans[:n - users]
     return np.cumsum(step.reshape(rounds, users), axis=0).reshape(-1)[:n], think
 
 
