@@ -530,7 +530,14 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
                                    and (o.usd_per_hour < r.usd_per_hour or o.tpot_p90_s < r.tpot_p90_s)
                                    for o in meeting)
     able = [r for r in ok if r.capacity_rps >= search.target_rate]
-    best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, r.label)) if able else None
+    slo = search.slo
+
+    def load(r: ConfigResult) -> float:
+        """How close to its SLOs a configuration runs at the target (the larger of latency over bound): ties' decider."""
+        pairs = [(r.ttft_p90_s, slo.ttft_s), (r.tpot_p90_s, slo.tpot_s)]
+        return max((math.inf if v is None else v / b for v, b in pairs if b), default=0.0)
+
+    best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, load(r), r.label)) if able else None
     target, unit = search.target_rate, search.unit
     lowest = max(search.settings.min_rate, 1.0) if unit == "users" else search.settings.min_rate
     for r in ok:
@@ -546,8 +553,11 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
                 r.reason = (f"capacity {r.capacity_rps:.3g} {unit} or more: at {at} its {search.settings.max_requests} "
                             f"probe requests {why} (raise search.max_requests)")
         else:
-            r.reason = f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more" \
-                if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
+            r.reason = (f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more"
+                        if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
+                        if r.capacity_rps < best.capacity_rps else
+                        f"as cheap and as much capacity, nearer its SLOs at the target ({load(r):.0%} of a bound, "
+                        f"the recommended {load(best):.0%})")
     return SearchResult(search.name, target, search.slo.model_dump(mode="json"), rows, best,
                         probes=sum(r.probes for r in rows), settings=search.settings.model_dump(), unit=unit)
 

@@ -85,6 +85,25 @@ def test_the_recommendation_is_the_cheapest_that_carries_the_target_and_the_othe
     assert json.dumps(result.to_json())
 
 
+def test_a_tie_in_cost_and_capacity_goes_to_the_configuration_further_from_its_slos():
+    """Two configurations as cheap with the same capacity: the one with more headroom at the target is recommended
+    (whatever their labels' order), and the other says so rather than claiming less capacity."""
+    from infersim.search import ConfigResult, rank
+
+    search = parse_search_spec(spec(replicas=[1]))
+    slo = search.slo
+    row = lambda label, ttft, tpot: ConfigResult(label, {}, {}, usd_per_hour=2.0, capacity_rps=5.0,  # noqa: E731
+                                                 ttft_p90_s=ttft * slo.ttft_s, tpot_p90_s=tpot * slo.tpot_s,
+                                                 meets_at_target=True)
+    near, far = row("a-near", 0.9, 0.5), row("b-far", 0.3, 0.6)
+    result = rank(search, [near, far])
+    assert result.recommended is far
+    assert near.reason.startswith("as cheap and as much capacity") and "90%" in near.reason and "60%" in near.reason
+    less = row("c-less", 0.1, 0.1)
+    less.capacity_rps = 4.0
+    assert rank(search, [less, far]).recommended is far and less.reason == "as cheap, less capacity"
+
+
 def test_same_results_in_one_process_in_several_and_on_ray():
     search = parse_search_spec(spec(hardware=["A100-80GB", "H100-SXM"], pools=[None, [1, 1]]))
     rows = lambda r: [{k: v for k, v in row.items()} for row in r.to_json()["rows"]]  # noqa: E731
