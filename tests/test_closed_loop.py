@@ -237,22 +237,30 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=11)
 
 
-def test_the_executor_keeps_the_users_loop_and_rejects_what_the_simulator_rejects(tmp_path, checkpoint):
-    """A tiny model served by 3 users: never more than 3 in flight, each request sent its think time after the
-    user's one before it ended, the too-long ones rejected as the simulator rejects them, and the users go on."""
+def serve_users(tmp_path, checkpoint, name: str, **sections):
+    """A tiny-model closed loop (the workload's arrival dropped) served on the executor: (plan, specs, engine,
+    requests)."""
     from executor.serve import serve
-    from sim.simulator.cluster import simulate
 
-    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-users", kv_cache={"num_blocks": 128},
-                               serving={"max_model_len": 64},
-                               workload={"num_requests": 18, "prompt_len": {"dist": "uniform", "min": 4, "max": 80},
-                                         "closed_loop": {"users": 3, "think_time_s": 0.005}})
+    path = write_tiny_scenario(tmp_path, checkpoint, name=name, kv_cache={"num_blocks": 128}, **sections)
     data = yaml.safe_load(path.read_text())
     data["workload"].pop("arrival")
     path.write_text(yaml.safe_dump(data))
     _, plan = load_scenario(path)
     specs = generate_requests(plan.workload, plan.base_dir)
-    _, _, _, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    _, _, engine, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    return plan, specs, engine, requests
+
+
+def test_the_executor_keeps_the_users_loop_and_rejects_what_the_simulator_rejects(tmp_path, checkpoint):
+    """A tiny model served by 3 users: never more than 3 in flight, each request sent its think time after the
+    user's one before it ended, the too-long ones rejected as the simulator rejects them, and the users go on."""
+    from sim.simulator.cluster import simulate
+
+    plan, specs, _, requests = serve_users(tmp_path, checkpoint, "tiny-users", serving={"max_model_len": 64},
+                                           workload={"num_requests": 18,
+                                                     "prompt_len": {"dist": "uniform", "min": 4, "max": 80},
+                                                     "closed_loop": {"users": 3, "think_time_s": 0.005}})
     reqs = {r.id: r for r in requests}
     assert len(reqs) == 18 and all(r.is_done for r in requests) and in_flight(requests) <= 3
     for s in specs:
@@ -267,21 +275,13 @@ def test_the_executor_s_users_hold_conversations_one_after_another(tmp_path, che
     """A tiny model served by 2 users holding conversations: a later turn resends its conversation so far, a user's
     next conversation opens with a prompt of its own, each sent its think time after the turn before it ended, and
     never more than 2 in flight."""
-    from executor.serve import serve
-
-    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-chat-users", kv_cache={"num_blocks": 128},
-                               workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 8, "max": 20},
-                                         "output_len": {"dist": "uniform", "min": 2, "max": 6},
-                                         "closed_loop": {"users": 2, "think_time_s": 0.005},
-                                         "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 3},
-                                                          "think_time_s": 0.005,
-                                                          "user_len": {"dist": "fixed", "value": 4}}})
-    data = yaml.safe_load(path.read_text())
-    data["workload"].pop("arrival")
-    path.write_text(yaml.safe_dump(data))
-    _, plan = load_scenario(path)
-    specs = generate_requests(plan.workload, plan.base_dir)
-    _, _, engine, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    _, specs, engine, requests = serve_users(
+        tmp_path, checkpoint, "tiny-chat-users",
+        workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 8, "max": 20},
+                  "output_len": {"dist": "uniform", "min": 2, "max": 6},
+                  "closed_loop": {"users": 2, "think_time_s": 0.005},
+                  "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 3}, "think_time_s": 0.005,
+                                   "user_len": {"dist": "fixed", "value": 4}}})
     reqs = {r.id: r for r in requests}
     assert len(reqs) == len(specs) > 6 and all(r.status is Status.FINISHED for r in requests)
     assert in_flight(requests) <= 2
