@@ -37,6 +37,7 @@ from sim.report.capacity import (
     Grid,
     check_has_slo,
     check_scalable,
+    lowest,
     probe_rows,
     scaled,
     users_grid,
@@ -539,14 +540,14 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
 
     best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, load(r), r.label)) if able else None
     target, unit = search.target_rate, search.unit
-    lowest = max(search.settings.min_rate, 1.0) if unit == "users" else search.settings.min_rate
+    bottom = lowest(unit, search.settings.min_rate)
     for r in ok:
         if r is best:
             continue
         if r.capacity_rps < target:
             at = f"{r.missed_at_rps:.3g}" if r.missed_at_rps is not None else "the grid's top"
             r.reason = (f"SLO missed at {at} {unit}: capacity {r.capacity_rps:.3g} < target {target:.3g}"
-                        if r.capacity_rps else f"SLO missed even at {lowest:g} {unit}")
+                        if r.capacity_rps else f"SLO missed even at {bottom:g} {unit}")
             if r.probe_limited:
                 why = (f"are fewer than {STEADY_ROUNDS} per user, too few to show a sustained load" if unit == "users"
                        else "start their conversations too close together to show a sustained rate")

@@ -160,11 +160,15 @@ class Grid:
                 memo[self.point(x)] = meets(self.point(x))
             return memo[self.point(x)]
 
-        lowest = max(min_rate, 1.0) if self.unit == "users" else min_rate
-        found = grid_capacity(once, self.target, precision, lowest, max_rate)
+        found = grid_capacity(once, self.target, precision, lowest(self.unit, min_rate), max_rate)
         return Capacity(self.point(found.rate) if found.rate else 0.0,
                         None if found.missed_at is None else self.point(found.missed_at),
                         [(self.point(x), ok) for x, ok in found.tried])
+
+
+def lowest(unit: str, min_rate: float) -> float:
+    """The grid's lowest point: `min_rate`, or for users at least one."""
+    return max(min_rate, 1.0) if unit == "users" else min_rate
 
 
 def users_grid(workload, base_dir, max_requests: int, target: float) -> Grid:
