@@ -4,8 +4,9 @@ simulator with the same definition and the same rate grid (sim/report/capacity.p
 
 Each probe serves the scenario's requests with their arrival gaps scaled to the probe's rate, so every rate sees the
 same prompts, outputs and burst pattern; a closed loop's capacity is counted in users instead, each probe dealing the
-same requests and think times to that many users (sim.report.capacity.users_probe). With `--profile-alongside` a slice of the profile sweep runs before each
-probe, so the profile predicting the capacity saw the machine in the same minutes. The prediction is reported raw
+same requests and think times to that many users (sim.report.capacity.users_probe). With `--profile-alongside` a
+slice of the profile sweep runs before each probe, so the profile predicting the capacity saw the machine in the same
+minutes. The prediction is reported raw
 and at the probes' own step speed (the profile scaled by their measured over predicted step time)."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from calibration.validate import print_stage, run_real, simulated, slo_metrics, 
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.cost.build import make_cost_model
-from sim.report.capacity import Grid, offered_rate, probe_rows, scaled, users_grid
+from sim.report.capacity import Grid, offered_rate, probe_rows, rates_grid, users_grid
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
 
@@ -28,8 +29,7 @@ def probe_grid(plan: Plan, specs: list[RequestSpec]) -> Grid:
     loop = plan.workload.closed_loop
     if loop is not None:
         return users_grid(plan.workload, plan.base_dir, len(specs), float(loop.users))
-    base = probe_rows(specs)
-    return Grid(lambda x: scaled(base, x), offered_rate([s.arrival_s for s in specs]), "req/s")
+    return rates_grid(probe_rows(specs), offered_rate([s.arrival_s for s in specs]))
 
 
 def predicted_capacity(plan: Plan, profile: Path, grid: Grid, precision: float, scale: float = 1.0) -> tuple:

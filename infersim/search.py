@@ -34,12 +34,11 @@ from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
 from sim.report.capacity import (
     STEADY_ROUNDS,
-    Grid,
     check_has_slo,
     check_scalable,
     lowest,
     probe_rows,
-    scaled,
+    rates_grid,
     users_grid,
     why_failed,
 )
@@ -223,7 +222,8 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         if spec.target.users is not None:
             raise ConfigError("target.users is a closed loop's (scenario workload.closed_loop); give target.rate",
                               "target.users")
-        rate, unit = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests)), "req/s"
+        unit = "req/s"
+        rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
     slo = spec.target.slo or scenario.slo
     check_has_slo(slo, "target.slo")
     return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search, unit)
@@ -452,7 +452,7 @@ def search_one(probe: Probe) -> ConfigResult:
         return row
     settings = SearchSettings(**probe.settings)
     grid = users_grid(plan.workload, plan.base_dir, settings.max_requests, probe.target_rate) \
-        if probe.unit == "users" else Grid(lambda x: scaled(probe.specs, x), probe.target_rate, "req/s")
+        if probe.unit == "users" else rates_grid(probe.specs, probe.target_rate)
     runs: dict[float, tuple[bool, dict | None, str]] = {}
 
     def meets(x: float) -> bool:
@@ -534,7 +534,7 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
     slo = search.slo
 
     def load(r: ConfigResult) -> float:
-        """How close to its SLOs a configuration runs at the target (the larger of latency over bound): ties' decider."""
+        """How close to its SLOs a configuration runs at the target (its largest latency over bound): decides ties."""
         pairs = [(r.ttft_p90_s, slo.ttft_s), (r.tpot_p90_s, slo.tpot_s)]
         return max((math.inf if v is None else v / b for v, b in pairs if b), default=0.0)
 
@@ -553,11 +553,12 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
                        else "start their conversations too close together to show a sustained rate")
                 r.reason = (f"capacity {r.capacity_rps:.3g} {unit} or more: at {at} its {search.settings.max_requests} "
                             f"probe requests {why} (raise search.max_requests)")
+        elif r.usd_per_hour > best.usd_per_hour:
+            r.reason = f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more"
+        elif r.capacity_rps < best.capacity_rps:
+            r.reason = "as cheap, less capacity"
         else:
-            r.reason = (f"carries the target but costs ${r.usd_per_hour - best.usd_per_hour:.2f}/h more"
-                        if r.usd_per_hour > best.usd_per_hour else "as cheap, less capacity"
-                        if r.capacity_rps < best.capacity_rps else
-                        f"as cheap and as much capacity, nearer its SLOs at the target ({load(r):.0%} of a bound, "
+            r.reason = (f"as cheap and as much capacity, nearer its SLOs at the target ({load(r):.0%} of a bound, "
                         f"the recommended {load(best):.0%})")
     return SearchResult(search.name, target, search.slo.model_dump(mode="json"), rows, best,
                         probes=sum(r.probes for r in rows), settings=search.settings.model_dump(), unit=unit)

@@ -607,6 +607,8 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
         _check_span(arrivals, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the trace's "
                     f"{t[rows[-1]] - t[rows[0]]:.4g} s")
+        if cfg.closed_loop is not None:  # the rows in the trace's order; the users send them
+            arrivals = np.zeros(len(rows))
         if len(rows) + n_burst > MAX_REQUESTS:
             raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
                               f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")
@@ -637,8 +639,6 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         output = np.concatenate((traces.draw(cfg.output_len, rng_o, n, ko),
                                  traces.draw(cfg.output_len, rng_bo, n_burst, ko)))
         more_outputs = lambda rng, n: traces.draw(cfg.output_len, rng, n, ko)  # noqa: E731
-    if cfg.closed_loop is not None:
-        arrivals = np.zeros(len(arrivals))  # a trace's rows in its order; the users send them
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())

@@ -171,6 +171,11 @@ def lowest(unit: str, min_rate: float) -> float:
     return max(min_rate, 1.0) if unit == "users" else min_rate
 
 
+def rates_grid(rows: tuple, target: float) -> Grid:
+    """An open workload's grid: its requests (probe_rows) with their arrival gaps scaled to each rate."""
+    return Grid(lambda x: scaled(rows, x), target, "req/s")
+
+
 def users_grid(workload, base_dir, max_requests: int, target: float) -> Grid:
     """A closed loop's grid: probes of its first `max_requests` requests dealt to each count of users."""
     return Grid(lambda x: users_probe(workload, base_dir, int(x), max_requests), target, "users")
