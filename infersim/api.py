@@ -330,9 +330,10 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
                       profile: Path | None = None, threads: int | None = None, alongside: Path | None = None,
                       precision: float = 0.05, requests: int | None = None) -> tuple[list[dict], Path]:
     """Each scenario's capacity (the highest rate meeting its SLOs; a closed loop's: the most users) measured on the
-    executor by a search of real serves and predicted by the simulator on the same grid: (each scenario's capacity.json content, the
-    profile predicted with). `alongside`: profile meanwhile (a sweep slice before each probe) and predict with it.
-    `requests`: the probes' workload has this many requests (the scenario's distributions and seed)."""
+    executor by a search of real serves and predicted by the simulator on the same grid: (each scenario's
+    capacity.json content, the profile predicted with). `alongside`: profile meanwhile (a sweep slice before each
+    probe) and predict with it. `requests`: the probes' workload has this many requests (the scenario's
+    distributions and seed)."""
     from calibration.capacity import validate_capacity as measure
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader

@@ -252,8 +252,8 @@ def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> Non
 
 def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
     units = sorted({r.get("unit", "req/s") for r in results})
-    t = Table("scenario", f"measured {' / '.join(units)}", "missed at", "predicted", "error %", "at run speed", "error %",
-              "probes")
+    t = Table("scenario", f"measured {' / '.join(units)}", "missed at", "predicted", "error %", "at run speed",
+              "error %", "probes")
     for r in results:
         m, p, s = r["measured"], r["predicted"], r["predicted_at_run_speed"] or {}
         t.add_row(r["scenario"], _num(m["capacity_rps"]), _num(m["missed_at_rps"]), _num(p["capacity_rps"]),
@@ -261,7 +261,8 @@ def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
                   " ".join(f"{q['rate']:.3g}{'+' if q['passes'] else '-'}{'' if q['sim_passes'] == q['passes'] else '!'}"
                            for q in r["probes"]))
     Console().print(f"capacity on {device} (grid step {results[0]['precision']:.0%}) vs simulated with {prof}; "
-                    "probes: rate (a closed loop: users), + met the SLOs / - missed, ! where the simulator said otherwise")
+                    "probes: rate (a closed loop: users), + met the SLOs / - missed, ! where the simulator said "
+                    "otherwise")
     Console().print(t)
 
 
@@ -318,8 +319,8 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
     keep = [0, 1, 4, 5, 6, 8, 9]  # search.md has every column; the terminal the ones that decide
     columns = srch.header(result.unit)
     t = Table(*(columns[i] for i in keep[:-1]), Column(columns[-1], overflow="fold"),
-              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} {result.unit} ({result.probes} "
-              f"probes, {result.wall_s:.1f} s)")
+              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} {result.unit} "
+              f"({result.probes} probes, {result.wall_s:.1f} s)")
     for row in srch.table_rows(result)[:30]:
         t.add_row(*(row[i] for i in keep))
     console.print(t)

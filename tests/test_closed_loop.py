@@ -109,7 +109,8 @@ def test_a_rejected_turn_ends_its_conversation_not_its_user():
 
 def test_a_trace_s_lengths_are_sent_by_the_users_in_its_order():
     trace = {"trace": {"path": "builtin:azure_conv", "max_requests": 50}}
-    specs = generate_requests(parse_scenario({**scenario(), "workload": {**trace, "closed_loop": {"users": 5}}}).workload)
+    loop = {**scenario(), "workload": {**trace, "closed_loop": {"users": 5}}}
+    specs = generate_requests(parse_scenario(loop).workload)
     rows = generate_requests(parse_scenario({**scenario(), "workload": trace}).workload)
     assert [(s.prompt_len, s.output_len) for s in specs] == [(s.prompt_len, s.output_len) for s in rows]
     assert all(s.arrival_s == 0 for s in specs) and sum(s.after < 0 for s in specs) == 5

@@ -306,13 +306,19 @@ def test_compare_two_configurations_on_one_workload():
     assert at.warning[0].value == "Pick two or more configurations to compare."
 
 
-def test_search_runs_and_opens_a_configuration_in_whatif():
+def searched(name: str, spec: str) -> AppTest:
+    """The Search page after uploading `spec` and running it in one process, checked free of errors."""
     at = open_page("search_page.py")
-    at.file_uploader(key="search.upload").set_value(("tiny.yaml", TINY_SEARCH.encode(), "application/x-yaml")).run()
+    at.file_uploader(key="search.upload").set_value((name, spec.encode(), "application/x-yaml")).run()
     at.number_input(key="search.workers").set_value(1)
     at.button(key="search.run").click().run()
     assert_clean(at)
     assert not errors(at)
+    return at
+
+
+def test_search_runs_and_opens_a_configuration_in_whatif():
+    at = searched("tiny.yaml", TINY_SEARCH)
     assert at.success[0].value.startswith("Recommended: hardware=A100-80GB replicas=1: 1 devices, $1.79/h")
     assert len(at.dataframe[0].value) == 4 and len(at.get("plotly_chart")) == 2  # cost vs capacity, vs TPOT
     at.selectbox(key="search.open.pick").set_value("hardware=A100-80GB replicas=2")
@@ -329,12 +335,7 @@ def test_search_of_a_closed_loop_counts_users():
     spec = TINY_SEARCH.replace("    arrival: {process: poisson, rate: 2}\n", "").replace(
         "    num_requests: 100\n", "    num_requests: 100\n    closed_loop: {users: 8, think_time_s: 1}\n").replace(
         "target: {rate: 2}", "target: {users: 8}")
-    at = open_page("search_page.py")
-    at.file_uploader(key="search.upload").set_value(("users.yaml", spec.encode(), "application/x-yaml")).run()
-    at.number_input(key="search.workers").set_value(1)
-    at.button(key="search.run").click().run()
-    assert_clean(at)
-    assert not errors(at)
+    at = searched("users.yaml", spec)
     assert "users (target 8)" in at.success[0].value
     assert "capacity users" in at.dataframe[0].value.columns
 

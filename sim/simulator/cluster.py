@@ -31,8 +31,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
-    arrivals = Arrivals(env, specs, done, request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len),
-                        SameInstant(env))
+    make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)
+    arrivals = Arrivals(env, specs, done, make, SameInstant(env))
     replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
                                        arrivals_known=arrivals.known)
     router = make_router(plan.router)

@@ -107,7 +107,8 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
 class Arrivals:
     """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A request
     that follows another (RequestSpec.after: a conversation's later turn, a closed loop user's next request) arrives
-    its think time after that one ends (sim.policy.conversation). `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short of it)."""
+    its think time after that one ends (sim.policy.conversation). `next_arrival()` is the earliest arrival known now
+    (the replicas' bulk decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
                  make_request: Callable[[RequestSpec], Request], instant: SameInstant):
