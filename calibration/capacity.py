@@ -37,12 +37,17 @@ def predicted_capacity(plan: Plan, profile: Path, grid: Grid, precision: float, 
     runs: dict[float, tuple] = {}
 
     def meets(x: float) -> bool:
-        specs = grid.probe(x)
-        _, records, m = simulated(plan, profile, scale, specs)
-        runs[x] = m, grid.passes(m, records, specs, x)
+        runs[x] = simulated_verdict(plan, profile, grid, x, scale)
         return runs[x][1]
 
     return grid.search(meets, precision), runs
+
+
+def simulated_verdict(plan: Plan, profile: Path, grid: Grid, x: float, scale: float = 1.0) -> tuple:
+    """The simulator's run of the grid's probe at `x`: (metrics, whether it meets the SLOs)."""
+    specs = grid.probe(x)
+    _, records, m = simulated(plan, profile, scale, specs)
+    return m, grid.passes(m, records, specs, x)
 
 
 def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: int | None, loaded,
@@ -80,9 +85,7 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
     at_speed = predicted_capacity(plan, profile, grid, precision, speed)[0] if speed else None
     for p in probes:  # the simulator's verdict at each rate the executor was probed at
         if p["rate"] not in sim_runs:
-            specs = grid.probe(p["rate"])
-            _, records, m = simulated(plan, profile, 1.0, specs)
-            sim_runs[p["rate"]] = m, grid.passes(m, records, specs, p["rate"])
+            sim_runs[p["rate"]] = simulated_verdict(plan, profile, grid, p["rate"])
         m, p["sim_passes"] = sim_runs[p["rate"]]
         p["sim"] = _summary(m)
     result = {"scenario": plan.name, "device": device, "profile": str(profile), "unit": grid.unit,
