@@ -1,5 +1,5 @@
 """What one scenario may ask of the tool, checked when it is validated, before anything is allocated: past these
-a run would take minutes to hours or tens of GB before failing (the README's "Limits" lists them)."""
+a run would take minutes to hours or tens of GB before failing (docs/reference.md, "Limits", lists them)."""
 
 MAX_REQUESTS = 2_000_000  # requests in one run (trace rows, num_requests, rate × duration_s, bursts): ~6 KB each
 MAX_REPLICAS = 10_000
