@@ -107,6 +107,7 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
 def _summary(m: dict) -> dict:
     slo = m["slo"]
     return {"ttft_at_quantile_s": slo["ttft_at_quantile_s"], "tpot_at_quantile_s": slo["tpot_at_quantile_s"],
+            "e2e_at_quantile_s": slo["e2e_at_quantile_s"],
             "requests_per_s": m["throughput"]["requests_per_s"], "completed": m["requests"]["completed"],
             "rejected": m["requests"]["rejected"]}
 

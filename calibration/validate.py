@@ -244,8 +244,7 @@ def plain_of(plan: Plan) -> Plan:
 
 def slo_metrics(plan: Plan, records: RequestRecords) -> dict:
     """compute_metrics under the plan's SLO."""
-    slo = plan.slo
-    return compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
+    return compute_metrics(records, plan.slo)
 
 
 # Speculative scenarios are simulated this many times, each with its own acceptance draws, and the metrics

@@ -383,12 +383,14 @@ def _trace(f: Form, w: dict) -> dict | None:
 def slo(f: Form, seeded: dict | None) -> dict:
     """The latency targets (seconds; empty: none) and the quantile that must meet them."""
     s = dict(seeded or {})
-    c1, c2, c3 = st.columns(3)
+    c1, c2, c3, c4 = st.columns(4)
     with c1:
         s["ttft_s"] = f.number("TTFT target (s)", "slo.ttft_s", s.get("ttft_s"), step=0.1, optional=True)
     with c2:
         s["tpot_s"] = f.number("TPOT target (s)", "slo.tpot_s", s.get("tpot_s"), step=0.01, optional=True)
     with c3:
+        s["e2e_s"] = f.number("E2E target (s)", "slo.e2e_s", s.get("e2e_s"), step=1.0, optional=True)
+    with c4:
         s["quantile"] = f.number("Quantile", "slo.quantile", s.get("quantile", 0.9), hi=1.0, step=0.05)
     return {k: v for k, v in s.items() if v is not None}
 

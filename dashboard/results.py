@@ -47,7 +47,8 @@ def headline(report: dict) -> None:
 def slo_line(report: dict) -> None:
     """Whether the SLO holds, in one coloured line."""
     slo = report["slo"]
-    targets = ", ".join(f"{name} ≤ {slo[key]:g} s" for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"))
+    targets = ", ".join(f"{name} ≤ {slo[key]:g} s" for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
+                                                                         ("E2E", "e2e_s"))
                         if slo.get(key) is not None)
     if not targets:
         st.info("No SLO set: goodput counts every completed request.")

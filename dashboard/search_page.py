@@ -43,7 +43,7 @@ def rows_table(result) -> pd.DataFrame:
                            "devices": r.devices, "$/h": r.usd_per_hour,
                            f"capacity {result.unit}": r.capacity_rps if r.status == "ok" else None,
                            "$ per 1M tokens": r.usd_per_million_tokens, "TTFT q (s)": r.ttft_p90_s,
-                           "TPOT q (s)": r.tpot_p90_s, "Pareto": r.pareto, "why not / note": r.reason}
+                           "TPOT q (s)": r.tpot_p90_s, "E2E q (s)": r.e2e_p90_s, "Pareto": r.pareto, "why not / note": r.reason}
                            for r in ordered])
     numbers = [f"capacity {result.unit}", "$ per 1M tokens", "TTFT q (s)", "TPOT q (s)"]
     table[numbers] = table[numbers].apply(pd.to_numeric)  # None → NaN, shown as "-"

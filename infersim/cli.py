@@ -316,7 +316,7 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
         srch.write_outputs(out, result)
     if quiet:
         return
-    keep = [0, 1, 4, 5, 6, 8, 9]  # search.md has every column; the terminal the ones that decide
+    keep = [0, 1, 4, 5, 6, 8, 10]  # search.md has every column; the terminal the ones that decide
     columns = srch.header(result.unit)
     t = Table(*(columns[i] for i in keep[:-1]), Column(columns[-1], overflow="fold"),
               title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} {result.unit} "

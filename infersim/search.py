@@ -118,6 +118,7 @@ class ConfigResult:
     usd_per_million_tokens: float | None = None  # at capacity
     ttft_p90_s: float | None = None  # at the target rate (the SLO's quantile)
     tpot_p90_s: float | None = None
+    e2e_p90_s: float | None = None
     meets_at_target: bool = False
     probe_limited: bool = False  # the rate above capacity failed only as the probe was too short (conversations, users)
     probes: int = 0
@@ -407,25 +408,26 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
 
     slo = plan.slo
     allowed = (1 - slo.quantile) * len(specs) + 1
-    misses = [0, 0]
+    misses = [0, 0, 0]  # requests past the TTFT, TPOT and E2E targets so far
 
     def watch(r) -> bool:
         if r is None or r.first_token_s is None:
-            misses[0] += 1
-            misses[1] += 1
+            misses[:] = [m + 1 for m in misses]
         else:
             if slo.ttft_s is not None and r.first_token_s - r.arrival_s > slo.ttft_s:
                 misses[0] += 1
             if slo.tpot_s is not None and r.max_tokens > 1 and \
                     (r.finish_s - r.first_token_s) / (r.max_tokens - 1) > slo.tpot_s:
                 misses[1] += 1
-        return misses[0] > allowed or misses[1] > allowed
+            if slo.e2e_s is not None and r.finish_s - r.arrival_s > slo.e2e_s:
+                misses[2] += 1
+        return max(misses) > allowed
 
     result = simulate(plan, specs, watch=watch if early_stop else None)
     if result.stopped:
         return False, None, "slo"
     records = sim_records(result)
-    metrics = compute_metrics(records, slo.ttft_s, slo.tpot_s, slo.quantile)
+    metrics = compute_metrics(records, slo)
     why = why_failed(metrics, records, specs, users)
     return not why, metrics, why
 
@@ -464,7 +466,8 @@ def search_one(probe: Probe) -> ConfigResult:
     row.meets_at_target = at_target is not None and at_target[0]
     if row.meets_at_target:  # a probe that meets the SLOs ran to its end: its quantiles are the run's
         q = at_target[1]["slo"]
-        row.ttft_p90_s, row.tpot_p90_s = q["ttft_at_quantile_s"], q["tpot_at_quantile_s"]
+        row.ttft_p90_s, row.tpot_p90_s, row.e2e_p90_s = (q["ttft_at_quantile_s"], q["tpot_at_quantile_s"],
+                                                         q["e2e_at_quantile_s"])
     row.probes = len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
     row.probe_limited = found.missed_at is not None and runs[found.missed_at][2] == "unsteady"
@@ -535,7 +538,7 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
 
     def load(r: ConfigResult) -> float:
         """How close to its SLOs a configuration runs at the target (its largest latency over bound): decides ties."""
-        pairs = [(r.ttft_p90_s, slo.ttft_s), (r.tpot_p90_s, slo.tpot_s)]
+        pairs = [(r.ttft_p90_s, slo.ttft_s), (r.tpot_p90_s, slo.tpot_s), (r.e2e_p90_s, slo.e2e_s)]
         return max((math.inf if v is None else v / b for v, b in pairs if b), default=0.0)
 
     best = min(able, key=lambda r: (r.usd_per_hour, -r.capacity_rps, load(r), r.label)) if able else None
@@ -578,12 +581,12 @@ def table_rows(result: SearchResult) -> list[list[str]]:
                     ("≥ " if r.probe_limited else "") + num(r.capacity_rps if r.status == "ok" else None, ".3g"),
                     num(r.usd_per_million_tokens, ".3f"),
                     num(r.ttft_p90_s, ".3f"), num(None if r.tpot_p90_s is None else r.tpot_p90_s * 1e3, ".1f"),
-                    r.reason])
+                    num(r.e2e_p90_s, ".3f"), r.reason])
     return out
 
 
 HEADER = ["", "configuration", "status", "devices", "$/h", "capacity req/s", "$/1M tok", "TTFT q s (target)",
-          "TPOT q ms (target)", "why not / note"]
+          "TPOT q ms (target)", "E2E q s (target)", "why not / note"]
 
 
 def header(unit: str) -> list[str]:

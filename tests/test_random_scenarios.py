@@ -239,7 +239,7 @@ def colocated(draw, max_requests: int = 40) -> dict:
     if not static and draw(st.integers(0, 2)) == 0:
         sc["speculative"] = draw(speculative())
     if draw(st.booleans()):
-        sc["slo"] = {"ttft_s": 0.05, "tpot_s": 0.01, "quantile": draw(st.sampled_from([0.5, 1.0]))}
+        sc["slo"] = {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 1.0, "quantile": draw(st.sampled_from([0.5, 1.0]))}
     return sc
 
 

@@ -68,6 +68,7 @@ class KVCacheConfig(StrictModel):
 class SLOConfig(StrictModel):
     ttft_s: PositiveFloat | None = None
     tpot_s: PositiveFloat | None = None
+    e2e_s: PositiveFloat | None = Field(None, description="end-to-end latency, arrival to last token (vLLM's e2el)")
     quantile: float = Field(0.9, gt=0, le=1, description="the SLO holds if this quantile meets each target")
 
 

@@ -81,9 +81,9 @@ def users_probe(workload, base_dir, users: int, max_requests: int) -> list[Reque
 
 
 def check_has_slo(slo, key_path: str = "slo") -> None:
-    """A capacity is the highest rate that meets an SLO: it needs a TTFT or TPOT bound to meet."""
-    if slo.ttft_s is None and slo.tpot_s is None:
-        raise ConfigError("a capacity needs an SLO to meet: give it a ttft_s or tpot_s", key_path)
+    """A capacity is the highest rate that meets an SLO: it needs a TTFT, TPOT or E2E bound to meet."""
+    if slo.ttft_s is None and slo.tpot_s is None and slo.e2e_s is None:
+        raise ConfigError("a capacity needs an SLO to meet: give it a ttft_s, tpot_s or e2e_s", key_path)
 
 
 def offered_rate(arrivals) -> float:

@@ -142,19 +142,27 @@ def per_request_latency(rec: RequestRecords) -> dict[str, np.ndarray]:
             "tpot": np.where(done, tpot, np.nan)}
 
 
-def slo_mask(lat: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> np.ndarray:
+SLO_TARGETS = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"))  # per-request latency, the SLO's key
+
+
+def slo_targets(slo) -> list[tuple[str, str, float]]:
+    """The SLO's targets that are set: (per-request latency name, key, bound). `slo`: an SLOConfig or None."""
+    if slo is None:
+        return []
+    return [(name, key, getattr(slo, key)) for name, key in SLO_TARGETS if getattr(slo, key) is not None]
+
+
+def slo_mask(lat: dict[str, np.ndarray], slo) -> np.ndarray:
     """Per request: completed and within every target (a request with one token has no TPOT to miss)."""
     ok = ~np.isnan(lat["e2e"])
-    if ttft_s is not None:
-        ok &= lat["ttft"] <= ttft_s
-    if tpot_s is not None:
-        ok &= np.isnan(lat["tpot"]) | (lat["tpot"] <= tpot_s)
+    for name, _, bound in slo_targets(slo):
+        ok &= (np.isnan(lat[name]) | (lat[name] <= bound)) if name == "tpot" else lat[name] <= bound
     return ok
 
 
-def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-                    slo_quantile: float = 0.9) -> dict:
-    """The latency / throughput / SLO sections of report.json."""
+def compute_metrics(rec: RequestRecords, slo=None) -> dict:
+    """The latency / throughput / SLO sections of report.json. `slo`: the scenario's (an SLOConfig: `ttft_s`,
+    `tpot_s`, `e2e_s` targets on its `quantile`), or None."""
     n = len(rec.id)
     done = rec.completed
     lat = per_request_latency(rec)
@@ -163,27 +171,30 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
     out_tokens = int(rec.output_len[done].sum())
     in_tokens = int(rec.prompt_len[done].sum())
     rate = (lambda v: v / duration if duration > 0 else 0.0)  # noqa: E731
-    good = slo_mask(lat, ttft_slo_s, tpot_slo_s)
+    good = slo_mask(lat, slo)
     reasons: dict[str, int] = {}
     for reason, c in zip(rec.reject_reason, done):
         if not c:
             key = reason or "unknown"
             reasons[key] = reasons.get(key, 0) + 1
+    quantile = slo.quantile if slo is not None else 0.9
 
     def q(x):
         x = x[~np.isnan(x)]
-        return float(np.quantile(x, slo_quantile)) if len(x) else None
+        return float(np.quantile(x, quantile)) if len(x) else None
 
-    ttft_q, tpot_q = q(lat["ttft"]), q(lat["tpot"])
-    slo_met = (ttft_slo_s is None or (ttft_q is not None and ttft_q <= ttft_slo_s)) and \
-              (tpot_slo_s is None or tpot_q is None or tpot_q <= tpot_slo_s) and bool(done.any())
+    at_q = {name: q(lat[name]) for name, _ in SLO_TARGETS}
+    # TPOT is undefined for one-token requests only: none defined misses nothing; TTFT and E2E need a completion
+    slo_met = bool(done.any()) and all(
+        (at_q[name] is None and name == "tpot") or (at_q[name] is not None and at_q[name] <= bound)
+        for name, _, bound in slo_targets(slo))
     # the same test with every rejected request counted as one that missed: quantiles over completed requests
     # alone can meet an SLO that holds only because the requests that would miss it were turned away
     rejected = int(n - done.sum())
-    slo_met_all = slo_met and (rejected == 0 or (
-        (ttft_slo_s is None or float(np.quantile(np.where(done, lat["ttft"], 1e300), slo_quantile)) <= ttft_slo_s)
-        and (tpot_slo_s is None or float(np.quantile(np.where(done, np.nan_to_num(lat["tpot"], nan=0.0), 1e300),
-                                                      slo_quantile)) <= tpot_slo_s)))
+    slo_met_all = slo_met and (rejected == 0 or all(
+        float(np.quantile(np.where(done, np.nan_to_num(lat[name], nan=0.0), 1e300), quantile)) <= bound
+        for name, _, bound in slo_targets(slo)))
+    targets = {key: getattr(slo, key) if slo is not None else None for _, key in SLO_TARGETS}
     out = {
         "requests": {"arrived": n, "completed": int(done.sum()), "rejected": int(n - done.sum()),
                      "rejected_by_reason": reasons},
@@ -196,8 +207,8 @@ def compute_metrics(rec: RequestRecords, ttft_slo_s: float | None = None, tpot_s
                        "total_tokens_per_s": rate(out_tokens + in_tokens)},
         "goodput_requests_per_s": rate(int(good.sum())),
         "slo_attainment": float(good.sum() / n) if n else 0.0,
-        "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s, "quantile": slo_quantile,
-                "ttft_at_quantile_s": ttft_q, "tpot_at_quantile_s": tpot_q, "met": bool(slo_met),
+        "slo": {**targets, "quantile": quantile, "ttft_at_quantile_s": at_q["ttft"],
+                "tpot_at_quantile_s": at_q["tpot"], "e2e_at_quantile_s": at_q["e2e"], "met": slo_met,
                 "met_counting_rejected": bool(slo_met_all)},
     }
     if rec.speculation is not None and rec.speculation[:, 0].sum() > 0:

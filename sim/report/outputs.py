@@ -38,7 +38,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                  extra: dict | None = None) -> dict:
     """Assemble report.json. `replicas`: objects with samples, num_blocks, block_size, peak_blocks,
     num_preemptions and step_end (the simulator's ReplicaTrace; the executor fills the same)."""
-    m = compute_metrics(records, plan.slo.ttft_s, plan.slo.tpot_s, plan.slo.quantile)
+    m = compute_metrics(records, plan.slo)
     all_replicas = replicas
     if plan.pools is not None:  # the decode pool holds the long-lived KV: the kv_cache section is its
         replicas = [r for r in replicas if r.pool == "decode"]
@@ -217,8 +217,9 @@ def print_summary(report: dict, console=None) -> None:
     cost = report["cost"]
     console.print(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
                   f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s")
-    console.print(f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms): "
-                  f"{_slo_verdict(slo, rq)}; attainment {report['slo_attainment'] * 100:.1f}%")
+    e2e = f", E2E ≤ {_fmt(slo['e2e_s'])} ms" if slo.get("e2e_s") is not None else ""
+    console.print(f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms"
+                  f"{e2e}): {_slo_verdict(slo, rq)}; attainment {report['slo_attainment'] * 100:.1f}%")
     console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
                   f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
                   f"{kv['capacity_tokens']} tokens"
