@@ -286,6 +286,13 @@ def workload(f: Form, seeded: dict) -> dict | None:
             new["cv"] = f.number("cv", "workload.cv", arrival.get("cv") or 2.0, step=0.5,
                                  help="coefficient of variation of the gaps: 1 is Poisson, > 1 bursty")
     w["arrival"] = new
+    with c3 if process != "gamma" else st.columns(3)[0]:
+        w["max_concurrency"] = f.integer("Client max concurrency", "workload.max_concurrency",
+                                         w.get("max_concurrency"), optional=True, empty="none", hi=MAX_REQUESTS,
+                                         help="vLLM benchmark's --max-concurrency: at most this many requests in "
+                                              "flight; the rest wait at the client (latencies count from sending)")
+    if w["max_concurrency"] is None:
+        del w["max_concurrency"]
     count = w.pop("num_requests", None)
     c1, c2 = st.columns(2)
     with c1:
@@ -308,6 +315,7 @@ def _closed_loop(f: Form, w: dict, loop: dict) -> dict:
     each user holding one after another), not a duration."""
     arrival, duration = w.pop("arrival", None) or {}, w.pop("duration_s", None)
     w.pop("bursts", None)  # the users send every request
+    w.pop("max_concurrency", None)  # the users bound what is in flight
     c1, c2, c3 = st.columns(3)
     with c1:
         users = f.integer("Users", "workload.users", loop.get("users", 32), hi=MAX_REQUESTS)
@@ -357,7 +365,7 @@ def _conversation(f: Form, w: dict) -> dict:
 
 
 def _trace(f: Form, w: dict) -> dict | None:
-    for k in ("arrival", "prompt_len", "output_len", "num_requests", "duration_s", "closed_loop"):
+    for k in ("arrival", "prompt_len", "output_len", "num_requests", "duration_s", "closed_loop", "max_concurrency"):
         w.pop(k, None)
     trace = dict(w.get("trace") or {"path": BUILTIN})
     options = [BUILTIN, UPLOAD] + ([trace["path"]] if trace["path"] != BUILTIN else [])

@@ -284,7 +284,7 @@ class PrefillDriver:
         kv = self.engine.scheduler.kv
         make = request_maker(kv.prefix_caching, kv.block_size, self.engine.scheduler.cfg.max_model_len)
         self.requests = [make(s) for s in specs]
-        self.arrivals = Arrivals(self.requests, specs, self.corpus)
+        self.arrivals = Arrivals(self.requests, specs, self.corpus, self.plan.workload.max_concurrency)
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:

@@ -26,6 +26,7 @@ from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
+from sim.policy.client import ClientGate
 from sim.policy.conversation import Conversations, continues, ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
@@ -192,11 +193,15 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
 class Arrivals:
     """What a replay sends, and when: first turns at their arrival times; a conversation's later turn its think time
     after the turn before it ends, its prompt that turn's tokens and its own new ones (next_turn_ids), or rejected
-    with it; a closed loop user's next request its think time after the one before it ended. One bookkeeping for the
-    colocated replay and the disaggregated driver."""
+    with it; a closed loop user's next request its think time after the one before it ended. With `max_concurrency`,
+    a request whose time comes while that many are in flight waits at the client and is sent when one ends, its
+    arrival then (sim.policy.client). One bookkeeping for the colocated replay and the disaggregated driver."""
 
-    def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int]):
+    def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int],
+                 max_concurrency: int | None = None):
         self.requests, self.specs, self.corpus = requests, specs, corpus
+        self.gate = ClientGate(max_concurrency) if max_concurrency is not None else None
+        self.flight: set[int] = set()  # with the gate: indices of requests sent that had not ended at the last look
         self.turns = Conversations(specs)
         self.first = [i for i, s in enumerate(specs) if s.after < 0]
         self.index = {r.id: i for i, r in enumerate(requests)} if self.turns.any else {}
@@ -212,12 +217,15 @@ class Arrivals:
         return min(self._next_first_s(), self.later[0][0] if self.later else math.inf)
 
     def pending(self) -> bool:
-        """Whether requests are still to be sent (some may wait for a turn to end)."""
-        return self.nxt < len(self.first) or bool(self.later) or bool(self.open)
+        """Whether requests are still to be sent (some may wait for a turn to end, or at the client for a slot)."""
+        return (self.nxt < len(self.first) or bool(self.later) or bool(self.open)
+                or (self.gate is not None and bool(self.gate.waiting)))
 
     def due(self, now: float) -> list[tuple[Request, list[int]]]:
-        """Every request due by `now`, in arrival order, with its prompt ids."""
-        out = []
+        """Every request to send by `now`, with its prompt ids, in arrival order. With the client's gate, requests
+        that ended since the last look free their slots at their ends, in time order with the arrivals: a request
+        that waited for a slot arrives when the slot freed."""
+        arriving = []
         while self.next_s() <= now:
             if not self.later or self._next_first_s() <= self.later[0][0]:
                 i, self.nxt = self.first[self.nxt], self.nxt + 1
@@ -225,10 +233,30 @@ class Arrivals:
                 ids = prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)
             else:
                 _, i, ids = heapq.heappop(self.later)
-            if self.requests[i].id in self.turns.next_turn:
-                self.open.add(i)
-            out.append((self.requests[i], ids))
+            arriving.append((self.requests[i].arrival_s, 1, i, ids))
+        if self.gate is None:
+            return [self._send(i, ids) for _, _, i, ids in arriving]
+        ending = [(ended_at(self.requests[i], now), 0, i, None) for i in self.flight if self.requests[i].is_done]
+        out = []
+        for t, arrives, i, ids in sorted(ending + arriving):  # at one instant a slot frees before it is taken
+            if arrives:
+                if self.gate.offer((i, ids)):
+                    out.append(self._send(i, ids))
+                continue
+            self.flight.discard(i)
+            waiting = self.gate.release()
+            if waiting is not None:
+                r = self.requests[waiting[0]]
+                r.client_wait_s, r.arrival_s = t - r.arrival_s, t
+                out.append(self._send(*waiting))
         return out
+
+    def _send(self, i: int, ids: list[int]) -> tuple[Request, list[int]]:
+        if self.requests[i].id in self.turns.next_turn:
+            self.open.add(i)
+        if self.gate is not None:
+            self.flight.add(i)
+        return self.requests[i], ids
 
     def ended(self, now: float, sequence) -> None:
         """Turns that ended since the last look: the turn after each is now known (`sequence(req)`: the token ids the
@@ -248,10 +276,12 @@ class Arrivals:
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
-           adapt_threads: bool = False, progress=None, keep_warm: bool = False) -> list[Request]:
+           adapt_threads: bool = False, progress=None, keep_warm: bool = False,
+           max_concurrency: int | None = None) -> list[Request]:
     """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
     sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
-    free. `progress(done, total)` is called as requests end. With `keep_warm`, idle gaps busy-poll instead of
+    free. `progress(done, total)` is called as requests end. `max_concurrency`: the client's limit on requests in
+    flight (Arrivals). With `keep_warm`, idle gaps busy-poll instead of
     sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is sent its
     think time after the turn before it ends (Arrivals)."""
     scheduler = getattr(engine, "engines", [engine])[0].scheduler
@@ -259,7 +289,7 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     requests = [make(s) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, Arrivals(requests, specs, corpus), load, adapt_threads, progress, keep_warm)
+        _replay(engine, Arrivals(requests, specs, corpus, max_concurrency), load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -376,7 +406,8 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
             load = CpuLoad(workers=workers)  # the workers' CPU is the serve's own, not other processes'
             t0 = time.perf_counter()
             requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
-                              progress=progress, keep_warm=plan.executor.keep_warm and device == "cpu")
+                              progress=progress, keep_warm=plan.executor.keep_warm and device == "cpu",
+                              max_concurrency=plan.workload.max_concurrency)
             wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads_before)  # a busy spell must not leave the next run with fewer threads

@@ -272,6 +272,10 @@ class WorkloadConfig(StrictModel):
     shared_prefix: Optional[SharedPrefixConfig] = None
     conversation: Optional[ConversationConfig] = None
     closed_loop: Optional[ClosedLoopConfig] = None
+    max_concurrency: Optional[int] = Field(default=None, gt=0, le=MAX_REQUESTS, description=(
+        "the client's own limit on requests in flight (vLLM's benchmark --max-concurrency): a request whose time "
+        "comes while this many are in flight waits, first come first served, and is sent when one ends; its "
+        "latencies count from when it was sent"))
 
     @model_validator(mode="after")
     def _one_mode(self):
@@ -310,6 +314,8 @@ def _check_closed_loop(w: "WorkloadConfig") -> None:
                          "what the deployment's speed makes it")
     if w.bursts:
         raise ValueError("with 'closed_loop', drop 'bursts': the users send every request")
+    if w.max_concurrency is not None:
+        raise ValueError("with 'closed_loop', drop 'max_concurrency': the users already bound the requests in flight")
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ class Request:
     block_hashes: tuple = ()
     num_registered: int = 0
     conversation: int = -1  # workload.conversation: which one it is a turn of (the session router's key)
+    client_wait_s: float = 0.0  # workload.max_concurrency: how long it waited at the client before it was sent
 
     @property
     def num_tokens(self) -> int:

@@ -106,7 +106,9 @@ def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | No
         return "slo"
     if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
         return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
-    if metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate(records.arrival_s):
+    # the rate the client meant to send at: a request that waited for a slot (max_concurrency) arrived when sent
+    meant = records.arrival_s if records.client_wait_s is None else records.arrival_s - records.client_wait_s
+    if metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate(meant):
         return "keep_up"
     return "" if steady(records, specs) else "unsteady"
 

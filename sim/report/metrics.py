@@ -65,6 +65,8 @@ class RequestRecords:
     speculation: np.ndarray | None = None
     # workload.conversation: the conversation each request is a turn of (-1: none)
     conversation: np.ndarray | None = None
+    # workload.max_concurrency: how long each request waited at the client before it was sent (its arrival_s)
+    client_wait_s: np.ndarray | None = None
 
 
 def token_gaps(requests: list[Request]) -> list[np.ndarray]:
@@ -100,6 +102,7 @@ def records_from_requests(requests: list[Request], itl: GapSummary | None = None
         speculation=np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections)
                               for r in requests], dtype=np.int64).reshape(-1, 4),
         conversation=np.array([r.conversation for r in requests], dtype=np.int64),
+        client_wait_s=np.array([r.client_wait_s for r in requests], dtype=float),
     )
 
 

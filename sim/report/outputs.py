@@ -10,7 +10,7 @@ import numpy as np
 
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
-from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
+from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
 
 GiB = 2**30
 
@@ -32,6 +32,15 @@ def kv_usage(samples: np.ndarray, num_blocks: int, block_size: int) -> dict[str,
     busy = dt * (used > 0)
     return {"mean": float((used / num_blocks * dt).sum() / total),
             "reserved_unused": float((unused * busy).sum() / busy.sum()) if busy.sum() > 0 else 0.0}
+
+
+def client_section(limit: int, records: RequestRecords, duration: float) -> dict:
+    """report.json's max_concurrency section: how many requests waited at the client for a slot, how long (over every
+    arrived request, 0 for those sent on time), and the requests in flight on average (Little's law)."""
+    wait = records.client_wait_s if records.client_wait_s is not None else np.zeros(len(records.id))
+    e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
+    return {"limit": limit, "requests_waited": int((wait > 0).sum()), "client_wait_s": summarize(wait),
+            "mean_in_flight": float(e2e.sum() / duration) if duration else 0.0}
 
 
 def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_s: float, engine: str = "sim",
@@ -89,6 +98,8 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         # Little's law: the users waiting on the deployment, on average (the rest were thinking)
         report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
                                  "mean_in_flight": float(e2e.sum() / duration) if duration else 0.0}
+    if plan.workload.max_concurrency is not None:
+        report["max_concurrency"] = client_section(plan.workload.max_concurrency, records, report["duration_s"])
     if plan.pipeline_parallel_size > 1:
         busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
         duration = report["duration_s"]
@@ -225,6 +236,12 @@ def print_summary(report: dict, console=None) -> None:
                   f"{kv['capacity_tokens']} tokens"
                   + (f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv
                      else ""))
+    gate = report.get("max_concurrency")
+    if gate:
+        w = gate["client_wait_s"]
+        console.print(f"max concurrency {gate['limit']}: {gate['requests_waited']} requests waited at the client for "
+                      f"a slot (mean {w['mean']:.3g} s, p90 {w['p90']:.3g} s), latencies count from sending; "
+                      f"{gate['mean_in_flight']:.1f} in flight on average")
     loop = report.get("closed_loop")
     if loop:
         console.print(f"closed loop: {loop['users']} users, think time {loop['think_time_s']:g} s; "

@@ -32,7 +32,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     env = simpy.Environment()
     done = Done(env, progress, watch)
     make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)
-    arrivals = Arrivals(env, specs, done, make, SameInstant(env))
+    arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency)
     replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
                                        arrivals_known=arrivals.known)
     router = make_router(plan.router)

@@ -14,6 +14,7 @@ from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, speculation_model
 from sim.policy.build import make_policy
+from sim.policy.client import ClientGate
 from sim.policy.conversation import Conversations, ended_at, reject_unsent
 from sim.policy.request import Request
 from sim.report.trace import ReplicaTrace
@@ -107,19 +108,23 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
 class Arrivals:
     """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A request
     that follows another (RequestSpec.after: a conversation's later turn, a closed loop user's next request) arrives
-    its think time after that one ends (sim.policy.conversation). `next_arrival()` is the earliest arrival known now
-    (the replicas' bulk decode stops short of it)."""
+    its think time after that one ends (sim.policy.conversation). With `max_concurrency`, a request whose time comes
+    while that many are in flight waits at the client and is sent when one ends (sim.policy.client); its arrival is
+    then when it was sent. `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short
+    of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
-                 make_request: Callable[[RequestSpec], Request], instant: SameInstant):
+                 make_request: Callable[[RequestSpec], Request], instant: SameInstant,
+                 max_concurrency: int | None = None):
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
         self.requests: list[Request] = []
         self.turns = Conversations(specs)
+        self.gate = ClientGate(max_concurrency) if max_concurrency is not None else None
         self.next_first = math.inf  # the next request that follows no other
-        self.scheduled: list[float] = []  # heap: later turns' arrival times, known since their turns before ended
+        self.scheduled: list[float] = []  # heap: arrival times known since a request ended (later turns, the gate's)
         self.admit: Callable[[Request], bool] | None = None
-        self.known = not self.turns.any  # every arrival time known from the start
-        if self.turns.any:
+        self.known = not self.turns.any and self.gate is None  # every arrival time known from the start
+        if not self.known:
             done.on_end = self.ended
 
     def next_arrival(self) -> float:
@@ -141,14 +146,22 @@ class Arrivals:
         self.next_first = math.inf
 
     def _arrive(self, req: Request) -> None:
+        if self.gate is not None and not self.gate.offer(req):
+            return  # waits at the client for a request in flight to end
         self.requests.append(req)
         if not self.admit(req):
             self.done()
-            if self.turns.any:
+            if not self.known:
                 self.ended(req)
 
     def ended(self, req: Request) -> None:
-        """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent."""
+        """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent; the request
+        waiting longest at the client (if any) is sent now."""
+        if self.gate is not None:
+            waiting = self.gate.release()
+            if waiting is not None:
+                heapq.heappush(self.scheduled, self.env.now)
+                self.instant.then(waiting.id, lambda: self._send(waiting))
         spec, gone = self.turns.ended(req)
         if spec is not None:
             at = ended_at(req, self.env.now) + spec.think_s
@@ -169,6 +182,16 @@ class Arrivals:
         req = self.make(spec)
         req.arrival_s = at
         self._arrive(req)
+
+    def _send(self, req: Request) -> None:
+        """A request that waited at the client takes the slot a request freed: it arrives now."""
+        heapq.heappop(self.scheduled)
+        req.client_wait_s = self.env.now - req.arrival_s
+        req.arrival_s = self.env.now
+        self.requests.append(req)
+        if not self.admit(req):
+            self.done()
+            self.ended(req)
 
 
 def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:
