@@ -27,7 +27,7 @@ from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy
 from sim.policy.client import ClientGate
-from sim.policy.conversation import Conversations, continues, ended_at, reject_unsent
+from sim.policy.conversation import Conversations, ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
@@ -193,21 +193,35 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
 class Arrivals:
     """What a replay sends, and when: first turns at their arrival times; a conversation's later turn its think time
     after the turn before it ends, its prompt that turn's tokens and its own new ones (next_turn_ids), or rejected
-    with it; a closed loop user's next request its think time after the one before it ended. With `max_concurrency`,
-    a request whose time comes while that many are in flight waits at the client and is sent when one ends, its
-    arrival then (sim.policy.client). One bookkeeping for the colocated replay and the disaggregated driver."""
+    with it; a closed loop's units (RequestSpec.users) in order to the first user free, each its think time after
+    that user's unit before it ended. With `max_concurrency`, a request whose time comes while that many are in
+    flight waits at the client and is sent when one ends, its arrival then. Users and the client's limit are one gate
+    (sim.policy.client), as in the simulator. One bookkeeping for the colocated replay and the disaggregated
+    driver."""
 
     def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int],
                  max_concurrency: int | None = None):
         self.requests, self.specs, self.corpus = requests, specs, corpus
-        self.gate = ClientGate(max_concurrency) if max_concurrency is not None else None
+        users = next((s.users for s in specs if s.users), 0)  # a closed loop's, on each of its units
+        self.by_user = users > 0
+        limit = users or max_concurrency
+        self.gate = ClientGate(limit) if limit else None
         self.flight: set[int] = set()  # with the gate: indices of requests sent that had not ended at the last look
         self.turns = Conversations(specs)
-        self.first = [i for i, s in enumerate(specs) if s.after < 0]
+        self.first = [i for i, s in enumerate(specs) if s.after < 0 and not s.users]
         self.index = {r.id: i for i, r in enumerate(requests)} if self.turns.any else {}
         self.later: list[tuple[float, int, list[int]]] = []  # heap of later turns known: (arrival, index, prompt ids)
         self.open: set[int] = set()  # indices of turns sent whose next turn waits for them to end
         self.nxt = 0
+        if self.by_user:  # each user takes a unit and thinks before sending it; the rest wait for a user
+            for i, spec in enumerate(specs):
+                if spec.users and self.gate.offer(i):
+                    self._schedule(i, spec.think_s)
+
+    def _schedule(self, i: int, at: float) -> None:
+        s = self.specs[i]
+        self.requests[i].arrival_s = at
+        heapq.heappush(self.later, (at, i, prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)))
 
     def _next_first_s(self) -> float:
         return self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
@@ -234,7 +248,7 @@ class Arrivals:
             else:
                 _, i, ids = heapq.heappop(self.later)
             arriving.append((self.requests[i].arrival_s, 1, i, ids))
-        if self.gate is None:
+        if self.gate is None or self.by_user:
             return [self._send(i, ids) for _, _, i, ids in arriving]
         ending = [(ended_at(self.requests[i], now), 0, i, None) for i in self.flight if self.requests[i].is_done]
         out = []
@@ -260,19 +274,24 @@ class Arrivals:
 
     def ended(self, now: float, sequence) -> None:
         """Turns that ended since the last look: the turn after each is now known (`sequence(req)`: the token ids the
-        turn ran, its prompt and what it generated), or, after a rejected one, rejected at `now`."""
-        for i in [i for i in self.open if self.requests[i].is_done]:
+        turn ran, its prompt and what it generated), or, after a rejected one, rejected at `now`. A closed loop's
+        units that ended free their users, in the order they ended, for the units waiting."""
+        watched = self.open | self.flight if self.by_user else self.open
+        done = sorted((ended_at(self.requests[i], now), i) for i in watched if self.requests[i].is_done)
+        for end, i in done:
             self.open.discard(i)
+            self.flight.discard(i)
             before = self.requests[i]
             spec, gone = self.turns.ended(before)
             if spec is not None:
                 r = self.requests[self.index[spec.id]]
-                r.arrival_s = ended_at(before, now) + spec.think_s
-                ids = (next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id) if continues(spec, before)
-                       else prompt_ids(self.corpus, spec.prompt_len, spec.id, spec.prefix, spec.prefix_unit))
+                r.arrival_s = end + spec.think_s
+                ids = next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id)
                 heapq.heappush(self.later, (r.arrival_s, self.index[spec.id], ids))
             for g in gone:
                 reject_unsent(self.requests[self.index[g.id]], now)
+            if self.by_user and spec is None and (waiting := self.gate.release()) is not None:
+                self._schedule(waiting, end + self.specs[waiting].think_s)
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,

@@ -337,3 +337,32 @@ def test_a_capacity_search_scales_requests_with_what_their_prompts_share():
     assert [(p.prompt_len, p.output_len, p.prefix, p.prefix_unit) for p in probes] == \
         [(s.prompt_len, s.output_len, s.prefix, s.prefix_unit) for s in specs]
     assert probes[-1].arrival_s == pytest.approx(49 / 2.0)
+
+
+def test_a_mooncake_line_without_hash_ids_leaves_the_other_lines_theirs(tmp_path):
+    """The JSON lines' columns are every key any line has: a first line without hash_ids (a prompt sharing nothing)
+    does not hide the others'."""
+    bare = {k: v for k, v in MOONCAKE[0].items() if k != "hash_ids"}
+    trace = write_jsonl(tmp_path / "m.jsonl", [bare] + MOONCAKE[:2])
+    data = {**scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True}),
+            "workload": {"trace": {"path": trace}}}
+    assert [s.prefix for s in generate_requests(plan_of(data).workload)][1:] == [(11, 12, 13), (11, 12, 14)]
+    assert run(data)[0]["kv_cache"]["prefix_cache_hit_tokens"] == 1024
+
+
+def test_a_mooncake_trace_s_closed_loop_and_shared_prefix(tmp_path):
+    """A closed loop sends a Mooncake trace's rows as it sends any trace's (they kept arriving at their timestamps,
+    all at once here, before); a shared prefix would replace its hash_ids, and is refused at its key."""
+    trace = write_jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    base = scenario(model="Llama-3-8B", hardware="A100-80GB", kv_cache={"enable_prefix_caching": True})
+    loop = {**base, "workload": {"trace": {"path": trace}, "closed_loop": {"users": 1, "think_time_s": 1.0}}}
+    specs = generate_requests(plan_of(loop).workload)
+    assert all(s.users == 1 and s.prefix for s in specs)
+    report, result, _ = run(loop)
+    sent = sorted(r.arrival_s for r in result.requests)
+    assert sent[0] > 0 and all(b > a for a, b in zip(sent, sent[1:]))
+    assert report["closed_loop"]["mean_in_flight"] <= 1
+    shared = {**base, "workload": {"trace": {"path": trace}, "shared_prefix": {"prefix_len": 100}}}
+    with pytest.raises(ConfigError) as e:
+        generate_requests(plan_of(shared).workload)
+    assert e.value.key_path == "workload.shared_prefix" and "hash_ids" in e.value.message

@@ -246,10 +246,10 @@ class ClosedLoopConfig(StrictModel):
     """A closed loop of `users` (genai-perf's concurrency, LLMPerf's concurrent requests): each user sends a request,
     waits for its last token (or its rejection), thinks `think_time_s` (exponential with this mean; 0: not at all)
     and sends the next, so the load follows the deployment's own speed and at most `users` requests are in flight.
-    The workload's requests, in order, are dealt to the users in turn (request i is user i mod `users`'s); each
-    user thinks before its first request too. The arrival rate is then what the run measures, not an input. With
-    `conversation`, the requests are conversations' first turns: each user holds its conversations one after another,
-    the next opened a think time after the last turn of the one before it ends (or is rejected)."""
+    The workload's requests go in order to the first user free (as those tools' workers take the next request), each
+    after its own think time; the first `users` after theirs from t = 0. The arrival rate is then what the run
+    measures, not an input. With `conversation`, the requests are conversations' first turns: a user holds one
+    conversation at a time, and opens the next waiting one a think time after its last turn ends (or is rejected)."""
 
     users: int = Field(gt=0, le=MAX_REQUESTS)
     think_time_s: float = Field(default=0.0, ge=0, le=MAX_ARRIVAL_S)
@@ -331,13 +331,13 @@ class RequestSpec:
     prefix_unit: int = 0
     # workload.conversation: the conversation (-1: none), the turn this one follows (-1: the first) and how long after
     # that turn's last token it is sent; its arrival_s is then the earliest it could arrive (the turns before it
-    # answered at once), the run's own arrival comes from the previous turn's end. workload.closed_loop: `after` the
-    # user's request before it (or, with conversations, the last turn of the user's conversation before it: a request
-    # whose conversation differs from the one it follows has a prompt of its own), sent `think_s` after that one ends
-    # or is rejected
+    # answered at once), the run's own arrival comes from the previous turn's end. workload.closed_loop: `users` (0:
+    # not a closed loop's) on each unit the users take in turn (a request, or a conversation's first turn): the next
+    # unit goes to the first user free, sent `think_s` after the user's unit before it ended (its first: after t = 0)
     conversation: int = -1
     after: int = -1
     think_s: float = 0.0
+    users: int = 0
 
 
 def _bad(path: Path, key_path: str, what: str) -> ConfigError:
@@ -347,7 +347,8 @@ def _bad(path: Path, key_path: str, what: str) -> ConfigError:
 
 def _read_rows(path: Path) -> tuple[list[list[str]], int]:
     """The file's rows as cells and the file row of the first data row: a CSV (a header line, then row 2), or JSON
-    lines (Mooncake) as a header of the first object's keys and one row of cells per object (from row 1)."""
+    lines (Mooncake) as a header of every key any object has (in the order first seen) and one row of cells per
+    object (from row 1; a key an object lacks: an empty cell)."""
     with open(path, newline="", encoding="utf-8-sig") as f:
         text = f.read()
     if not text.lstrip().startswith("{"):
@@ -355,7 +356,7 @@ def _read_rows(path: Path) -> tuple[list[list[str]], int]:
         return [r for r in csv.reader(io.StringIO(text, newline="")) if r], 2
     lines = io.StringIO(text, newline="")
     objects = [_json_object(line, i) for i, line in enumerate(lines, 1) if line.strip()]
-    header = list(objects[0])
+    header = list(dict.fromkeys(k for o in objects for k in o))
     return [header] + [["" if o.get(k) is None else str(o.get(k)) for k in header] for o in objects], 1
 
 
@@ -648,14 +649,15 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
-    if cfg.shared_prefix is None and chains is not None:
-        if cfg.conversation is not None:
-            raise ConfigError("the trace's hash_ids already say what its prompts share; a conversation's turns "
-                              "would share more: drop workload.conversation, or use a trace without hash_ids",
-                              "workload.conversation")
+    if chains is not None:
+        for key, what in (("conversation", "a conversation's turns would share more"),
+                          ("shared_prefix", "a shared prefix would replace them")):
+            if getattr(cfg, key) is not None:
+                raise ConfigError(f"the trace's hash_ids already say what its prompts share; {what}: drop "
+                                  f"workload.{key}, or use a trace without hash_ids", f"workload.{key}")
         chains = [chains[k] for k in order.tolist()]
-        return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
-    if cfg.shared_prefix is None:
+        specs = [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
+    elif cfg.shared_prefix is None:
         specs = [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
     else:
         sp = cfg.shared_prefix
@@ -669,22 +671,20 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
 
 
 def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
-    """Deal `specs` to the users in turn (ClosedLoopConfig); each follows its user's request before it. Sorted by the
-    earliest each could arrive (every request before it answered at once), ids 0..n-1 in that order."""
-    n, users = len(specs), loop.users
+    """`specs`, in order, as the units of a closed loop (ClosedLoopConfig): each taken by the first user free and sent
+    its own think time later (RequestSpec.users); arrival_s 0, the run's own arrival comes from the users."""
+    n = len(specs)
     waited, think = _user_starts(np.zeros(n), loop, rng)
     _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
                 f"{loop.think_time_s:g} s on average arrive")
-    order, after = _arrival_order(waited, np.arange(n) - users)
-    return [replace(specs[k], id=i, arrival_s=float(waited[k]), after=int(after[k]),
-                    think_s=float(think[k]) if after[k] >= 0 else 0.0) for i, k in enumerate(order.tolist())]
+    return [replace(s, arrival_s=0.0, think_s=float(t), users=loop.users) for s, t in zip(specs, think.tolist())]
 
 
 def _user_starts(spans: np.ndarray, loop: ClosedLoopConfig, rng) -> tuple[np.ndarray, np.ndarray]:
-    """A closed loop's units (requests, or conversations) dealt to the users in turn, unit i to user i % users: each
-    starts a think time after the user's unit before it ends, its own first think time included. `spans`: how long
-    each unit lasts at the least (a conversation's own think times). Returns (each unit's earliest start, the think
-    time before it)."""
+    """The think time before each of a closed loop's units (requests, or conversations), and the earliest each could
+    start were unit i user i % users's (each a think time after the user's unit before it ends, its first think time
+    included; `spans`: how long each unit lasts at the least, a conversation's own think times): a bound on how far
+    the run spreads. Returns (the earliest starts, the think times)."""
     n, users = len(spans), loop.users
     think = rng.exponential(loop.think_time_s, n) if loop.think_time_s > 0 else np.zeros(n)
     rounds = -(-n // users)  # unit i is round i // users of user i % users
@@ -708,9 +708,9 @@ def _arrival_order(arrival: np.ndarray, before: np.ndarray) -> tuple[np.ndarray,
 def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: _Traces,
                    loop: ClosedLoopConfig | None = None, rng_users=None) -> list[RequestSpec]:
     """Each of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). With a
-    closed `loop`, conversation c is user c % users's: its first turn follows the last turn of the user's conversation
-    before it. Sorted by the earliest each could arrive (stable: a turn after the one it follows), ids 0..n-1 in that
-    order."""
+    closed `loop`, the conversations are its units (first turns at 0, each opened by the first user free, its think
+    time after that user's conversation before it ended). Sorted by the earliest each could arrive (stable: a turn
+    after the one it follows), ids 0..n-1 in that order."""
     key = "workload.conversation"
     rng_turns, rng_user, rng_out, rng_think = rng.spawn(4)
     turns = traces.draw(conv.turns, rng_turns, len(first), f"{key}.turns")
@@ -738,21 +738,21 @@ def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more
     waited = np.cumsum(think)
     offset = waited - waited[start][owner]  # a turn's earliest time after its conversation's first
     before = np.where(later, np.arange(total) - 1, -1)
+    users = np.zeros(total, np.int64)
     if loop is None:
-        opens = np.array([s.arrival_s for s in first])
+        opens = spread = np.array([s.arrival_s for s in first])
     else:
         last = np.r_[start[1:], total] - 1
-        opens, gap = _user_starts(offset[last], loop, rng_users)
-        follows = np.flatnonzero(np.arange(len(first)) >= loop.users)  # a user's second conversation and on
-        before[start[follows]] = last[follows - loop.users]
-        think[start[follows]] = gap[follows]
+        spread, gap = _user_starts(offset[last], loop, rng_users)
+        opens = np.zeros(len(first))
+        think[start], users[start] = gap, loop.users
     arrival = opens[owner] + offset
     longer = "workload.closed_loop" if loop is not None and loop.think_time_s > conv.think_time_s else key
-    _check_span(arrival, f"{longer}.think_time_s", f"{total:,} turns with think times of {conv.think_time_s:g} s "
-                + (f"(and {loop.think_time_s:g} s between conversations) " if loop is not None else "")
-                + "on average arrive")
+    _check_span(spread[owner] + offset, f"{longer}.think_time_s", f"{total:,} turns with think times of "
+                f"{conv.think_time_s:g} s " + (f"(and {loop.think_time_s:g} s between conversations) "
+                                               if loop is not None else "") + "on average arrive")
     order, after = _arrival_order(arrival, before)
     rows = zip(arrival[order].tolist(), prompt[order].tolist(), output[order].tolist(), owner[order].tolist(),
-               after[order].tolist(), think[order].tolist())
-    return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th)
-            for i, (a, p, o, c, parent, th) in enumerate(rows)]
+               after[order].tolist(), think[order].tolist(), users[order].tolist())
+    return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th, u)
+            for i, (a, p, o, c, parent, th, u) in enumerate(rows)]

@@ -1,7 +1,5 @@
-"""Requests that follow others, closed loop: a conversation's turn (workload.conversation) arrives its think time after
-the turn before it ends, or is rejected with it; a user's request (workload.closed_loop) its think time after the
-user's request before it ends or is rejected. One bookkeeping for the simulator's arrivals and the executor's
-replay."""
+"""A conversation's later turns (workload.conversation): each arrives its think time after the turn before it ends,
+or is rejected with it. One bookkeeping for the simulator's arrivals and the executor's replay."""
 from __future__ import annotations
 
 from sim.config.workload import RequestSpec
@@ -18,22 +16,17 @@ class Conversations:
         self.any = bool(self.next_turn)  # some request follows another
 
     def ended(self, req: Request) -> tuple[RequestSpec | None, list[RequestSpec]]:
-        """`req` ended: (the request that now follows it, sent its think_s after `ended_at(req, now)`; or None) and
-        the turns that end with it unsent, in order (a rejected turn ends its conversation; a closed loop's user
-        sends its next request, or opens its next conversation, all the same)."""
+        """`req` ended: (the turn that now follows it, sent its think_s after `ended_at(req, now)`; or None: its
+        conversation, if any, is over) and the turns that end with it unsent, in order (a rejected turn ends its
+        conversation)."""
         spec = self.next_turn.pop(req.id, None)
         if req.status is Status.FINISHED:
             return spec, []
         gone = []
-        while spec is not None and continues(spec, req):
+        while spec is not None:
             gone.append(spec)
             spec = self.next_turn.pop(spec.id, None)
-        return spec, gone
-
-
-def continues(spec: RequestSpec, req: Request) -> bool:
-    """Whether `spec` is a later turn of `req`'s conversation (its prompt is that conversation so far)."""
-    return spec.conversation >= 0 and spec.conversation == req.conversation
+        return None, gone
 
 
 def ended_at(req: Request, now: float) -> float:

@@ -27,8 +27,9 @@ STEADY_ROUNDS = 4  # a closed loop: requests per user a passing run needs (else 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
     """The requests a capacity search scales, as plain rows: (arrival_s, prompt_len, output_len, prefix, prefix_unit,
-    conversation, after, think_s) each — what their prompts share and which turn follows which go with them."""
-    return tuple((s.arrival_s, s.prompt_len, s.output_len, s.prefix, s.prefix_unit, s.conversation, s.after, s.think_s)
+    conversation, after, think_s, users) each — what their prompts share and which turn follows which go with them."""
+    return tuple((s.arrival_s, s.prompt_len, s.output_len, s.prefix, s.prefix_unit, s.conversation, s.after, s.think_s,
+                  s.users)
                  for s in specs)
 
 
@@ -41,7 +42,7 @@ def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
     first, span = firsts[0], firsts[-1] - firsts[0]
     factor = (len(firsts) - 1) / (rate * span * len(firsts) / len(specs)) if span > 0 else 0.0
     arrival = []
-    for a, *_, after, think in specs:  # a turn follows one before it in the rows
+    for a, *_, after, think, _ in specs:  # a turn follows one before it in the rows
         arrival.append((a - first) * factor if after < 0 else arrival[after] + think)
     if len(firsts) == len(specs):
         return [RequestSpec(i, t, *row[1:]) for i, (t, row) in enumerate(zip(arrival, specs))]
@@ -55,7 +56,7 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
     """A capacity search scales the workload's arrival gaps (its first turns', for conversations): it needs two
     requests or more at distinct times (all at one instant, every rate scales them to that instant and no rate
     passes)."""
-    if any(s.after >= 0 and (s.conversation < 0 or specs[s.after].conversation != s.conversation) for s in specs):
+    if any(s.users for s in specs):
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
                           "measures, not one to scale (a capacity search counts it in users); allowed: an "
                           "arrival process or a trace (with or without conversations)", f"{key_path}.closed_loop")

@@ -106,12 +106,13 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
 
 
 class Arrivals:
-    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A request
-    that follows another (RequestSpec.after: a conversation's later turn, a closed loop user's next request) arrives
-    its think time after that one ends (sim.policy.conversation). With `max_concurrency`, a request whose time comes
-    while that many are in flight waits at the client and is sent when one ends (sim.policy.client); its arrival is
-    then when it was sent. `next_arrival()` is the earliest arrival known now (the replicas' bulk decode stops short
-    of it)."""
+    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A
+    conversation's later turn (RequestSpec.after) arrives its think time after the turn before it ends
+    (sim.policy.conversation). A closed loop's units (RequestSpec.users: requests, or conversations) go in order to
+    the first user free, each sent its think time after that user's unit before it ended. With `max_concurrency`, a
+    request whose time comes while that many are in flight waits at the client and is sent when one ends; its arrival
+    is then when it was sent. Users and the client's limit are one gate (sim.policy.client). `next_arrival()` is the
+    earliest arrival known now (the replicas' bulk decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
                  make_request: Callable[[RequestSpec], Request], instant: SameInstant,
@@ -119,7 +120,10 @@ class Arrivals:
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
         self.requests: list[Request] = []
         self.turns = Conversations(specs)
-        self.gate = ClientGate(max_concurrency) if max_concurrency is not None else None
+        users = next((s.users for s in specs if s.users), 0)  # a closed loop's, on each of its units
+        self.by_user = users > 0
+        limit = users or max_concurrency
+        self.gate = ClientGate(limit) if limit else None
         self.next_first = math.inf  # the next request that follows no other
         self.scheduled: list[float] = []  # heap: arrival times known since a request ended (later turns, the gate's)
         self.admit: Callable[[Request], bool] | None = None
@@ -132,7 +136,12 @@ class Arrivals:
 
     def start(self, admit: Callable[[Request], bool]) -> None:
         self.admit = admit
-        self.env.process(self._first())
+        if self.by_user:  # each user takes a unit and thinks before sending it; the rest wait for a user
+            for spec in self.specs:
+                if spec.users and self.gate.offer(spec):
+                    self._schedule(spec, spec.think_s)
+        else:
+            self.env.process(self._first())
 
     def _first(self):
         env = self.env
@@ -146,7 +155,7 @@ class Arrivals:
         self.next_first = math.inf
 
     def _arrive(self, req: Request) -> None:
-        if self.gate is not None and not self.gate.offer(req):
+        if self.gate is not None and not self.by_user and not self.gate.offer(req):
             return  # waits at the client for a request in flight to end
         self.requests.append(req)
         if not self.admit(req):
@@ -156,22 +165,29 @@ class Arrivals:
 
     def ended(self, req: Request) -> None:
         """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent; the request
-        waiting longest at the client (if any) is sent now."""
-        if self.gate is not None:
-            waiting = self.gate.release()
-            if waiting is not None:
-                heapq.heappush(self.scheduled, self.env.now)
-                self.instant.then(waiting.id, lambda: self._send(waiting))
+        waiting longest at the client (if any) is sent now; a closed loop's unit that ended frees its user for the
+        next unit."""
         spec, gone = self.turns.ended(req)
         if spec is not None:
-            at = ended_at(req, self.env.now) + spec.think_s
-            heapq.heappush(self.scheduled, at)
-            self.env.process(self._later(spec, at))
+            self._schedule(spec, ended_at(req, self.env.now) + spec.think_s)
         for s in gone:
             turn = self.make(s)
             reject_unsent(turn, self.env.now)
             self.requests.append(turn)
             self.done()
+        if self.gate is not None and (spec is None or not self.by_user):
+            waiting = self.gate.release()
+            if waiting is None:
+                return
+            if self.by_user:
+                self._schedule(waiting, ended_at(req, self.env.now) + waiting.think_s)
+            else:
+                heapq.heappush(self.scheduled, self.env.now)
+                self.instant.then(waiting.id, lambda: self._send(waiting))
+
+    def _schedule(self, spec: RequestSpec, at: float) -> None:
+        heapq.heappush(self.scheduled, at)
+        self.env.process(self._later(spec, at))
 
     def _later(self, spec: RequestSpec, at: float):
         yield self.env.timeout(max(0.0, at - self.env.now))
