@@ -36,10 +36,12 @@ from sim.report.capacity import (
     STEADY_ROUNDS,
     check_has_slo,
     check_scalable,
+    judged_metrics,
     lowest,
     probe_rows,
     rates_grid,
     users_grid,
+    warm_up,
     why_failed,
 )
 
@@ -407,10 +409,13 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
     from sim.simulator.cluster import sim_records, simulate
 
     slo = plan.slo
-    allowed = (1 - slo.quantile) * len(specs) + 1
+    warm = warm_up(specs) if users is not None else set()  # a closed loop's first wave: not judged
+    allowed = (1 - slo.quantile) * (len(specs) - len(warm)) + 1
     misses = [0, 0, 0]  # requests past the TTFT, TPOT and E2E targets so far
 
     def watch(r) -> bool:
+        if r is not None and r.id in warm:
+            return False
         if r is None or r.first_token_s is None:
             misses[:] = [m + 1 for m in misses]
         else:
@@ -429,7 +434,7 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
     records = sim_records(result)
     metrics = compute_metrics(records, slo)
     why = why_failed(metrics, records, specs, users)
-    return not why, metrics, why
+    return not why, judged_metrics(metrics, records, specs, users), why
 
 
 def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:

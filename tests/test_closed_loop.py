@@ -311,3 +311,30 @@ def test_the_executor_s_users_hold_conversations_one_after_another(tmp_path, che
         so_far = engine.tokens[before]
         assert engine.tokens[me][:len(so_far)] == so_far
     assert_users_take_the_units_in_order(specs, requests, 2)
+
+
+def test_a_closed_loop_s_capacity_verdict_leaves_out_its_first_wave():
+    """With no think time every user's first request arrives at t = 0: a burst no steady load of that many users
+    sees again, which decided the capacity on short probes (a users search moved 90 -> 239 users with the probe's
+    length). The verdict judges the run without each user's first unit (a conversation: all its turns)."""
+    from infersim.search import run_probe
+    from sim.config.plan import make_plan
+    from sim.report.capacity import warm_up
+    from sim.report.metrics import compute_metrics
+    from sim.simulator.cluster import sim_records, simulate
+
+    data = users(64, think=0.0, num_requests=600)
+    data["slo"] = {"ttft_s": 0.4, "quantile": 0.9}  # TTFT p90: 0.56 s with the first wave, 0.24 s without
+    plan = make_plan(parse_scenario(data))
+    specs = generate_requests(plan.workload)
+    assert warm_up(specs) == set(range(64))
+    whole = compute_metrics(sim_records(simulate(plan, specs)), plan.slo)
+    ok, judged, _ = run_probe(plan, specs, early_stop=False, users=64)
+    assert judged["requests"]["arrived"] == 600 - 64
+    assert judged["slo"]["ttft_at_quantile_s"] < whole["slo"]["ttft_at_quantile_s"]
+    assert ok and not whole["slo"]["met"]
+    assert run_probe(plan, specs, users=64)[0] == ok  # stopping early skips the first wave's misses too
+    chats = generate_requests(parse_scenario(users(4, num_requests=20, conversation=CHATS)).workload)
+    first = {s.conversation for s in chats if s.users}
+    first = sorted(first)[:4]
+    assert warm_up(chats) == {s.id for s in chats if s.conversation in first}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -100,10 +100,38 @@ def passes(metrics: dict, records, specs: list[RequestSpec]) -> bool:
     return not why_failed(metrics, records, specs)
 
 
+def warm_up(specs: list[RequestSpec]) -> set[int]:
+    """A closed loop's first wave: the ids of its first unit per user (a request, or a conversation's turns). With no
+    think time they all arrive at t = 0, a burst no steady load of that many users sees again."""
+    units = [s for s in specs if s.users]
+    first = units[:units[0].users] if units else []
+    conversations = {s.conversation for s in first if s.conversation >= 0}
+    return {s.id for s in first} | {s.id for s in specs if s.conversation in conversations}
+
+
+def judged_metrics(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> dict:
+    """The metrics a capacity verdict judges: a closed loop of `users` long enough to judge (STEADY_ROUNDS), its run
+    without the first wave (warm_up) under the same SLO (metrics["slo"]); else the run's as they are."""
+    from sim.config.scenario import SLOConfig
+    from sim.report.metrics import compute_metrics
+
+    warm = warm_up(specs) if users is not None and len(specs) >= STEADY_ROUNDS * users else set()
+    if not warm:
+        return metrics
+    keep = ~np.isin(records.id, np.fromiter(warm, np.int64, len(warm)))
+    if not keep.any():
+        return metrics
+    cut = {f.name: getattr(records, f.name)[keep] for f in fields(records)
+           if isinstance(getattr(records, f.name), np.ndarray)}
+    cut["reject_reason"] = [r for r, k in zip(records.reject_reason, keep) if k]
+    slo = SLOConfig(**{k: metrics["slo"][k] for k in ("ttft_s", "tpot_s", "e2e_s", "quantile")})
+    return compute_metrics(replace(records, **cut), slo)
+
+
 def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> str:
     """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations, or a closed loop of `users`: the
-    probe too short), or ""."""
-    if not metrics["slo"]["met_counting_rejected"]:
+    probe too short), or "". A closed loop is judged without its first wave (judged_metrics)."""
+    if not judged_metrics(metrics, records, specs, users)["slo"]["met_counting_rejected"]:
         return "slo"
     if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
         return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
