@@ -338,7 +338,7 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader
     from executor.serve import check_device, set_threads
-    from sim.report.capacity import check_has_slo, check_scalable
+    from sim.report.capacity import STEADY_ROUNDS, check_has_slo, check_scalable
 
     check_device(device)
     paths = scenario_files(scenarios)
@@ -348,8 +348,13 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     for path, plan in plans:
         try:
             check_has_slo(plan.slo)
+            specs = generate_requests(plan.workload, plan.base_dir)
             if plan.workload.closed_loop is None:  # a closed loop's capacity is in users: nothing to scale
-                check_scalable(generate_requests(plan.workload, plan.base_dir))
+                check_scalable(specs)
+            elif len(specs) < STEADY_ROUNDS:
+                raise ConfigError(f"probes of {len(specs)} requests cannot judge even one user (a closed loop's probe "
+                                  f"needs {STEADY_ROUNDS} requests per user or more)",
+                                  "--requests" if requests is not None else "workload.num_requests")
         except ConfigError as e:
             raise e.with_file(str(path)) from None
     prepare_out(out)

@@ -32,6 +32,7 @@ from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
 from sim.config.workload import RequestSpec, generate_requests
 from sim.config.yaml_file import read_yaml
+from sim.cost.build import speculation_model
 from sim.report.capacity import (
     STEADY_ROUNDS,
     check_has_slo,
@@ -41,6 +42,7 @@ from sim.report.capacity import (
     probe_rows,
     rates_grid,
     users_grid,
+    users_probe,
     warm_up,
     why_failed,
 )
@@ -221,12 +223,21 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
             raise ConfigError("a closed loop's target is users, not a rate: give target.users (default: "
                               "workload.closed_loop.users)", "target.rate")
         rate, unit = float(spec.target.users or loop.users), "users"
+        probe = users_probe(scenario.workload, scenario_dir, int(rate), spec.search.max_requests)  # its faults now
+        if len(probe) < STEADY_ROUNDS:
+            raise ConfigError(f"probes of {len(probe)} requests cannot judge even one user (a closed loop's probe "
+                              f"needs {STEADY_ROUNDS} requests per user or more)", "search.max_requests")
     else:
         if spec.target.users is not None:
             raise ConfigError("target.users is a closed loop's (scenario workload.closed_loop); give target.rate",
                               "target.users")
         unit = "req/s"
         rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
+    bottom, top = lowest(unit, spec.search.min_rate), spec.search.max_rate
+    if not bottom <= rate <= top:  # the grid starts from the target: outside it, no verdict would be the SLO's
+        raise ConfigError(f"the target, {rate:g} {unit}, lies outside the grid's {bottom:g}..{top:g}; allowed: "
+                          "search.min_rate <= target <= search.max_rate",
+                          "search.max_rate" if rate > top else "search.min_rate")
     slo = spec.target.slo or scenario.slo
     check_has_slo(slo, "target.slo")
     return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search, unit)
@@ -443,6 +454,7 @@ def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:
     try:
         plan = make_plan(parse_scenario(probe.data), Path(probe.base_dir))
         check_profile_device(plan)
+        speculation_model(plan, 0)  # what simulating needs of a speculative section (α, Medusa's rank chances)
     except ConfigError as e:
         return replace(row, status="pruned", reason=e.one_line()), None
     row.devices, row.usd_per_hour = devices_of(plan), usd_per_hour(plan)

@@ -240,6 +240,16 @@ def colocated(draw, max_requests: int = 40) -> dict:
         sc["speculative"] = draw(speculative())
     if draw(st.booleans()):
         sc["slo"] = {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 1.0, "quantile": draw(st.sampled_from([0.5, 1.0]))}
+    return without_blind_cache_routing(sc)
+
+
+def without_blind_cache_routing(sc: dict) -> dict:
+    """cache_aware routes by the replicas' prefix caches: with caching off it is refused, and it routed as
+    least_outstanding (what it becomes here, the draws unchanged)."""
+    if not sc["kv_cache"].get("enable_prefix_caching"):
+        for holder in [sc] + list((sc.get("pools") or {}).values()):
+            if isinstance(holder, dict) and holder.get("router") == "cache_aware":
+                holder["router"] = "least_outstanding"
     return sc
 
 
@@ -269,7 +279,7 @@ def disaggregated(draw, max_requests: int = 40) -> dict:
         pools["kv_transfer"] = {"bandwidth": draw(st.sampled_from([1e6, 1e11])),
                                 "latency_s": draw(st.sampled_from([0.0, 0.05]))}
     sc["pools"] = pools
-    return sc
+    return without_blind_cache_routing(sc)
 
 
 @st.composite

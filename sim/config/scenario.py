@@ -270,6 +270,9 @@ class PoolsConfig(StrictModel):
     kv_transfer: KVTransferConfig = KVTransferConfig()
 
 
+DEFAULT_SECTIONS = ("parallel", "serving", "kv_cache", "slo", "cost_model", "executor")
+
+
 class Scenario(StrictModel):
     """One deployment and its traffic: everything `infersim run` needs."""
 
@@ -294,6 +297,15 @@ class Scenario(StrictModel):
     pools: PoolsConfig | None = Field(None, description="disaggregated prefill and decode pools instead of one "
                                       "replica set (then replicas is set per pool)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """A section written with every key commented out (`serving:` alone: null in YAML) is the section's
+        defaults, as `speculative:` and `pools:` alone are none."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in DEFAULT_SECTIONS)}
+        return data
+
     @model_validator(mode="after")
     def _check_static(self) -> "Scenario":
         _check_serving_keys(self.serving, "serving")
@@ -303,6 +315,13 @@ class Scenario(StrictModel):
                                                           (("prefill", "decode") if self.pools else ())]:
             if kv.enable_prefix_caching and kv.allocator == "contiguous":
                 raise ValueError(f"{where}.enable_prefix_caching shares paged blocks; allowed with allocator: paged")
+        routers = [("router", self.router, self.kv_cache)] + [
+            (f"pools.{n}.router", getattr(self.pools, n).router or self.router, self.pools_kv(n))
+            for n in (("prefill", "decode") if self.pools else ())]
+        for where, router, kv in routers:
+            if router == "cache_aware" and not kv.enable_prefix_caching:
+                raise ValueError(f"{where}: cache_aware routes by what each replica's prefix cache holds, and "
+                                 "kv_cache.enable_prefix_caching is off; allowed: turn it on, or another router")
         if self.serving.batching == "static" and self.kv_cache.enable_prefix_caching:
             raise ValueError("kv_cache.enable_prefix_caching needs batching: continuous")
         if self.serving.batching == "static" and self.speculative:

@@ -314,6 +314,9 @@ def _check_closed_loop(w: "WorkloadConfig") -> None:
                          "what the deployment's speed makes it")
     if w.bursts:
         raise ValueError("with 'closed_loop', drop 'bursts': the users send every request")
+    if w.trace is not None and "time_scale" in w.trace.model_fields_set:
+        raise ValueError("with 'closed_loop', drop 'trace.time_scale': the users send the trace's rows, its "
+                         "timestamps unused")
     if w.max_concurrency is not None:
         raise ValueError("with 'closed_loop', drop 'max_concurrency': the users already bound the requests in flight")
 
@@ -611,11 +614,12 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         if len(rows) == 0:
             raise ConfigError(f"the window [{tr.start_s}, {'end' if tr.end_s is None else tr.end_s}) s selects no requests "
                               f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", key)
-        arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
-        _check_span(arrivals, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the trace's "
-                    f"{t[rows[-1]] - t[rows[0]]:.4g} s")
         if cfg.closed_loop is not None:  # the rows in the trace's order; the users send them
             arrivals = np.zeros(len(rows))
+        else:
+            arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
+            _check_span(arrivals, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the trace's "
+                        f"{t[rows[-1]] - t[rows[0]]:.4g} s")
         if len(rows) + n_burst > MAX_REQUESTS:
             raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
                               f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")

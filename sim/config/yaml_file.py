@@ -19,6 +19,8 @@ class _Loader(_SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys come first, the node's override them
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (list, dict, set)):  # unhashable: PyYAML would fail with a TypeError
                 raise ConfigError(f"a key that is a {type(key).__name__} (line {key_node.start_mark.line + 1}); "
