@@ -29,7 +29,7 @@ from executor.serve import check_device
 from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
-from sim.config.profile import MIN_STEP_S, check_fit
+from sim.config.profile import MIN_STEP_S, check_profile
 from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, shape_of
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
@@ -316,9 +316,7 @@ def refit(prof: dict) -> dict:
                             f"{MIN_STEP_S:g}")
         _check_sample_shape(smp, f"samples[{i}]")
     fitted = {**prof, "fit": fit_samples(samples)}
-    check_fit(fitted["fit"], Path("the refit"), "fit")  # what `run` would refuse is not written over the file
-    if "forward" in fitted["fit"]:
-        check_fit(fitted["fit"]["forward"], Path("the refit"), "fit.forward")
+    check_profile(fitted, Path("the refit"))  # what `run` would refuse is not written over the file
     return fitted
 
 
@@ -353,7 +351,7 @@ def refit_command(path: Path) -> dict:
     except (json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path} is not an infersim profile with samples ({type(e).__name__}: {e})", "--out") from None
     except ConfigError as e:  # the fit came out as no profile may hold: the file is left as it was
-        raise ConfigError(f"{path}: its samples refit to a {e.key_path} that `infersim run` would refuse "
+        raise ConfigError(f"{path}: refitted, it holds a {e.key_path} that `infersim run` would refuse "
                           f"({e.message.removeprefix('not an infersim profile: ')})", "--out") from None
     write_profile(path, prof)
     f = prof["fit"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from tests.test_bad_input_more import invoke, one_line_error, write
@@ -103,3 +104,15 @@ def test_capacity_validation_of_a_closed_loop_too_short_to_judge(tmp_path):
     path = write(tmp_path / "s.yaml", d)
     one_line_error(invoke("validate", path, "--capacity", "--requests", "3", "--profile", PROFILE), path,
                    "--requests", "one user")
+
+
+@pytest.mark.parametrize("change", [lambda d: d.update(model=None), lambda d: d["model"].pop("num_layers"),
+                                    lambda d: d.update(comm="x")], ids=["model-null", "no-num-layers", "comm-text"])
+def test_refit_never_writes_a_profile_that_run_refuses(tmp_path, change):
+    """W: `profile --refit` rewrote such files ("refitted 587 steps") and every run naming them then failed."""
+    prof = json.loads(PROFILE.read_text())
+    change(prof)
+    path = write(tmp_path / "p.json", json.dumps(prof))
+    before = path.read_text()
+    one_line_error(invoke("profile", "--refit", "--out", path), str(path), "would refuse")
+    assert path.read_text() == before

@@ -151,7 +151,8 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
                         "num_prefill": s.num_prefill, "time_s": FittedCostModel(TRUE).step_time(
                             shape_of(new, ctx, s.num_sampled, s.num_prefill))})
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"model": {"name": "x"}, "fit": {"coefs": {k: 1.0 for k in TRUE}}, "samples": samples}))
+    path.write_text(json.dumps({"model": {"name": "x", "num_layers": 2, "hidden_size": 64},
+                                "fit": {"coefs": {k: 1.0 for k in TRUE}}, "samples": samples}))
     result = CliRunner().invoke(app, ["profile", "--refit", "--out", str(path)])
     assert result.exit_code == 0, result.output
     prof = json.loads(path.read_text())

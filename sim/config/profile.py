@@ -51,10 +51,7 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
         raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"not an infersim profile: not readable JSON ({type(e).__name__})", file=str(path)) from None
-    coefs, knot, ramp_knot = _check(data, path)
-    forward = check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
-    comm = _check_comm(data["comm"], path) if "comm" in data else None
-    parallel = _check_parallel(data.get("parallel") or {}, path)
+    profile = check_profile(data, path)
     m = data.get("model", {})
     if model is not None and m and (m.get("num_layers"), m.get("hidden_size")) != (model.num_layers,
                                                                                     model.hidden_size):
@@ -65,6 +62,16 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
     if have != want:
         raise ConfigError(f"{path} was measured with {_describe(have)}, not {_describe(want)}: compression changes "
                           "every step's cost; profile it with `infersim profile --scenario`", key_path)
+    return profile
+
+
+def check_profile(data, path: Path) -> ProfileFile:
+    """A profile's content (parsed JSON) checked as every reader of `path` checks it: its fit, forward fit,
+    communication and parallel layout, and the model it names."""
+    coefs, knot, ramp_knot = _check(data, path)
+    forward = check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
+    comm = _check_comm(data["comm"], path) if "comm" in data else None
+    parallel = _check_parallel(data.get("parallel") or {}, path)
     return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot)
 
 
@@ -92,8 +99,8 @@ def _check(data, path: Path) -> tuple[dict, int, int]:
         raise _bad(path, "", f"a JSON object with a 'fit' section, not a {type(data).__name__}")
     coefs, knot, ramp_knot = check_fit(data.get("fit"), path, "fit")
     m = data.get("model", {})
-    if not isinstance(m, dict) or any(not isinstance(m.get(k, 0), int) or isinstance(m.get(k, 0), bool)
-                                      for k in ("num_layers", "hidden_size")):
+    if not isinstance(m, dict) or m and any(not isinstance(m.get(k), int) or isinstance(m.get(k), bool)
+                                            for k in ("num_layers", "hidden_size")):
         raise _bad(path, "model", "the model it was measured for: a mapping with integer num_layers and hidden_size")
     for k in ("name", "weight_dtype", "kv_dtype", "sparsity"):  # compared with the scenario's model as text
         if not isinstance(m.get(k), (str, type(None))):
