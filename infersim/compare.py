@@ -33,6 +33,13 @@ def sweep(base: dict, key: str, values: list) -> list[tuple[str, dict]]:
         raise ConfigError(f"{key}: every configuration runs the first one's workload and SLOs, so sweeping them "
                           "changes nothing; allowed: a key of the deployment (serving.max_num_seqs, hardware, ...)",
                           "--sweep")
+    if key in ("name", "description"):
+        raise ConfigError(f"{key} is a label: every configuration would be the same deployment; allowed: a key of "
+                          "the deployment (serving.max_num_seqs, hardware, ...)", "--sweep")
+    twice = next((i for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:  # 1 and 1.0: one deployment run twice under two labels
+        raise ConfigError(f"{key}: value {twice + 1} ({values[twice]!r}) is an earlier one again; allowed: each "
+                          "value once", "--sweep")
     return [(f"{key}={v}", apply(base, key, v)) for v in values]
 
 

@@ -191,6 +191,9 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         if key.split(".")[0] not in type(scenario).model_fields:
             raise ConfigError(f"not a scenario key; allowed: {', '.join(type(scenario).model_fields)} (dotted: "
                               "serving.max_num_seqs)", f"space.{key}")
+        if key.startswith("pools.") and scenario.pools is None and "pools" not in spec.space:
+            raise ConfigError("the base scenario has no pools to set this in (every configuration would be pruned); "
+                              "allowed: give the base scenario pools, or search 'pools' too", f"space.{key}")
         if key.split(".")[0] in NOT_SWEPT:
             raise ConfigError(f"not searched: {NOT_SWEPT[key.split('.')[0]]}", f"space.{key}")
         if key == "pools" and any(v is not None and not _is_ratio(v) and not isinstance(v, dict) for v in values):
@@ -339,6 +342,7 @@ def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     # a whole section before the dotted keys inside it, whatever the spec's order: those refine it
     order = sorted(range(len(keys)), key=lambda i: keys[i].count("."))
     names = [_value_labels(search.space[k]) for k in keys]
+    short = _key_labels(keys)
     out = []
     for picks in itertools.product(*(range(len(search.space[k])) for k in keys)):
         values = [search.space[k][j] for k, j in zip(keys, picks)]
@@ -346,14 +350,34 @@ def configurations(search: Search) -> list[tuple[str, dict, dict]]:
         for i in order:
             data = apply(data, keys[i], values[i])
         overrides = dict(zip(keys, values))
-        label = " ".join(f"{_short(k)}={names[i][j]}" for i, (k, j) in enumerate(zip(keys, picks)))
+        label = " ".join(f"{short[k]}={names[i][j]}" for i, (k, j) in enumerate(zip(keys, picks)))
         data = {**data, "name": f"{search.name}: {label}", "slo": search.slo.model_dump(mode="json")}
         out.append((label, overrides, data))
     return out
 
 
-def _short(key: str) -> str:
-    return {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}.get(key, key.split(".")[-1])
+SHORT_KEYS = {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}
+
+
+def _key_labels(keys: list[str]) -> dict[str, str]:
+    """Each key's name in a label: its last part (tp, pp for the parallel sizes), with the parts before it that tell
+    it from the others (pools.prefill.replicas and pools.decode.replicas: prefill.replicas, decode.replicas; a
+    pool's key keeps its pool's name even alone)."""
+    parts = {k: k.split(".") for k in keys}
+    depth = dict.fromkeys(keys, 1)
+
+    def name(k: str) -> str:
+        tail = parts[k][-depth[k]:]
+        pool = parts[k][1] if k.startswith("pools.") and len(parts[k]) > 2 and len(tail) < len(parts[k]) - 1 else None
+        return ".".join(([pool] if pool else []) + tail)
+
+    while True:
+        names = {k: SHORT_KEYS.get(k) or name(k) for k in keys}
+        shared = [k for k in keys if list(names.values()).count(names[k]) > 1 and depth[k] < len(parts[k])]
+        if not shared:
+            return names
+        for k in shared:
+            depth[k] += 1
 
 
 def _value_labels(values: list) -> list[str]:

@@ -116,3 +116,24 @@ def test_refit_never_writes_a_profile_that_run_refuses(tmp_path, change):
     before = path.read_text()
     one_line_error(invoke("profile", "--refit", "--out", path), str(path), "would refuse")
     assert path.read_text() == before
+
+
+def test_a_pool_s_keys_keep_their_pool_in_the_labels_and_need_pools(tmp_path):
+    """W: sweeping pools.prefill.replicas and pools.decode.replicas labelled rows 'replicas=1 replicas=2' (which is
+    prefill?); on a base without pools every configuration was pruned and the search exited 0."""
+    from infersim.search import configurations, parse_search_spec
+
+    pools = {**H100, "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}
+    search = parse_search_spec({"scenario": pools, "space": {"pools.prefill.replicas": [1, 2],
+                                                             "pools.decode.replicas": [1]}})
+    assert [label for label, _, _ in configurations(search)] == ["prefill.replicas=1 decode.replicas=1",
+                                                                  "prefill.replicas=2 decode.replicas=1"]
+    path = search_spec(tmp_path, space={"pools.prefill.replicas": [1, 2]})
+    one_line_error(invoke("search", path), path, "space.pools.prefill.replicas", "no pools")
+
+
+def test_compare_sweeps_each_deployment_once(tmp_path):
+    """W: `--sweep replicas=1,1.0` and `--sweep name=a,b` ran one deployment twice under two labels."""
+    path = write(tmp_path / "s.yaml", H100)
+    one_line_error(invoke("compare", path, "--sweep", "replicas=1,1.0"), "--sweep", "again")
+    one_line_error(invoke("compare", path, "--sweep", "name=a,b"), "--sweep", "label")
