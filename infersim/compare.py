@@ -38,8 +38,8 @@ def sweep(base: dict, key: str, values: list) -> list[tuple[str, dict]]:
                           "the deployment (serving.max_num_seqs, hardware, ...)", "--sweep")
     twice = next((i for i, v in enumerate(values) if v in values[:i]), None)
     if twice is not None:  # 1 and 1.0: one deployment run twice under two labels
-        raise ConfigError(f"{key}: value {twice + 1} ({values[twice]!r}) is an earlier one again; allowed: each "
-                          "value once", "--sweep")
+        raise ConfigError(f"{key}={values[twice]} is an earlier value again (one deployment, two labels); allowed: "
+                          "each value once", "--sweep")
     return [(f"{key}={v}", apply(base, key, v)) for v in values]
 
 
