@@ -137,3 +137,17 @@ def test_compare_sweeps_each_deployment_once(tmp_path):
     path = write(tmp_path / "s.yaml", H100)
     one_line_error(invoke("compare", path, "--sweep", "replicas=1,1.0"), "--sweep", "again")
     one_line_error(invoke("compare", path, "--sweep", "name=a,b"), "--sweep", "label")
+
+
+def test_a_utf16_scenario_is_told_to_be_utf8_and_a_profile_may_start_with_a_bom(tmp_path):
+    """The scenario's error said only 'cannot read it (UnicodeDecodeError)'; a profile written with a BOM was refused
+    ('Unexpected UTF-8 BOM') though traces and scenarios take one."""
+    path = tmp_path / "s.yaml"
+    path.write_bytes(yaml.safe_dump(H100).encode("utf-16"))
+    one_line_error(invoke("run", path, "-q", "--no-plots"), path, "UTF-8")
+    prof = tmp_path / "p.json"
+    prof.write_bytes(b"\xef\xbb\xbf" + PROFILE.read_bytes())
+    d = {**tiny(tmp_path), "cost_model": {"profile": str(prof)}}
+    d["model"], d["hardware"] = "SmolLM2-135M", "cpu"
+    r = invoke("run", write(tmp_path / "b.yaml", d), "-q", "--no-plots", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output

@@ -46,7 +46,7 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
             raise ConfigError(f"{path} is not a profile file", key_path)
         if path.exists() and path.stat().st_size > 64 * 2**20:
             raise ConfigError(f"{path} is {path.stat().st_size / 2**20:.0f} MiB, not an infersim profile", key_path)
-        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+        data = json.loads(path.read_text(encoding="utf-8-sig"), parse_constant=_no_constant)  # a BOM, as traces
     except FileNotFoundError:
         raise ConfigError(f"profile not found: {path}; make one with `infersim profile`", key_path) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -102,7 +102,10 @@ def read_yaml(path: Path):
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError("file not found", file=str(path)) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise ConfigError("not UTF-8 text (a scenario is a UTF-8 YAML file; UTF-16 and other encodings: convert it)",
+                          file=str(path)) from None
+    except OSError as e:
         raise ConfigError(f"cannot read it ({type(e).__name__})", file=str(path)) from None
     try:
         return load_yaml(text)
