@@ -19,7 +19,7 @@ from calibration.validate import print_stage, run_real, simulated, slo_metrics, 
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
 from sim.cost.build import make_cost_model
-from sim.report.capacity import Grid, judged_metrics, offered_rate, probe_rows, rates_grid, users_grid
+from sim.report.capacity import Grid, offered_rate, probe_rows, rates_grid, users_grid
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
 
@@ -47,7 +47,7 @@ def simulated_verdict(plan: Plan, profile: Path, grid: Grid, x: float, scale: fl
     """The simulator's run of the grid's probe at `x`: (metrics, whether it meets the SLOs)."""
     specs = grid.probe(x)
     _, records, m = simulated(plan, profile, scale, specs)
-    return judged_metrics(m, records, specs, grid.users(x)), grid.passes(m, records, specs, x)
+    return grid.judge(m, records, specs, x)
 
 
 def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: int | None, loaded,
@@ -67,9 +67,7 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
         stage(f"{plan.name}: executor probe {len(probes) + 1} at {rate:.3g} {grid.unit}")
         folder = None if out is None else out / f"probe{len(probes) + 1}"
         records, steps = run_real(plan, probe, device, threads, loaded, folder)
-        m = slo_metrics(plan, records)
-        ok = grid.passes(m, records, probe, rate)
-        m = judged_metrics(m, records, probe, grid.users(rate))  # what the verdict judged (no first wave)
+        m, ok = grid.judge(slo_metrics(plan, records), records, probe, rate)  # a closed loop: no first wave
         steps_of[rate] = steps
         probes.append({"rate": rate, "passes": ok, **_summary(m)})
         return ok

@@ -467,9 +467,9 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
     if result.stopped:
         return False, None, "slo"
     records = sim_records(result)
-    metrics = compute_metrics(records, slo)
+    metrics = judged_metrics(compute_metrics(records, slo), records, specs, users)
     why = why_failed(metrics, records, specs, users)
-    return not why, judged_metrics(metrics, records, specs, users), why
+    return not why, metrics, why
 
 
 def prune(probe: Probe) -> tuple[ConfigResult, Plan | None]:

@@ -7,6 +7,7 @@ import numpy as np
 
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
+from sim.policy.request import Status
 from sim.report.metrics import summarize
 from sim.report.outputs import build_report
 from sim.simulator.cluster import itl_sample, sim_records, simulate
@@ -109,3 +110,11 @@ def assert_itl_is_the_token_gaps(result, records, times: list[np.ndarray], rel: 
     assert records.itl.count == len(gaps)
     for key, value in summarize(gaps).items():
         assert records.itl.stats[key] == pytest.approx(value, rel=rel, abs=abs)
+
+
+def in_flight(requests) -> int:
+    """The most requests ever between their arrival (when sent) and their end (a rejected one ends when it
+    arrives); ends come before sends at one instant, as a slot frees before the request waiting for it takes it."""
+    events = sorted([(r.arrival_s, 1) for r in requests] +
+                    [(r.finish_s if r.status is Status.FINISHED else r.arrival_s, -1) for r in requests])
+    return int(np.max(np.cumsum([d for _, d in events])))

@@ -11,7 +11,7 @@ from sim.config.scenario import parse_scenario
 from sim.config.workload import generate_requests
 from sim.policy.request import Status
 from sim.report.capacity import check_scalable
-from tests.helpers import run, scenario, tiny_checkpoint, write_tiny_scenario
+from tests.helpers import in_flight, run, scenario, tiny_checkpoint, write_tiny_scenario
 
 LOOP = {"seed": 4, "num_requests": 300, "prompt_len": {"dist": "uniform", "min": 100, "max": 2000},
         "output_len": {"dist": "uniform", "min": 20, "max": 400}, "closed_loop": {"users": 16, "think_time_s": 2.0}}
@@ -21,14 +21,6 @@ def users(n: int, think: float = 2.0, **workload) -> dict:
     data = scenario(workload={**LOOP, "closed_loop": {"users": n, "think_time_s": think}, **workload})
     data["workload"].pop("arrival")
     return data
-
-
-def in_flight(requests) -> int:
-    """The most requests ever between arrival and end (a rejected one ends when it arrives)."""
-    events = sorted([(r.arrival_s, 1) for r in requests] +
-                    [(r.finish_s if r.status is Status.FINISHED else r.arrival_s, -1) for r in requests],
-                    key=lambda e: (e[0], e[1]))
-    return int(np.max(np.cumsum([d for _, d in events])))
 
 
 def assert_users_take_the_units_in_order(specs, requests, users: int, abs: float = 1e-9) -> None:

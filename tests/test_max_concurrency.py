@@ -2,9 +2,7 @@
 flight; the rest wait, first come first served, and are sent when one ends. Simulator and executor alike."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import run, scenario, tiny_checkpoint, write_tiny_scenario
 
 from sim.config.errors import ConfigError
 from sim.config.plan import load_scenario, make_plan
@@ -13,18 +11,11 @@ from sim.config.workload import generate_requests
 from sim.policy.client import ClientGate
 from sim.policy.request import Status
 from sim.simulator.cluster import simulate
+from tests.helpers import in_flight, run, scenario, tiny_checkpoint, write_tiny_scenario
 
 LOAD = {"seed": 4, "arrival": {"process": "poisson", "rate": 30.0}, "num_requests": 400,
         "prompt_len": {"dist": "lognormal", "median": 600, "sigma": 0.7, "max": 3000},
         "output_len": {"dist": "lognormal", "median": 150, "sigma": 0.7, "max": 800}}
-
-
-def in_flight(requests) -> int:
-    """The most requests ever between their arrival (when sent) and their end; ends come before sends at one
-    instant, as a slot frees before the request waiting for it takes it."""
-    events = sorted([(r.arrival_s, 1) for r in requests] +
-                    [(r.finish_s if r.status is Status.FINISHED else r.arrival_s, -1) for r in requests])
-    return int(np.max(np.cumsum([d for _, d in events])))
 
 
 def test_the_gate_sends_in_arrival_order_and_hands_a_freed_slot_on():

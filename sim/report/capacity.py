@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from sim.config.errors import ConfigError
+from sim.config.scenario import SLOConfig
 from sim.config.workload import RequestSpec, generate_requests
+from sim.report.metrics import compute_metrics
 
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
 STEADY_SPANS = 2.0  # conversations: the first turns' span over their mean lifetime a passing run needs
@@ -112,9 +114,6 @@ def warm_up(specs: list[RequestSpec]) -> set[int]:
 def judged_metrics(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> dict:
     """The metrics a capacity verdict judges: a closed loop of `users` long enough to judge (STEADY_ROUNDS), its run
     without the first wave (warm_up) under the same SLO (metrics["slo"]); else the run's as they are."""
-    from sim.config.scenario import SLOConfig
-    from sim.report.metrics import compute_metrics
-
     warm = warm_up(specs) if users is not None and len(specs) >= STEADY_ROUNDS * users else set()
     if not warm:
         return metrics
@@ -130,8 +129,8 @@ def judged_metrics(metrics: dict, records, specs: list[RequestSpec], users: int 
 
 def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> str:
     """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations, or a closed loop of `users`: the
-    probe too short), or "". A closed loop is judged without its first wave (judged_metrics)."""
-    if not judged_metrics(metrics, records, specs, users)["slo"]["met_counting_rejected"]:
+    probe too short), or "". `metrics`: as judged_metrics gives them (a closed loop without its first wave)."""
+    if not metrics["slo"]["met_counting_rejected"]:
         return "slo"
     if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
         return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
@@ -178,8 +177,10 @@ class Grid:
         """The users a probe at `x` has (None: not a closed loop): what why_failed judges its length by."""
         return int(self.point(x)) if self.unit == "users" else None
 
-    def passes(self, metrics: dict, records, specs: list[RequestSpec], x: float) -> bool:
-        return not why_failed(metrics, records, specs, self.users(x))
+    def judge(self, metrics: dict, records, specs: list[RequestSpec], x: float) -> tuple[dict, bool]:
+        """A finished probe at `x` (its metrics under the SLO): (the metrics its verdict judged, whether it passes)."""
+        judged = judged_metrics(metrics, records, specs, self.users(x))
+        return judged, not why_failed(judged, records, specs, self.users(x))
 
     def search(self, meets: Callable[[float], bool], precision: float, min_rate: float = 0.01,
                max_rate: float = 1e5) -> "Capacity":
