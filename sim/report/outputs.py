@@ -38,9 +38,14 @@ def client_section(limit: int, records: RequestRecords, duration: float) -> dict
     """report.json's max_concurrency section: how many requests waited at the client for a slot, how long (over every
     arrived request, 0 for those sent on time), and the requests in flight on average (Little's law)."""
     wait = records.client_wait_s if records.client_wait_s is not None else np.zeros(len(records.id))
-    e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
     return {"limit": limit, "requests_waited": int((wait > 0).sum()), "client_wait_s": summarize(wait),
-            "mean_in_flight": float(e2e.sum() / duration) if duration else 0.0}
+            "mean_in_flight": mean_in_flight(records, duration)}
+
+
+def mean_in_flight(records: RequestRecords, duration: float) -> float:
+    """Requests in flight on average (Little's law: the completed requests' E2E times over the run's duration)."""
+    e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
+    return float(e2e.sum() / duration) if duration else 0.0
 
 
 def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_s: float, engine: str = "sim",
@@ -93,11 +98,9 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                            for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
     loop = plan.workload.closed_loop
     if loop is not None:
-        e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
-        duration = report["duration_s"]
-        # Little's law: the users waiting on the deployment, on average (the rest were thinking)
+        # the users waiting on the deployment, on average (the rest were thinking)
         report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
-                                 "mean_in_flight": float(e2e.sum() / duration) if duration else 0.0}
+                                 "mean_in_flight": mean_in_flight(records, report["duration_s"])}
     if plan.workload.max_concurrency is not None:
         report["max_concurrency"] = client_section(plan.workload.max_concurrency, records, report["duration_s"])
     if plan.pipeline_parallel_size > 1:

@@ -157,6 +157,10 @@ class Arrivals:
     def _arrive(self, req: Request) -> None:
         if self.gate is not None and not self.by_user and not self.gate.offer(req):
             return  # waits at the client for a request in flight to end
+        self._enter(req)
+
+    def _enter(self, req: Request) -> None:
+        """A request sent: to the deployment, which admits it or turns it away (it ends now)."""
         self.requests.append(req)
         if not self.admit(req):
             self.done()
@@ -204,10 +208,7 @@ class Arrivals:
         heapq.heappop(self.scheduled)
         req.client_wait_s = self.env.now - req.arrival_s
         req.arrival_s = self.env.now
-        self.requests.append(req)
-        if not self.admit(req):
-            self.done()
-            self.ended(req)
+        self._enter(req)
 
 
 def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:
