@@ -132,7 +132,6 @@ def time_gemms(timer: Timer, device: str, dry: bool, dtype=torch.bfloat16) -> li
             y = torch.empty(m, n, device=device, dtype=dtype)
             s = timer(lambda i: torch.mm(x, ws[i % len(ws)].t(), out=y))
             out.append({"op": "gemm", "dtype": "bf16", "m": m, "n": n, "k": k, "label": label, "s": s})
-        del ws
     return out
 
 
@@ -230,7 +229,6 @@ def time_attention(timer: Timer, device: str, dry: bool, dtype=torch.bfloat16) -
                 s = timer(lambda i: _sdpa(q, *kvs[i % len(kvs)]))
                 out.append({"op": "attn_decode", "batch": batch, "context": ctx, "kv_heads": kv_heads,
                             "heads": kv_heads * group, "head_dim": dim, "kv_bytes": kv_bytes, "s": s})
-                del kvs
     return out
 
 

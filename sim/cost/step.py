@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+
 @dataclass(slots=True)
 class StepCost:
     """One step's seconds by kind of work. `total_s` is the step's time as its cost source sums it (in the source's

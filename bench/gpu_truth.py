@@ -1,0 +1,181 @@
+"""How well the GPU kernel model predicts real GPU measurements it was not fitted to, against the datasheet roofline.
+
+- Linear layers (Vidur's profiles of A100, H100 and A40: a decoder layer's QKV/O/MLP projections, norms, rotary,
+  activation and residual add, per step of T tokens, TP 1-8), leave one model out: for each device and model, the
+  kernel model is fitted to the device's other models and predicts this one's every (TP, T). Four of the eight
+  shapes are not in infersim's catalog (CodeLlama-34B, InternLM-20B, Qwen-72B, Phi-2).
+- H200 GEMMs (timed here, docs/runs/2026-12-04-h200): the same, leaving out each model's projections.
+- TP all-reduce and send/recv (Vidur's NCCL measurements on DGX A100 / H100 and PCIe boards, one node): fitted to
+  every other message size of each configuration, judged on the sizes in between.
+- The roofline is judged on the same rows as it prices them today (compute_efficiency 0.6, memory_efficiency 0.8,
+  the catalog's links).
+
+Usage: python bench/gpu_truth.py
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from calibration.kernel_fit import (
+    COLLECTIVES,
+    GEMMS,
+    LINEAR_OPS,
+    fit_collective,
+    fit_gemm,
+    fit_linear,
+    linear_rows,
+    read_table,
+)
+from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec
+from sim.config.models import ModelSpec
+from sim.cost.kernels import DeviceKernels, layer_gemms, layer_passes, pass_time
+from sim.cost.roofline import RooflineCostModel
+
+# Vidur's model folders -> the catalog entry of the same shape (the rest are shapes the catalog does not have)
+CATALOGUED = {"Llama-2-7b-hf": "Llama-2-7B", "Llama-2-70b-hf": "Llama-2-70B", "Meta-Llama-3-8B": "Llama-3-8B",
+              "Meta-Llama-3-70B": "Llama-3-70B"}
+A40 = HardwareSpec(name="A40", memory_gib=44.6, memory_bandwidth=696e9, peak_flops={"fp16": 149.7e12, "fp32": 37.4e12},
+                   interconnect_bandwidth=32e9)
+# Vidur's NCCL systems -> the catalog device whose links they measured
+SYSTEM_DEVICE = {"a100_dgx": "A100-80GB", "h100_dgx": "H100-SXM"}
+
+
+def predicted_linear(k: DeviceKernels, row: dict) -> float:
+    """The kernel model's time for the ops this row measured."""
+    args = (row["hidden"], row["heads"], row["kv_heads"], row["hidden"] // row["heads"], row["intermediate"],
+            row["tp"], row["tokens"], bool(row["gated"]))
+    t = sum(k.gemm["fp16"].time(m, n, kk) for op, m, n, kk in layer_gemms(*args) if row[f"{op}_us"] != "")
+    return t + sum(pass_time(k.passes[op], b) for op, b in layer_passes(*args).items() if row[f"{op}_us"] != "")
+
+
+def measured_linear(row: dict) -> float:
+    return sum(v for key, v in row.items() if key.endswith("_us") and v != "") * 1e-6
+
+
+def roofline_linear(row: dict) -> float:
+    """The roofline's linear-layer time of one decoder layer (its embedding and LM head left out)."""
+    hw = A40 if row["device"] == "A40" else HARDWARE_CATALOG[row["device"]]
+    model = ModelSpec(num_layers=1, hidden_size=row["hidden"], num_heads=row["heads"], num_kv_heads=row["kv_heads"],
+                      intermediate_size=row["intermediate"], vocab_size=1, weight_dtype="fp16")
+    r = RooflineCostModel(model, hw, tensor_parallel_size=row["tp"])
+    weights = model.params_per_layer * 2 / (hw.memory_bandwidth * 0.8) / row["tp"]
+    return max(row["tokens"] * r.s_per_linear_token, weights + row["tokens"] * r.s_per_act_token)
+
+
+def stats(err) -> tuple[float, float]:
+    e = np.abs(np.asarray(err)) * 100
+    return float(np.median(e)), float(np.percentile(e, 90))
+
+
+def linear_truth(ops: list[dict]) -> dict:
+    """Leave-one-model-out relative errors of the kernel model and the roofline, by (device, model, tp)."""
+    out = {}
+    for device in sorted({r["device"] for r in ops}):
+        rows = linear_rows(ops, device)
+        for model in sorted({r["model"] for r in rows}):
+            gemm, passes = fit_linear(linear_rows(ops, device, exclude_model=model))
+            k = DeviceKernels(device, "vidur", {"fp16": gemm}, passes)
+            for r in (r for r in rows if r["model"] == model):
+                real = measured_linear(r)
+                key = (device, model, r["tp"])
+                out.setdefault(key, ([], []))
+                out[key][0].append(predicted_linear(k, r) / real - 1)
+                out[key][1].append(roofline_linear(r) / real - 1)
+    return out
+
+
+def gemm_truth(rows: list[dict]) -> list[float]:
+    """H200: leave each model's projections out, predict their per-layer sums (the four GEMMs) at every (TP, M)."""
+    from calibration.gpu_kernels import MODELS, projections
+
+    errs = []
+    for name, (hidden, heads, kv_heads, head_dim, inter, _) in MODELS.items():
+        for tp in (1, 2, 4, 8):
+            if heads % tp:
+                continue
+            shapes = {(n, k) for _, n, k in projections(hidden, heads, kv_heads, head_dim, inter, tp)}
+            rest = [r for r in rows if (r["n"], r["k"]) not in shapes]
+            fit = fit_gemm(*zip(*[(r["m"], r["n"], r["k"], r["us"] * 1e-6) for r in rest]))
+            for m in sorted({r["m"] for r in rows}):
+                got = [r["us"] * 1e-6 for r in rows if r["m"] == m and (r["n"], r["k"]) in shapes]
+                if len(got) == len(shapes):
+                    pred = sum(fit.time(m, n, k) for n, k in shapes)
+                    errs.append(pred / sum(got) - 1)
+    return errs
+
+
+def roofline_all_reduce(hw: HardwareSpec, nbytes: float, n: int) -> float:
+    """The roofline's TP all-reduce: 2(n−1)/n · bytes / link + 2 link latencies (switch) or 2(n−1) (ring)."""
+    hops = 2 if hw.interconnect_topology == "switch" else 2 * (n - 1)
+    return 2 * (n - 1) / n * nbytes / hw.interconnect_bandwidth + hops * hw.interconnect_latency_s
+
+
+def collective_truth(rows: list[dict]) -> dict:
+    """Per (system, collective, n) on one node: errors on every other size after fitting the rest, and the
+    roofline's measured/predicted ratio for all-reduces through a catalog device's links."""
+    out = {}
+    groups = {}
+    for r in rows:
+        if r["workers"] == r["devices_per_node"]:
+            groups.setdefault((r["system"], r["collective"], r["workers"]), []).append(r)
+    for key, rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["bytes"])
+        fit_rows, held = rs[::2], rs[1::2]
+        f = fit_collective([r["bytes"] for r in fit_rows], [r["us"] * 1e-6 for r in fit_rows])
+        pred = [(f["latency_s"] ** f["sharpness"] + (r["bytes"] / f["bandwidth"]) ** f["sharpness"])
+                ** (1 / f["sharpness"]) for r in held]
+        errs = [p / (r["us"] * 1e-6) - 1 for p, r in zip(pred, held)]
+        ratio = None
+        if key[1] == "all_reduce" and key[0] in SYSTEM_DEVICE:
+            hw = HARDWARE_CATALOG[SYSTEM_DEVICE[key[0]]]
+            ratio = [r["us"] * 1e-6 / roofline_all_reduce(hw, r["bytes"], key[2]) for r in rs]
+        out[key] = (errs, ratio)
+    return out
+
+
+def main() -> None:
+    ops = read_table(LINEAR_OPS)
+    lin = linear_truth(ops)
+    print("Linear layers, leave one model out (|error| % median / p90; kernel model vs roofline)")
+    print(f"{'device':10} {'model':26} {'tp':>3} {'rows':>5} {'kernel':>14} {'roofline':>14}")
+    for (device, model, tp), (k, r) in sorted(lin.items()):
+        print(f"{device:10} {model:26} {tp:>3} {len(k):>5} {'%5.1f / %5.1f' % stats(k):>14} "
+              f"{'%5.1f / %5.1f' % stats(r):>14}")
+    for device in sorted({d for d, _, _ in lin}):
+        for tp in (1, 2, 4, 8):
+            k = [e for (d, _, t), (ks, _) in lin.items() if d == device and t == tp for e in ks]
+            r = [e for (d, _, t), (_, rs) in lin.items() if d == device and t == tp for e in rs]
+            if k:
+                print(f"  {device:10} TP{tp}: kernel {'%5.1f / %5.1f' % stats(k)}   roofline "
+                      f"{'%5.1f / %5.1f' % stats(r)}  (roofline median signed {np.median(r) * 100:+.1f}%)")
+    every = [e for ks, _ in lin.values() for e in ks]
+    roof = [e for _, rs in lin.values() for e in rs]
+    unlisted = [e for (_, m, _), (ks, _) in lin.items() if m not in CATALOGUED for e in ks]
+    gemm = gemm_truth([r for r in read_table(GEMMS) if r["dtype"] == "bf16"])
+    print(f"\nH200 GEMMs (a layer's four projections), leave one model out: {'%.1f / %.1f' % stats(gemm)} "
+          f"over {len(gemm)} (model, TP, M)")
+    coll = collective_truth(read_table(COLLECTIVES))
+    print("\nCollectives on one node, fitted to every other size (|error| % median / p90); roofline measured/predicted")
+    for (system, c, n), (errs, ratio) in coll.items():
+        extra = f"   roofline: real is {np.median(ratio):.1f}x its time (median)" if ratio else ""
+        print(f"  {system:22} {c:10} n={n}: {'%5.1f / %5.1f' % stats(errs)}{extra}")
+    ar = [e for (_, c, _), (errs, _) in coll.items() if c == "all_reduce" for e in errs]
+    ratios = [x for (_, c, _), (_, ratio) in coll.items() if ratio for x in ratio]
+    sr = [e for (_, c, _), (errs, _) in coll.items() if c == "send_recv" for e in errs]
+    print()
+    print(f"linear_abs_err_median_pct: {stats(every)[0]:.1f}")
+    print(f"linear_abs_err_p90_pct: {stats(every)[1]:.1f}")
+    print(f"linear_abs_err_median_pct_uncatalogued_shapes: {stats(unlisted)[0]:.1f}")
+    print(f"linear_abs_err_p90_pct_uncatalogued_shapes: {stats(unlisted)[1]:.1f}")
+    print(f"roofline_linear_abs_err_median_pct: {stats(roof)[0]:.1f}")
+    print(f"roofline_linear_abs_err_p90_pct: {stats(roof)[1]:.1f}")
+    print(f"h200_gemm_abs_err_median_pct: {stats(gemm)[0]:.1f}")
+    print(f"h200_gemm_abs_err_p90_pct: {stats(gemm)[1]:.1f}")
+    print(f"allreduce_abs_err_median_pct: {stats(ar)[0]:.1f}")
+    print(f"allreduce_abs_err_p90_pct: {stats(ar)[1]:.1f}")
+    print(f"send_recv_abs_err_median_pct: {stats(sr)[0]:.1f}")
+    print(f"roofline_allreduce_real_over_predicted_median: {np.median(ratios):.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The GPU kernel model: how long the kernels of a decoder step take on a device, fitted to real measurements.
+
+Its parameters (sim/data/gpu_kernels.json) are fitted by calibration/kernel_fit.py to measured kernels: Vidur's
+public profiles of A100, H100 and A40 GPUs (per decoder-layer op, by model shape, tensor-parallel size and token
+count) and a sweep of GEMMs, attention and elementwise passes timed on an H200 (calibration/gpu_kernels.py);
+collectives to Vidur's NCCL measurements on DGX A100 / H100 and PCIe boards. Sources and the fits' accuracy:
+docs/cost-model.md#the-gpu-kernel-model.
+
+- A GEMM of M tokens, N outputs, K inputs takes floor + (t_mem^p + t_compute^p)^(1/p): t_mem streams the weights
+  (and the activations) at an achieved bandwidth, t_compute = 2·M·N·K / (flops · M / (M + m_half)) — a small-M GEMM
+  fills too few tiles to reach the large-GEMM rate; p sets how sharply one bound hands over to the other.
+- An elementwise pass (a norm, rotary, the gated activation, a residual add): floor + bytes / bandwidth.
+- Attention: prefill = floor per sequence + FLOPs / flops + a cost per key (the last query tile walks them all);
+  decode = floor + KV bytes / bandwidth.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """Achieved speed of one device's GEMMs in one dtype."""
+
+    floor_s: float  # the shortest GEMM kernel
+    bandwidth: float  # bytes/s, streaming weights and activations
+    flops: float  # FLOP/s of a large GEMM
+    sharpness: float  # p of the smooth max of the memory and compute times
+    m_half: float  # tokens at which the achieved rate is half `flops`
+
+    def time(self, m, n, k, weight_bytes: float = 2.0, act_bytes: float = 2.0, compute_scale: float = 1.0):
+        """Seconds for x[m, k] @ w[n, k]ᵀ (floats or numpy arrays); `compute_scale` multiplies the FLOP rate
+        (2:4 sparse tensor cores, dequantizing kernels)."""
+        t_mem = (n * k * weight_bytes + (m * k + m * n) * act_bytes) / self.bandwidth
+        t_compute = 2.0 * n * k * (m + self.m_half) / (self.flops * compute_scale)  # 2mnk at flops·m/(m+m_half)
+        p = self.sharpness
+        return self.floor_s + (t_mem ** p + t_compute ** p) ** (1.0 / p)
+
+
+def pass_time(fit: dict, nbytes: float) -> float:
+    """Seconds for an elementwise pass moving `nbytes` ({"floor_s", "bandwidth"})."""
+    return fit["floor_s"] + nbytes / fit["bandwidth"]
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """One device's fitted kernels: GEMMs by dtype ("fp16": 16-bit, "fp8"), elementwise passes by kind
+    (input_norm, post_norm, rope, act, add), attention (None where not measured)."""
+
+    device: str
+    source: str  # "vidur": fitted to Vidur's profiles; "measured": to a calibration.gpu_kernels run
+    gemm: dict[str, GemmFit]
+    passes: dict[str, dict]
+    attention: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "source": self.source, "gemm": {k: asdict(v) for k, v in self.gemm.items()},
+                "passes": self.passes, "attention": self.attention}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DeviceKernels":
+        return cls(data["device"], data["source"], {k: GemmFit(**v) for k, v in data["gemm"].items()},
+                   data["passes"], data.get("attention"))
+
+
+def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,
+                gated: bool = True) -> list[tuple[str, int, int, int]]:
+    """(op, M, N, K) of one decoder layer's GEMMs on one of `tp` devices (Megatron sharding: heads and the MLP's
+    columns split, KV heads replicated where there are fewer than devices)."""
+    q = heads * head_dim // tp
+    kv = max(1, kv_heads // tp) * head_dim
+    up = (2 if gated else 1) * inter // tp
+    return [("qkv", tokens, q + 2 * kv, hidden), ("o", tokens, hidden, q), ("gate_up", tokens, up, hidden),
+            ("down", tokens, hidden, inter // tp)]
+
+
+def layer_passes(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,
+                 gated: bool = True, act_bytes: int = 2) -> dict[str, float]:
+    """Bytes each elementwise pass of one decoder layer reads and writes on one of `tp` devices: the two norms over
+    the (replicated) hidden state, rotary over the queries and keys, the gated activation, one residual add."""
+    q = heads * head_dim // tp
+    kv = max(1, kv_heads // tp) * head_dim
+    return {"input_norm": 2 * tokens * hidden * act_bytes, "post_norm": 2 * tokens * hidden * act_bytes,
+            "rope": 2 * tokens * (q + kv) * act_bytes, "act": (3 if gated else 2) * tokens * (inter // tp) * act_bytes,
+            "add": 3 * tokens * hidden * act_bytes}
+
+
+@lru_cache(maxsize=4)
+def load_kernels(path: Path = KERNELS_PATH) -> tuple[dict[str, DeviceKernels], dict]:
+    """(fitted devices by catalog name, fitted collectives by system) from the shipped file."""
+    data = json.loads(Path(path).read_text())
+    return {name: DeviceKernels.from_json(d) for name, d in data["devices"].items()}, data["collectives"]
