@@ -17,91 +17,20 @@ from __future__ import annotations
 import numpy as np
 
 from calibration.kernel_fit import (
+    CATALOGUED,
     COLLECTIVES,
     GEMMS,
     LINEAR_OPS,
     fit_collective,
-    fit_gemm,
-    fit_linear,
-    linear_rows,
+    gemm_truth,
+    linear_truth,
     read_table,
+    stats,
 )
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec
-from sim.config.models import ModelSpec
-from sim.cost.kernels import DeviceKernels, layer_gemms, layer_passes, pass_time
-from sim.cost.roofline import RooflineCostModel
 
-# Vidur's model folders -> the catalog entry of the same shape (the rest are shapes the catalog does not have)
-CATALOGUED = {"Llama-2-7b-hf": "Llama-2-7B", "Llama-2-70b-hf": "Llama-2-70B", "Meta-Llama-3-8B": "Llama-3-8B",
-              "Meta-Llama-3-70B": "Llama-3-70B"}
-A40 = HardwareSpec(name="A40", memory_gib=44.6, memory_bandwidth=696e9, peak_flops={"fp16": 149.7e12, "fp32": 37.4e12},
-                   interconnect_bandwidth=32e9)
 # Vidur's NCCL systems -> the catalog device whose links they measured
 SYSTEM_DEVICE = {"a100_dgx": "A100-80GB", "h100_dgx": "H100-SXM"}
-
-
-def predicted_linear(k: DeviceKernels, row: dict) -> float:
-    """The kernel model's time for the ops this row measured."""
-    args = (row["hidden"], row["heads"], row["kv_heads"], row["hidden"] // row["heads"], row["intermediate"],
-            row["tp"], row["tokens"], bool(row["gated"]))
-    t = sum(k.gemm["fp16"].time(m, n, kk) for op, m, n, kk in layer_gemms(*args) if row[f"{op}_us"] != "")
-    return t + sum(pass_time(k.passes[op], b) for op, b in layer_passes(*args).items() if row[f"{op}_us"] != "")
-
-
-def measured_linear(row: dict) -> float:
-    return sum(v for key, v in row.items() if key.endswith("_us") and v != "") * 1e-6
-
-
-def roofline_linear(row: dict) -> float:
-    """The roofline's linear-layer time of one decoder layer (its embedding and LM head left out)."""
-    hw = A40 if row["device"] == "A40" else HARDWARE_CATALOG[row["device"]]
-    model = ModelSpec(num_layers=1, hidden_size=row["hidden"], num_heads=row["heads"], num_kv_heads=row["kv_heads"],
-                      intermediate_size=row["intermediate"], vocab_size=1, weight_dtype="fp16")
-    r = RooflineCostModel(model, hw, tensor_parallel_size=row["tp"])
-    weights = model.params_per_layer * 2 / (hw.memory_bandwidth * 0.8) / row["tp"]
-    return max(row["tokens"] * r.s_per_linear_token, weights + row["tokens"] * r.s_per_act_token)
-
-
-def stats(err) -> tuple[float, float]:
-    e = np.abs(np.asarray(err)) * 100
-    return float(np.median(e)), float(np.percentile(e, 90))
-
-
-def linear_truth(ops: list[dict]) -> dict:
-    """Leave-one-model-out relative errors of the kernel model and the roofline, by (device, model, tp)."""
-    out = {}
-    for device in sorted({r["device"] for r in ops}):
-        rows = linear_rows(ops, device)
-        for model in sorted({r["model"] for r in rows}):
-            gemm, passes = fit_linear(linear_rows(ops, device, exclude_model=model))
-            k = DeviceKernels(device, "vidur", {"fp16": gemm}, passes)
-            for r in (r for r in rows if r["model"] == model):
-                real = measured_linear(r)
-                key = (device, model, r["tp"])
-                out.setdefault(key, ([], []))
-                out[key][0].append(predicted_linear(k, r) / real - 1)
-                out[key][1].append(roofline_linear(r) / real - 1)
-    return out
-
-
-def gemm_truth(rows: list[dict]) -> list[float]:
-    """H200: leave each model's projections out, predict their per-layer sums (the four GEMMs) at every (TP, M)."""
-    from calibration.gpu_kernels import MODELS, projections
-
-    errs = []
-    for name, (hidden, heads, kv_heads, head_dim, inter, _) in MODELS.items():
-        for tp in (1, 2, 4, 8):
-            if heads % tp:
-                continue
-            shapes = {(n, k) for _, n, k in projections(hidden, heads, kv_heads, head_dim, inter, tp)}
-            rest = [r for r in rows if (r["n"], r["k"]) not in shapes]
-            fit = fit_gemm(*zip(*[(r["m"], r["n"], r["k"], r["us"] * 1e-6) for r in rest]))
-            for m in sorted({r["m"] for r in rows}):
-                got = [r["us"] * 1e-6 for r in rows if r["m"] == m and (r["n"], r["k"]) in shapes]
-                if len(got) == len(shapes):
-                    pred = sum(fit.time(m, n, k) for n, k in shapes)
-                    errs.append(pred / sum(got) - 1)
-    return errs
 
 
 def roofline_all_reduce(hw: HardwareSpec, nbytes: float, n: int) -> float:

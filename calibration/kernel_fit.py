@@ -27,7 +27,10 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from sim.cost.kernels import KERNELS_PATH, DeviceKernels, GemmFit, layer_gemms, layer_passes
+from sim.config.hardware import HARDWARE_CATALOG
+from sim.config.models import ModelSpec
+from sim.cost.kernels import KERNELS_PATH, DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
+from sim.cost.roofline import RooflineCostModel
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu"
 LINEAR_OPS = DATA / "linear_ops.csv"
@@ -139,8 +142,8 @@ def kernel_tables(path: Path, device: str) -> dict[str, list[dict]]:
     data = json.loads(path.read_text())
     recs = data["records"]
     src = {"source": "measured", "device": device}
-    gemm = [{**src, "dtype": r["dtype"], "m": r["m"], "n": r["n"], "k": r["k"], "us": _sig(r["s"] * 1e6)}
-            for r in recs if r["op"] == "gemm"]
+    gemm = [{**src, "dtype": r["dtype"], "m": r["m"], "n": r["n"], "k": r["k"], "label": r["label"],
+             "us": _sig(r["s"] * 1e6)} for r in recs if r["op"] == "gemm"]
     attn = [{**src, "kind": "prefill", "batch": r["batch"], "seq": r["seq"], "past": r["past"], "heads": r["heads"],
              "kv_heads": r["heads"], "head_dim": r["head_dim"], "us": _sig(r["s"] * 1e6)}
             for r in recs if r["op"] == "attn_prefill"]
@@ -153,6 +156,95 @@ def kernel_tables(path: Path, device: str) -> dict[str, list[dict]]:
                                          "hidden", "inter")}, "us": _sig(r["s"] * 1e6)}
            for r in recs if r["op"] == "moe"]
     return {"gemm": gemm, "attention": attn, "elementwise": elem, "moe": moe}
+
+
+# -- accuracy: predicting what was left out of the fit --------------------------------------------------------------
+# Vidur's model folders -> the catalog entry of the same shape (the rest are shapes the catalog does not have)
+CATALOGUED = {"Llama-2-7b-hf": "Llama-2-7B", "Llama-2-70b-hf": "Llama-2-70B", "Meta-Llama-3-8B": "Llama-3-8B",
+              "Meta-Llama-3-70B": "Llama-3-70B"}
+
+
+def predicted_linear(k: DeviceKernels, row: dict) -> float:
+    """The kernel model's time for the ops this row measured."""
+    args = (row["hidden"], row["heads"], row["kv_heads"], row["hidden"] // row["heads"], row["intermediate"],
+            row["tp"], row["tokens"], bool(row["gated"]))
+    t = sum(k.gemm["fp16"].time(m, n, kk) for op, m, n, kk in layer_gemms(*args) if row[f"{op}_us"] != "")
+    return t + sum(pass_time(k.passes[op], b) for op, b in layer_passes(*args).items() if row[f"{op}_us"] != "")
+
+
+def measured_linear(row: dict) -> float:
+    return sum(v for key, v in row.items() if key.endswith("_us") and v != "") * 1e-6
+
+
+def roofline_linear(row: dict) -> float:
+    """The roofline's linear-layer time of one decoder layer (its embedding and LM head left out)."""
+    hw = HARDWARE_CATALOG[row["device"]]
+    model = ModelSpec(num_layers=1, hidden_size=row["hidden"], num_heads=row["heads"], num_kv_heads=row["kv_heads"],
+                      intermediate_size=row["intermediate"], vocab_size=1, weight_dtype="fp16")
+    r = RooflineCostModel(model, hw, tensor_parallel_size=row["tp"])
+    weights = model.params_per_layer * 2 / (hw.memory_bandwidth * 0.8) / row["tp"]
+    return max(row["tokens"] * r.s_per_linear_token, weights + row["tokens"] * r.s_per_act_token)
+
+
+def stats(err) -> tuple[float, float]:
+    e = np.abs(np.asarray(err)) * 100
+    return float(np.median(e)), float(np.percentile(e, 90))
+
+
+def linear_truth(ops: list[dict]) -> dict:
+    """Leave-one-model-out relative errors of the kernel model and the roofline, by (device, model, tp)."""
+    out = {}
+    for device in sorted({r["device"] for r in ops}):
+        rows = linear_rows(ops, device)
+        for model in sorted({r["model"] for r in rows}):
+            gemm, passes = fit_linear(linear_rows(ops, device, exclude_model=model))
+            k = DeviceKernels(device, "vidur", {"fp16": gemm}, passes)
+            for r in (r for r in rows if r["model"] == model):
+                real = measured_linear(r)
+                key = (device, model, r["tp"])
+                out.setdefault(key, ([], []))
+                out[key][0].append(predicted_linear(k, r) / real - 1)
+                out[key][1].append(roofline_linear(r) / real - 1)
+    return out
+
+
+def gemm_truth(rows: list[dict]) -> list[float]:
+    """A GEMM sweep's per-layer projections (rows labelled "<model> tp<n> <op>"), leaving each model out of the fit
+    and predicting the sum of its layer's four GEMMs at every (TP, M)."""
+    layers = defaultdict(dict)  # (model, tp) -> {(n, k): {m: s}}
+    for r in rows:
+        parts = str(r.get("label", "")).split()
+        if len(parts) == 3 and parts[1].startswith("tp"):
+            layers[(parts[0], parts[1])].setdefault((r["n"], r["k"]), {})[r["m"]] = r["us"] * 1e-6
+    errs = []
+    for model in sorted({m for m, _ in layers}):
+        rest = [r for r in rows if not str(r.get("label", "")).startswith(model + " ")]
+        fit = fit_gemm(*zip(*[(r["m"], r["n"], r["k"], r["us"] * 1e-6) for r in rest]))
+        for (m_, _), shapes in sorted(layers.items()):
+            if m_ != model:
+                continue
+            for m in sorted(set.intersection(*(set(t) for t in shapes.values()))):
+                pred = sum(fit.time(m, n, kk) for n, kk in shapes)
+                errs.append(pred / sum(t[m] for t in shapes.values()) - 1)
+    return errs
+
+
+def accuracy(ops: list[dict], gemms: list[dict]) -> dict:
+    """Per device, |error| % (median, p90) of the kernel model on what was left out of its fit — a decoder layer's
+    linear ops (Vidur's devices) or its four GEMMs (a sweep's) — and of the roofline on the same linear ops."""
+    out = {}
+    lin = linear_truth(ops)
+    for device in sorted({d for d, _, _ in lin}):
+        k = [e for (d, _, _), (ks, _) in lin.items() if d == device for e in ks]
+        r = [e for (d, _, _), (_, rs) in lin.items() if d == device for e in rs]
+        out[device] = {"what": "decoder-layer linear ops, leave one model out", "median_pct": round(stats(k)[0], 1),
+                       "p90_pct": round(stats(k)[1], 1), "roofline_median_pct": round(stats(r)[0], 1),
+                       "roofline_p90_pct": round(stats(r)[1], 1)}
+    for device in sorted({r["device"] for r in gemms}):
+        e = gemm_truth([r for r in gemms if r["device"] == device and r["dtype"] == "bf16"])
+        out[device] = {"what": "a decoder layer's four GEMMs, leave one model out",
+                       "median_pct": round(stats(e)[0], 1), "p90_pct": round(stats(e)[1], 1)}
+    return out
 
 
 # -- fits ----------------------------------------------------------------------------------------------------------
@@ -278,7 +370,51 @@ def fit_all() -> dict:
             attn = [r for r in read_table(ATTENTION) if r["device"] == device]
             devices[device] = DeviceKernels(device, "measured", fits, fit_elementwise(elem),
                                             fit_attention(attn) if attn else None).to_json()
-    return {"devices": devices, "collectives": fit_collectives(read_table(COLLECTIVES))}
+    gemm_rows = read_table(GEMMS) if GEMMS.exists() else []
+    return {"devices": derive(devices), "accuracy": accuracy(ops, gemm_rows),
+            "collectives": fit_collectives(read_table(COLLECTIVES))}
+
+
+# the NCCL system each device's collectives were measured on (the H200's HGX board has the H100's NVSwitch fabric)
+SYSTEMS = {"A100-80GB": "a100_dgx", "A100-40GB": "a100_dgx", "H100-SXM": "h100_dgx", "H200": "h100_dgx",
+           "A40": "a40_pairwise_nvlink"}
+FA2_AMPERE_EFFICIENCY = 0.6  # FlashAttention-2's forward reaches 50-73% of an A100's peak (Dao, 2023): the middle
+
+
+def derive(devices: dict) -> dict:
+    """Carry what a device's own measurements lack over from one that has it, saying how in its notes: attention
+    from the H200's (the same FLOP rate on Hopper; on Ampere FlashAttention-2's published efficiency; decode at the
+    H200's fraction of the device's own streaming bandwidth), fp8 GEMMs on Hopper at the H200's fp8/bf16 FLOP ratio,
+    and the A100-40GB from the A100-80GB with its memory-bound rates scaled by the two parts' bandwidths."""
+    out = {name: DeviceKernels.from_json(d) for name, d in devices.items()}
+    ref = out["H200"]
+    ref_att, ref_gemm = ref.attention, ref.gemm["fp16"]
+    for name, k in list(out.items()):
+        notes, gemm, att = dict(k.notes), dict(k.gemm), k.attention
+        hw = HARDWARE_CATALOG.get(name)
+        if att is None:
+            hopper = hw is not None and "fp8" in hw.peak_flops
+            decode_bw = ref_att["decode_bandwidth"] / ref_gemm.bandwidth * gemm["fp16"].bandwidth
+            flops = ref_att["prefill_flops"] if hopper else FA2_AMPERE_EFFICIENCY * hw.flops("fp16")
+            att = {**ref_att, "prefill_flops": flops, "decode_bandwidth": decode_bw}
+            notes["attention"] = ("H200's SDPA (FlashAttention-2) fit; decode at the H200's fraction of the "
+                                  "GEMM streaming bandwidth" + ("" if hopper else f"; prefill at "
+                                  f"{FA2_AMPERE_EFFICIENCY:.0%} of peak (FlashAttention-2 paper: 50-73% on A100)"))
+        if "fp8" not in gemm and hw is not None and "fp8" in hw.peak_flops and "fp8" in ref.gemm:
+            f8, f16 = ref.gemm["fp8"], ref_gemm
+            gemm["fp8"] = GemmFit(f8.floor_s, gemm["fp16"].bandwidth, gemm["fp16"].flops * f8.flops / f16.flops,
+                                  f8.sharpness, f8.m_half)
+            notes["gemm.fp8"] = "this device's bf16 fit at the H200's measured fp8/bf16 FLOP ratio"
+        out[name] = DeviceKernels(name, k.source, gemm, k.passes, att, SYSTEMS.get(name), notes)
+    a100 = out["A100-80GB"]
+    scale = HARDWARE_CATALOG["A100-40GB"].memory_bandwidth / HARDWARE_CATALOG["A100-80GB"].memory_bandwidth
+    out["A100-40GB"] = DeviceKernels(
+        "A100-40GB", "derived",
+        {d: GemmFit(g.floor_s, g.bandwidth * scale, g.flops, g.sharpness, g.m_half) for d, g in a100.gemm.items()},
+        {op: {**f, "bandwidth": f["bandwidth"] * scale} for op, f in a100.passes.items()},
+        {**a100.attention, "decode_bandwidth": a100.attention["decode_bandwidth"] * scale}, SYSTEMS["A100-40GB"],
+        {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"})
+    return {name: k.to_json() for name, k in sorted(out.items())}
 
 
 def main() -> None:

@@ -52,17 +52,21 @@ def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6
         host_bandwidth=host_bw, price_per_hour=price, sparse_tensor_cores=True)
 
 
-# Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi). Links: the SXM
-# parts' NVLink through NVSwitch (an 8-GPU HGX board), per direction.
+# Rates: vendor datasheets, dense (no 2:4 sparsity). Memory: what the driver reports (nvidia-smi). Links: achieved
+# and per direction, as NCCL measured them (Vidur's data/profiling, calibration/data/gpu): send/recv between two GPUs
+# of a DGX A100 (263 GB/s, 14.5 µs) and DGX H100 (355 GB/s, 7.5 µs) through NVSwitch — not the datasheet's
+# bidirectional 600 / 900 GB/s; PCIe boards: the bus bandwidth of an all-reduce of 4 A100s over PCIe Gen4 (22.5 GB/s).
 # Prices: rough 2024-25 on-demand USD per GPU-hour at GPU clouds; they vary by provider, set your own.
 HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
-    _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 600e9, 1.29, fp8=False),  # Ampere: int8, no fp8
-    _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 600e9, 1.79, fp8=False),
-    _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 900e9, 2.99, host_bw=50e9),
-    _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 900e9, 3.79, host_bw=50e9),
-    # PCIe cards: no NVLink, NCCL's ring
-    _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 32e9, 0.80, link_latency=10e-6, topology="ring"),
-    _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 32e9, 1.49, link_latency=10e-6, topology="ring"),
+    _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 263e9, 1.29, link_latency=14.5e-6, fp8=False),
+    _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 263e9, 1.79, link_latency=14.5e-6, fp8=False),
+    _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 355e9, 2.99, link_latency=7.5e-6, host_bw=50e9),
+    _gpu("H200", 140.4, 4.8e12, 989e12, 1979e12, 67e12, 355e9, 3.79, link_latency=7.5e-6, host_bw=50e9),
+    # PCIe cards: NCCL's ring over PCIe Gen4
+    _gpu("A40", 45.0, 696e9, 149.7e12, 299.3e12, 37.4e12, 22.5e9, 0.60, link_latency=10e-6, fp8=False,
+         topology="ring"),
+    _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 22.5e9, 0.80, link_latency=10e-6, topology="ring"),
+    _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 22.5e9, 1.49, link_latency=10e-6, topology="ring"),
     # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
     # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
     HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,

@@ -61,11 +61,14 @@ def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None
     pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
     verify = 0
     if num_prefill is None:
-        num_prefill = sum(1 for n in new_tokens if n > 1)
+        prefill = [i for i, n in enumerate(new_tokens) if n > 1]
     else:
         verify = sum(1 for n in new_tokens[:len(new_tokens) - num_prefill] if n > 1)
+        prefill = range(len(new_tokens) - num_prefill, len(new_tokens))
     return BatchShape(len(new_tokens), sum(new_tokens), sum(context_lens), pairs,
-                      len(new_tokens) if sampled is None else sampled, num_prefill=num_prefill, num_verify=verify)
+                      len(new_tokens) if sampled is None else sampled, num_prefill=len(prefill), num_verify=verify,
+                      prefill_tokens=sum(new_tokens[i] for i in prefill),
+                      prefill_context=sum(context_lens[i] for i in prefill))
 
 
 def predicted_step_time(record: dict, cost) -> float:

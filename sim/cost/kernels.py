@@ -16,7 +16,7 @@ docs/cost-model.md#the-gpu-kernel-model.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,22 +50,26 @@ def pass_time(fit: dict, nbytes: float) -> float:
 @dataclass(frozen=True)
 class DeviceKernels:
     """One device's fitted kernels: GEMMs by dtype ("fp16": 16-bit, "fp8"), elementwise passes by kind
-    (input_norm, post_norm, rope, act, add), attention (None where not measured)."""
+    (input_norm, post_norm, rope, act, add), attention (None where not measured), the NCCL system its collectives
+    were measured on, and how each part not measured on this device was carried over from one that was."""
 
     device: str
-    source: str  # "vidur": fitted to Vidur's profiles; "measured": to a calibration.gpu_kernels run
+    source: str  # "vidur": fitted to Vidur's profiles; "measured": to a calibration.gpu_kernels run; "derived"
     gemm: dict[str, GemmFit]
     passes: dict[str, dict]
     attention: dict | None = None
+    collectives: str | None = None
+    notes: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"device": self.device, "source": self.source, "gemm": {k: asdict(v) for k, v in self.gemm.items()},
-                "passes": self.passes, "attention": self.attention}
+                "passes": self.passes, "attention": self.attention, "collectives": self.collectives,
+                "notes": self.notes}
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceKernels":
         return cls(data["device"], data["source"], {k: GemmFit(**v) for k, v in data["gemm"].items()},
-                   data["passes"], data.get("attention"))
+                   data["passes"], data.get("attention"), data.get("collectives"), data.get("notes", {}))
 
 
 def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,

@@ -37,6 +37,8 @@ class BatchShape:
     swap_blocks: int = 0
     num_prefill: int = 0  # rows computing a prompt chunk; the rest decode (one token, or a verify row's few)
     num_verify: int = 0  # decode rows carrying drafts (speculative verify rows)
+    prefill_tokens: int = 0  # new tokens of the prompt-chunk rows
+    prefill_context: int = 0  # context of the prompt-chunk rows after the step (of sum_context)
 
 
 @dataclass(slots=True)
@@ -472,7 +474,7 @@ class Scheduler:
         if received:
             swapped_in = swapped_in + received
         shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
-                           len(swap_out) + len(swap_in), len(prefill), verify)
+                           len(swap_out) + len(swap_in), len(prefill), verify, tokens, ctx)
         decode_only = decodes and not prefill and not preempted and not swapped_in and not self.prefilling \
             and not self.speculative  # speculative rows advance unevenly: no run of identical steps
         # the simulator never reads plain decode rows: skip the O(batch) copy there
@@ -651,7 +653,8 @@ class StaticScheduler(Scheduler):
         prefill = [(r, r.prompt_len) for r in picks]
         tokens, ctx, pairs, sampled = _prefill_shape(prefill)
         self.rows, self.sum_context = len(picks), ctx
-        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled, num_prefill=len(picks)), [], prefill,
+        return ScheduledBatch(BatchShape(len(picks), tokens, ctx, pairs, sampled, num_prefill=len(picks),
+                                         prefill_tokens=tokens, prefill_context=ctx), [], prefill,
                               False)
 
     def _finish(self, r: Request) -> Request:

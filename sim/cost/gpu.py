@@ -1,0 +1,189 @@
+"""A step's cost on a GPU from measured kernels: the kernel model (sim/cost/kernels.py) for every GEMM, elementwise
+pass and attention call of the step on one device of its tensor-parallel group, measured NCCL collectives
+(sim/cost/nccl.py) for its communication, and a host overhead per step and per sequence.
+
+- linear: per decoder layer the QKV, O, gate/up and down GEMMs at M = the step's new tokens, the two RMSNorms, rotary,
+  the gated activation and a residual add;
+- attention: per layer, prompt chunks at their FLOPs, a floor per chunk and a cost per key; decode rows at their KV
+  bytes, and a floor per layer when the step decodes;
+- LM head: the embedding lookup, the final norm and the vocabulary GEMM of the sampled rows (vocab-parallel);
+- communication (TP > 1): two all-reduces of the step's hidden states a layer (a reduce-scatter and an all-gather with
+  sequence parallelism: the same time), and the sampled rows' logits gathered;
+- overhead: the host's scheduling, input preparation and sampling: `step_overhead_s` + `per_seq_overhead_s` per
+  sequence. Default: vLLM's, as BLIS fitted it to real vLLM runs on H100s (126 µs a step, 4.4 µs a request:
+  inference-sim/inference-sim defaults.yaml, trained_physics_coefficients β₇ and β₆, Apache-2.0).
+
+`Refinement` scales each part and replaces the overheads: what a profile of the same device measured end to end
+(`infersim profile --device cuda`, or an endpoint's observed timings) refines the kernel model with. Decode steps price
+as base(batch) + context × per-token KV cost, so runs of them stay exact and allocation-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.config.models import ModelSpec
+from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
+from sim.cost.nccl import MeasuredCollectives
+from sim.cost.roofline import DEQUANT_OVERHEAD
+from sim.cost.step import StepCost
+from sim.policy.scheduler import BatchShape
+
+VLLM_STEP_OVERHEAD_S = 126e-6
+VLLM_PER_SEQ_OVERHEAD_S = 4.4e-6
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """Multipliers of the kernel model's parts and the host overheads, as measured steps of a whole engine fit them
+    (1 and vLLM's overheads: the kernels as measured)."""
+
+    linear: float = 1.0
+    attention: float = 1.0
+    lm_head: float = 1.0
+    communication: float = 1.0
+    step_overhead_s: float = VLLM_STEP_OVERHEAD_S
+    per_seq_overhead_s: float = VLLM_PER_SEQ_OVERHEAD_S
+    prefill_overhead_s: float = 0.0  # a step that carries a prompt chunk (an engine's eager path, say)
+
+
+class KernelCostModel:
+    """Step costs of one replica of `tensor_parallel_size` devices whose kernels were measured."""
+
+    def __init__(self, model: ModelSpec, kernels: DeviceKernels, hw, collectives: MeasuredCollectives | None,
+                 kv_bytes_per_token_layer: float, tensor_parallel_size: int = 1, refinement: Refinement = Refinement(),
+                 block_bytes: float = 0.0, link_all_reduce=None):
+        self.model, self.kernels, self.tp, self.refinement = model, kernels, tensor_parallel_size, refinement
+        self.layers = model.num_layers
+        self.gemm, self.weight_bytes, self.compute_scale = self._linear_kernel(model, kernels, hw)
+        self.lm_gemm = kernels.gemm["fp16"]
+        self.act_bytes = model.act_bytes
+        self.s_per_swap_block = block_bytes / hw.host_bandwidth
+        att, r = kernels.attention, refinement
+        heads = model.num_heads // tensor_parallel_size
+        self.s_per_prefill_pair = r.attention * self.layers * 4 * heads * model.head_size / att["prefill_flops"]
+        self.s_per_prefill_seq = r.attention * self.layers * att["prefill_floor_s"]
+        self.s_per_prefill_key = r.attention * self.layers * att["prefill_s_per_key"]
+        self.s_decode_floor = r.attention * self.layers * att["decode_floor_s"]
+        self.s_per_kv_token = r.attention * self.layers * kv_bytes_per_token_layer / att["decode_bandwidth"]
+        self.collectives = collectives
+        self.link_all_reduce = link_all_reduce  # (bytes, n) -> s where the device's collectives were not measured
+        self._linear: dict[int, float] = {}
+        self._head: dict[tuple[int, int], float] = {}
+        self._comm: dict[tuple[int, int], float] = {}
+        self._decode_base: dict[int, float] = {}
+
+    @staticmethod
+    def _linear_kernel(model: ModelSpec, kernels: DeviceKernels, hw) -> tuple[GemmFit, float, float]:
+        """The decoder GEMMs' fit, bytes per weight and FLOP-rate multiplier: fp8 tensor cores where weights and
+        device have them, 2:4 sparse tensor cores at twice the rate, weight-only quantization paying to dequantize."""
+        dtype = model.matmul_dtype(hw.peak_flops)
+        sparse = model.sparsity == "2:4" and hw.sparse_tensor_cores
+        scale = (2.0 if sparse else 1.0) / (1 + DEQUANT_OVERHEAD if model.dequantizes(hw.peak_flops) else 1.0)
+        if dtype == "fp8":
+            gemm = kernels.gemm.get("fp8")
+            if gemm is None:  # fp8 tensor cores not measured here: the 16-bit fit at the datasheet's ratio
+                gemm, scale = kernels.gemm["fp16"], scale * hw.flops("fp8") / hw.flops("fp16")
+        else:
+            gemm = kernels.gemm["fp16"]
+            if dtype == "fp32":
+                scale *= hw.flops("fp32") / hw.flops("fp16")
+        return gemm, model.bytes_per_linear_param(sparse), scale
+
+    # -- the parts, cached by the step's few integers ---------------------------------------------------------------
+    def linear_s(self, tokens: int) -> float:
+        """The decoder layers' GEMMs and elementwise passes over `tokens` new tokens."""
+        t = self._linear.get(tokens)
+        if t is None:
+            m = self.model
+            args = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size, m.intermediate_size, self.tp, tokens)
+            per_layer = sum(self.gemm.time(mm, n, k, self.weight_bytes, self.act_bytes, self.compute_scale)
+                            for _, mm, n, k in layer_gemms(*args))
+            per_layer += sum(pass_time(self.kernels.passes[op], b)
+                             for op, b in layer_passes(*args, act_bytes=self.act_bytes).items())
+            t = self._linear[tokens] = self.refinement.linear * self.layers * per_layer if tokens else 0.0
+        return t
+
+    def lm_head_s(self, tokens: int, sampled: int) -> float:
+        """Embedding lookup of the new tokens; final norm and the vocabulary GEMM (this device's slice) of the
+        sampled rows."""
+        key = (tokens, sampled)
+        t = self._head.get(key)
+        if t is None:
+            m, p = self.model, self.kernels.passes
+            t = pass_time(p["add"], 2 * tokens * m.hidden_size * self.act_bytes) if tokens else 0.0
+            if sampled:
+                t += pass_time(p["input_norm"], 2 * sampled * m.hidden_size * self.act_bytes)
+                t += self.lm_gemm.time(sampled, -(-m.vocab_size // self.tp), m.hidden_size, self.act_bytes,
+                                       self.act_bytes)
+            t = self._head[key] = self.refinement.lm_head * t
+        return t
+
+    def communication_s(self, tokens: int, sampled: int) -> float:
+        """Tensor parallelism: two all-reduces of the tokens' hidden states a layer, the sampled rows' fp32 logits
+        gathered."""
+        if self.tp == 1:
+            return 0.0
+        key = (tokens, sampled)
+        t = self._comm.get(key)
+        if t is None:
+            hidden = tokens * self.model.hidden_size * self.act_bytes
+            logits = sampled * self.model.vocab_size * 4
+            c = self.collectives
+            if c is not None and c.has_all_reduce:
+                t = 2 * self.layers * c.all_reduce(hidden) + (c.all_gather(logits) if sampled else 0.0)
+            else:
+                t = 2 * self.layers * self.link_all_reduce(hidden, self.tp) + \
+                    (self.link_all_reduce(logits / 2, self.tp) if sampled else 0.0)
+            t = self._comm[key] = self.refinement.communication * t
+        return t
+
+    def overhead_s(self, seqs: int, prefill: bool = False) -> float:
+        r = self.refinement
+        return r.step_overhead_s + seqs * r.per_seq_overhead_s + (r.prefill_overhead_s if prefill else 0.0)
+
+    # -- a step -----------------------------------------------------------------------------------------------------
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        tokens, sampled, seqs = shape.num_new_tokens, shape.num_sampled, shape.num_seqs
+        decode_ctx = shape.sum_context - shape.prefill_context
+        prefill_pairs = max(0, shape.attn_pairs - decode_ctx)
+        attention_fixed = (self.s_decode_floor if seqs > shape.num_prefill else 0.0) + \
+            (shape.num_prefill * self.s_per_prefill_seq + prefill_pairs * self.s_per_prefill_pair
+             + shape.prefill_context * self.s_per_prefill_key if shape.num_prefill else 0.0)
+        parts = StepCost(0.0, self.linear_s(tokens), attention_fixed + decode_ctx * self.s_per_kv_token,
+                         self.communication_s(tokens, sampled), self.lm_head_s(tokens, sampled), self.overhead_s(seqs, shape.num_prefill > 0),
+                         0.0, shape.swap_blocks * self.s_per_swap_block)
+        parts.total_s = self._total(parts.linear_s, parts.lm_head_s, parts.communication_s, parts.overhead_s,
+                                    parts.swap_s, attention_fixed, decode_ctx)
+        return parts
+
+    def _total(self, linear, head, comm, overhead, swap, attention_fixed, decode_ctx) -> float:
+        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
+        return ((((linear + head) + comm) + overhead) + swap) + attention_fixed + decode_ctx * self.s_per_kv_token
+
+    def step_time(self, shape: BatchShape) -> float:
+        return self.step_cost(shape).total_s
+
+    def _base(self, num_seqs: int) -> float:
+        """A decode step of `num_seqs` rows without its context term."""
+        t = self._decode_base.get(num_seqs)
+        if t is None:
+            t = self._decode_base[num_seqs] = ((((self.linear_s(num_seqs) + self.lm_head_s(num_seqs, num_seqs))
+                                                 + self.communication_s(num_seqs, num_seqs))
+                                                + self.overhead_s(num_seqs)) + 0.0) + self.s_decode_floor
+        return t
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        return self._base(num_seqs) + sum_context * self.s_per_kv_token
+
+    def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
+        # decode_time with its per-batch part hoisted: the same float operations, so the same step ends
+        base, per_kv, s, k, append = self._base(num_seqs), self.s_per_kv_token, sum_context, 0, step_end.append
+        while k < k_max:
+            clock += base + s * per_kv
+            append(clock)
+            s += num_seqs
+            k += 1
+            if clock >= until:
+                break
+        return k, clock
+
