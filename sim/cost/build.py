@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
+from sim.cost.comm import MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.parallel import ParallelFittedCostModel
-from sim.cost.roofline import RooflineCostModel, StepCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.cost.speculation import SpeculationModel, reference_step_s
+from sim.cost.step import StepCostModel
 
 
 def make_cost_model(plan: Plan) -> StepCostModel:
@@ -19,7 +21,7 @@ def make_cost_model(plan: Plan) -> StepCostModel:
         if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
             coefs, knot, ramp_knot = c.profile.forward
             fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot, ramp_knot=ramp_knot),
-                                             c.profile.comm, plan.model,
+                                             MeasuredCollectives(c.profile.comm), plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,

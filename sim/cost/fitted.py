@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.profile import FEATURES, ProfileFile, read_profile
-from sim.cost.roofline import decode_run
+from sim.cost.step import decode_run
 from sim.policy.scheduler import BatchShape
 
 # candidate knots of the few_tokens and ramp_tokens terms (0: none); the fit keeps the pair with the least

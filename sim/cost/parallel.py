@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from sim.config.models import ModelSpec
 from sim.config.profile import FEATURES
+from sim.cost.comm import MeasuredCollectives
 from sim.cost.fitted import FittedCostModel, features
-from sim.cost.roofline import decode_run
+from sim.cost.step import decode_run
 from sim.policy.scheduler import BatchShape
 
 # terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
@@ -37,15 +38,11 @@ def stage_layers(num_layers: int, pp: int) -> list[int]:
     return [per + (1 if s >= pp - extra else 0) for s in range(pp)]
 
 
-def _comm(fit: dict, nbytes: float) -> float:
-    return fit["latency_s"] + fit["s_per_byte"] * nbytes
-
-
 class ParallelFittedCostModel:
     """A fitted profile's step costs for a replica of `tensor_parallel_size` x `pipeline_parallel_size` devices
     (one of them > 1, as the executor runs them)."""
 
-    def __init__(self, total: FittedCostModel, forward: FittedCostModel, comm: dict, model: ModelSpec,
+    def __init__(self, total: FittedCostModel, forward: FittedCostModel, comm: MeasuredCollectives, model: ModelSpec,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.total, self.forward, self.comm = total, forward, comm
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -75,10 +72,10 @@ class ParallelFittedCostModel:
         terms, host = self._terms(shape)
         c, n, tokens = self.comm, self.tp, shape.num_new_tokens
         rows = shape.num_sampled if shape.num_sampled else tokens  # the last layer runs the sampling rows only
-        comm = (_comm(c["message_gloo"], 0) + (2 * self.num_layers - 2) * _comm(c["all_reduce_shm"], tokens *
-                self.token_bytes) + 2 * _comm(c["all_reduce_shm"], rows * self.token_bytes))
+        comm = (c.message_s(0) + (2 * self.num_layers - 2) * c.all_reduce_s(tokens * self.token_bytes, n)
+                + 2 * c.all_reduce_s(rows * self.token_bytes, n))
         if shape.num_sampled:
-            comm += _comm(c["gather_shm"], shape.num_sampled * self.logit_row_bytes)
+            comm += c.gather_s(shape.num_sampled * self.logit_row_bytes, n)
         return host + sum(terms) / n + comm
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> tuple[list[float], float, float]:
@@ -91,8 +88,8 @@ class ParallelFittedCostModel:
         fixed = sum(t for t, on in zip(terms, self._stage) if on)
         stages = [ls * layer + ws * weight + fixed for ls, ws in zip(self.layer_share, self.weight_share)]
         stages[0] += host + terms[self._sampled]
-        send = _comm(self.comm["send_gloo"], shape.num_new_tokens * self.token_bytes)
-        back = _comm(self.comm["send_gloo"], shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
+        send = self.comm.send_s(shape.num_new_tokens * self.token_bytes)
+        back = self.comm.send_s(shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
         if step_s is not None:
             stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
         return stages, send, back
@@ -107,9 +104,8 @@ class ParallelFittedCostModel:
         """Every cost, communication included, `factor` times as long (the machine slower or faster than profiled)."""
         if factor == 1.0:
             return self
-        comm = {op: {k: v * factor for k, v in fit.items()} for op, fit in self.comm.items()}
-        return ParallelFittedCostModel(self.total.scaled(factor), self.forward.scaled(factor), comm, self.model,
-                                       self.tp, self.pp)
+        return ParallelFittedCostModel(self.total.scaled(factor), self.forward.scaled(factor),
+                                       self.comm.scaled(factor), self.model, self.tp, self.pp)
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))

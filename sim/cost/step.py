@@ -1,7 +1,12 @@
-"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills."""
+"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills; and
+the interface every cost source implements (`StepCostModel`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
+
+from sim.policy.scheduler import BatchShape
+
 
 @dataclass(slots=True)
 class StepCost:
@@ -24,7 +29,39 @@ class StepCost:
         return {name: getattr(self, name) for name in PARTS}
 
     def to_json(self) -> dict[str, float]:
+        """The total and the parts, for a report or a command's output."""
         return {"total_s": self.total_s, **self.parts()}
 
 
+
 PARTS = tuple(f.name for f in fields(StepCost) if f.name != "total_s")
+
+
+class StepCostModel(Protocol):
+    def step_time(self, shape: BatchShape) -> float:
+        """Seconds for one engine step over this batch shape."""
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        """Seconds for a step in which each of `num_seqs` sequences decodes one token, with
+        `sum_context` tokens in their caches after the step. Must equal step_time of that shape
+        exactly: the simulator takes many such steps at once."""
+
+    def decode_run(self, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+                   step_end: list[float]) -> tuple[int, float]:
+        """Take up to `k_max` decode steps from `clock`, appending each step's end time to `step_end`;
+        stop after the step that reaches `until`. Returns (steps taken, clock)."""
+
+
+def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+               step_end: list[float]) -> tuple[int, float]:
+    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
+    k = 0
+    while k < k_max:
+        clock += cost.decode_time(num_seqs, sum_context)
+        step_end.append(clock)
+        sum_context += num_seqs
+        k += 1
+        if clock >= until:
+            break
+    return k, clock
+

@@ -10,7 +10,7 @@ from itertools import repeat
 import numpy as np
 import simpy
 
-from sim.cost.roofline import StepCostModel
+from sim.cost.step import StepCostModel
 from sim.policy.request import Request
 from sim.policy.scheduler import Scheduler
 
