@@ -9,6 +9,7 @@ from __future__ import annotations
 from sim.config.hardware import HardwareSpec
 from sim.config.models import ModelSpec
 from sim.cost.comm import Interconnect, TensorParallelComm
+from sim.cost.step import StepCost
 from sim.policy.scheduler import BatchShape
 
 # Weight-only quantized matmuls (int8/int4, fp8 without fp8 tensor cores) dequantize each weight tile before the
@@ -50,6 +51,7 @@ class RooflineCostModel:
         # decoder weights and the lm_head matrix are read once per step (embedding lookups are tiny)
         self.s_weights = (model.linear_params * model.bytes_per_linear_param(sparse)
                           + model.embedding_params * act_bytes) / bw / n
+        self.s_lm_head_weights = model.embedding_params * act_bytes / bw / n  # their share in step_cost's parts
         self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw / (n if sequence_parallel else 1)
         self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops / n
         self.s_per_kv_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads / bw
@@ -75,6 +77,25 @@ class RooflineCostModel:
     def step_time(self, shape: BatchShape) -> float:
         return self._time(shape.num_new_tokens, shape.num_seqs, shape.num_sampled, shape.attn_pairs,
                           shape.sum_context) + shape.swap_blocks * self.s_per_swap_block
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """step_time's terms by part. The linear layers' max(compute, weight stream) goes to the LM head by its
+        share: compute-bound, the sampled rows' logits FLOPs; streaming, the embedding's bytes."""
+        tokens, seqs, sampled = shape.num_new_tokens, shape.num_seqs, shape.num_sampled
+        decoder, logits = tokens * self.s_per_linear_token, sampled * self.s_per_logit_row
+        compute, stream = decoder + logits, self.s_weights + tokens * self.s_per_act_token
+        linear = max(compute, stream)
+        lm_head = logits if compute >= stream else self.s_lm_head_weights
+        attention = max(shape.attn_pairs * self.s_per_attn_pair, shape.sum_context * self.s_per_kv_token)
+        overhead = self.step_overhead_s + seqs * self.per_seq_overhead_s
+        # step_time's own sum, term by term in its order
+        t = linear + attention + self.step_overhead_s + seqs * self.per_seq_overhead_s
+        comm = self.comm_time(tokens, sampled) if self.parallel else 0.0
+        if self.parallel:
+            t = t + comm
+        swap = shape.swap_blocks * self.s_per_swap_block
+        return StepCost(t + swap, linear_s=linear - lm_head, attention_s=attention, communication_s=comm,
+                        lm_head_s=lm_head, overhead_s=overhead, swap_s=swap)
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         return self._time(num_seqs, num_seqs, num_seqs, sum_context, sum_context)

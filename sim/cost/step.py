@@ -1,7 +1,8 @@
-"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills; and
-the interface every cost source implements (`StepCostModel`)."""
+"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills; the
+interface every cost source implements (`StepCostModel`), and the capability of pricing a pipeline's stages."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -33,13 +34,15 @@ class StepCost:
         return {"total_s": self.total_s, **self.parts()}
 
 
-
 PARTS = tuple(f.name for f in fields(StepCost) if f.name != "total_s")
 
 
 class StepCostModel(Protocol):
     def step_time(self, shape: BatchShape) -> float:
         """Seconds for one engine step over this batch shape."""
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """The same step's seconds by part; its total_s equals step_time(shape) exactly."""
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         """Seconds for a step in which each of `num_seqs` sequences decodes one token, with
@@ -65,3 +68,17 @@ def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: floa
             break
     return k, clock
 
+
+# A pipelined step's stages: (each stage's seconds, the send between consecutive stages, the return of the sampling
+# rows' hidden states to stage 0).
+Stages = tuple[list[float], float, float]
+
+
+class PricesStages(ABC):
+    """A cost model that prices each pipeline stage of a step itself (a profile composed over stages); the pricer
+    splits a step evenly over the stages of any other. Declared by subclassing."""
+
+    @abstractmethod
+    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
+        """The step's stages. `step_s`: the replica's time for the step, if more than step_time (drafting, verify
+        cost): the difference goes to stage 0."""
