@@ -1,5 +1,6 @@
 """A step's price by part (sim/cost/step.py: StepCost): every cost model's parts add up to its total, the total is its
-step_time bit for bit, and each part is the work it names."""
+step_time bit for bit, and each part is the work it names; the pricer (sim/cost/pricer.py) adds drafting, the verify
+cost ratio and a pipeline's stages as the replica did."""
 from __future__ import annotations
 
 import math
@@ -12,8 +13,9 @@ from sim.config.profile import FEATURES
 from sim.cost.build import make_cost_model
 from sim.cost.fitted import PART_OF, FittedCostModel, shape_of
 from sim.cost.parallel import ParallelFittedCostModel
+from sim.cost.pricer import StepPricer
 from sim.cost.roofline import RooflineCostModel
-from sim.cost.step import PARTS, StepCost
+from sim.cost.step import PARTS, PricesStages, StepCost
 from tests.helpers import plan_of, scenario
 
 CPU_PROFILE = Path(__file__).parent.parent / "calibration" / "profiles" / "cpu.json"
@@ -136,3 +138,81 @@ def test_roofline_parts_are_those_of_its_constructor_numbers():
     shape = shape_of([1, 1], [10, 20])
     shape.swap_blocks = 3
     assert cost.step_cost(shape).swap_s == 3 * cost.s_per_swap_block
+
+
+# ---- the pricer: the whole price of a step (sim/cost/pricer.py) ---------------------------------------------------
+
+def verify_shapes(seed: int, n: int = 200):
+    """Steps whose decode rows may carry drafts (verify rows), beside prompt chunks."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        decode = [rng.choice([1, 1 + rng.randint(1, 4)]) for _ in range(rng.randint(0, 12))]
+        prompts = [rng.randint(2, 700) for _ in range(rng.randint(0 if decode else 1, 2))]
+        new = decode + prompts
+        yield shape_of(new, [q + rng.randint(0, 3000) for q in new], num_prefill=len(prompts))
+
+
+@pytest.mark.parametrize("name", ["roofline", "fitted", "parallel fitted TP 3", "parallel fitted PP 2"])
+def test_the_pricer_charges_what_the_replica_charged(name):
+    """draft + the cost model's time, times verify_cost_ratio on a step that verifies: as sim/simulator/replica.py
+    put it together before the pricer; step_cost's total is step_s bit for bit and its parts add up."""
+    cost = COST_MODELS[name]()
+    pricer = StepPricer(cost, verify_cost_ratio=1.37)
+    rng = random.Random(7)
+    verified = 0
+    for shape in verify_shapes(3):
+        draft = rng.choice([0.0, 0.0012])
+        step_s = cost.step_time(shape)
+        assert pricer.step_s(shape, draft) == draft + (step_s * 1.37 if shape.num_verify else step_s)
+        c = pricer.step_cost(shape, draft)
+        assert c.total_s == pricer.step_s(shape, draft)
+        assert math.fsum(c.parts().values()) == pytest.approx(c.total_s, rel=1e-12, abs=0)
+        assert c.draft_s == draft
+        verified += bool(shape.num_verify)
+    assert 50 < verified < 200
+    assert pricer.decode_time(8, 900) == cost.decode_time(8, 900)
+    ends, again = [], []
+    assert pricer.decode_run(8, 900, 0.5, 50, math.inf, ends) == cost.decode_run(8, 900, 0.5, 50, math.inf, again)
+    assert ends == again
+
+
+def test_make_pricer_reads_the_plan():
+    from sim.cost.build import make_pricer
+
+    sc = scenario(model="Llama-3-8B", hardware="H100-SXM",
+                  speculative={"num_speculative_tokens": 3, "acceptance_rate": 0.7, "verify_cost_ratio": 1.2})
+    pricer = make_pricer(plan_of(sc))
+    assert pricer.verify_cost_ratio == 1.2 and pricer.num_stages == 1 and not pricer.prices_stages
+    plain = make_pricer(plan_of(scenario()))
+    assert plain.verify_cost_ratio == 1.0
+    plan = plan_of(scenario(model="Llama-2-13B", parallel={"pipeline_parallel_size": 2}))
+    piped = make_pricer(plan)
+    m, hw = plan.model, plan.hardware
+    assert piped.num_stages == 2
+    assert piped.send_s_per_token == m.hidden_size * m.act_bytes / hw.interconnect_bandwidth
+    assert piped.send_latency_s == hw.interconnect_latency_s
+
+
+def test_a_step_priced_whole_is_split_evenly_over_the_stages_with_its_activations_sent():
+    """The roofline prices whole steps: each of p stages holds a p-th, tokens x hidden x bytes cross each link."""
+    cost = COST_MODELS["roofline PP 2"]()
+    assert not isinstance(cost, PricesStages)
+    pricer = StepPricer(cost, num_stages=4, send_s_per_token=1e-6, send_latency_s=1e-4)
+    shape = shape_of([100], [100])
+    stages, send, back = pricer.stages(shape, 0.8)
+    assert stages == [0.2] * 4 and send == 100 * 1e-6 + 1e-4 and back == 0.0
+    stages, send, back = pricer.decode_stages(8, 800)
+    assert stages == [cost.decode_time(8, 800) / 4] * 4 and send == 8 * 1e-6 + 1e-4
+
+
+def test_a_cost_model_that_prices_stages_gives_the_pipeline_its_own():
+    cost = COST_MODELS["parallel fitted PP 2"]()
+    assert isinstance(cost, PricesStages)
+    pricer = StepPricer(cost, verify_cost_ratio=1.5, num_stages=2, send_s_per_token=1.0, send_latency_s=1.0)
+    assert pricer.prices_stages
+    shape = shape_of([1] * 6, [300] * 6)
+    assert pricer.stages(shape, 1.0) == cost.pipeline_stages(shape, 1.0)  # the link's numbers unused
+    assert pricer.decode_stages(6, 1800) == cost.pipeline_stages(shape)
+    verify = shape_of([1, 3, 3], [300, 300, 300], num_prefill=0)
+    assert pricer.stages_busy_s(verify) == sum(cost.pipeline_stages(verify)[0]) * 1.5
+    assert pricer.stages_busy_s(shape) == sum(cost.pipeline_stages(shape)[0])

@@ -33,6 +33,16 @@ class StepCost:
         """The total and the parts, for a report or a command's output."""
         return {"total_s": self.total_s, **self.parts()}
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every second `factor` times as long (a verify step's forward: the speculative verify cost ratio)."""
+        return StepCost(self.total_s * factor, *(getattr(self, name) * factor for name in PARTS))
+
+    def with_draft(self, draft_s: float) -> StepCost:
+        """The step with its drafter's time on top (the drafter runs before the forward)."""
+        parts = self.parts()
+        parts["draft_s"] += draft_s
+        return StepCost(draft_s + self.total_s, **parts)
+
 
 PARTS = tuple(f.name for f in fields(StepCost) if f.name != "total_s")
 
