@@ -18,7 +18,7 @@ import numpy as np
 from calibration.validate import print_stage, run_real, simulated, slo_metrics, step_time_ratio, with_profile
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec, generate_requests
-from sim.cost.build import make_cost_model
+from sim.cost.build import make_pricer
 from sim.report.capacity import Grid, offered_rate, probe_rows, rates_grid, users_grid
 
 EXPECTED_PROBES = 8  # how many slices the alongside sweep is cut into before the probe count is known
@@ -76,9 +76,8 @@ def validate_capacity(plan: Plan, profile: Path | None, device: str, threads: in
     if write_sweep is not None:
         profile = write_sweep()
     sim, sim_runs = predicted_capacity(plan, profile, grid, precision)
-    cost = make_cost_model(with_profile(plan, profile))
-    verify = plan.speculative.verify_cost_ratio if plan.speculative is not None else 1.0
-    ratios = [step_time_ratio(steps, cost, verify)["all"] for steps in steps_of.values()]  # as the sim charges
+    pricer = make_pricer(with_profile(plan, profile))
+    ratios = [step_time_ratio(steps, pricer)["all"] for steps in steps_of.values()]  # as the sim charges
     ratios = [r for r in ratios if r]
     speed = float(np.mean(ratios)) if ratios else None
     at_speed = predicted_capacity(plan, profile, grid, precision, speed)[0] if speed else None

@@ -11,8 +11,9 @@ import numpy as np
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan, replan
 from sim.config.workload import generate_requests
-from sim.cost.build import make_cost_model
-from sim.cost.fitted import predicted_step_time, shape_of
+from sim.cost.build import make_pricer
+from sim.cost.fitted import shape_of
+from sim.cost.pricer import StepPricer
 from sim.policy.request import Status
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.simulator.cluster import sim_records, simulate
@@ -307,24 +308,24 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     `plain_runs`: for a speculative scenario, runs without speculation, to validate the speedup too."""
     specs = generate_requests(plan.workload, plan.base_dir)  # plain_of(plan) has the same workload
     sim_plan, sim_rec, metrics, sim_m = _sim_and_real(plan, profile, runs, specs)
-    cost = make_cost_model(sim_plan)
-    spec = plan.speculative
-    ratios = [step_time_ratio(steps, cost, spec.verify_cost_ratio if spec else 1.0) for _, steps in runs]
+    pricer = make_pricer(sim_plan)
+    ratios = [step_time_ratio(steps, pricer) for _, steps in runs]
     result = {"scenario": plan.name, "device": device, "profile": str(profile), "runs": len(runs),
               "requests": metrics[0]["requests"], "metrics": compare(metrics, sim_m),
               "step_time_ratio": ratios, "latency_cdf": latency_quantiles(runs[0][0], sim_rec)}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
     if plan.pools is not None:  # each pool's processes at their own speed (a prefill beside a decoding peer is slower)
-        run_scales = [pool_scales(steps, cost) for _, steps in runs]
+        run_scales = [pool_scales(steps, pricer.cost) for _, steps in runs]
         result["pool_step_time_ratio"] = run_scales
     at_speed = sims_at_run_speed(plan, profile, run_scales, specs)
     for name, row in errors_at_run_speed(metrics, at_speed).items():
         result["metrics"][name]["error_at_run_speed_pct"] = row
     if plain_runs:
         plain = plain_of(plan)
-        _, _, plain_real, plain_sim = _sim_and_real(plain, profile, plain_runs, specs)
+        plain_sim_plan, _, plain_real, plain_sim = _sim_and_real(plain, profile, plain_runs, specs)
         result["speculative"] = speedup(metrics, sim_m, plain_real, plain_sim)
-        plain_scales = [step_time_ratio(steps, cost)["all"] or None for _, steps in plain_runs]
+        plain_pricer = make_pricer(plain_sim_plan)
+        plain_scales = [step_time_ratio(steps, plain_pricer)["all"] or None for _, steps in plain_runs]
         plain_at_speed = [m for m in sims_at_run_speed(plain, profile, plain_scales, specs) if m]
         at_speed = [m for m in at_speed if m]
         if at_speed and plain_at_speed:  # each half of the ratio simulated at its own runs' step speed
@@ -339,8 +340,10 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
 
 
 def pool_scales(steps: list[dict], cost) -> dict[str, float] | None:
-    """A disaggregated run's step-time ratio per pool (its steps carry `pool`); None if a pool ran no steps."""
-    scales = {name: step_time_ratio([s for s in steps if s.get("pool") == name], cost)["all"]
+    """A disaggregated run's step-time ratio per pool (its steps carry `pool`), priced by the cost model `cost`
+    (pools never speculate); None if a pool ran no steps."""
+    pricer = StepPricer(cost)
+    scales = {name: step_time_ratio([s for s in steps if s.get("pool") == name], pricer)["all"]
               for name in ("prefill", "decode")}
     return scales if all(scales.values()) else None
 
@@ -537,24 +540,22 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
                  parallel={"tensor_parallel_size": tp} if tp > 1 else None)
 
 
-def step_time_ratio(records: list[dict], cost, verify_cost_ratio: float = 1.0) -> dict:
-    """Measured over predicted time of the very steps the executor ran (their own shapes through the cost
-    model, verify steps times the scenario's verify_cost_ratio, as the simulator charges them), over all steps
-    and split by kind. Near 1 with a large metric error points at the policy or the replay; far from 1, at the
-    cost model or at the machine running faster or slower than when profiled. A pipelined step (`stages` in its
-    record) counts its stages' busy time against the stages' predicted times: with batches in flight its start to
-    end also holds waits for the other batch."""
+def step_time_ratio(records: list[dict], pricer: StepPricer) -> dict:
+    """Measured over predicted time of the very steps the executor ran (their own shapes priced as the simulator
+    prices them: verify steps times the scenario's verify_cost_ratio, drafting excluded), over all steps and split
+    by kind. Near 1 with a large metric error points at the policy or the
+    replay; far from 1, at the cost model or at the machine running faster or slower than when profiled. A
+    pipelined step (`stages` in its record) counts its stages' busy time against the stages' predicted times: with
+    batches in flight its start to end also holds waits for the other batch."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
-        if r.get("stages") and hasattr(cost, "pipeline_stages"):
-            shape = shape_of(r["new_tokens"], r["context_lens"], r.get("num_sampled"), r.get("num_prefill"))
-            pred = sum(cost.pipeline_stages(shape)[0])
+        shape = shape_of(r["new_tokens"], r["context_lens"], r.get("num_sampled"), r.get("num_prefill"))
+        if r.get("stages") and pricer.prices_stages:
+            pred = pricer.stages_busy_s(shape)
             real = sum(b - a for a, b in r["stages"]) + r.get("driver_s", 0.0)
         else:
-            pred = predicted_step_time(r, cost)
+            pred = pricer.step_s(shape)
             real = r["end_s"] - r["start_s"] - r.get("draft_s", 0.0)  # drafting is not a model step
-        if any(q > 1 for q in r["new_tokens"][:r["num_decode"]]):
-            pred *= verify_cost_ratio
         for kind in ("all", "with_prompt" if r["num_prefill"] else "decode_only"):
             sums[kind][0] += real
             sums[kind][1] += pred

@@ -1,12 +1,15 @@
-"""The cost side of a resolved plan: its step-cost model and the simulator's drafter."""
+"""The cost side of a resolved plan: its step-cost model, the pricer of its steps and the simulator's drafter."""
 from __future__ import annotations
 
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
+from sim.cost.comm import Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.parallel import ParallelFittedCostModel
-from sim.cost.roofline import RooflineCostModel, StepCostModel
+from sim.cost.pricer import StepPricer
+from sim.cost.roofline import RooflineCostModel
 from sim.cost.speculation import SpeculationModel, reference_step_s
+from sim.cost.step import StepCostModel
 
 
 def make_cost_model(plan: Plan) -> StepCostModel:
@@ -19,7 +22,7 @@ def make_cost_model(plan: Plan) -> StepCostModel:
         if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
             coefs, knot, ramp_knot = c.profile.forward
             fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot, ramp_knot=ramp_knot),
-                                             c.profile.comm, plan.model,
+                                             MeasuredCollectives(c.profile.comm), plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
@@ -27,6 +30,16 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              per_seq_overhead_s=c.per_seq_overhead_s,
                              block_bytes=plan.block_size * plan.kv_bytes_per_token,
                              tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel)
+
+
+def make_pricer(plan: Plan, cost: StepCostModel | None = None) -> StepPricer:
+    """The whole price of the plan's steps: `cost` (default: the plan's cost model), speculative decoding's verify
+    cost ratio, and a pipelined replica's stages, split evenly with the activations sent over the hardware's link
+    where the cost model does not price stages itself."""
+    cost = make_cost_model(plan) if cost is None else cost
+    spec, link, m = plan.speculative, Interconnect.of(plan.hardware), plan.model
+    return StepPricer(cost, spec.verify_cost_ratio if spec is not None else 1.0, plan.pipeline_parallel_size,
+                      link.send_bytes_s(m.hidden_size * m.act_bytes), link.latency_s)
 
 
 def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostModel | None = None
@@ -48,12 +61,11 @@ def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostMod
                               "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
         return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, per_seq, per_step, seed,
                                 [tuple(p) for p in spec.medusa_tree],
-                                spec.medusa_rank_probs, spec.verify_cost_ratio)
+                                spec.medusa_rank_probs)
     if spec.acceptance_rate is None and not spec.request_rates:
         raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
                           "`infersim serve` of the scenario measures it), or request_rates",
                           "speculative.acceptance_rate")
     return SpeculationModel(spec.num_speculative_tokens, spec.acceptance_rate or 0.0, spec.proposal_rate,
-                            per_seq, per_step, seed, verify_cost_ratio=spec.verify_cost_ratio,
-                            draft_s_per_token=per_token,
+                            per_seq, per_step, seed, draft_s_per_token=per_token,
                             request_rates=[tuple(p) for p in spec.request_rates] if spec.request_rates else None)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.profile import FEATURES, ProfileFile, read_profile
-from sim.cost.roofline import decode_run
+from sim.cost.step import StepCost, decode_run
 from sim.policy.scheduler import BatchShape
 
 # candidate knots of the few_tokens and ramp_tokens terms (0: none); the fit keeps the pair with the least
@@ -44,12 +44,29 @@ from sim.policy.scheduler import BatchShape
 KNOTS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
 RAMP_KNOTS = (0, 64, 128, 256, 512)
 
+# the part of a step (StepCost) each term prices. The per-token, few-token (weight streaming) and ramp (GEMM
+# efficiency) terms are the linear layers; a prompt chunk's own causal attention call goes with attention; the
+# sampled rows are the LM head; the per-step and per-decode-row terms and the fixed costs of the prefill, batched
+# prefill and verify paths are the host's and launches' (scheduling, input preparation, masks, sampling).
+PART_OF = {"step": "overhead_s", "new_tokens": "linear_s", "decode_seqs": "overhead_s", "prefill_seqs": "attention_s",
+           "has_prefill": "overhead_s", "batched_prefill": "overhead_s", "has_verify": "overhead_s",
+           "sampled": "lm_head_s", "attn_pairs": "attention_s", "kv_tokens": "attention_s", "few_tokens": "linear_s",
+           "ramp_tokens": "linear_s"}
+
 
 def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0) -> tuple[int, ...]:
     p = shape.num_prefill
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
             1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context,
             max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot))
+
+
+def parts_of(terms: dict[str, float]) -> dict[str, float]:
+    """Fitted terms' seconds (name → seconds) summed by the part of a step each prices (PART_OF)."""
+    parts = dict.fromkeys(PART_OF.values(), 0.0)
+    for name, t in terms.items():
+        parts[PART_OF[name]] += t
+    return parts
 
 
 def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
@@ -99,6 +116,16 @@ class FittedCostModel:
     def step_time(self, shape: BatchShape) -> float:
         # the fit's own feature vector, so the priced form cannot drift from the fitted one
         return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot)))
+
+    def terms(self, shape: BatchShape) -> dict[str, float]:
+        """Each term's seconds in this step (coefficient × feature), by name in FEATURES order: their sum in that
+        order is step_time."""
+        return dict(zip(FEATURES, [c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot))]))
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """step_time's terms by the part of a step each prices (PART_OF)."""
+        terms = self.terms(shape)
+        return StepCost(sum(terms.values()), **parts_of(terms))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         # no prefill or verify terms: adding 0.0 is exact

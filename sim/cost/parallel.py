@@ -16,9 +16,9 @@ stream crosses between stages and the sampling rows' hidden states come back. A 
 from __future__ import annotations
 
 from sim.config.models import ModelSpec
-from sim.config.profile import FEATURES
-from sim.cost.fitted import FittedCostModel, features
-from sim.cost.roofline import decode_run
+from sim.cost.comm import MeasuredCollectives
+from sim.cost.fitted import FittedCostModel, parts_of
+from sim.cost.step import PricesStages, Stages, StepCost, decode_run
 from sim.policy.scheduler import BatchShape
 
 # terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
@@ -37,15 +37,11 @@ def stage_layers(num_layers: int, pp: int) -> list[int]:
     return [per + (1 if s >= pp - extra else 0) for s in range(pp)]
 
 
-def _comm(fit: dict, nbytes: float) -> float:
-    return fit["latency_s"] + fit["s_per_byte"] * nbytes
-
-
-class ParallelFittedCostModel:
+class ParallelFittedCostModel(PricesStages):
     """A fitted profile's step costs for a replica of `tensor_parallel_size` x `pipeline_parallel_size` devices
     (one of them > 1, as the executor runs them)."""
 
-    def __init__(self, total: FittedCostModel, forward: FittedCostModel, comm: dict, model: ModelSpec,
+    def __init__(self, total: FittedCostModel, forward: FittedCostModel, comm: MeasuredCollectives, model: ModelSpec,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.total, self.forward, self.comm = total, forward, comm
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -57,59 +53,73 @@ class ParallelFittedCostModel:
         weights[0] += model.embedding_params  # the LM head lives with the embedding on stage 0
         self.layer_share = [n / model.num_layers for n in layers]
         self.weight_share = [w / sum(weights) for w in weights]
-        self._layer = [f in LAYER_TERMS for f in FEATURES]
-        self._weight = [f in WEIGHT_TERMS for f in FEATURES]
-        self._stage = [f in STAGE_TERMS for f in FEATURES]
-        self._sampled = FEATURES.index("sampled")
         self.model = model
 
-    def _terms(self, shape: BatchShape) -> tuple[list[float], float]:
-        """The forward fit's terms for this shape (coefficient x feature, in FEATURES order) and the host time."""
-        f = self.forward
-        x = features(shape, f.knot, f.ramp_knot)
-        terms = [c * v for c, v in zip(f._c, x)]
-        host = max(0.0, self.total.step_time(shape) - sum(terms))
+    def _terms(self, shape: BatchShape) -> tuple[dict[str, float], float]:
+        """The forward fit's terms for this shape (FittedCostModel.terms) and the host time."""
+        terms = self.forward.terms(shape)
+        host = max(0.0, self.total.step_time(shape) - sum(terms.values()))
         return terms, host
 
-    def _tensor_parallel(self, shape: BatchShape) -> float:
+    def _tensor_parallel(self, shape: BatchShape) -> tuple[float, dict[str, float], float, float]:
+        """(step time, the forward's terms, host time, communication)."""
         terms, host = self._terms(shape)
         c, n, tokens = self.comm, self.tp, shape.num_new_tokens
         rows = shape.num_sampled if shape.num_sampled else tokens  # the last layer runs the sampling rows only
-        comm = (_comm(c["message_gloo"], 0) + (2 * self.num_layers - 2) * _comm(c["all_reduce_shm"], tokens *
-                self.token_bytes) + 2 * _comm(c["all_reduce_shm"], rows * self.token_bytes))
+        comm = (c.message_s(0) + (2 * self.num_layers - 2) * c.all_reduce_s(tokens * self.token_bytes, n)
+                + 2 * c.all_reduce_s(rows * self.token_bytes, n))
         if shape.num_sampled:
-            comm += _comm(c["gather_shm"], shape.num_sampled * self.logit_row_bytes)
-        return host + sum(terms) / n + comm
+            comm += c.gather_s(shape.num_sampled * self.logit_row_bytes, n)
+        return host + sum(terms.values()) / n + comm, terms, host, comm
 
-    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> tuple[list[float], float, float]:
+    def _stages(self, shape: BatchShape, step_s: float | None = None) -> tuple[Stages, dict[str, float], float]:
+        """(the stages, the forward's terms, host time)."""
+        terms, host = self._terms(shape)
+        layer = sum(t for f, t in terms.items() if f in LAYER_TERMS)
+        weight = sum(t for f, t in terms.items() if f in WEIGHT_TERMS)
+        fixed = sum(t for f, t in terms.items() if f in STAGE_TERMS)
+        stages = [ls * layer + ws * weight + fixed for ls, ws in zip(self.layer_share, self.weight_share)]
+        stages[0] += host + terms["sampled"]
+        send = self.comm.send_s(shape.num_new_tokens * self.token_bytes)
+        back = self.comm.send_s(shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
+        if step_s is not None:
+            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
+        return (stages, send, back), terms, host
+
+    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
         """(each stage's time, the send between consecutive stages, the return of the sampling rows' hidden states
         to stage 0). `step_s`: the replica's time for the step, if more than step_time (drafting, verify cost):
         the difference goes to stage 0."""
-        terms, host = self._terms(shape)
-        layer = sum(t for t, on in zip(terms, self._layer) if on)
-        weight = sum(t for t, on in zip(terms, self._weight) if on)
-        fixed = sum(t for t, on in zip(terms, self._stage) if on)
-        stages = [ls * layer + ws * weight + fixed for ls, ws in zip(self.layer_share, self.weight_share)]
-        stages[0] += host + terms[self._sampled]
-        send = _comm(self.comm["send_gloo"], shape.num_new_tokens * self.token_bytes)
-        back = _comm(self.comm["send_gloo"], shape.num_sampled * self.token_bytes) if shape.num_sampled else 0.0
-        if step_s is not None:
-            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
-        return stages, send, back
+        return self._stages(shape, step_s)[0]
 
     def step_time(self, shape: BatchShape) -> float:
         if self.pp > 1:
             stages, send, back = self.pipeline_stages(shape)
             return sum(stages) + (self.pp - 1) * send + back
-        return self._tensor_parallel(shape)
+        return self._tensor_parallel(shape)[0]
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """step_time by part: the host work (the whole step's fit less the forward's) is overhead, the collectives
+        and the stages' sends communication, and the forward's terms their parts as in the fitted model
+        (sim/cost/fitted.py: PART_OF), a share of each on each device; a pipeline runs the step's fixed cost on
+        every stage."""
+        if self.pp > 1:
+            (stages, send, back), terms, host = self._stages(shape)
+            parts = parts_of(terms)
+            parts["overhead_s"] += host + (self.pp - 1) * sum(t for f, t in terms.items() if f in STAGE_TERMS)
+            return StepCost(sum(stages) + (self.pp - 1) * send + back, communication_s=(self.pp - 1) * send + back,
+                            **parts)
+        total, terms, host, comm = self._tensor_parallel(shape)
+        parts = {part: t / self.tp for part, t in parts_of(terms).items()}
+        parts["overhead_s"] += host
+        return StepCost(total, communication_s=comm, **parts)
 
     def scaled(self, factor: float) -> "ParallelFittedCostModel":
         """Every cost, communication included, `factor` times as long (the machine slower or faster than profiled)."""
         if factor == 1.0:
             return self
-        comm = {op: {k: v * factor for k, v in fit.items()} for op, fit in self.comm.items()}
-        return ParallelFittedCostModel(self.total.scaled(factor), self.forward.scaled(factor), comm, self.model,
-                                       self.tp, self.pp)
+        return ParallelFittedCostModel(self.total.scaled(factor), self.forward.scaled(factor),
+                                       self.comm.scaled(factor), self.model, self.tp, self.pp)
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))

@@ -1,49 +1,21 @@
-"""Step-cost models: the batch shape of one engine step → seconds.
+"""The roofline step-cost model: the batch shape of one engine step → seconds, from the model's and the device's
+numbers alone (the interface: sim/cost/step.py).
 
 The vocabulary shared with the executor's traces is the batch shape: per sequence, the new tokens it
 computes this step and its context length (tokens in the KV cache after the step).
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 from sim.config.hardware import HardwareSpec
 from sim.config.models import ModelSpec
+from sim.cost.comm import Interconnect, TensorParallelComm
+from sim.cost.step import StepCost
 from sim.policy.scheduler import BatchShape
 
 # Weight-only quantized matmuls (int8/int4, fp8 without fp8 tensor cores) dequantize each weight tile before the
 # 16-bit multiply: ~15% over the dense kernel where they are compute-bound (Marlin / AWQ kernels at large batch),
 # nothing where they stream weights (the fewer bytes are the gain there).
 DEQUANT_OVERHEAD = 0.15
-
-
-class StepCostModel(Protocol):
-    def step_time(self, shape: BatchShape) -> float:
-        """Seconds for one engine step over this batch shape."""
-
-    def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        """Seconds for a step in which each of `num_seqs` sequences decodes one token, with
-        `sum_context` tokens in their caches after the step. Must equal step_time of that shape
-        exactly: the simulator takes many such steps at once."""
-
-    def decode_run(self, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
-                   step_end: list[float]) -> tuple[int, float]:
-        """Take up to `k_max` decode steps from `clock`, appending each step's end time to `step_end`;
-        stop after the step that reaches `until`. Returns (steps taken, clock)."""
-
-
-def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
-               step_end: list[float]) -> tuple[int, float]:
-    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
-    k = 0
-    while k < k_max:
-        clock += cost.decode_time(num_seqs, sum_context)
-        step_end.append(clock)
-        sum_context += num_seqs
-        k += 1
-        if clock >= until:
-            break
-    return k, clock
 
 
 class RooflineCostModel:
@@ -79,27 +51,21 @@ class RooflineCostModel:
         # decoder weights and the lm_head matrix are read once per step (embedding lookups are tiny)
         self.s_weights = (model.linear_params * model.bytes_per_linear_param(sparse)
                           + model.embedding_params * act_bytes) / bw / n
+        self.s_lm_head_weights = model.embedding_params * act_bytes / bw / n  # their share in step_cost's parts
         self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw / (n if sequence_parallel else 1)
         self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops / n
         self.s_per_kv_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads / bw
         self.step_overhead_s = step_overhead_s
         self.per_seq_overhead_s = per_seq_overhead_s
         self.s_per_swap_block = block_bytes / hw.host_bandwidth
-        # communication per step: 2 all-reduces a layer of each token's hidden state, and the logits gather
-        link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
-        ring = 2 * (n - 1) / n
-        # a ring passes 2(n-1) messages one after another; through a switch every peer is one hop away, so the
-        # reduce-scatter and the all-gather each wait one latency (the logits gather: n-1 hops, or one)
-        switch = hw.interconnect_topology == "switch"
-        all_reduce_hops, gather_hops = (2, 1) if switch else (2 * (n - 1), n - 1)
-        self.s_comm_per_token = 2 * model.num_layers * ring * model.hidden_size * act_bytes / link
-        self.s_comm_per_step = (2 * model.num_layers * all_reduce_hops + gather_hops) * lat
-        self.s_comm_per_logit_row = (n - 1) / n * model.vocab_size * 4 / link
+        # communication per step (sim/cost/comm.py): 2 all-reduces a layer of each token's hidden state, and the
+        # logits gather
+        self.comm = TensorParallelComm.of(model, Interconnect.of(hw), n)
         self.parallel = n > 1
 
     def comm_time(self, tokens: int, sampled: int) -> float:
         """Tensor parallelism's communication in a step of `tokens` new tokens, `sampled` of them sampling."""
-        return tokens * self.s_comm_per_token + self.s_comm_per_step + sampled * self.s_comm_per_logit_row
+        return self.comm.time(tokens, sampled)
 
     def _time(self, tokens: int, seqs: int, sampled: int, attn_pairs: int, kv_tokens: int) -> float:
         linear = max(tokens * self.s_per_linear_token + sampled * self.s_per_logit_row,
@@ -111,6 +77,25 @@ class RooflineCostModel:
     def step_time(self, shape: BatchShape) -> float:
         return self._time(shape.num_new_tokens, shape.num_seqs, shape.num_sampled, shape.attn_pairs,
                           shape.sum_context) + shape.swap_blocks * self.s_per_swap_block
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """step_time's terms by part. The linear layers' max(compute, weight stream) goes to the LM head by its
+        share: compute-bound, the sampled rows' logits FLOPs; streaming, the embedding's bytes."""
+        tokens, seqs, sampled = shape.num_new_tokens, shape.num_seqs, shape.num_sampled
+        decoder, logits = tokens * self.s_per_linear_token, sampled * self.s_per_logit_row
+        compute, stream = decoder + logits, self.s_weights + tokens * self.s_per_act_token
+        linear = max(compute, stream)
+        lm_head = logits if compute >= stream else self.s_lm_head_weights
+        attention = max(shape.attn_pairs * self.s_per_attn_pair, shape.sum_context * self.s_per_kv_token)
+        overhead = self.step_overhead_s + seqs * self.per_seq_overhead_s
+        # step_time's own sum, term by term in its order
+        t = linear + attention + self.step_overhead_s + seqs * self.per_seq_overhead_s
+        comm = self.comm_time(tokens, sampled) if self.parallel else 0.0
+        if self.parallel:
+            t = t + comm
+        swap = shape.swap_blocks * self.s_per_swap_block
+        return StepCost(t + swap, linear_s=linear - lm_head, attention_s=attention, communication_s=comm,
+                        lm_head_s=lm_head, overhead_s=overhead, swap_s=swap)
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         return self._time(num_seqs, num_seqs, num_seqs, sum_context, sum_context)

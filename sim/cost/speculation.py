@@ -184,9 +184,9 @@ class SpeculationModel:
     A step in which drafting is on costs the drafter's time, draft_s_per_step + draft_s_per_seq × drafting
     requests (prompt lookup searches every step, whether or not it finds an n-gram) + draft_s_per_token × tokens a
     draft model catches up on (as the executor's does: a request's whole context at its first draft, afterwards
-    what was decoded since it last fed it, its accepted drafts already cached), before its forward; a verify
-    forward costs verify_cost_ratio × the cost model's prediction (both as `infersim serve --profile` measures
-    them). Seeded: the same scenario draws the same acceptances."""
+    what was decoded since it last fed it, its accepted drafts already cached), before its forward (both as
+    `infersim serve --profile` measures them; the verify forward's own cost is the pricer's: sim/cost/pricer.py).
+    Seeded: the same scenario draws the same acceptances."""
 
     num_speculative_tokens: int
     acceptance_rate: float
@@ -196,7 +196,6 @@ class SpeculationModel:
     seed: int = 0
     tree: list[tuple[int, ...]] | None = None  # Medusa: the candidate tree (num_speculative_tokens = its nodes)
     rank_probs: list[list[float]] | None = None  # Medusa: per depth, the chance of each candidate rank (+ miss)
-    verify_cost_ratio: float = 1.0
     request_rates: list[tuple[float, float]] | None = None  # per calibration request: (proposal_rate, α)
     draft_s_per_token: float = 0.0
     rng: np.random.Generator = field(init=False, repr=False)
@@ -291,10 +290,6 @@ class SpeculationModel:
         if r.id not in self._rates:
             self._rates[r.id] = self.request_rates[int(self.rng.integers(len(self.request_rates)))]
         return self._rates[r.id]
-
-    def verify_time(self, step_s: float) -> float:
-        """A verify step's forward time from the cost model's prediction for its shape."""
-        return step_s * self.verify_cost_ratio
 
     def accept(self, rows) -> dict:
         """Drafts accepted per row (the scheduler may have cut a row's drafts to fit)."""

@@ -1,7 +1,13 @@
-"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills."""
+"""The price of one engine step: its time and where it goes, in named seconds that every cost source fills; the
+interface every cost source implements (`StepCostModel`), and the capability of pricing a pipeline's stages."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from typing import Protocol
+
+from sim.policy.scheduler import BatchShape
+
 
 
 @dataclass(slots=True)
@@ -25,7 +31,65 @@ class StepCost:
         return {name: getattr(self, name) for name in PARTS}
 
     def to_json(self) -> dict[str, float]:
+        """The total and the parts, for a report or a command's output."""
         return {"total_s": self.total_s, **self.parts()}
+
+    def scaled(self, factor: float) -> StepCost:
+        """Every second `factor` times as long (a verify step's forward: the speculative verify cost ratio)."""
+        return StepCost(self.total_s * factor, *(getattr(self, name) * factor for name in PARTS))
+
+    def with_draft(self, draft_s: float) -> StepCost:
+        """The step with its drafter's time on top (the drafter runs before the forward)."""
+        parts = self.parts()
+        parts["draft_s"] += draft_s
+        return StepCost(draft_s + self.total_s, **parts)
 
 
 PARTS = tuple(f.name for f in fields(StepCost) if f.name != "total_s")
+
+
+class StepCostModel(Protocol):
+    def step_time(self, shape: BatchShape) -> float:
+        """Seconds for one engine step over this batch shape."""
+
+    def step_cost(self, shape: BatchShape) -> StepCost:
+        """The same step's seconds by part; its total_s equals step_time(shape) exactly."""
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        """Seconds for a step in which each of `num_seqs` sequences decodes one token, with
+        `sum_context` tokens in their caches after the step. Must equal step_time of that shape
+        exactly: the simulator takes many such steps at once."""
+
+    def decode_run(self, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+                   step_end: list[float]) -> tuple[int, float]:
+        """Take up to `k_max` decode steps from `clock`, appending each step's end time to `step_end`;
+        stop after the step that reaches `until`. Returns (steps taken, clock)."""
+
+
+def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+               step_end: list[float]) -> tuple[int, float]:
+    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
+    k = 0
+    while k < k_max:
+        clock += cost.decode_time(num_seqs, sum_context)
+        step_end.append(clock)
+        sum_context += num_seqs
+        k += 1
+        if clock >= until:
+            break
+    return k, clock
+
+
+# A pipelined step's stages: (each stage's seconds, the send between consecutive stages, the return of the sampling
+# rows' hidden states to stage 0).
+Stages = tuple[list[float], float, float]
+
+
+class PricesStages(ABC):
+    """A cost model that prices each pipeline stage of a step itself (a profile composed over stages); the pricer
+    splits a step evenly over the stages of any other. Declared by subclassing."""
+
+    @abstractmethod
+    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
+        """The step's stages. `step_s`: the replica's time for the step, if more than step_time (drafting, verify
+        cost): the difference goes to stage 0."""

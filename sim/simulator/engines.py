@@ -12,7 +12,7 @@ import simpy
 
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
-from sim.cost.build import make_cost_model, speculation_model
+from sim.cost.build import make_cost_model, make_pricer, speculation_model
 from sim.policy.build import make_policy
 from sim.policy.client import ClientGate
 from sim.policy.conversation import Conversations, ended_at, reject_unsent
@@ -69,10 +69,8 @@ class SameInstant:
 
 
 def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
-    """The stages of one pipelined replica: activations of hidden_size cross the hardware's link between them."""
-    hw, m = plan.hardware, plan.model
-    return Pipeline(env, plan.pipeline_parallel_size, m.hidden_size * m.act_bytes / hw.interconnect_bandwidth,
-                    hw.interconnect_latency_s)
+    """The stages of one pipelined replica (its engines' steps come priced by stage: make_pricer)."""
+    return Pipeline(env, plan.pipeline_parallel_size)
 
 
 def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], float], bulk: bool,
@@ -82,10 +80,11 @@ def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], 
     each replica's pipeline. `hand_off`: a prefill pool's decode pool (make_policy); `hooks`: the disaggregated
     hand-off callbacks (see Replica)."""
     cost = make_cost_model(plan)
+    pricer = make_pricer(plan, cost)
     engines = plan.virtual_engines  # per replica: 1, or the batches a pipelined replica keeps in flight
     pipelines = [make_pipeline(env, plan) if plan.pipeline_parallel_size > 1 else None for _ in range(plan.replicas)]
     replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off=hand_off),
-                        cost, next_arrival, bulk=bulk, on_finish=on_finish,
+                        pricer, next_arrival, bulk=bulk, on_finish=on_finish,
                         speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
                         **hooks)
                 for i in range(plan.replicas * engines)]

@@ -11,17 +11,20 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from sim.policy.scheduler import BatchShape
+from sim.cost.pricer import StepPricer, equal_stages
+from sim.cost.step import Stages
 
 
 @dataclass
 class Pipeline:
-    """The stages of one pipelined replica, shared by its virtual engines."""
+    """The stages of one pipelined replica, shared by its virtual engines. Its engines' steps come priced by stage
+    (sim/cost/pricer.py: StepPricer.stages); `traverse` splits a step given whole evenly, sending over the link the
+    two send fields describe."""
 
     env: simpy.Environment
     num_stages: int
-    send_s_per_token: float  # activations of one token over the link between stages
-    send_latency_s: float
+    send_s_per_token: float = 0.0  # traverse: activations of one token over the link between stages
+    send_latency_s: float = 0.0
     free_at: list = field(init=False)  # per stage: when it finishes the steps that entered before
     busy_s: list = field(init=False)  # per stage: time it computed
     engines: list = field(default_factory=list)  # its virtual engines (sim.simulator.replica.Replica)
@@ -35,14 +38,12 @@ class Pipeline:
         return max(self.free_at) <= self.env.now and \
             not any(e is not engine and e.scheduler.has_work() for e in self.engines)
 
-    def decode_run(self, cost, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
-                   step_end) -> tuple[int, float]:
+    def decode_run(self, pricer: StepPricer, num_seqs: int, sum_context: int, clock: float, k_max: int,
+                   until: float, step_end) -> tuple[int, float]:
         """StepCostModel.decode_run through the stages, for an engine that has them to itself (`alone`)."""
         k = 0
-        priced = getattr(cost, "pipeline_stages", None)
         while k < k_max:
-            stages = priced(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs)) if priced else None
-            clock = self.passage(cost.decode_time(num_seqs, sum_context), num_seqs, clock, stages)
+            clock = self.passage(pricer.decode_stages(num_seqs, sum_context), clock)
             step_end.append(clock)
             sum_context += num_seqs
             k += 1
@@ -50,16 +51,10 @@ class Pipeline:
                 break
         return k, clock
 
-    def passage(self, step_s: float, tokens: int, start: float | None = None, stages=None) -> float:
-        """A step of `step_s` (the whole model's time) entering stage 0 at `start` (default now): when it leaves the
-        last stage. `stages`: (each stage's time, the send between stages, the return to stage 0) where the cost
-        model prices the stages itself (a fitted profile's, sim/cost/parallel.py); else each stage holds an equal
-        share and the send crosses the hardware's link."""
-        if stages is None:
-            stage_times = [step_s / self.num_stages] * self.num_stages
-            send_s, back_s = tokens * self.send_s_per_token + self.send_latency_s, 0.0
-        else:
-            stage_times, send_s, back_s = stages
+    def passage(self, stages: Stages, start: float | None = None) -> float:
+        """A step of these stages (each stage's time, the send between stages, the return to stage 0) entering stage
+        0 at `start` (default now): when it leaves the last stage."""
+        stage_times, send_s, back_s = stages
         t = self.env.now if start is None else start
         for i, stage_s in enumerate(stage_times):
             t = max(t, self.free_at[i]) + stage_s
@@ -69,6 +64,7 @@ class Pipeline:
                 t += send_s
         return t + back_s
 
-    def traverse(self, step_s: float, tokens: int, stages=None):
-        """SimPy process body: one step through every stage."""
-        yield self.env.timeout(self.passage(step_s, tokens, stages=stages) - self.env.now)
+    def traverse(self, step_s: float, tokens: int):
+        """SimPy process body: one step of `step_s` over `tokens` tokens through every stage, split evenly."""
+        stages = equal_stages(step_s, tokens, self.num_stages, self.send_s_per_token, self.send_latency_s)
+        yield self.env.timeout(self.passage(stages) - self.env.now)

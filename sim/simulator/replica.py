@@ -5,12 +5,13 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable
+from functools import partial
 from itertools import repeat
 
 import numpy as np
 import simpy
 
-from sim.cost.roofline import StepCostModel
+from sim.cost.pricer import StepPricer
 from sim.policy.request import Request
 from sim.policy.scheduler import Scheduler
 
@@ -21,7 +22,7 @@ TOKEN_LOG_STEPS = 1024
 
 
 class Replica:
-    """Engine loop of one replica. Time advances by the cost model's prediction for each step.
+    """Engine loop of one replica. Time advances by each step's price (sim/cost/pricer.py: StepPricer).
 
     Token times are not stored per token: each request keeps runs of steps (first step, last step)
     and the replica keeps each step's end time and whether the step decoded every running request,
@@ -30,7 +31,7 @@ class Replica:
     of the steps every so many steps and once the run is over (`settle_token_times`).
     """
 
-    def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
+    def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, pricer: StepPricer,
                  next_arrival: Callable[[], float], bulk: bool = True,
                  on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
@@ -38,7 +39,7 @@ class Replica:
         self.env = env
         self.index = index
         self.scheduler = scheduler
-        self.cost = cost
+        self.pricer = pricer
         self.next_arrival = next_arrival
         self.bulk = bulk
         self.on_finish = on_finish
@@ -109,7 +110,7 @@ class Replica:
                 r.run_start = -1
 
     def run(self):
-        sched, cost, env, spec = self.scheduler, self.cost, self.env, self.speculation
+        sched, env, spec = self.scheduler, self.env, self.speculation
         timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
             if timeouts:
@@ -137,59 +138,17 @@ class Replica:
             # pool's hand-offs could cut it short after the stages were booked: not there)
             if batch.decode_only and self.bulk and (self.pipeline is None or (
                     self.on_reserve is None and self.arrivals_known and self.pipeline.alone(self))):
-                horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
-                self.run_horizon = horizon
-                b, s = batch.shape.num_seqs, batch.shape.sum_context
-                # steps only get slower as contexts grow, so this many reach the next arrival
-                k_max = MAX_BULK_STEPS if horizon == math.inf else \
-                    min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
-                k_max = sched.decode_horizon(max(k_max, 1))
-                run = cost.decode_run if self.pipeline is None else \
-                    lambda *a: self.pipeline.decode_run(cost, *a)  # noqa: E731
-                k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
-                self.step_decodes_all.extend(bytes([1]) * k)
-                self.in_run = k > 1
-                try:
-                    yield env.timeout(max(0.0, clock - env.now))
-                except simpy.Interrupt:
-                    k, clock = self._cut_run(step, k)
-                    yield env.timeout(max(0.0, clock - env.now))
-                self.in_run = False
-                self.busy_s += clock - self.clock
+                k, clock = yield from self._decode_run(batch, step, timeouts)
                 finished = sched.advance_decode(k)
             else:
                 k = 1
-                step_s = cost.step_time(batch.shape)
-                step_s = draft_s + (spec.verify_time(step_s) if spec and batch.shape.num_verify else step_s)
-                clock = self.clock + step_s
-                if self.pipeline is not None:  # the stages decide when the step ends: they may be busy
-                    priced = getattr(cost, "pipeline_stages", None)  # a cost model that prices each stage
-                    stages = priced(batch.shape, step_s) if priced else None
-                    # from the engine's clock, as a bulk run's steps are: env.now may differ from it in the last bit
-                    clock = self.pipeline.passage(step_s, batch.shape.num_new_tokens, self.clock, stages)
+                clock = self._step_end(batch, draft_s)
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 self.busy_s += clock - self.clock
                 self._end_runs(batch.preempted, step - 1)
                 yield env.timeout(max(0.0, clock - env.now))
-                if spec:
-                    prompts = [(r, r.num_generated) for r, _ in batch.prefill]
-                    accepted = spec.accept(batch.decode)
-                    started, finished = sched.complete_step(batch, accepted=accepted)
-                    self.token_log.append((clock, batch.decode, accepted,
-                                           [r for r, n in prompts if r.num_generated > n]))
-                    if len(self.token_log) >= TOKEN_LOG_STEPS:
-                        self.settle_token_times()
-                else:
-                    started, finished = sched.complete_step(batch)
-                for r in started:
-                    r.run_start = step
-                    if r.first_token_s is None:
-                        r.first_token_s = clock
-                for r in batch.received:
-                    self.handoff_gaps.append(clock - r.first_token_s)
-                if sched.outbox:
-                    self.on_handoff(self, sched.take_handoffs())
+                finished = self._complete(batch, step, clock)
             self.clock = clock
             last = step + k - 1
             for r in finished:
@@ -200,6 +159,62 @@ class Replica:
                     self.on_finish(r)
             kv = sched.kv
             self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+
+    def _decode_run(self, batch, step: int, timeouts: bool):
+        """SimPy process body: a run of identical decode steps from step `step`, up to the next arrival (or queue
+        expiry), as one event; cut short at the step in flight if interrupted. Returns (steps taken, their end)."""
+        sched, pricer, env = self.scheduler, self.pricer, self.env
+        horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
+        self.run_horizon = horizon
+        b, s = batch.shape.num_seqs, batch.shape.sum_context
+        # steps only get slower as contexts grow, so this many reach the next arrival
+        k_max = MAX_BULK_STEPS if horizon == math.inf else \
+            min(MAX_BULK_STEPS, int((horizon - self.clock) / pricer.decode_time(b, s)) + 1)
+        k_max = sched.decode_horizon(max(k_max, 1))
+        run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
+        k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
+        self.step_decodes_all.extend(bytes([1]) * k)
+        self.in_run = k > 1
+        try:
+            yield env.timeout(max(0.0, clock - env.now))
+        except simpy.Interrupt:
+            k, clock = self._cut_run(step, k)
+            yield env.timeout(max(0.0, clock - env.now))
+        self.in_run = False
+        self.busy_s += clock - self.clock
+        return k, clock
+
+    def _step_end(self, batch, draft_s: float) -> float:
+        """When one step from the engine's clock ends: after its price, or on a pipelined replica when it leaves the
+        last stage (the stages may be busy with other engines' steps)."""
+        step_s = self.pricer.step_s(batch.shape, draft_s)
+        if self.pipeline is None:
+            return self.clock + step_s
+        # from the engine's clock, as a bulk run's steps are: env.now may differ from it in the last bit
+        return self.pipeline.passage(self.pricer.stages(batch.shape, step_s), self.clock)
+
+    def _complete(self, batch, step: int, clock: float) -> list[Request]:
+        """The scheduler's side of a step that ended at `clock`: drafts accepted, first tokens, hand-offs. Returns
+        the requests that finished."""
+        sched, spec = self.scheduler, self.speculation
+        if spec:
+            prompts = [(r, r.num_generated) for r, _ in batch.prefill]
+            accepted = spec.accept(batch.decode)
+            started, finished = sched.complete_step(batch, accepted=accepted)
+            self.token_log.append((clock, batch.decode, accepted, [r for r, n in prompts if r.num_generated > n]))
+            if len(self.token_log) >= TOKEN_LOG_STEPS:
+                self.settle_token_times()
+        else:
+            started, finished = sched.complete_step(batch)
+        for r in started:
+            r.run_start = step
+            if r.first_token_s is None:
+                r.first_token_s = clock
+        for r in batch.received:
+            self.handoff_gaps.append(clock - r.first_token_s)
+        if sched.outbox:
+            self.on_handoff(self, sched.take_handoffs())
+        return finished
 
     def settle_token_times(self) -> None:
         """Speculative decoding: append the logged steps' token times to their requests, in step order, in one
