@@ -282,8 +282,11 @@ def fit_collective(nbytes, t) -> dict:
     return {"latency_s": p[0] * 1e-6, "bandwidth": p[1] * 1e9, "sharpness": float(p[2])}
 
 
-def fit_attention(rows: list[dict]) -> dict:
-    """Prefill: floor per sequence + FLOPs / flops + per key; decode: floor + KV bytes / bandwidth (16-bit KV)."""
+def fit_attention(rows: list[dict], sms: int) -> dict:
+    """Prefill: floor per sequence + FLOPs / flops + per key; decode: floor + KV bytes / bandwidth (16-bit KV), at one
+    bandwidth while the decode's sequences x KV heads fit in one wave of the device's `sms` multiprocessors (the
+    kernel splits each sequence's keys to fill them) and another past it (one sequence a block: FlashAttention-2 read
+    2.6 TB/s on an H200 there, 4.2 within a wave)."""
     pre = [r for r in rows if r["kind"] == "prefill"]
     b, n, past, h, d, t = (np.array([r[k] for r in pre], float) for k in ("batch", "seq", "past", "heads",
                                                                             "head_dim", "us"))
@@ -295,10 +298,15 @@ def fit_attention(rows: list[dict]) -> dict:
     pp = _fit(lambda p: np.log(pmodel(p)) - np.log(t * 1e-6), [4, 300, 20], [0, 1, 0], [1e3, 1e4, 1e4])
     dec = [r for r in rows if r["kind"] == "decode"]
     kv = np.array([2 * r["batch"] * r["past"] * r["kv_heads"] * r["head_dim"] * 2 for r in dec], float)
+    one_wave = np.array([r["batch"] * r["kv_heads"] <= sms for r in dec])
     td = np.array([r["us"] for r in dec], float) * 1e-6
-    pd = _fit(lambda p: np.log(p[0] * 1e-6 + kv / (p[1] * 1e12)) - np.log(td), [5, 3], [0, 0.01], [1e3, 100])
+
+    def dmodel(p):
+        return p[0] * 1e-6 + kv / (np.where(one_wave, p[1], p[2]) * 1e12)
+    pd = _fit(lambda p: np.log(dmodel(p)) - np.log(td), [5, 3, 3], [0, 0.01, 0.01], [1e3, 100, 100])
     return {"prefill_floor_s": pp[0] * 1e-6, "prefill_flops": pp[1] * 1e12, "prefill_s_per_key": pp[2] * 1e-9,
-            "decode_floor_s": pd[0] * 1e-6, "decode_bandwidth": pd[1] * 1e12}
+            "decode_floor_s": pd[0] * 1e-6, "decode_bandwidth_one_wave": pd[1] * 1e12, "decode_bandwidth": pd[2] * 1e12,
+            "sms": sms}
 
 
 def linear_rows(rows: list[dict], device: str, exclude_model: str | None = None) -> list[dict]:
@@ -369,7 +377,7 @@ def fit_all() -> dict:
             elem = [r for r in read_table(ELEMENTWISE) if r["device"] == device]
             attn = [r for r in read_table(ATTENTION) if r["device"] == device]
             devices[device] = DeviceKernels(device, "measured", fits, fit_elementwise(elem),
-                                            fit_attention(attn) if attn else None).to_json()
+                                            fit_attention(attn, SMS[device]) if attn else None).to_json()
     gemm_rows = read_table(GEMMS) if GEMMS.exists() else []
     return {"devices": derive(devices), "accuracy": accuracy(ops, gemm_rows),
             "collectives": fit_collectives(read_table(COLLECTIVES))}
@@ -379,6 +387,7 @@ def fit_all() -> dict:
 SYSTEMS = {"A100-80GB": "a100_dgx", "A100-40GB": "a100_dgx", "H100-SXM": "h100_dgx", "H200": "h100_dgx",
            "A40": "a40_pairwise_nvlink"}
 FA2_AMPERE_EFFICIENCY = 0.6  # FlashAttention-2's forward reaches 50-73% of an A100's peak (Dao, 2023): the middle
+SMS = {"A100-80GB": 108, "A100-40GB": 108, "H100-SXM": 132, "H200": 132, "A40": 84}  # streaming multiprocessors
 
 
 def derive(devices: dict) -> dict:
@@ -394,10 +403,11 @@ def derive(devices: dict) -> dict:
         hw = HARDWARE_CATALOG.get(name)
         if att is None:
             hopper = hw is not None and "fp8" in hw.peak_flops
-            decode_bw = ref_att["decode_bandwidth"] / ref_gemm.bandwidth * gemm["fp16"].bandwidth
+            stream = gemm["fp16"].bandwidth / ref_gemm.bandwidth
             flops = ref_att["prefill_flops"] if hopper else FA2_AMPERE_EFFICIENCY * hw.flops("fp16")
-            att = {**ref_att, "prefill_flops": flops, "decode_bandwidth": decode_bw}
-            notes["attention"] = ("H200's SDPA (FlashAttention-2) fit; decode at the H200's fraction of the "
+            att = {**ref_att, "prefill_flops": flops, "decode_bandwidth": ref_att["decode_bandwidth"] * stream,
+                   "decode_bandwidth_one_wave": ref_att["decode_bandwidth_one_wave"] * stream, "sms": SMS[name]}
+            notes["attention"] = ("H200's SDPA (FlashAttention-2) fit; decode at the H200's fractions of the "
                                   "GEMM streaming bandwidth" + ("" if hopper else f"; prefill at "
                                   f"{FA2_AMPERE_EFFICIENCY:.0%} of peak (FlashAttention-2 paper: 50-73% on A100)"))
         if "fp8" not in gemm and hw is not None and "fp8" in hw.peak_flops and "fp8" in ref.gemm:
@@ -412,7 +422,8 @@ def derive(devices: dict) -> dict:
         "A100-40GB", "derived",
         {d: GemmFit(g.floor_s, g.bandwidth * scale, g.flops, g.sharpness, g.m_half) for d, g in a100.gemm.items()},
         {op: {**f, "bandwidth": f["bandwidth"] * scale} for op, f in a100.passes.items()},
-        {**a100.attention, "decode_bandwidth": a100.attention["decode_bandwidth"] * scale}, SYSTEMS["A100-40GB"],
+        {**a100.attention, "decode_bandwidth": a100.attention["decode_bandwidth"] * scale,
+         "decode_bandwidth_one_wave": a100.attention["decode_bandwidth_one_wave"] * scale}, SYSTEMS["A100-40GB"],
         {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"})
     return {name: k.to_json() for name, k in sorted(out.items())}
 

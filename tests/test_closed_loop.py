@@ -234,10 +234,10 @@ def test_cli_search_of_users_writes_users(tmp_path):
 
     from infersim.cli import app
 
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(loop_spec(space={"replicas": [1]})))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(loop_spec(space={"replicas": [1]}, target={"users": 20})))
     r = CliRunner().invoke(app, ["search", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
-    assert "target 40 users" in r.output and "users (margin" in r.output
+    assert "target 20 users" in r.output and "users (margin" in r.output
     assert "capacity users" in (tmp_path / "out" / "search.md").read_text()
 
 

@@ -36,7 +36,8 @@ def test_int8_weights_on_an_a100_cut_memory_traffic_not_compute():
     p16, d16 = times("A100-80GB", weight_dtype="fp16")
     p8, d8 = times("A100-80GB", weight_dtype="int8")
     p4, d4 = times("A100-80GB", weight_dtype="int4")
-    assert p8 == pytest.approx(p4) and p8 > p16  # weight-only: the same 16-bit multiply plus dequantization
+    # weight-only: the same 16-bit multiply plus dequantization; a prefill's weight stream is under 0.1% of it
+    assert p8 == pytest.approx(p4, rel=1e-3) and p8 > p16
     assert d4 < d8 < 0.75 * d16
 
 

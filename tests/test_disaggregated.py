@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sim.config.errors import ConfigError
+from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.plan import replan
 from tests.helpers import plan_of, run, scenario
 
@@ -36,8 +37,10 @@ def test_each_pool_takes_the_scenarios_keys_and_overrides_its_own():
     assert d.scheduler.max_num_batched_tokens == 2048 and d.scheduler.enable_chunked_prefill
     assert (p.tensor_parallel_size, d.tensor_parallel_size) == (1, 2)
     # the link defaults to the slower hardware's interconnect, and a transfer spreads over the smaller replica's devices
-    assert plan.pools.kv_bandwidth == 600e9 and plan.pools.kv_links == 1
-    assert plan.pools.transfer_s(1000) == pytest.approx(1000 * plan.model.kv_bytes_per_token / 600e9 + 3e-6)
+    a100 = HARDWARE_CATALOG["A100-80GB"]
+    assert plan.pools.kv_bandwidth == a100.interconnect_bandwidth and plan.pools.kv_links == 1
+    assert plan.pools.transfer_s(1000) == pytest.approx(1000 * plan.model.kv_bytes_per_token / a100.interconnect_bandwidth
+                                                        + a100.interconnect_latency_s)
 
 
 def test_a_pool_prices_its_steps_with_its_own_cost_model_and_replanning_keeps_every_key():
@@ -45,7 +48,7 @@ def test_a_pool_prices_its_steps_with_its_own_cost_model_and_replanning_keeps_ev
                 workload=workload(2, 800, 100, n=120))
     slow_data = pools(prefill_cost_model={"step_overhead_s": 0.05}, **base)
     slow = plan_of(slow_data)
-    assert slow.pools.prefill.cost.step_overhead_s == 0.05 and slow.pools.decode.cost.step_overhead_s == 2e-3
+    assert slow.pools.prefill.cost.step_overhead_s == 0.05 and slow.pools.decode.cost.step_overhead_s is None
     fast_m, slow_m = run(pools(**base))[0], run(slow_data)[0]
     assert slow_m["ttft_s"]["p50"] > fast_m["ttft_s"]["p50"] + 0.04  # every prompt pays the prefill pool's step
     assert slow_m["tpot_s"]["p50"] == pytest.approx(fast_m["tpot_s"]["p50"], rel=0.05)
@@ -134,8 +137,9 @@ def test_the_transfer_sits_between_the_first_token_and_the_second():
 
 
 def test_a_full_decode_pool_makes_hand_offs_wait_and_the_prefill_pool_hold_their_kv():
-    roomy, _, _ = run(pools(workload=workload(8, 1200, 200)))
-    tight, _, _ = run(pools(workload=workload(8, 1200, 200), decode_kv_cache={"num_blocks": 400}))
+    roofline = {"type": "roofline"}  # the load is set for the roofline's step times
+    roomy, _, _ = run(pools(workload=workload(8, 1200, 200), cost_model=roofline))
+    tight, _, _ = run(pools(workload=workload(8, 1200, 200), decode_kv_cache={"num_blocks": 400}, cost_model=roofline))
     assert tight["kv_transfer"]["wait_s"]["p99"] > 10 * roomy["kv_transfer"]["wait_s"]["p99"]
     assert tight["pools"]["prefill"]["kv_peak_utilization"] > 2 * roomy["pools"]["prefill"]["kv_peak_utilization"]
     assert tight["tpot_s"]["p90"] > roomy["tpot_s"]["p90"]
@@ -145,11 +149,12 @@ def test_a_full_decode_pool_makes_hand_offs_wait_and_the_prefill_pool_hold_their
 def test_disaggregation_raises_goodput_at_a_tight_tpot_slo():
     """DistServe: on the same two GPUs, one prefill and one decode instance keep prompt steps from stalling the
     decodes, so more requests meet a tight TPOT SLO than on two colocated replicas (vLLM's prefill-first continuous
-    batching, DistServe's baseline)."""
+    batching, DistServe's baseline). A GQA model: with Llama-2-7B's full-size KV the lone decode instance's KV reads
+    (FlashAttention-2's decode rate on the GPU kernel model) cost it more than the interference it escapes."""
     slo = {"ttft_s": 1.0, "tpot_s": 0.02, "quantile": 0.9}
-    for rate in (4, 6):
-        colocated, _, _ = run(scenario(replicas=2, workload=workload(rate, 1500, 150), slo=slo))
-        disaggregated, _, _ = run(pools(1, 1, workload=workload(rate, 1500, 150), slo=slo))
+    for rate in (6, 8):
+        colocated, _, _ = run(scenario(model="Llama-3-8B", replicas=2, workload=workload(rate, 1500, 150), slo=slo))
+        disaggregated, _, _ = run(pools(1, 1, model="Llama-3-8B", workload=workload(rate, 1500, 150), slo=slo))
         assert disaggregated["goodput_requests_per_s"] > 1.15 * colocated["goodput_requests_per_s"], rate
         assert disaggregated["tpot_s"]["p90"] < colocated["tpot_s"]["p90"]
 

@@ -90,5 +90,5 @@ def test_the_kernel_sweep_feeds_the_fits(tmp_path):
     fit = fit_gemm(*zip(*[(r["m"], r["n"], r["k"], r["us"] * 1e-6) for r in tables["gemm"]]))
     assert fit.flops > 0 and fit.bandwidth > 0
     assert set(fit_elementwise(tables["elementwise"])) == {"input_norm", "post_norm", "rope", "act", "add"}
-    attn = fit_attention(tables["attention"])
+    attn = fit_attention(tables["attention"], sms=2)
     assert attn["prefill_flops"] > 0 and attn["decode_bandwidth"] > 0

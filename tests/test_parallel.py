@@ -56,7 +56,7 @@ def test_tensor_parallelism_splits_weights_and_kv_per_device():
 def test_all_reduce_is_priced_by_the_links_topology(hardware, hops):
     """Two all-reduces of the hidden states a layer: 2(n-1)/n · bytes / bandwidth each, plus 2(n-1) link latencies
     over a ring (PCIe cards) or 2 through a switch (NVSwitch: every peer one hop away); the logits gather n-1 or 1."""
-    plan = plan_of(tp(4, model="Llama-2-7B", hardware=hardware))
+    plan = plan_of(tp(4, model="Llama-2-7B", hardware=hardware, cost_model={"type": "roofline"}))
     cost, m, hw = make_cost_model(plan), plan.model, plan.hardware
     tokens, n = 100, 4
     all_reduce_hops, gather_hops = hops

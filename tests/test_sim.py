@@ -91,7 +91,8 @@ def test_lone_request_latency_is_the_cost_model_exactly():
                               "output_len": {"dist": "fixed", "value": 64}})
     m, res, rec = run(data)
     cost = make_cost_model(plan_of(data))
-    prefill = cost.step_time(BatchShape(1, 512, 512, 512 * 513 // 2, 1))
+    prefill = cost.step_time(BatchShape(1, 512, 512, 512 * 513 // 2, 1, num_prefill=1, prefill_tokens=512,
+                                        prefill_context=512))
     assert m["ttft_s"]["p50"] == pytest.approx(prefill, rel=1e-12)
     decodes = sum(cost.decode_time(1, 512 + i) for i in range(1, 64))
     assert m["e2e_s"]["p50"] == pytest.approx(prefill + decodes, rel=1e-9)

@@ -24,6 +24,10 @@ SMOL_WORKLOAD = {"seed": 1, "arrival": {"process": "poisson", "rate": 1.0}, "num
 
 
 def roofline(**over):
+    return make_cost_model(plan_of(scenario(cost_model={"type": "roofline"}, **over)))
+
+
+def kernels(**over):
     return make_cost_model(plan_of(scenario(**over)))
 
 
@@ -41,6 +45,13 @@ COST_MODELS = {
     "roofline TP 2 ring, sequence parallel": lambda: roofline(model="Llama-3-8B", hardware="L40S", parallel={
         "tensor_parallel_size": 2, "sequence_parallel": True}),
     "roofline PP 2": lambda: roofline(model="Llama-2-13B", parallel={"pipeline_parallel_size": 2}),
+    "kernels": lambda: kernels(),
+    "kernels TP 4": lambda: kernels(model="Llama-3-8B", hardware="H100-SXM", parallel={"tensor_parallel_size": 4}),
+    "kernels fp8, TP 8": lambda: kernels(model={"base": "Llama-3-70B", "weight_dtype": "fp8"}, hardware="H200",
+                                         parallel={"tensor_parallel_size": 8}),
+    "kernels int4, TP 2 x PP 2": lambda: kernels(model={"base": "Llama-3-70B", "weight_dtype": "int4"},
+                                                 hardware="A100-40GB", parallel={"tensor_parallel_size": 2,
+                                                                                 "pipeline_parallel_size": 2}),
     "fitted": lambda: fitted(),
     "fitted, scaled": lambda: make_cost_model(plan_of(scenario(
         model="SmolLM2-135M", hardware="cpu", workload=SMOL_WORKLOAD,
@@ -179,13 +190,14 @@ def test_the_pricer_charges_what_the_replica_charged(name):
 def test_make_pricer_reads_the_plan():
     from sim.cost.build import make_pricer
 
-    sc = scenario(model="Llama-3-8B", hardware="H100-SXM",
+    sc = scenario(model="Llama-3-8B", hardware="H100-SXM", cost_model={"type": "roofline"},
                   speculative={"num_speculative_tokens": 3, "acceptance_rate": 0.7, "verify_cost_ratio": 1.2})
     pricer = make_pricer(plan_of(sc))
     assert pricer.verify_cost_ratio == 1.2 and pricer.num_stages == 1 and not pricer.prices_stages
+    assert make_pricer(plan_of({**sc, "cost_model": {}})).prices_stages  # the GPU kernel model prices stages
     plain = make_pricer(plan_of(scenario()))
     assert plain.verify_cost_ratio == 1.0
-    plan = plan_of(scenario(model="Llama-2-13B", parallel={"pipeline_parallel_size": 2}))
+    plan = plan_of(scenario(model="Llama-2-13B", parallel={"pipeline_parallel_size": 2}, cost_model={"type": "roofline"}))
     piped = make_pricer(plan)
     m, hw = plan.model, plan.hardware
     assert piped.num_stages == 2

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -96,3 +97,26 @@ def catalog_hardware(name: str, key_path: str = "hardware") -> HardwareSpec:
             return spec
     raise ConfigError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE_CATALOG)}, or an explicit "
                       "spec (peak_flops, memory_bandwidth, memory_gib, ...)", key_path)
+
+
+KERNELS_FILE = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
+SPEED_FIELDS = ("peak_flops", "memory_bandwidth", "sparse_tensor_cores")
+LINK_FIELDS = ("interconnect_bandwidth", "interconnect_latency_s", "interconnect_topology")
+
+
+@lru_cache(maxsize=1)
+def measured_devices() -> tuple[str, ...]:
+    """Catalog devices whose kernels were measured (sim/data/gpu_kernels.json, the GPU kernel model's fits)."""
+    return tuple(json.loads(KERNELS_FILE.read_text())["devices"])
+
+
+def as_in_catalog(hw: HardwareSpec, fields: tuple[str, ...]) -> bool:
+    """Whether `hw` is a catalog device with these fields as the catalog has them (a spec with a changed price
+    still runs the catalog device's kernels; one with a changed bandwidth does not)."""
+    known = HARDWARE_CATALOG.get(hw.name)
+    return known is not None and all(getattr(hw, f) == getattr(known, f) for f in fields)
+
+
+def has_kernels(hw: HardwareSpec) -> bool:
+    """The GPU kernel model can price this device: it is a measured catalog device at the catalog's speeds."""
+    return hw.name in measured_devices() and as_in_catalog(hw, SPEED_FIELDS)

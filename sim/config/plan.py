@@ -9,7 +9,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
-from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware
+from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
@@ -79,14 +79,16 @@ def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
 
 @dataclass(frozen=True)
 class CostPlan:
-    """The step-cost model: the roofline's parameters, or a fitted profile (read and checked) that replaces it."""
+    """The step-cost model: its source ("profile", "kernels": the GPU kernel model, "roofline"), the roofline's
+    parameters, the host overheads the scenario set (None: the source's own), or a fitted profile (read and checked)."""
 
     compute_efficiency: float
     memory_efficiency: float
-    step_overhead_s: float
-    per_seq_overhead_s: float
+    step_overhead_s: float | None
+    per_seq_overhead_s: float | None
     profile: ProfileFile | None
     profile_scale: float
+    source: str = "roofline"
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,22 @@ def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
     # a pool's sections keep only the keys it set: resolved again (replan) they still override key by key
     source = {**scenario.model_dump(mode="json"), "pools": scenario.pools.model_dump(mode="json", exclude_unset=True)}
     return replace(d, name=scenario.name, source=source, pools=Pools(p, d, bandwidth, latency))
+
+
+def _cost_source(c: CostModelConfig, hw: HardwareSpec, profile: ProfileFile | None) -> str:
+    """What prices the plan's steps: the profile, the GPU kernel model where the device's kernels were measured, or
+    the roofline (cost_model.type: auto, kernels or roofline)."""
+    if profile is not None:
+        return "profile"
+    if c.type == "roofline":
+        return "roofline"
+    if has_kernels(hw):
+        return "kernels"
+    if c.type == "kernels":
+        raise ConfigError(f"no measured kernels for {hw.name!r}; allowed: a catalog device among "
+                          f"{', '.join(measured_devices())} (at the catalog's rates), or type auto / roofline",
+                          "cost_model.type")
+    return "roofline"
 
 
 def _resolve(raw: str | dict, kind: str, lookup, spec_cls):
@@ -339,7 +357,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
             raise ConfigError(f"{profile.path} has no {', '.join(missing)} measurement (comm.fit), which pricing "
                               "this layout's steps needs; profile again (`infersim profile`), or use the roofline", key)
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
-                    c.profile_scale)
+                    c.profile_scale, _cost_source(c, hw, profile))
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
                 sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,

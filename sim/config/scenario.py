@@ -73,14 +73,21 @@ class SLOConfig(StrictModel):
 
 
 class CostModelConfig(StrictModel):
-    """Step-cost model. Roofline: max(compute, memory) per operator group, plus overheads. With
-    `profile`, a model fitted to executor measurements (`infersim profile`) replaces the roofline."""
+    """Step-cost model. With `profile`, a model fitted to measured steps (`infersim profile`); else, on a GPU whose
+    kernels were measured, the GPU kernel model (measured GEMMs, attention, elementwise passes and NCCL collectives);
+    else the roofline: max(compute, memory) per operator group at the datasheet's rates times the efficiencies."""
 
-    type: Literal["roofline"] = "roofline"
-    compute_efficiency: float = Field(0.6, ge=0.001, le=1, description="achieved / peak FLOP/s in matmuls")
-    memory_efficiency: float = Field(0.8, ge=0.001, le=1, description="achieved / peak memory bandwidth")
-    step_overhead_s: float = Field(2e-3, ge=0, le=60, description="fixed cost of one engine step (scheduling, launch)")
-    per_seq_overhead_s: float = Field(2e-5, ge=0, le=60, description="per sequence in the step (input prep, sampling)")
+    type: Literal["auto", "kernels", "roofline"] = Field(
+        "auto", description="auto: the profile if given, else the GPU kernel model where the device's kernels were "
+        "measured, else the roofline; kernels: require the kernel model; roofline: the roofline even where kernels "
+        "were measured")
+    compute_efficiency: float = Field(0.6, ge=0.001, le=1, description="roofline: achieved / peak FLOP/s in matmuls")
+    memory_efficiency: float = Field(0.8, ge=0.001, le=1, description="roofline: achieved / peak memory bandwidth")
+    step_overhead_s: float | None = Field(None, ge=0, le=60, description="fixed host cost of one engine step "
+                                          "(scheduling, launch); default: the roofline's 2 ms, the kernel model's "
+                                          "126 µs (vLLM, as BLIS fitted it)")
+    per_seq_overhead_s: float | None = Field(None, ge=0, le=60, description="host cost per sequence in the step (input "
+                                             "prep, sampling); default: the roofline's 20 µs, the kernel model's 4.4 µs")
     profile: str | None = Field(None, min_length=1, description="a calibration profile JSON (relative to the "
                                 "scenario file)")
     profile_scale: float = Field(1.0, ge=1e-3, le=1e3, description="multiply the profile's step times (a slower or faster "

@@ -2,21 +2,30 @@
 from __future__ import annotations
 
 from sim.config.errors import ConfigError
+from sim.config.hardware import LINK_FIELDS, as_in_catalog
 from sim.config.plan import Plan
 from sim.cost.comm import Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
+from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
+from sim.cost.kernels import load_kernels
+from sim.cost.nccl import NcclCollectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
 from sim.cost.roofline import RooflineCostModel
 from sim.cost.speculation import SpeculationModel, reference_step_s
 from sim.cost.step import StepCostModel
 
+ROOFLINE_STEP_OVERHEAD_S = 2e-3
+ROOFLINE_PER_SEQ_OVERHEAD_S = 2e-5
+
 
 def make_cost_model(plan: Plan) -> StepCostModel:
     """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan, a profile
     measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
-    else the roofline."""
+    else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline."""
     c = plan.cost
+    if c.source == "kernels":
+        return kernel_cost_model(plan)
     if c.profile is not None:
         fitted = FittedCostModel.from_profile(c.profile)
         if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
@@ -26,10 +35,30 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
-                             memory_efficiency=c.memory_efficiency, step_overhead_s=c.step_overhead_s,
-                             per_seq_overhead_s=c.per_seq_overhead_s,
+                             memory_efficiency=c.memory_efficiency,
+                             step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
+                             per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
                              block_bytes=plan.block_size * plan.kv_bytes_per_token,
                              tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def kernel_cost_model(plan: Plan) -> KernelCostModel:
+    """The GPU kernel model of the plan's device (its measured kernels and, where its links are the catalog's, the
+    NCCL collectives measured on its system), with the host overheads the scenario set."""
+    kernels, collective_fits = load_kernels()
+    k, hw, m, c = kernels[plan.hardware.name], plan.hardware, plan.model, plan.cost
+    link = Interconnect.of(hw)
+    collectives = NcclCollectives(k.collectives, collective_fits[k.collectives], link) \
+        if k.collectives in collective_fits and as_in_catalog(hw, LINK_FIELDS) else link
+    refinement = Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
+                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
+    stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)  # the plan's KV bytes are the largest stage's
+    return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
+                           plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token)
 
 
 def make_pricer(plan: Plan, cost: StepCostModel | None = None) -> StepPricer:

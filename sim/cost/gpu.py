@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.config.models import ModelSpec
+from sim.cost.comm import Collectives
 from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
-from sim.cost.nccl import MeasuredCollectives
+from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
-from sim.cost.step import StepCost
+from sim.cost.step import PricesStages, Stages, StepCost, decode_run
 from sim.policy.scheduler import BatchShape
 
 VLLM_STEP_OVERHEAD_S = 126e-6
@@ -46,13 +47,17 @@ class Refinement:
     prefill_overhead_s: float = 0.0  # a step that carries a prompt chunk (an engine's eager path, say)
 
 
-class KernelCostModel:
-    """Step costs of one replica of `tensor_parallel_size` devices whose kernels were measured."""
+class KernelCostModel(PricesStages):
+    """Step costs of one replica of `tensor_parallel_size` x `pipeline_parallel_size` devices whose kernels were
+    measured. A pipeline stage runs its share of the layers (and their collectives); the host's overhead and the
+    embedding go to stage 0, the LM head to the last stage (vLLM's layout); the hidden states of the step's tokens
+    cross between stages and the sampled tokens come back to stage 0."""
 
-    def __init__(self, model: ModelSpec, kernels: DeviceKernels, hw, collectives: MeasuredCollectives | None,
-                 kv_bytes_per_token_layer: float, tensor_parallel_size: int = 1, refinement: Refinement = Refinement(),
-                 block_bytes: float = 0.0, link_all_reduce=None):
-        self.model, self.kernels, self.tp, self.refinement = model, kernels, tensor_parallel_size, refinement
+    def __init__(self, model: ModelSpec, kernels: DeviceKernels, hw, collectives: Collectives,
+                 kv_bytes_per_token_layer: float, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 refinement: Refinement = Refinement(), block_bytes: float = 0.0):
+        self.model, self.kernels, self.refinement = model, kernels, refinement
+        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.layers = model.num_layers
         self.gemm, self.weight_bytes, self.compute_scale = self._linear_kernel(model, kernels, hw)
         self.lm_gemm = kernels.gemm["fp16"]
@@ -64,9 +69,14 @@ class KernelCostModel:
         self.s_per_prefill_seq = r.attention * self.layers * att["prefill_floor_s"]
         self.s_per_prefill_key = r.attention * self.layers * att["prefill_s_per_key"]
         self.s_decode_floor = r.attention * self.layers * att["decode_floor_s"]
-        self.s_per_kv_token = r.attention * self.layers * kv_bytes_per_token_layer / att["decode_bandwidth"]
+        # decode attention reads the KV at one rate while its rows x KV heads fit in a wave of the multiprocessors
+        # (the kernel splits the keys to fill them), at another past it
+        kv_bytes = r.attention * self.layers * kv_bytes_per_token_layer
+        self.s_per_kv_token = kv_bytes / att["decode_bandwidth"]
+        self.s_per_kv_token_one_wave = kv_bytes / att["decode_bandwidth_one_wave"]
+        self.one_wave_rows = att["sms"] // max(1, model.num_kv_heads // tensor_parallel_size)
         self.collectives = collectives
-        self.link_all_reduce = link_all_reduce  # (bytes, n) -> s where the device's collectives were not measured
+        self.layer_share = [n / self.layers for n in stage_layers(self.layers, self.pp)]
         self._linear: dict[int, float] = {}
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
@@ -126,14 +136,10 @@ class KernelCostModel:
         key = (tokens, sampled)
         t = self._comm.get(key)
         if t is None:
-            hidden = tokens * self.model.hidden_size * self.act_bytes
-            logits = sampled * self.model.vocab_size * 4
-            c = self.collectives
-            if c is not None and c.has_all_reduce:
-                t = 2 * self.layers * c.all_reduce(hidden) + (c.all_gather(logits) if sampled else 0.0)
-            else:
-                t = 2 * self.layers * self.link_all_reduce(hidden, self.tp) + \
-                    (self.link_all_reduce(logits / 2, self.tp) if sampled else 0.0)
+            c, m = self.collectives, self.model
+            t = 2 * self.layers * c.all_reduce_s(tokens * m.hidden_size * self.act_bytes, self.tp)
+            if sampled:
+                t += c.gather_s(sampled * m.vocab_size * 4, self.tp)
             t = self._comm[key] = self.refinement.communication * t
         return t
 
@@ -143,25 +149,52 @@ class KernelCostModel:
 
     # -- a step -----------------------------------------------------------------------------------------------------
     def step_cost(self, shape: BatchShape) -> StepCost:
+        if self.pp == 1:
+            return self.step_cost_one_device(shape)
+        c = self.step_cost_one_device(shape)
+        stages, send, back = self.pipeline_stages(shape)
+        c.communication_s += (self.pp - 1) * send + back
+        c.total_s = sum(stages) + (self.pp - 1) * send + back
+        return c
+
+    def step_cost_one_device(self, shape: BatchShape) -> StepCost:
+        """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
         tokens, sampled, seqs = shape.num_new_tokens, shape.num_sampled, shape.num_seqs
         decode_ctx = shape.sum_context - shape.prefill_context
+        per_kv = self.per_kv_token_s(seqs - shape.num_prefill)
         prefill_pairs = max(0, shape.attn_pairs - decode_ctx)
         attention_fixed = (self.s_decode_floor if seqs > shape.num_prefill else 0.0) + \
             (shape.num_prefill * self.s_per_prefill_seq + prefill_pairs * self.s_per_prefill_pair
              + shape.prefill_context * self.s_per_prefill_key if shape.num_prefill else 0.0)
-        parts = StepCost(0.0, self.linear_s(tokens), attention_fixed + decode_ctx * self.s_per_kv_token,
+        parts = StepCost(0.0, self.linear_s(tokens), attention_fixed + decode_ctx * per_kv,
                          self.communication_s(tokens, sampled), self.lm_head_s(tokens, sampled), self.overhead_s(seqs, shape.num_prefill > 0),
                          0.0, shape.swap_blocks * self.s_per_swap_block)
-        parts.total_s = self._total(parts.linear_s, parts.lm_head_s, parts.communication_s, parts.overhead_s,
-                                    parts.swap_s, attention_fixed, decode_ctx)
+        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
+        parts.total_s = ((((parts.linear_s + parts.lm_head_s) + parts.communication_s) + parts.overhead_s)
+                         + parts.swap_s) + attention_fixed + decode_ctx * per_kv
         return parts
 
-    def _total(self, linear, head, comm, overhead, swap, attention_fixed, decode_ctx) -> float:
-        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        return ((((linear + head) + comm) + overhead) + swap) + attention_fixed + decode_ctx * self.s_per_kv_token
+    def per_kv_token_s(self, decode_rows: int) -> float:
+        """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
+        return self.s_per_kv_token_one_wave if decode_rows <= self.one_wave_rows else self.s_per_kv_token
 
     def step_time(self, shape: BatchShape) -> float:
+        if self.pp > 1:
+            stages, send, back = self.pipeline_stages(shape)
+            return sum(stages) + (self.pp - 1) * send + back
         return self.step_cost(shape).total_s
+
+    def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
+        c = self.step_cost_one_device(shape)
+        layered = c.linear_s + c.attention_s + c.communication_s
+        stages = [share * layered for share in self.layer_share]
+        stages[0] += c.overhead_s + c.swap_s
+        stages[-1] += c.lm_head_s
+        send = self.collectives.send_s(shape.num_new_tokens * self.model.hidden_size * self.act_bytes)
+        back = self.collectives.send_s(shape.num_sampled * 8) if shape.num_sampled else 0.0
+        if step_s is not None:
+            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
+        return stages, send, back
 
     def _base(self, num_seqs: int) -> float:
         """A decode step of `num_seqs` rows without its context term."""
@@ -173,11 +206,16 @@ class KernelCostModel:
         return t
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        return self._base(num_seqs) + sum_context * self.s_per_kv_token
+        if self.pp > 1:
+            return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+        return self._base(num_seqs) + sum_context * self.per_kv_token_s(num_seqs)
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
+        if self.pp > 1:
+            return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
         # decode_time with its per-batch part hoisted: the same float operations, so the same step ends
-        base, per_kv, s, k, append = self._base(num_seqs), self.s_per_kv_token, sum_context, 0, step_end.append
+        base, per_kv, s, k = self._base(num_seqs), self.per_kv_token_s(num_seqs), sum_context, 0
+        append = step_end.append
         while k < k_max:
             clock += base + s * per_kv
             append(clock)
@@ -186,4 +224,3 @@ class KernelCostModel:
             if clock >= until:
                 break
         return k, clock
-

@@ -1,9 +1,12 @@
-"""Collectives priced from NCCL measurements: per system (a DGX's NVSwitch, PCIe boards, InfiniBand between nodes),
-collective and device count, time = (latency^p + (bytes / bandwidth)^p)^(1/p), fitted by calibration/kernel_fit.py to
-Vidur's measurements (calibration/data/gpu/collectives.csv)."""
+"""Collectives priced from NCCL measurements (sim/cost/comm.py's `Collectives`): per system (a DGX's NVSwitch, PCIe
+boards, InfiniBand between nodes), collective and device count, time = (latency^p + (bytes / bandwidth)^p)^(1/p),
+fitted by calibration/kernel_fit.py to Vidur's measurements (calibration/data/gpu/collectives.csv). What the system
+did not measure falls back to the hardware's link (`Interconnect`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sim.cost.comm import Interconnect
 
 
 @dataclass(frozen=True)
@@ -16,51 +19,51 @@ class CollectiveFit:
         p = self.sharpness
         return (self.latency_s ** p + (nbytes / self.bandwidth) ** p) ** (1.0 / p)
 
-    def for_devices(self, measured: int, n: int) -> "CollectiveFit":
+    def for_devices(self, measured: int, n: int) -> CollectiveFit:
         """An all-reduce fit of `measured` devices carried to n: a ring moves 2(n−1)/n of the message over each link,
         so the bus bandwidth stays and the message rate scales by that factor."""
         scale = (2 * (measured - 1) / measured) / (2 * (n - 1) / n)
         return CollectiveFit(self.latency_s, self.bandwidth * scale, self.sharpness)
 
 
-class MeasuredCollectives:
-    """The collectives of `n` devices of one node (more than a node holds: across nodes, as measured) from one system's
-    fits ({collective: {"<workers>x<devices per node>": {latency_s, bandwidth, sharpness}}})."""
+def pick(fits: dict, n: int) -> CollectiveFit | None:
+    """From fits keyed "<workers>x<devices per node>": n devices in one node, else n across nodes as measured, else
+    the nearest count in one node carried to n; None if nothing was measured."""
+    shapes = {tuple(map(int, k.split("x"))): v for k, v in fits.items()}
+    for key in ((n, n), *sorted((w, d) for w, d in shapes if w == n)):
+        if key in shapes:
+            return CollectiveFit(**shapes[key])
+    one_node = sorted(w for w, d in shapes if w == d)
+    if not one_node:
+        return None
+    near = min(one_node, key=lambda w: (abs(w - n), w))
+    return CollectiveFit(**shapes[(near, near)]).for_devices(near, n)
 
-    def __init__(self, fits: dict, n: int, system: str):
-        self.system, self.n = system, n
-        self._all_reduce = self._pick(fits.get("all_reduce", {}), n) if n > 1 else None
-        sends = fits.get("send_recv", {})
-        self._send = CollectiveFit(**sends["2x2"]) if "2x2" in sends else None
 
-    @staticmethod
-    def _pick(fits: dict, n: int) -> CollectiveFit | None:
-        """The fit of n devices in one node, else n across nodes, else the nearest count in one node carried to n."""
-        shapes = {tuple(map(int, k.split("x"))): v for k, v in fits.items()}
-        for key in ((n, n), *sorted((w, d) for w, d in shapes if w == n)):
-            if key in shapes:
-                return CollectiveFit(**shapes[key])
-        one_node = sorted(w for w, d in shapes if w == d)
-        if not one_node:
-            return None
-        near = min(one_node, key=lambda w: (abs(w - n), w))
-        return CollectiveFit(**shapes[(near, near)]).for_devices(near, n)
+class NcclCollectives:
+    """One system's measured all-reduces (by device count) and sends between two devices of a node; the link's
+    formula for what it did not measure."""
 
-    @property
-    def has_all_reduce(self) -> bool:
-        return self._all_reduce is not None
+    def __init__(self, system: str, fits: dict, link: Interconnect):
+        self.system, self.link = system, link
+        self._all_reduce = fits.get("all_reduce", {})
+        self._picked: dict[int, CollectiveFit | None] = {}
+        self._send = CollectiveFit(**fits["send_recv"]["2x2"]) if "2x2" in fits.get("send_recv", {}) else None
 
-    @property
-    def has_send(self) -> bool:
-        return self._send is not None
+    def _fit(self, devices: int) -> CollectiveFit | None:
+        if devices not in self._picked:
+            self._picked[devices] = pick(self._all_reduce, devices)
+        return self._picked[devices]
 
-    def all_reduce(self, nbytes: float) -> float:
-        return self._all_reduce.time(nbytes)
+    def all_reduce_s(self, nbytes: float, devices: int) -> float:
+        fit = self._fit(devices)
+        return fit.time(nbytes) if fit is not None else self.link.all_reduce_s(nbytes, devices)
 
-    def all_gather(self, nbytes: float) -> float:
+    def gather_s(self, nbytes: float, devices: int) -> float:
         """Gathering `nbytes` in all: a ring all-reduce is a reduce-scatter then an all-gather, each moving half its
-        traffic, so half an all-reduce of the same bytes (one latency)."""
-        return self._all_reduce.time(nbytes / 2)
+        traffic, so half an all-reduce of the same bytes."""
+        fit = self._fit(devices)
+        return fit.time(nbytes / 2) if fit is not None else self.link.gather_s(nbytes, devices)
 
-    def send(self, nbytes: float) -> float:
-        return self._send.time(nbytes)
+    def send_s(self, nbytes: float) -> float:
+        return self._send.time(nbytes) if self._send is not None else self.link.send_s(nbytes)

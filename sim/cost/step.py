@@ -9,7 +9,6 @@ from typing import Protocol
 from sim.policy.scheduler import BatchShape
 
 
-
 @dataclass(slots=True)
 class StepCost:
     """One step's seconds by kind of work. `total_s` is the step's time as its cost source sums it (in the source's
