@@ -240,6 +240,10 @@ def accuracy(ops: list[dict], gemms: list[dict]) -> dict:
         out[device] = {"what": "decoder-layer linear ops, leave one model out", "median_pct": round(stats(k)[0], 1),
                        "p90_pct": round(stats(k)[1], 1), "roofline_median_pct": round(stats(r)[0], 1),
                        "roofline_p90_pct": round(stats(r)[1], 1)}
+    every = [e for _, rs in lin.values() for e in rs]
+    out["roofline"] = {"what": "decoder-layer linear ops of every measured device and model (the datasheet roofline, "
+                       "compute_efficiency 0.6, memory_efficiency 0.8)", "median_pct": round(stats(every)[0], 1),
+                       "p90_pct": round(stats(every)[1], 1)}
     for device in sorted({r["device"] for r in gemms}):
         e = gemm_truth([r for r in gemms if r["device"] == device and r["dtype"] == "bf16"])
         out[device] = {"what": "a decoder layer's four GEMMs, leave one model out",
@@ -415,7 +419,7 @@ def derive(devices: dict) -> dict:
             gemm["fp8"] = GemmFit(f8.floor_s, gemm["fp16"].bandwidth, gemm["fp16"].flops * f8.flops / f16.flops,
                                   f8.sharpness, f8.m_half)
             notes["gemm.fp8"] = "this device's bf16 fit at the H200's measured fp8/bf16 FLOP ratio"
-        out[name] = DeviceKernels(name, k.source, gemm, k.passes, att, SYSTEMS.get(name), notes)
+        out[name] = DeviceKernels(name, k.source, gemm, k.passes, att, SYSTEMS.get(name), notes, name)
     a100 = out["A100-80GB"]
     scale = HARDWARE_CATALOG["A100-40GB"].memory_bandwidth / HARDWARE_CATALOG["A100-80GB"].memory_bandwidth
     out["A100-40GB"] = DeviceKernels(
@@ -424,7 +428,7 @@ def derive(devices: dict) -> dict:
         {op: {**f, "bandwidth": f["bandwidth"] * scale} for op, f in a100.passes.items()},
         {**a100.attention, "decode_bandwidth": a100.attention["decode_bandwidth"] * scale,
          "decode_bandwidth_one_wave": a100.attention["decode_bandwidth_one_wave"] * scale}, SYSTEMS["A100-40GB"],
-        {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"})
+        {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"}, "A100-80GB")
     return {name: k.to_json() for name, k in sorted(out.items())}
 
 

@@ -7,7 +7,7 @@ from sim.config.plan import Plan
 from sim.cost.comm import Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
-from sim.cost.kernels import load_kernels
+from sim.cost.kernels import load_accuracy, load_kernels
 from sim.cost.nccl import NcclCollectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
@@ -59,6 +59,26 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
     stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)  # the plan's KV bytes are the largest stage's
     return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
                            plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token)
+
+
+def describe_cost(plan: Plan) -> dict:
+    """What priced the plan's steps, for the report: the source and its error where it was measured (a profile's
+    held-out error; the kernel model's on what its fit left out; the roofline's on the GPUs that were measured)."""
+    c = plan.cost
+    if c.source == "profile":
+        fit = c.profile.data.get("fit", {}).get("heldout", {})
+        host = c.profile.data.get("host", {})
+        return {"source": "profile", "profile": c.profile.path.name, "device": host.get("gpu") or host.get("cpu"),
+                "scale": c.profile_scale, "error": {"what": "the profile's held-out steps",
+                                                    "mape_pct": round(100 * fit["mape"], 1) if "mape" in fit else None}}
+    kernels, _ = load_kernels()
+    accuracy = load_accuracy()
+    if c.source == "kernels":
+        k = kernels[plan.hardware.name]
+        return {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
+                "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+    return {"source": "roofline", "compute_efficiency": c.compute_efficiency,
+            "memory_efficiency": c.memory_efficiency, "error": accuracy.get("roofline")}
 
 
 def make_pricer(plan: Plan, cost: StepCostModel | None = None) -> StepPricer:

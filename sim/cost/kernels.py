@@ -60,16 +60,18 @@ class DeviceKernels:
     attention: dict | None = None
     collectives: str | None = None
     notes: dict = field(default_factory=dict)
+    measured_on: str = ""  # the device whose kernels the fits come from (this one, or the one carried over)
 
     def to_json(self) -> dict:
         return {"device": self.device, "source": self.source, "gemm": {k: asdict(v) for k, v in self.gemm.items()},
                 "passes": self.passes, "attention": self.attention, "collectives": self.collectives,
-                "notes": self.notes}
+                "notes": self.notes, "measured_on": self.measured_on or self.device}
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceKernels":
         return cls(data["device"], data["source"], {k: GemmFit(**v) for k, v in data["gemm"].items()},
-                   data["passes"], data.get("attention"), data.get("collectives"), data.get("notes", {}))
+                   data["passes"], data.get("attention"), data.get("collectives"), data.get("notes", {}),
+                   data.get("measured_on", data["device"]))
 
 
 def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,
@@ -99,3 +101,9 @@ def load_kernels(path: Path = KERNELS_PATH) -> tuple[dict[str, DeviceKernels], d
     """(fitted devices by catalog name, fitted collectives by system) from the shipped file."""
     data = json.loads(Path(path).read_text())
     return {name: DeviceKernels.from_json(d) for name, d in data["devices"].items()}, data["collectives"]
+
+
+@lru_cache(maxsize=4)
+def load_accuracy(path: Path = KERNELS_PATH) -> dict:
+    """The fits' error on what they left out, by device, and the roofline's on the same measurements."""
+    return json.loads(Path(path).read_text()).get("accuracy", {})

@@ -10,6 +10,7 @@ import numpy as np
 
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
+from sim.cost.build import describe_cost
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
 
 GiB = 2**30
@@ -92,6 +93,9 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         "engine_steps": int(sum(len(r.step_end) for r in all_replicas)),
         "wall_time_s": wall_time_s,
     }
+    if engine == "sim":  # what priced the simulated steps, and how far that source was off where it was measured
+        report["cost_model"] = describe_cost(plan) if plan.pools is None else \
+            {name: describe_cost(p) for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
     if plan.pools is not None:
         report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
         report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
@@ -205,6 +209,21 @@ def _slo_verdict(slo: dict, requests: dict) -> str:
             "misses it is MISSED")
 
 
+def _cost_line(c: dict) -> str:
+    """One cost source and its measured error, for the summary."""
+    err = c.get("error") or {}
+    off = ""
+    if err.get("median_pct") is not None:
+        off = f" (held out: median |error| {err['median_pct']}%, p90 {err['p90_pct']}% on {err['what']})"
+    elif err.get("mape_pct") is not None:
+        off = f" (held out: mean |error| {err['mape_pct']}% on {err['what']})"
+    if c["source"] == "gpu_kernels":
+        return f"GPU kernel model, {c['device']} kernels measured on {c['measured_on']}{off}"
+    if c["source"] == "profile":
+        return f"profile {c['profile']} ({c['device']}, x{c['scale']:g}){off}"
+    return f"datasheet roofline, no measured kernels for this device{off.replace('held out', 'on measured GPUs')}"
+
+
 def print_summary(report: dict, console=None) -> None:
     """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
     from rich.console import Console
@@ -277,6 +296,10 @@ def print_summary(report: dict, console=None) -> None:
                          if "draft_s_per_token" in spec else "")
                       + (f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile" if "verify_cost_ratio" in spec
                          else ""))
+    priced = report.get("cost_model")
+    if priced:
+        sources = priced.values() if "source" not in priced else [priced]
+        console.print("priced by: " + "; ".join(dict.fromkeys(_cost_line(c) for c in sources)))
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")
