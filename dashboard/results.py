@@ -10,7 +10,11 @@ import yaml
 
 from dashboard import charts
 from dashboard.form import portable
-from infersim.api import Outcome
+from infersim.api import Outcome, step_costs
+from sim.report.outputs import cost_line
+
+STEP_PARTS = (("linear", "linear_s"), ("attention", "attention_s"), ("communication", "communication_s"),
+              ("LM head", "lm_head_s"), ("host overhead", "overhead_s"), ("drafting", "draft_s"), ("swap", "swap_s"))
 
 LATENCY_ROWS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
 
@@ -102,6 +106,24 @@ def latency_table(report: dict) -> pd.DataFrame:
                          for name, key in LATENCY_ROWS]).set_index("latency")
 
 
+def step_table(rows: list[tuple[str, dict]]) -> pd.DataFrame:
+    """Each step's time and its parts, in ms (parts no step has left out)."""
+    parts = [(name, key) for name, key in STEP_PARTS if any(r[key] for _, r in rows)]
+    return pd.DataFrame([{"step": label, "total": r["total_s"] * 1e3, **{name: r[key] * 1e3 for name, key in parts}}
+                         for label, r in rows]).set_index("step")
+
+
+def step_breakdown(outcome: Outcome) -> None:
+    """Where a typical step's time goes: a prefill of the median prompt and a decode step of the run's mean batch."""
+    rows = step_costs(outcome.plan, report=outcome.report)
+    st.markdown("**Where a step's time goes** (ms): a prefill of the median prompt, a decode step of the run's mean "
+                "batch")
+    st.dataframe(step_table(rows).style.format("{:.3f}"))
+    priced = outcome.report.get("cost_model") or {}
+    sources = [priced] if "source" in priced else list(priced.values())
+    st.caption("Priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)))
+
+
 def show(outcome: Outcome, data: dict, key: str) -> None:
     """Everything about one run; `key` keeps its widgets apart from another page's."""
     report = outcome.report
@@ -114,6 +136,7 @@ def show(outcome: Outcome, data: dict, key: str) -> None:
     if len(outcome.traces) > charts.MAX_REPLICAS:
         st.caption(f"The first {charts.MAX_REPLICAS} of {len(outcome.traces)} replicas are drawn.")
     st.dataframe(latency_table(report).style.format("{:.4g}", na_rep="-"))
+    step_breakdown(outcome)
     name = report["scenario"]["name"]
     c1, c2 = st.columns(2)
     c1.download_button("Download the scenario YAML", yaml.safe_dump(portable(data), sort_keys=False),

@@ -549,6 +549,32 @@ def dashboard(port: int) -> None:
     os.execve(sys.executable, args, env)  # one process: stopping `infersim dashboard` stops the server
 
 
+def step_time(data: dict | str | Path, new_tokens: list[int], context_lens: list[int] | None = None,
+              pool: str | None = None, base_dir: Path = Path(".")) -> dict:
+    """One step's time and where it goes, as the simulator prices it for a scenario (a mapping, or a YAML file): a
+    dict with total_s, linear_s (the decoder layers' non-attention work: projections, norms, rotary, activation,
+    residual adds; not embedding or LM head), attention_s, communication_s, lm_head_s, overhead_s, draft_s, swap_s,
+    and source (what priced it: profile, gpu_kernels or roofline). `new_tokens` and `context_lens` (tokens in the
+    KV cache after the step; default: each row's new tokens): one per sequence; rows of more than one token compute
+    a prompt chunk. A disaggregated scenario prices prompt-only steps on its prefill pool, others on its decode pool
+    (or `pool`)."""
+    from infersim.step_cost import price, step_of
+
+    plan = load_plan(data) if isinstance(data, (str, Path)) else plan_of(data, base_dir)
+    return price(plan, step_of("step", list(new_tokens), list(context_lens) if context_lens else None), pool)
+
+
+def step_costs(plan: Plan, steps=None, report: dict | None = None) -> list[tuple[str, dict]]:
+    """(label, step_time's dict) of `steps` (infersim.step_cost.Step), default the scenario's typical ones: a prefill
+    of its median prompt and decodes of 1, 8, 32 and max_num_seqs rows, or with a run's `report` of its mean decode
+    batch."""
+    from infersim.step_cost import decode_batch_of, price, typical_steps
+
+    if steps is None:
+        steps = typical_steps(plan, [decode_batch_of(report)] if report is not None else None)
+    return [(s.label, price(plan, s)) for s in steps]
+
+
 def model_catalog() -> dict:
     """The model catalog, by name."""
     from sim.config.models import MODEL_CATALOG

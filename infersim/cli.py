@@ -14,6 +14,8 @@ from typer.core import TyperGroup
 
 from infersim import api
 from sim.config.errors import ConfigError
+from sim.cost.build import describe_cost
+from sim.report.outputs import cost_line
 
 # typer >= 0.2x parses with its own copy of click, older ones with click itself
 _UsageError = getattr(getattr(typer.core, "_click", None), "exceptions", None)
@@ -388,6 +390,42 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
         Console().print(t)
         if out is not None:
             Console().print(f"wrote {out}/compare.json, compare.md, cdf.png")
+
+
+@app.command("step-cost")
+def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
+              new_tokens: Optional[List[int]] = typer.Option(None, "--new-tokens", help="new tokens of one sequence "
+                                                             "of the step (repeat: one per sequence); default: the "
+                                                             "scenario's typical prefill and decode steps"),
+              context: Optional[List[int]] = typer.Option(None, "--context", help="its tokens in the KV cache after "
+                                                          "the step (repeat, one per --new-tokens; default: the new "
+                                                          "tokens)"),
+              pool: Optional[str] = typer.Option(None, "--pool", help="disaggregated: prefill or decode (default: "
+                                                 "prefill for prompt chunks alone)")) -> None:
+    """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
+    overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
+    from infersim.step_cost import step_of
+
+    path = scenario or api.default_scenario_path()
+    try:
+        plan = api.load_plan(path)
+        steps = [step_of("step", new_tokens, context)] if new_tokens else None
+        if pool is not None and steps is None:
+            raise ConfigError("names the pool of a step given by --new-tokens", "--pool")
+        rows = [("step", api.step_time(path, steps[0].new_tokens, steps[0].context_lens, pool))] if steps \
+            else api.step_costs(plan)
+        priced = describe_cost(plan.pools.decode if plan.pools is not None else plan)
+    except ConfigError as e:
+        _fail(e)
+    parts = [p for p in ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s", "swap_s")
+             if any(r[p] for _, r in rows)]
+    t = Table("step", "total ms", *(f"{p[:-2].replace('_', ' ')} ms (%)" for p in parts), title=plan.name)
+    for label, r in rows:
+        t.add_row(label, f"{r['total_s'] * 1e3:.3f}",
+                  *(f"{r[p] * 1e3:.3f} ({100 * r[p] / r['total_s']:.0f}%)" if r["total_s"] else "0" for p in parts))
+    console = _wide_console()
+    console.print(t)
+    console.print(f"priced by: {cost_line(priced)}")
 
 
 @app.command()

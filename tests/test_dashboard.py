@@ -82,6 +82,9 @@ def test_whatif_simulates_and_follows_a_widget():
     assert first["Completed"] == "213" and first["Completed note"] == "0 rejected"
     assert first["TTFT p90"].endswith(" s") and first["$ per 1M output tokens"].startswith("$")
     assert len(at.get("plotly_chart")) == 2  # the latency CDFs, KV use and batch over time
+    steps = at.dataframe[1].value  # where a typical prefill's and decode step's time goes
+    assert list(steps.index)[0].startswith("prefill") and list(steps.index)[1].startswith("decode")
+    assert (steps["total"] > 0).all() and any(c.value.startswith("Priced by: ") for c in at.caption)
     assert [b.proto.label for b in at.get("download_button")] == ["Download the scenario YAML", "Download report.json"]
     widget(at, "number_input", "replicas").set_value(3).run()
     assert any("settings have changed" in c.value for c in at.caption)

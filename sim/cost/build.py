@@ -77,8 +77,9 @@ def describe_cost(plan: Plan) -> dict:
         k = kernels[plan.hardware.name]
         return {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                 "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+    gpu = plan.hardware.name != "cpu"  # the roofline was judged on GPUs' measurements
     return {"source": "roofline", "compute_efficiency": c.compute_efficiency,
-            "memory_efficiency": c.memory_efficiency, "error": accuracy.get("roofline")}
+            "memory_efficiency": c.memory_efficiency, "error": accuracy.get("roofline") if gpu else None}
 
 
 def make_pricer(plan: Plan, cost: StepCostModel | None = None) -> StepPricer:

@@ -209,7 +209,7 @@ def _slo_verdict(slo: dict, requests: dict) -> str:
             "misses it is MISSED")
 
 
-def _cost_line(c: dict) -> str:
+def cost_line(c: dict) -> str:
     """One cost source and its measured error, for the summary."""
     err = c.get("error") or {}
     off = ""
@@ -221,7 +221,7 @@ def _cost_line(c: dict) -> str:
         return f"GPU kernel model, {c['device']} kernels measured on {c['measured_on']}{off}"
     if c["source"] == "profile":
         return f"profile {c['profile']} ({c['device']}, x{c['scale']:g}){off}"
-    return f"datasheet roofline, no measured kernels for this device{off.replace('held out', 'on measured GPUs')}"
+    return f"datasheet roofline, no measured kernels for this device{off.replace('held out: ', '')}"
 
 
 def print_summary(report: dict, console=None) -> None:
@@ -299,7 +299,7 @@ def print_summary(report: dict, console=None) -> None:
     priced = report.get("cost_model")
     if priced:
         sources = priced.values() if "source" not in priced else [priced]
-        console.print("priced by: " + "; ".join(dict.fromkeys(_cost_line(c) for c in sources)))
+        console.print("priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)))
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")

@@ -1,0 +1,91 @@
+"""One engine step's time and where it goes (`infersim step-cost`, `infersim.api.step_time`, the What-if page): the
+simulator's own pricer for the step's batch shape, by part."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from sim.config.errors import ConfigError
+from sim.config.plan import Plan
+from sim.config.workload import generate_requests
+from sim.cost.build import describe_cost, make_pricer
+from sim.cost.fitted import shape_of
+
+MAX_ROWS = 1_000_000  # a step of more rows than any engine batches
+
+
+@dataclass
+class Step:
+    """A step to price: per sequence its new tokens and its context after the step; `num_prefill` of the rows (the
+    last ones) compute a prompt chunk (None: those with more than one new token)."""
+
+    label: str
+    new_tokens: list[int]
+    context_lens: list[int]
+    num_prefill: int | None = None
+
+
+def step_of(label: str, new_tokens: list[int], context_lens: list[int] | None = None) -> Step:
+    """A step from per-row new tokens and contexts (default: each row's context is its new tokens, a prompt's first
+    chunk), checked: one line naming the flag for bad input."""
+    if not new_tokens or len(new_tokens) > MAX_ROWS:
+        raise ConfigError(f"{len(new_tokens)} rows; allowed: 1 to {MAX_ROWS:,}", "--new-tokens")
+    if any(n < 1 for n in new_tokens):
+        raise ConfigError(f"{min(new_tokens)} new tokens in a row; allowed: 1 or more", "--new-tokens")
+    context_lens = list(new_tokens) if not context_lens else context_lens
+    if len(context_lens) != len(new_tokens):
+        raise ConfigError(f"{len(context_lens)} context lengths for {len(new_tokens)} rows; allowed: one per row "
+                          "(or none: each row's own new tokens)", "--context")
+    short = [(n, c) for n, c in zip(new_tokens, context_lens) if c < n]
+    if short:
+        raise ConfigError(f"context {short[0][1]} below the row's {short[0][0]} new tokens; allowed: a context that "
+                          "counts the step's own tokens (tokens in the KV cache after the step)", "--context")
+    return Step(label, list(new_tokens), list(context_lens))
+
+
+def pool_plan(plan: Plan, step: Step, pool: str | None = None) -> Plan:
+    """The plan that prices `step`: the scenario's, or a disaggregated one's prefill pool for a step of prompt chunks
+    alone and its decode pool otherwise (or the pool named)."""
+    if plan.pools is None:
+        if pool is not None:
+            raise ConfigError(f"{pool!r}: the scenario has no pools; allowed: no --pool", "--pool")
+        return plan
+    if pool is None:
+        prefill_only = all(n > 1 for n in step.new_tokens) if step.num_prefill is None else \
+            step.num_prefill == len(step.new_tokens)
+        pool = "prefill" if prefill_only else "decode"
+    if pool not in ("prefill", "decode"):
+        raise ConfigError(f"{pool!r}; allowed: prefill, decode", "--pool")
+    return getattr(plan.pools, pool)
+
+
+def price(plan: Plan, step: Step, pool: str | None = None) -> dict:
+    """{"total_s", the parts ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
+    "swap_s"), "source": what priced it}."""
+    p = pool_plan(plan, step, pool)
+    cost = make_pricer(p).step_cost(shape_of(step.new_tokens, step.context_lens, num_prefill=step.num_prefill))
+    return {**cost.to_json(), "source": describe_cost(p)["source"]}
+
+
+def typical_steps(plan: Plan, decode_batches: list[int] | None = None) -> list[Step]:
+    """A prefill of the workload's median prompt (its first chunk, where chunked prefill caps it) and decode steps of
+    `decode_batches` rows (default: 1, 8, 32 and max_num_seqs, as far as it allows), each row's context the median
+    prompt and half the median output."""
+    specs = generate_requests(plan.workload, plan.base_dir)
+    prompt = max(1, int(statistics.median(s.prompt_len for s in specs)))
+    output = max(1, int(statistics.median(s.output_len for s in specs)))
+    sched = (plan.pools.prefill if plan.pools is not None else plan).scheduler
+    chunk = min(prompt, sched.max_num_batched_tokens) if sched.enable_chunked_prefill else prompt
+    steps = [Step(f"prefill {chunk}" + (f" of {prompt}" if chunk < prompt else ""), [chunk], [chunk])]
+    most = (plan.pools.decode if plan.pools is not None else plan).scheduler.max_num_seqs
+    context = prompt + output // 2
+    for b in sorted({min(b, most) for b in (decode_batches or [1, 8, 32, most]) if b >= 1}):
+        steps.append(Step(f"decode {b} x {context}", [1] * b, [context] * b, 0))
+    return steps
+
+
+def decode_batch_of(report: dict) -> int:
+    """The mean number of sequences decoding in a run (Little's law: completions per second x each one's time from
+    its first token to its last)."""
+    decode_s = (report["e2e_s"]["mean"] or 0.0) - (report["ttft_s"]["mean"] or 0.0)
+    return max(1, round(report["throughput"]["requests_per_s"] * decode_s))
