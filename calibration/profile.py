@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from calibration.kernel_refine import refine_profile
 from executor.build import make_engine, run_offline
 from executor.cpu_load import CpuLoad
 from executor.engine import Engine
@@ -258,6 +259,9 @@ class Sweep:
                 "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
         if self.parallel:
             prof["parallel"] = self.parallel  # it prices steps of this layout as they are, no composition
+        kernels = refine_profile(prof)  # on a GPU the kernel model has: it refined by these steps
+        if kernels is not None:
+            prof["kernels"] = kernels
         elif self.device == "cpu":
             from executor.distributed.comm_bench import measure_comm
 
@@ -316,6 +320,9 @@ def refit(prof: dict) -> dict:
                             f"{MIN_STEP_S:g}")
         _check_sample_shape(smp, f"samples[{i}]")
     fitted = {**prof, "fit": fit_samples(samples)}
+    kernels = refine_profile(fitted)
+    if kernels is not None:
+        fitted["kernels"] = kernels
     check_profile(fitted, Path("the refit"))  # what `run` would refuse is not written over the file
     return fitted
 

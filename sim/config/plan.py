@@ -89,6 +89,7 @@ class CostPlan:
     profile: ProfileFile | None
     profile_scale: float
     source: str = "roofline"
+    refinement: dict | None = None  # the profile's refinement of the GPU kernel model, where it prices the steps
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,20 @@ def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
 
 
 def _cost_source(c: CostModelConfig, hw: HardwareSpec, profile: ProfileFile | None) -> str:
-    """What prices the plan's steps: the profile, the GPU kernel model where the device's kernels were measured, or
-    the roofline (cost_model.type: auto, kernels or roofline)."""
+    """What prices the plan's steps: the profile (its linear fit, or on the GPU it was measured on its refinement of
+    the GPU kernel model where that was closer on the held-out steps), the GPU kernel model where the device's kernels
+    were measured, or the roofline (cost_model.type: auto, kernels or roofline)."""
     if profile is not None:
-        return "profile"
+        refined = profile.kernels if profile.kernels and profile.kernels["device"] == hw.name and has_kernels(hw) \
+            else None
+        if c.type == "kernels" and refined is None:
+            raise ConfigError(f"{profile.path} refines no kernel model of {hw.name}; allowed: a profile measured on "
+                              "that GPU (`infersim profile --device cuda`), or type auto", "cost_model.type")
+        if c.type == "roofline":
+            raise ConfigError("a profile names its own step costs; allowed: type auto or kernels with a profile, or "
+                              "no profile for the roofline", "cost_model.type")
+        better = refined is not None and refined["heldout"]["mape"] < profile.data["fit"]["heldout"]["mape"]
+        return "kernels" if c.type == "kernels" or (c.type == "auto" and better) else "profile"
     if c.type == "roofline":
         return "roofline"
     if has_kernels(hw):
@@ -356,8 +367,10 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         if missing:
             raise ConfigError(f"{profile.path} has no {', '.join(missing)} measurement (comm.fit), which pricing "
                               "this layout's steps needs; profile again (`infersim profile`), or use the roofline", key)
+    source = _cost_source(c, hw, profile)
+    refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
-                    c.profile_scale, _cost_source(c, hw, profile))
+                    c.profile_scale, source, refined)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
                 sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,

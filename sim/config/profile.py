@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sim.config.errors import ConfigError
+from sim.config.hardware import measured_devices
 
 # the fitted step-cost model's terms, in the order of its feature vector (sim.cost.fitted)
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
@@ -34,6 +35,7 @@ class ProfileFile:
     comm: dict | None = None
     parallel: tuple[int, int] = (1, 1)
     ramp_knot: int = 0
+    kernels: dict | None = None  # the GPU kernel model refined by these steps (calibration/kernel_refine.py)
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
@@ -72,7 +74,26 @@ def check_profile(data, path: Path) -> ProfileFile:
     forward = check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
     comm = _check_comm(data["comm"], path) if "comm" in data else None
     parallel = _check_parallel(data.get("parallel") or {}, path)
-    return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot)
+    kernels = _check_kernels(data["kernels"], path) if data.get("kernels") is not None else None
+    return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot, kernels)
+
+
+REFINEMENT_TERMS = ("linear", "attention", "lm_head", "communication", "step_overhead_s", "per_seq_overhead_s",
+                    "prefill_overhead_s")  # sim.cost.gpu.Refinement's fields
+
+
+def _check_kernels(section, path: Path) -> dict:
+    """A profile's refinement of the GPU kernel model: the catalog device, its terms, the held-out error."""
+    if not isinstance(section, dict) or section.get("device") not in measured_devices():
+        raise _bad(path, "kernels.device", f"{str(section)[:40]!r}: one of {', '.join(measured_devices())}")
+    terms = section.get("refinement")
+    if not isinstance(terms, dict) or set(terms) != set(REFINEMENT_TERMS):
+        raise _bad(path, "kernels.refinement", f"a mapping of exactly {', '.join(REFINEMENT_TERMS)}")
+    for name, value in terms.items():
+        _seconds(value, path, f"kernels.refinement.{name}", "a multiplier or a time in seconds")
+    mape = (section.get("heldout") or {}).get("mape")
+    _seconds(mape, path, "kernels.heldout.mape", "the held-out error, a fraction")
+    return section
 
 
 def _compression(model: dict) -> tuple:

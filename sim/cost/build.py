@@ -54,8 +54,9 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
     link = Interconnect.of(hw)
     collectives = NcclCollectives(k.collectives, collective_fits[k.collectives], link) \
         if k.collectives in collective_fits and as_in_catalog(hw, LINK_FIELDS) else link
-    refinement = Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
-                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
+    refinement = Refinement(**c.refinement) if c.refinement is not None else \
+        Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
+                   per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
     stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)  # the plan's KV bytes are the largest stage's
     return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
                            plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token)
@@ -75,8 +76,13 @@ def describe_cost(plan: Plan) -> dict:
     accuracy = load_accuracy()
     if c.source == "kernels":
         k = kernels[plan.hardware.name]
-        return {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
-                "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+        out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
+               "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+        if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
+            out["refined_by"] = c.profile.path.name
+            out["error"] = {"what": "the profile's held-out steps",
+                            "mape_pct": round(100 * c.profile.kernels["heldout"]["mape"], 1)}
+        return out
     gpu = plan.hardware.name != "cpu"  # the roofline was judged on GPUs' measurements
     return {"source": "roofline", "compute_efficiency": c.compute_efficiency,
             "memory_efficiency": c.memory_efficiency, "error": accuracy.get("roofline") if gpu else None}
