@@ -163,9 +163,10 @@ class KernelCostModel(PricesStages):
         decode_ctx = shape.sum_context - shape.prefill_context
         per_kv = self.per_kv_token_s(seqs - shape.num_prefill)
         prefill_pairs = max(0, shape.attn_pairs - decode_ctx)
+        # prompt chunks (and verify rows' extra queries) at their FLOPs; chunks also a floor each and a cost per key
         attention_fixed = (self.s_decode_floor if seqs > shape.num_prefill else 0.0) + \
-            (shape.num_prefill * self.s_per_prefill_seq + prefill_pairs * self.s_per_prefill_pair
-             + shape.prefill_context * self.s_per_prefill_key if shape.num_prefill else 0.0)
+            (prefill_pairs * self.s_per_prefill_pair + (shape.num_prefill * self.s_per_prefill_seq
+                                                        + shape.prefill_context * self.s_per_prefill_key))
         parts = StepCost(0.0, self.linear_s(tokens), attention_fixed + decode_ctx * per_kv,
                          self.communication_s(tokens, sampled), self.lm_head_s(tokens, sampled), self.overhead_s(seqs, shape.num_prefill > 0),
                          0.0, shape.swap_blocks * self.s_per_swap_block)
