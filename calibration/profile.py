@@ -75,11 +75,14 @@ def device_info(device: str) -> dict:
     return info
 
 
+SWEEP_MAX_MODEL_LEN = 4096  # the longest request a sweep workload runs (512 blocks of 16 hold 8,192 tokens)
+
+
 def profile_policy(num_blocks=512, block_size=16, **cfg):
     """The scheduler (and block allocator) a sweep's engine runs: `cfg` is scheduler knobs (scheduler_config), with
     roomy limits."""
     cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
-    return make_scheduler(scheduler_config(2048, **cfg), BlockAllocator(num_blocks, block_size))
+    return make_scheduler(scheduler_config(SWEEP_MAX_MODEL_LEN, **cfg), BlockAllocator(num_blocks, block_size))
 
 
 def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
@@ -155,6 +158,11 @@ def workloads(quick: bool = False) -> list[tuple[dict, list[tuple[int, int]]]]:
                                                           (16, 3, 0.6)]):
         runs.append(({"max_num_seqs": b, "num_speculative_tokens": gamma, "draft_rate": rate},
                      [(p, 8) for p in spread(b, 160)]))
+    # chunks of 1,200-2,500-token prompts beside decodes of such contexts: each chunk attends to its whole past, far
+    # longer than the chunked workloads above reach (long-prompt chunked serving: documents, RAG)
+    for chunk in ([256] if quick else [128, 256]):
+        runs.append(({"max_num_seqs": 3, "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
+                      "prefill_chunk_size": chunk}, [(rng.randint(1200, 2500), rng.randint(4, 16)) for _ in range(6)]))
     return runs
 
 

@@ -15,6 +15,7 @@ from tests.helpers import run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
         "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6,
+        "prefill_kv": 2e-6,
         "few_tokens": 0.0, "ramp_tokens": 0.0}
 
 

@@ -4,7 +4,7 @@ time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·
        + c_has_prefill·[the step carries a prompt chunk] + c_batched_prefill·[... beside decode rows]
        + c_has_verify·[some decode row carries drafts]
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
-       + c_few·max(0, knot − new tokens) + c_ramp·min(new tokens, ramp_knot)
+       + c_prefill_kv·the prompt chunks' context + c_few·max(0, knot − new tokens) + c_ramp·min(new tokens, ramp_knot)
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
@@ -50,14 +50,14 @@ RAMP_KNOTS = (0, 64, 128, 256, 512)
 # prefill and verify paths are the host's and launches' (scheduling, input preparation, masks, sampling).
 PART_OF = {"step": "overhead_s", "new_tokens": "linear_s", "decode_seqs": "overhead_s", "prefill_seqs": "attention_s",
            "has_prefill": "overhead_s", "batched_prefill": "overhead_s", "has_verify": "overhead_s",
-           "sampled": "lm_head_s", "attn_pairs": "attention_s", "kv_tokens": "attention_s", "few_tokens": "linear_s",
-           "ramp_tokens": "linear_s"}
+           "sampled": "lm_head_s", "attn_pairs": "attention_s", "kv_tokens": "attention_s",
+           "prefill_kv": "attention_s", "few_tokens": "linear_s", "ramp_tokens": "linear_s"}
 
 
 def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0) -> tuple[int, ...]:
     p = shape.num_prefill
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
-            1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context,
+            1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context, shape.prefill_context,
             max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot))
 
 
@@ -129,7 +129,7 @@ class FittedCostModel:
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         # no prefill or verify terms: adding 0.0 is exact
-        c0, ct, cd, _, _, _, _, csa, cpair, ckv, cfew, cramp = self._c
+        c0, ct, cd, _, _, _, _, csa, cpair, ckv, _, cfew, cramp = self._c
         return (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
                 + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
                 + cramp * min(num_seqs, self.ramp_knot))

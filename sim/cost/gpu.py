@@ -159,21 +159,28 @@ class KernelCostModel(PricesStages):
 
     def step_cost_one_device(self, shape: BatchShape) -> StepCost:
         """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
-        tokens, sampled, seqs = shape.num_new_tokens, shape.num_sampled, shape.num_seqs
+        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
+        return StepCost(self._sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv), linear,
+                        attention_fixed + decode_ctx * per_kv, comm, head, overhead, 0.0, swap)
+
+    def _terms(self, shape: BatchShape) -> tuple:
+        """(linear, LM head, communication, overhead, swap, attention but the decode rows' KV reads, decode rows'
+        context, seconds per KV token they read) of the step on one device of the TP group."""
+        tokens, sampled, seqs, prefill = shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill
         decode_ctx = shape.sum_context - shape.prefill_context
-        per_kv = self.per_kv_token_s(seqs - shape.num_prefill)
-        prefill_pairs = max(0, shape.attn_pairs - decode_ctx)
         # prompt chunks (and verify rows' extra queries) at their FLOPs; chunks also a floor each and a cost per key
-        attention_fixed = (self.s_decode_floor if seqs > shape.num_prefill else 0.0) + \
-            (prefill_pairs * self.s_per_prefill_pair + (shape.num_prefill * self.s_per_prefill_seq
-                                                        + shape.prefill_context * self.s_per_prefill_key))
-        parts = StepCost(0.0, self.linear_s(tokens), attention_fixed + decode_ctx * per_kv,
-                         self.communication_s(tokens, sampled), self.lm_head_s(tokens, sampled), self.overhead_s(seqs, shape.num_prefill > 0),
-                         0.0, shape.swap_blocks * self.s_per_swap_block)
+        attention_fixed = (self.s_decode_floor if seqs > prefill else 0.0) + \
+            (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
+             + (prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key))
+        per_kv = self.s_per_kv_token_one_wave if seqs - prefill <= self.one_wave_rows else self.s_per_kv_token
+        return (self.linear_s(tokens), self.lm_head_s(tokens, sampled), self.communication_s(tokens, sampled),
+                self.overhead_s(seqs, prefill > 0), shape.swap_blocks * self.s_per_swap_block, attention_fixed,
+                decode_ctx, per_kv)
+
+    @staticmethod
+    def _sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv) -> float:
         # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        parts.total_s = ((((parts.linear_s + parts.lm_head_s) + parts.communication_s) + parts.overhead_s)
-                         + parts.swap_s) + attention_fixed + decode_ctx * per_kv
-        return parts
+        return ((((linear + head) + comm) + overhead) + swap) + attention_fixed + decode_ctx * per_kv
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
@@ -183,7 +190,7 @@ class KernelCostModel(PricesStages):
         if self.pp > 1:
             stages, send, back = self.pipeline_stages(shape)
             return sum(stages) + (self.pp - 1) * send + back
-        return self.step_cost(shape).total_s
+        return self._sum(*self._terms(shape))  # step_cost's total without building it: the simulator's hot path
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
         c = self.step_cost_one_device(shape)

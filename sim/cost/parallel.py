@@ -25,7 +25,7 @@ from sim.policy.scheduler import BatchShape
 # the weights it holds; the step's fixed cost in full on every stage (each runs a forward of its own: measured on
 # the executor's 2-stage SmolLM2, stage 1 ran 1.38x a share of it, 0.98-1.03x the whole); the sampled rows: the LM head
 LAYER_TERMS = ("new_tokens", "ramp_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill",
-               "has_verify", "attn_pairs", "kv_tokens")
+               "has_verify", "attn_pairs", "kv_tokens", "prefill_kv")
 WEIGHT_TERMS = ("few_tokens",)
 STAGE_TERMS = ("step",)
 
