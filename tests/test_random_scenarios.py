@@ -562,7 +562,30 @@ REGRESSIONS = {
 }
 
 
+# Scenarios in which nothing completes: the checks themselves must hold for a run with no token, no gap, no decode.
+NOTHING_COMPLETES = {
+    # Every request longer than max_model_len, so rejected on arrival: no gaps, ITL statistics None. The ITL check
+    # compared None with pytest.approx and raised TypeError (hypothesis 6.170's derandomized draws found it).
+    "every_request_rejected": {
+        "model": "SmolLM2-135M", "hardware": "cpu", "cost_model": {"profile": "calibration/profiles/cpu.json"},
+        "serving": {"max_model_len": 8, "max_num_seqs": 64, "max_num_batched_tokens": 8},
+        "kv_cache": {"watermark": 0.01, "block_size": 4, "allocator": "contiguous", "num_blocks": 1},
+        "workload": {"seed": 0, "trace": {"path": "builtin:azure_conv", "max_requests": 1, "time_scale": 1.0,
+                                          "prompt_len": {"dist": "zipf", "a": 1.1, "min": 1, "max": 4},
+                                          "output_len": {"dist": "uniform", "min": 4, "max": 9}},
+                     "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 2}, "think_time_s": 0.01,
+                                      "user_len": {"dist": "fixed", "value": 1}}},
+        "slo": {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 1.0, "quantile": 0.5}},
+}
+
+
 @pytest.mark.parametrize("name", list(REGRESSIONS))
 def test_regression(name):
     report = check_scenario(REGRESSIONS[name])
     assert report["requests"]["completed"] > 0 and math.isfinite(report["duration_s"])
+
+
+@pytest.mark.parametrize("name", list(NOTHING_COMPLETES))
+def test_regression_nothing_completes(name):
+    report = check_scenario(NOTHING_COMPLETES[name])
+    assert report["requests"]["completed"] == 0 and report["itl_s"]["mean"] is None
