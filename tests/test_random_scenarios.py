@@ -559,6 +559,15 @@ REGRESSIONS = {
                      "prompt_len": {"dist": "fixed", "value": 15}, "output_len": {"dist": "fixed", "value": 12},
                      "conversation": {"turns": {"dist": "fixed", "value": 2}, "think_time_s": 0.0,
                                       "user_len": {"dist": "fixed", "value": 1}}}},
+    # A closed loop's request rejected on arrival freed its user at env.now, not at its arrival: in a bulk run env.now
+    # carries SimPy's rounding, so the user's next request arrived a bit later than step by step, its tokens with it.
+    "closed_loop_next_request_after_a_rejection": {
+        "model": {"base": "Llama-2-7B", "weight_dtype": "fp32", "kv_dtype": "int8"}, "hardware": "A100-80GB",
+        "serving": {"max_model_len": 256, "max_num_seqs": 1},
+        "pools": {"prefill": {}, "decode": {}, "kv_transfer": {"bandwidth": 1e11, "latency_s": 0.05}},
+        "workload": {"seed": 2, "num_requests": 13, "closed_loop": {"users": 1, "think_time_s": 0.0},
+                     "prompt_len": {"dist": "empirical", "values": [65, 1000000]},
+                     "output_len": {"dist": "fixed", "value": 118}}},
 }
 
 

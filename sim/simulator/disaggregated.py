@@ -56,7 +56,7 @@ class KVTransfers:
         if not replica.scheduler.add_prefilled(r):
             prefill.scheduler.release(r)
             prefill.wake(r.first_token_s)
-            self.done(r)
+            self.done(r, r.first_token_s)  # turned away at its hand-off
             return
         r.replica = replica.index
         # the logical time (its first token: this hand-off), not env.now, whose last bits differ in bulk runs

@@ -32,7 +32,7 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, cost: StepCostModel,
                  next_arrival: Callable[[], float], bulk: bool = True,
-                 on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None,
+                 on_finish: Callable[[Request, float], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
                  on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True):
         self.env = env
@@ -115,7 +115,7 @@ class Replica:
             if timeouts:
                 for r in sched.expire(self.clock):
                     if self.on_finish:
-                        self.on_finish(r)
+                        self.on_finish(r, self.clock)
             if sched.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
@@ -197,7 +197,7 @@ class Replica:
                 r.run_start = -1
                 r.finish_s = clock
                 if self.on_finish:
-                    self.on_finish(r)
+                    self.on_finish(r, clock)
             kv = sched.kv
             self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
 
