@@ -1,0 +1,54 @@
+"""Bad input, fifth pass (values at the far ends of what the schema allows, and warnings that reached the user's
+stderr). Each case printed a numpy or matplotlib warning and its source line around the one-line error or after a
+good run (R), or raised a traceback (T); each now exits 2 with one line, or runs, and prints nothing else.
+
+pytest captures warnings, so an in-process run would hide them: the stderr cases run the real CLI in a subprocess
+(under a second each), and the in-process ones turn the warnings a user would see into errors."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_bad_input_more import BASE, MAX_CHARS, invoke, one_line_error, scenario, write
+
+SHOWN = pytest.mark.filterwarnings("error::RuntimeWarning", "error::UserWarning")  # Python shows these by default
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    exe = shutil.which("infersim")
+    cmd = [exe] if exe else [sys.executable, "-m", "infersim.cli"]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+# R: a numpy RuntimeWarning ('overflow encountered in divide') and its source line came before the error
+STDERR_CASES = {
+    "trace-time_scale-1e-308": ({"workload": {"trace": {"path": "builtin:azure_conv", "max_requests": 10,
+                                                        "time_scale": 1.0e-308}}}, "workload.trace.time_scale"),
+    "constant-rate-1e-308": ({"workload_changes": {"arrival": {"process": "constant", "rate": 1.0e-308}}},
+                             "workload.arrival.rate"),
+    # T: the gamma's scale divided by rate x 1/cv², which underflows to 0 (ZeroDivisionError)
+    "gamma-rate-5e-324": ({"workload_changes": {"arrival": {"process": "gamma", "rate": 5e-324, "cv": 2.0}}},
+                          "workload.arrival.rate"),
+}
+
+
+@pytest.mark.parametrize("name", list(STDERR_CASES))
+def test_stderr_is_the_one_line(tmp_path, name):
+    changes, key = STDERR_CASES[name]
+    path = write(tmp_path / "s.yaml", scenario(**changes))
+    r = cli("run", path, "-q", "--no-plots")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and r.stdout == "" and len(lines) == 1, r.stderr
+    assert lines[0].startswith("infersim: error: ") and len(lines[0]) <= MAX_CHARS, lines[0]
+    assert str(path) in lines[0] and key in lines[0], lines[0]
+
+
+@SHOWN
+@pytest.mark.parametrize("value", [5e-324, 1e-308])
+def test_tiny_trace_time_scales_in_process(tmp_path, value):
+    path = write(tmp_path / "s.yaml", {**BASE, "workload": {"trace": {"path": "builtin:azure_conv",
+                                                                      "max_requests": 10, "time_scale": value}}})
+    one_line_error(invoke("run", path, "-q", "--no-plots"), path, "workload.trace.time_scale")
