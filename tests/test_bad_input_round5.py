@@ -6,6 +6,7 @@ pytest captures warnings, so an in-process run would hide them: the stderr cases
 (under a second each), and the in-process ones turn the warnings a user would see into errors."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -52,3 +53,27 @@ def test_tiny_trace_time_scales_in_process(tmp_path, value):
     path = write(tmp_path / "s.yaml", {**BASE, "workload": {"trace": {"path": "builtin:azure_conv",
                                                                       "max_requests": 10, "time_scale": value}}})
     one_line_error(invoke("run", path, "-q", "--no-plots"), path, "workload.trace.time_scale")
+
+
+@SHOWN
+def test_a_queue_delay_of_1e308_runs(tmp_path):
+    """T: a bulk decode run with a request waiting (TGI's gate holds it) and none to come priced its steps up to that
+    one's expiry, int((1e308 - now) / step time): an int of inf."""
+    serving = {"max_num_seqs": 8, "waiting_served_ratio": 1.2, "max_queue_delay_s": 1e308}
+    workload = {**BASE["workload"], "arrival": {"process": "poisson", "rate": 10.0}, "num_requests": 8}
+    path = write(tmp_path / "s.yaml", {**BASE, "serving": serving, "workload": workload})
+    r = invoke("run", path, "-q", "--no-plots", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["requests"]["completed"] == 8
+
+
+@SHOWN
+def test_a_search_down_to_5e_324_requests_per_second(tmp_path):
+    """T: the grid's lowest point, log(min_rate / target), took the log of 0 (math domain error)."""
+    spec = {"name": "tiny", "scenario": {**BASE, "workload": {**BASE["workload"], "num_requests": 20}},
+            "target": {"rate": 2.0, "slo": {"ttft_s": 1e-12}}, "space": {"replicas": [1]},
+            "search": {"max_requests": 20, "min_rate": 5e-324, "max_rate": 10.0, "precision": 0.5}}
+    path = write(tmp_path / "spec.yaml", spec)
+    r = invoke("search", path, "-q", "--workers", "1", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out" / "search.json").read_text())["rows"]

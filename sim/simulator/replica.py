@@ -140,9 +140,10 @@ class Replica:
                 horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
                 self.run_horizon = horizon
                 b, s = batch.shape.num_seqs, batch.shape.sum_context
-                # steps only get slower as contexts grow, so this many reach the next arrival
-                k_max = MAX_BULK_STEPS if horizon == math.inf else \
-                    min(MAX_BULK_STEPS, int((horizon - self.clock) / cost.decode_time(b, s)) + 1)
+                # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
+                # off, a queue delay of 1e308 s, that the quotient overflows)
+                steps = (horizon - self.clock) / cost.decode_time(b, s)
+                k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
                 k_max = sched.decode_horizon(max(k_max, 1))
                 run = cost.decode_run if self.pipeline is None else \
                     lambda *a: self.pipeline.decode_run(cost, *a)  # noqa: E731
