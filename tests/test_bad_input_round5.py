@@ -77,3 +77,13 @@ def test_a_search_down_to_5e_324_requests_per_second(tmp_path):
     r = invoke("search", path, "-q", "--workers", "1", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "out" / "search.json").read_text())["rows"]
+
+
+@SHOWN
+def test_compare_where_nothing_completes_draws_no_legend(tmp_path):
+    """R: every configuration rejected every request: matplotlib warned 'No artists with labels found to put in
+    legend' for the empty CDF plot."""
+    path = write(tmp_path / "s.yaml", {**BASE, "serving": {"max_model_len": 8}})  # 8 + 8 tokens: none fits
+    r = invoke("compare", path, "--sweep", "replicas=1,2", "-q", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "cdf.png").is_file()
