@@ -14,7 +14,8 @@ degenerate lengths. Each runs at most a few dozen requests three times (bulk, ag
   are taken one by one;
 - report finite, non-negative figures, TTFT ≤ E2E, and inter-token gaps that are exactly the tokens' gaps.
 
-The default run is deterministic (derandomize) and takes well under a minute; `INFERSIM_EXPLORE=2000 pytest -m slow
+The default run is deterministic (derandomize) for a given hypothesis release, and takes well under a minute; another
+release draws other scenarios, so no check may assume that any request completes; `INFERSIM_EXPLORE=2000 pytest -m slow
 tests/test_random_scenarios.py` explores further, up to 150 requests a scenario, with fresh random draws each time
 (about 0.1 s an example). The regression cases at the end are scenarios these properties found broken.
 """
