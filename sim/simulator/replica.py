@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from itertools import repeat
 
@@ -79,23 +79,27 @@ class Replica:
             self.wakeup.succeed(req.arrival_s)
         elif accepted and self.in_run and req.arrival_s < self.run_horizon:  # a turn the run was not priced for
             self.in_run = False
-            self.process.interrupt()
+            self.process.interrupt(True)  # sent after the instant's events (SameInstant), as every such turn is
         return accepted
 
-    def wake(self, at: float) -> None:
+    def wake(self, at: float, after_the_instant: bool = False) -> None:
         """Something this replica waits for happened at `at`, now (a hand-off, a transfer done, blocks released): an
-        idle engine looks again from then, one in a run of decode steps stops it at the step in flight."""
+        idle engine looks again from then, one in a run of decode steps stops it at the step in flight.
+        `after_the_instant`: it happened after every other event of this instant (SameInstant: a hand-off)."""
         if self.wakeup is not None and not self.wakeup.triggered:
             self.wakeup.succeed(at)
         elif self.in_run:
             self.in_run = False
-            self.process.interrupt()
+            self.process.interrupt(after_the_instant)
 
-    def _cut_run(self, first: int, k: int) -> tuple[int, float]:
+    def _cut_run(self, first: int, k: int, after_the_instant: bool) -> tuple[int, float]:
         """A run of k decode steps from step `first` interrupted now: the steps that ended by now and the one in
-        flight stay, the rest are dropped. Returns (steps kept, their end)."""
+        flight stay, the rest are dropped. Returns (steps kept, their end). A step ending at this very instant is in
+        flight for an event SimPy takes before it (a transfer landing, scheduled before the step began), and done for
+        work done after the instant's events: step by step, the engine has begun its next step by then."""
         ends = self.step_end
-        done = bisect_left(ends, self.env.now, first, first + k) - first  # steps that ended before now
+        find = bisect_right if after_the_instant else bisect_left
+        done = find(ends, self.env.now, first, first + k) - first  # steps done by now
         kept = min(k, done + 1)
         del ends[first + kept:]
         del self.step_decodes_all[first + kept:]
@@ -152,8 +156,8 @@ class Replica:
                 self.in_run = k > 1
                 try:
                     yield env.timeout(max(0.0, clock - env.now))
-                except simpy.Interrupt:
-                    k, clock = self._cut_run(step, k)
+                except simpy.Interrupt as stop:
+                    k, clock = self._cut_run(step, k, stop.cause)
                     yield env.timeout(max(0.0, clock - env.now))
                 self.in_run = False
                 self.busy_s += clock - self.clock
