@@ -4,8 +4,9 @@ Hypothesis draws scenarios over the whole schema: continuous and static batching
 to one token, TGI's admission gate, admission bounds, paged and contiguous KV, pools of a few blocks that force
 preemption (recompute and swap) and rejection, max_model_len that prompts exceed, speculative decoding (ngram,
 draft_model, medusa), tensor and pipeline parallelism, replicas behind each router, disaggregated prefill and decode
-pools, compressed weights and KV, fitted and roofline cost models, every arrival process, traces, bursts and
-degenerate lengths. Each runs at most a few dozen requests three times (bulk, again, step by step) and must:
+pools, compressed weights and KV, fitted and roofline cost models, every arrival process, traces, bursts, a client's
+max_concurrency and degenerate lengths. Each runs at most a few dozen requests three times (bulk, again, step by step)
+and must:
 
 - end every request completed (every requested token, in order, after it arrived) or rejected with a reason, the
   report's counts adding up, and every engine empty with all its KV blocks (device and host) back and never more
@@ -83,8 +84,9 @@ def lengths(draw, hi: int, column: str = "ContextTokens") -> dict:
 
 @st.composite
 def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
-    """Poisson, gamma (smooth to very bursty) or constant arrivals, or the Azure trace; bursts on top. Prompts and
-    outputs up to max_len / 2 mostly, so that most requests fit and some do not."""
+    """Poisson, gamma (smooth to very bursty) or constant arrivals, or the Azure trace; bursts on top; conversations, a
+    closed loop or a client's max_concurrency. Prompts and outputs up to max_len / 2 mostly, so that most requests fit
+    and some do not."""
     w = {"seed": draw(st.integers(0, 3))}
     hi = max(1, max_len // 2)
     if draw(st.booleans()):  # prompts that begin alike: what prefix caching finds
@@ -120,6 +122,8 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
             w.pop("duration_s", None)
         w["closed_loop"] = {"users": draw(st.sampled_from([1, 3, 64])),
                             "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0]))}
+    elif draw(st.integers(0, 4)) == 0:  # the client's own bound: requests wait for a slot, sent as others end
+        w["max_concurrency"] = draw(st.sampled_from([1, 3, 8]))
     return w
 
 
@@ -385,8 +389,9 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
 
 def check_followers(plan, result) -> None:
     """A request that follows another (a conversation's turn, a closed loop user's next request or conversation)
-    arrived its think time after that one's last token; after a rejected one, a conversation's turn was rejected with
-    it and a user's next request or conversation was sent its think time after the rejection."""
+    was due its think time after that one's last token; after a rejected one, a conversation's turn was rejected with
+    it and a user's next request or conversation was due its think time after the rejection. It arrived when due, or
+    (workload.max_concurrency) when a slot freed after it waited at the client."""
     specs = generate_requests(plan.workload, plan.base_dir)
     reqs = {r.id: r for r in result.requests}
     assert sorted(reqs) == [s.id for s in specs]
@@ -394,12 +399,13 @@ def check_followers(plan, result) -> None:
         if s.after < 0:
             continue
         before, r = reqs[s.after], reqs[s.id]
+        due = r.arrival_s - r.client_wait_s
         if before.status is Status.FINISHED:
-            assert r.arrival_s == pytest.approx(before.finish_s + s.think_s, rel=1e-12, abs=1e-12), (s, r)
+            assert due == pytest.approx(before.finish_s + s.think_s, rel=1e-12, abs=1e-12), (s, r)
         elif s.conversation >= 0 and s.conversation == before.conversation:
             assert r.reject_reason == CONVERSATION_ENDED, r
         else:  # a user's next request, or next conversation
-            assert r.arrival_s >= before.arrival_s + s.think_s - 1e-12, (s, r)
+            assert due >= before.arrival_s + s.think_s - 1e-12, (s, r)
             assert r.reject_reason != CONVERSATION_ENDED, r
 
 
