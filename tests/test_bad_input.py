@@ -38,6 +38,8 @@ from sim.config.scenario import (
 )
 from sim.config.workload import ArrivalConfig
 
+# a warning a user would see (numpy's overflow, matplotlib's) is an error here: pytest's capture would hide it
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning", "error::UserWarning")
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "calibration" / "profiles" / "cpu.json"
 

@@ -560,6 +560,8 @@ def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None,
     """Arrival times starting at t=0: the first `n`, or all those < `duration`."""
     if a.process == "constant":
         count = n if n is not None else math.ceil(duration * a.rate)
+        # the last arrival before numpy divides: a rate of 1e-308 overflows there, a RuntimeWarning on stderr
+        _check_span((count - 1) / a.rate, "workload.arrival.rate", f"{count:,} requests at rate {a.rate:g}/s arrive")
         t = np.arange(count) / a.rate  # i/rate, not a cumsum, so gaps are exact
         return t if duration is None else t[t < duration]
 
@@ -567,7 +569,8 @@ def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None,
         if a.process == "poisson":
             return rng.exponential(1.0 / a.rate, size=m)
         k = 1.0 / a.cv ** 2
-        return rng.gamma(k, 1.0 / (a.rate * k), size=m)
+        # rate k underflows to 0 for a rate of 5e-324 (ZeroDivisionError): gaps past any bound, as they are
+        return rng.gamma(k, 1.0 / (a.rate * k) if a.rate * k > 0 else math.inf, size=m)
 
     if n is not None:
         return np.concatenate(([0.0], np.cumsum(gaps(n - 1))))
@@ -585,9 +588,10 @@ def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None,
     return t
 
 
-def _check_span(arrivals: np.ndarray, key_path: str, what: str) -> None:
-    """Arrivals within MAX_ARRIVAL_S: past it a step's milliseconds vanish in the clock's float (latencies of 0)."""
-    last = float(arrivals.max()) if len(arrivals) else 0.0
+def _check_span(arrivals: np.ndarray | float, key_path: str, what: str) -> None:
+    """Arrivals (or the last one) within MAX_ARRIVAL_S: past it a step's milliseconds vanish in the clock's float
+    (latencies of 0)."""
+    last = float(np.max(arrivals, initial=0.0))
     if not last <= MAX_ARRIVAL_S:
         raise ConfigError(f"{what} over {last:.3g} s; allowed: arrivals within {MAX_ARRIVAL_S:.0e} s of the first "
                           "(the clock's resolution there is still microseconds)", key_path)
@@ -617,9 +621,11 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         if cfg.closed_loop is not None:  # the rows in the trace's order; the users send them
             arrivals = np.zeros(len(rows))
         else:
+            span = float(t[rows[-1]] - t[rows[0]])  # rows in time order
+            # before numpy divides: a time_scale of 1e-308 overflows there, a RuntimeWarning on the user's stderr
+            _check_span(span / tr.time_scale, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the "
+                        f"trace's {span:.4g} s")
             arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
-            _check_span(arrivals, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the trace's "
-                        f"{t[rows[-1]] - t[rows[0]]:.4g} s")
         if len(rows) + n_burst > MAX_REQUESTS:
             raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
                               f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")

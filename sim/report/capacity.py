@@ -227,7 +227,8 @@ def grid_capacity(meets: Callable[[float], bool], target_rate: float, precision:
                   min_rate: float = 0.01, max_rate: float = 1e5) -> Capacity:
     """Search the rate grid with `meets(rate) -> bool` (each rate is asked once)."""
     step = math.log1p(precision)
-    bottom = math.ceil(math.log(min_rate / target_rate) / step)
+    low = min_rate / target_rate  # underflows to 0 for a min_rate of 5e-324: then a log of each (log(0) raises)
+    bottom = math.ceil((math.log(low) if low > 0 else math.log(min_rate) - math.log(target_rate)) / step)
     top = math.floor(math.log(max_rate / target_rate) / step)
     rate = lambda k: target_rate * math.exp(k * step)  # noqa: E731
     memo: dict[int, bool] = {}

@@ -55,13 +55,13 @@ class KVTransfers:
         replica = self.decode[d]
         if not replica.scheduler.add_prefilled(r):
             prefill.scheduler.release(r)
-            prefill.wake(r.first_token_s)
-            self.done(r)
+            prefill.wake(r.first_token_s, after_the_instant=True)
+            self.done(r, r.first_token_s)  # turned away at its hand-off
             return
         r.replica = replica.index
         # the logical time (its first token: this hand-off), not env.now, whose last bits differ in bulk runs
         self.source[r] = (prefill, r.first_token_s)
-        replica.wake(r.first_token_s)
+        replica.wake(r.first_token_s, after_the_instant=True)
 
     def start(self, replica: Replica, reqs: list[Request]) -> None:
         """Replica.on_reserve: blocks reserved for these requests on `replica`; their KV goes over its link."""

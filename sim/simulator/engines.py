@@ -74,7 +74,7 @@ def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
 
 
 def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], float], bulk: bool,
-                 on_finish: Callable[[Request], None], spec_draw: int = 0, first_index: int = 0,
+                 on_finish: Callable[[Request, float], None], spec_draw: int = 0, first_index: int = 0,
                  hand_off: Plan | None = None, **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
     """The plan's replicas as SimPy engines (a pipelined replica: one per virtual engine, sharing its stages), and
     each replica's pipeline. `hand_off`: a prefill pool's decode pool (make_policy); `hooks`: the disaggregated
@@ -164,18 +164,20 @@ class Arrivals:
         if not self.admit(req):
             self.done()
             if not self.known:
-                self.ended(req)
+                self.ended(req, req.arrival_s)
 
-    def ended(self, req: Request) -> None:
-        """A request ended: the turn after it (if any) arrives after its think time, or ends now unsent; the request
-        waiting longest at the client (if any) is sent now; a closed loop's unit that ended frees its user for the
-        next unit."""
+    def ended(self, req: Request, at: float | None = None) -> None:
+        """A request ended (a rejected one at `at`, by the clock that turned it away; None: env.now): the turn after
+        it (if any) arrives after its think time, or ends then unsent; the request waiting longest at the client (if
+        any) is sent then; a closed loop's unit that ended frees its user for the next unit. Times run from the end,
+        not env.now, whose last bits differ between bulk runs and steps."""
+        end = ended_at(req, self.env.now if at is None else at)
         spec, gone = self.turns.ended(req)
         if spec is not None:
-            self._schedule(spec, ended_at(req, self.env.now) + spec.think_s)
+            self._schedule(spec, end + spec.think_s)
         for s in gone:
             turn = self.make(s)
-            reject_unsent(turn, self.env.now)
+            reject_unsent(turn, end)
             self.requests.append(turn)
             self.done()
         if self.gate is not None and (spec is None or not self.by_user):
@@ -183,10 +185,10 @@ class Arrivals:
             if waiting is None:
                 return
             if self.by_user:
-                self._schedule(waiting, ended_at(req, self.env.now) + waiting.think_s)
+                self._schedule(waiting, end + waiting.think_s)
             else:
-                heapq.heappush(self.scheduled, self.env.now)
-                self.instant.then(waiting.id, lambda: self._send(waiting))
+                heapq.heappush(self.scheduled, end)
+                self.instant.then(waiting.id, lambda: self._send(waiting, end))
 
     def _schedule(self, spec: RequestSpec, at: float) -> None:
         heapq.heappush(self.scheduled, at)
@@ -202,11 +204,11 @@ class Arrivals:
         req.arrival_s = at
         self._arrive(req)
 
-    def _send(self, req: Request) -> None:
-        """A request that waited at the client takes the slot a request freed: it arrives now."""
+    def _send(self, req: Request, at: float) -> None:
+        """A request that waited at the client takes the slot a request freed at `at` (now): it arrives then."""
         heapq.heappop(self.scheduled)
-        req.client_wait_s = self.env.now - req.arrival_s
-        req.arrival_s = self.env.now
+        req.client_wait_s = at - req.arrival_s
+        req.arrival_s = at
         self._enter(req)
 
 
@@ -232,11 +234,12 @@ class Done:
                  watch: Callable[[Request | None], bool] | None = None):
         self.count, self.progress, self.watch = 0, progress, watch
         self.stop = env.event() if watch is not None else None
-        self.on_end: Callable[[Request], None] | None = None  # told of each request that ends after it was admitted
+        # told of each request that ends after it was admitted, and when, by the clock that ended it (None: now)
+        self.on_end: Callable[[Request, float | None], None] | None = None
 
-    def __call__(self, req: Request | None = None) -> None:
+    def __call__(self, req: Request | None = None, at: float | None = None) -> None:
         if req is not None and self.on_end is not None:
-            self.on_end(req)
+            self.on_end(req, at)
         self.count += 1
         if self.progress:
             self.progress(self.count)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from functools import partial
 from itertools import repeat
@@ -33,7 +33,7 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, pricer: StepPricer,
                  next_arrival: Callable[[], float], bulk: bool = True,
-                 on_finish: Callable[[Request], None] | None = None, speculation=None, pipeline=None,
+                 on_finish: Callable[[Request, float], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
                  on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True):
         self.env = env
@@ -80,23 +80,27 @@ class Replica:
             self.wakeup.succeed(req.arrival_s)
         elif accepted and self.in_run and req.arrival_s < self.run_horizon:  # a turn the run was not priced for
             self.in_run = False
-            self.process.interrupt()
+            self.process.interrupt(True)  # sent after the instant's events (SameInstant), as every such turn is
         return accepted
 
-    def wake(self, at: float) -> None:
+    def wake(self, at: float, after_the_instant: bool = False) -> None:
         """Something this replica waits for happened at `at`, now (a hand-off, a transfer done, blocks released): an
-        idle engine looks again from then, one in a run of decode steps stops it at the step in flight."""
+        idle engine looks again from then, one in a run of decode steps stops it at the step in flight.
+        `after_the_instant`: it happened after every other event of this instant (SameInstant: a hand-off)."""
         if self.wakeup is not None and not self.wakeup.triggered:
             self.wakeup.succeed(at)
         elif self.in_run:
             self.in_run = False
-            self.process.interrupt()
+            self.process.interrupt(after_the_instant)
 
-    def _cut_run(self, first: int, k: int) -> tuple[int, float]:
+    def _cut_run(self, first: int, k: int, after_the_instant: bool) -> tuple[int, float]:
         """A run of k decode steps from step `first` interrupted now: the steps that ended by now and the one in
-        flight stay, the rest are dropped. Returns (steps kept, their end)."""
+        flight stay, the rest are dropped. Returns (steps kept, their end). A step ending at this very instant is in
+        flight for an event SimPy takes before it (a transfer landing, scheduled before the step began), and done for
+        work done after the instant's events: step by step, the engine has begun its next step by then."""
         ends = self.step_end
-        done = bisect_left(ends, self.env.now, first, first + k) - first  # steps that ended before now
+        find = bisect_right if after_the_instant else bisect_left
+        done = find(ends, self.env.now, first, first + k) - first  # steps done by now
         kept = min(k, done + 1)
         del ends[first + kept:]
         del self.step_decodes_all[first + kept:]
@@ -116,7 +120,7 @@ class Replica:
             if timeouts:
                 for r in sched.expire(self.clock):
                     if self.on_finish:
-                        self.on_finish(r)
+                        self.on_finish(r, self.clock)
             if sched.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
@@ -156,7 +160,7 @@ class Replica:
                 r.run_start = -1
                 r.finish_s = clock
                 if self.on_finish:
-                    self.on_finish(r)
+                    self.on_finish(r, clock)
             kv = sched.kv
             self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
 
@@ -167,9 +171,10 @@ class Replica:
         horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
         self.run_horizon = horizon
         b, s = batch.shape.num_seqs, batch.shape.sum_context
-        # steps only get slower as contexts grow, so this many reach the next arrival
-        k_max = MAX_BULK_STEPS if horizon == math.inf else \
-            min(MAX_BULK_STEPS, int((horizon - self.clock) / pricer.decode_time(b, s)) + 1)
+        # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off,
+        # a queue delay of 1e308 s, that the quotient overflows)
+        steps = (horizon - self.clock) / pricer.decode_time(b, s)
+        k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
         k_max = sched.decode_horizon(max(k_max, 1))
         run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
         k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
@@ -177,8 +182,8 @@ class Replica:
         self.in_run = k > 1
         try:
             yield env.timeout(max(0.0, clock - env.now))
-        except simpy.Interrupt:
-            k, clock = self._cut_run(step, k)
+        except simpy.Interrupt as stop:
+            k, clock = self._cut_run(step, k, stop.cause)
             yield env.timeout(max(0.0, clock - env.now))
         self.in_run = False
         self.busy_s += clock - self.clock
