@@ -234,6 +234,101 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     return report
 
 
+def require_executor(what: str) -> None:
+    """The executor's heavy dependencies (torch, transformers, ...: the `executor` extra) are installed, else a
+    one-line error saying how to get them: planning needs none of them."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"{what} runs the executor, which needs {', '.join(missing)}: pip install "
+                          "'infersim[executor]' (torch first, pinned: see the README)", what)
+
+
+def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,
+                keep_trace: bool = False):
+    """(plan, the OpenAI-compatible server of a scenario's model on the executor: executor.http_server.OpenAIServer,
+    its engine loaded and warmed up, not yet listening). The scenario's scheduler, KV cache and limits serve whatever
+    clients send; its workload is not replayed. `keep_trace`: every step and request kept for a report."""
+    require_executor("serve")
+    from executor.http_server import OpenAIServer, Served
+    from executor.prompts import corpus_ids
+    from executor.serve import build_engine, check_device, load_model, set_threads, warm_up
+
+    check_device(device)
+    plan = load_plan(path)
+    check_checkpoint(plan, path)
+    if plan.pools is not None or plan.replicas != 1 or plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+        raise ConfigError("serve --http runs one replica on one device: allowed: no pools, replicas: 1, no tensor "
+                          "or pipeline parallelism", "replicas", str(path))
+    if plan.speculative is not None:
+        raise ConfigError("serve --http does not run speculative decoding; drop the speculative section",
+                          "speculative", str(path))
+    warn_threads(plan, threads)
+    set_threads(plan, threads)
+    try:
+        loaded = load_model(plan, device)
+        engine = build_engine(plan, loaded, device)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    vocab = loaded.model.config.vocab_size
+    warm_up(engine, [i for i in corpus_ids(loaded.tokenizer) if i < vocab])
+    keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
+    served = Served(engine, loaded.tokenizer, served_model or plan.model.name, vocab, plan.max_model_len,
+                    loaded.eos_token_id)
+    return plan, OpenAIServer(served, keep_warm_s=keep_warm_s, keep_trace=keep_trace)
+
+
+def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
+               threads: int | None = None, out: Path | None = None, quiet: bool = False,
+               served_model: str | None = None) -> dict | None:
+    """Serve a scenario's model as an OpenAI-compatible HTTP server (http_server) until stopped (Ctrl-C). With
+    `out`, the report of every request served is written there when it stops (and returned)."""
+    require_executor("serve")
+    import uvicorn
+
+    from executor.http_server import bind
+    from executor.serve import trace_of, write_traces
+    from sim.report.metrics import records_from_requests
+
+    prepare_out(out)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{port}: allowed: a port number in 0..65535", "--port")
+    try:
+        sock = bind(host, port)
+    except (OSError, OverflowError) as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e})", "--port") from None
+    plan, server = http_server(path, device, threads, served_model, keep_trace=out is not None)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    if not quiet:
+        Console(stderr=True).print(f"{plan.name}: serving {server.served.model_name} at {url}/v1 (OpenAI API; "
+                                   "/metrics, /health); Ctrl-C stops", highlight=False)
+    uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on",
+                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
+    sock.close()
+    if out is None:
+        return None
+    engine, requests = server.served.engine, server.online.finished
+    records = records_from_requests(requests)
+    report = build_report(plan, records, trace_of(engine), engine.now(), engine="executor",
+                          extra={"executor": {"device": device, "threads": _torch_threads(), "http": url}})
+    write_outputs(out, report, records, trace_of(engine), plots=False)
+    write_traces(out, engine, requests)
+    if not quiet:
+        print_summary(report, Console())
+        Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
+    return report
+
+
+KEEP_WARM_S = 1.0  # a CPU server keeps torch's threads busy this long into an idle spell (executor.keep_warm)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 class progress_bar:
     """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
 

@@ -77,11 +77,30 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
           no_plots: bool = typer.Option(False, "--no-plots"),
           profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
                                                  "scenario's cost_model.profile): a speculative scenario's overhead "
-                                                 "per step is measured against its predicted verify steps")) -> None:
+                                                 "per step is measured against its predicted verify steps"),
+          http: bool = typer.Option(False, "--http", help="serve the scenario's model as an OpenAI-compatible HTTP "
+                                    "server (its scheduler, KV cache and limits) until Ctrl-C, instead of replaying "
+                                    "its workload; --out: the report of what it served, when it stops"),
+          host: str = typer.Option("127.0.0.1", "--host", help="--http: the address to listen on"),
+          port: int = typer.Option(8000, "--port", min=0, max=65535, help="--http: the port (0: any free one)"),
+          served_model: Optional[str] = typer.Option(None, "--served-model", help="--http: the model's name in the "
+                                                     "API (default: the scenario's model)")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
-    the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
-    from executor.distributed.launch import WorkerError
-
+    the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
+    its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
+    try:
+        if http:
+            if profile is not None:
+                raise ConfigError("--profile measures a replay's speculative overhead: not with --http", "--profile")
+            api.serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model)
+            return
+        if served_model is not None:
+            raise ConfigError("--served-model names the model an HTTP server serves: only with --http",
+                              "--served-model")
+        api.require_executor("serve")
+        from executor.distributed.launch import WorkerError
+    except ConfigError as e:
+        _fail(e)
     try:
         api.serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
