@@ -421,6 +421,88 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     return results, prof, summary
 
 
+def validate_endpoint(scenario: Path, endpoint: str, served_model: str | None = None, profile: Path | None = None,
+                      out: Path | None = None, tokenizer: str | None = None, chat: bool = False,
+                      timeout_s: float | None = None, quiet: bool = False) -> dict:
+    """Replay a scenario's workload against a running OpenAI-compatible server and compare with the simulation
+    (`profile`, else the scenario's own cost model): validation.json's content, written under `out` with
+    requests.csv, requests.jsonl and the CDF plot. Needs no torch."""
+    from calibration.endpoint import connect
+    from calibration.endpoint_validate import validate_endpoint as run
+
+    plan = load_plan(scenario)
+    if plan.pools is not None:
+        raise ConfigError("an endpoint is one server: a scenario with pools cannot be compared with it; allowed: "
+                          "one replica set", "pools", str(scenario))
+    if profile is not None:
+        from sim.config.profile import read_profile
+
+        read_profile(profile, plan.model, "--profile")
+    prepare_out(out)
+    ep = connect(endpoint, served_model, tokenizer)
+    err = Console(stderr=True)
+    if not quiet:
+        err.print(f"{plan.name}: replaying {plan.workload.num_requests or 'the'} requests against {ep.url} "
+                  f"({ep.model}, {ep.engine})", highlight=False)
+    try:
+        n = len(generate_requests(plan.workload, plan.base_dir))
+        with progress_bar(err, quiet, "replaying", n) as progress:
+            return run(plan, ep, profile, out, chat, timeout_s, progress)
+    except ConfigError as e:
+        raise e.with_file(str(scenario)) from None
+    finally:
+        ep.close()
+
+
+def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, model: str = "SmolLM2-135M",
+                     scenario: Path | None = None, quick: bool = False, tokenizer: str | None = None,
+                     quiet: bool = False) -> dict:
+    """Fit the step-cost model to a running server's streams (calibration.endpoint_profile) and write the profile
+    `cost_model: {profile: OUT}` reads. The model it records: the scenario's, else `model` (a catalog name or a
+    local config). Needs no torch."""
+    from calibration.endpoint import connect
+    from calibration.endpoint_profile import profile_endpoint as run
+    from sim.config.models import catalog_model, load_hf_config
+    from sim.config.profile import check_profile
+
+    _check_replaces_a_profile(out)
+    prepare_out_file(out, "--out")
+    if scenario is not None:
+        spec = load_plan(scenario).model
+    elif Path(model).exists():
+        spec = load_hf_config(Path(model), "--model")
+    else:
+        try:
+            spec = catalog_model(model)
+        except (KeyError, ConfigError):
+            raise ConfigError(f"{model!r} is neither a catalog model (infersim models) nor a local config",
+                              "--model") from None
+    ep = connect(endpoint, served_model, tokenizer)
+    err = Console(stderr=True)
+    if not quiet:
+        err.print(f"profiling {ep.url} ({ep.model}, {ep.engine}) as {spec.name}", highlight=False)
+    try:
+        from calibration.endpoint_profile import sweep
+
+        with progress_bar(err, quiet, "profile loads", len(sweep(quick))) as progress:
+            prof = run(ep, spec.model_dump(), quick, progress=progress)
+    finally:
+        ep.close()
+    try:
+        check_profile(prof, out)
+    except ConfigError as e:
+        raise ConfigError(f"the fit of the endpoint's streams is no profile `infersim run` takes ({e.message})",
+                          "--endpoint") from None
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    if not quiet:
+        f, streams = prof["fit"], prof["endpoint"]["max_concurrent_streams"]
+        Console().print(f"profiled {len(prof['samples'])} step shapes in {prof['sweep_s']:.0f} s; held-out MAPE "
+                        f"{f['heldout']['mape'] * 100:.1f}%, R² {f['heldout']['r2']:.4f}; the endpoint ran at most "
+                        f"{streams} stream{'s' if streams > 1 else ''} at once"
+                        + (" (plan with serving.max_num_seqs: 1)" if streams == 1 else "") + f"; wrote {out}")
+    return prof
+
+
 def validate_capacity(scenarios: list[Path], out: Path | None = None, device: str = "cpu",
                       profile: Path | None = None, threads: int | None = None, alongside: Path | None = None,
                       precision: float = 0.05, requests: int | None = None) -> tuple[list[dict], Path]:
