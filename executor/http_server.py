@@ -57,14 +57,15 @@ class Served:
 class OpenAIServer:
     """The ASGI app (`app`) over an OnlineEngine started and stopped with it."""
 
-    def __init__(self, served: Served, keep_warm_s: float = 0.0, keep_trace: bool = False):
+    def __init__(self, served: Served, keep_warm_s: float = 0.0, keep_trace: bool = False,
+                 adapt_threads: bool = False):
         self.served = served
         self.ids = itertools.count()
         self.created = int(time.time())
         sched = served.engine.scheduler
         self.metrics = ServerMetrics(served.model_name, lambda: (
             len(sched.running), len(sched.waiting), sched.kv.num_used / max(1, sched.kv.num_blocks)))
-        self.online = OnlineEngine(served.engine, self._dispatch, keep_warm_s, self._ended, keep_trace)
+        self.online = OnlineEngine(served.engine, self._dispatch, keep_warm_s, self._ended, keep_trace, adapt_threads)
         self.queues: dict[Stream, asyncio.Queue] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.app = Starlette(routes=[

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.cpu_load import CpuLoad
 from executor.engine import Engine
 from executor.sampling import RequestSampling
 from sim.policy.request import Request, Status
 
 IDLE_WAIT_S = 0.5  # the longest an idle loop sleeps before it looks for expired requests again
+LOAD_EVERY_S = 0.5  # how often the loop reads the machine's load (executor.serve's replay alike)
 WARM_ELEMENTS = 1 << 16  # keep-warm op: above torch's parallel grain, small enough to stay in L2 (executor.serve)
 
 
@@ -34,11 +36,15 @@ class OnlineEngine:
     """The engine loop on its own thread. `dispatch(updates)` is called once after each step with every stream's
     news [(stream, new tokens, time, ended)], on the loop's thread (an asyncio server hands it to its event loop).
     `keep_warm_s`: after the last work, idle time busy-polls this long so the next request's first step starts at
-    the speed of back-to-back steps (torch's threads stay awake), then the loop sleeps until a request comes."""
+    the speed of back-to-back steps (torch's threads stay awake), while other processes leave the cores free; then
+    the loop sleeps until a request comes. `adapt_threads`: torch's threads follow the cores other processes leave
+    free, as an unpinned replay's do (executor.cpu_load)."""
 
     def __init__(self, engine: Engine, dispatch: Callable[[list[tuple[Stream, list[int], float, bool]]], None],
-                 keep_warm_s: float = 0.0, on_end: Callable[[Stream], None] | None = None, keep_trace: bool = False):
+                 keep_warm_s: float = 0.0, on_end: Callable[[Stream], None] | None = None, keep_trace: bool = False,
+                 adapt_threads: bool = False):
         self.engine, self.dispatch, self.keep_warm_s, self.on_end = engine, dispatch, keep_warm_s, on_end
+        self.load, self.adapt_threads, self.next_sample = CpuLoad(), adapt_threads, 0.0
         self.keep_trace = keep_trace  # every step's record and sample kept (a report at the end); else dropped
         self.lock = threading.Condition()
         self.inbox: list[Stream] = []
@@ -95,6 +101,7 @@ class OnlineEngine:
         engine = self.engine
         idle_since = None
         while True:
+            self._sample_load()
             with self.lock:
                 if not self.inbox and not self.aborts and not engine.has_work():
                     if self.stopping:
@@ -124,10 +131,20 @@ class OnlineEngine:
                     engine.records.clear()
                     engine.samples.clear()
                 updates += [self._news(s) for s in list(self.live) if s.request.is_done or self._has_new(s)]
-            elif not updates and idle_since is not None and time.perf_counter() - idle_since < self.keep_warm_s:
+            elif not updates and idle_since is not None and time.perf_counter() - idle_since < self.keep_warm_s \
+                    and not self.load.others_busy():
                 _keep_warm()
             if updates:
                 self.dispatch(updates)
+
+    def _sample_load(self) -> None:
+        now = time.perf_counter()
+        if now < self.next_sample:
+            return
+        self.next_sample = now + LOAD_EVERY_S
+        others = self.load.sample()
+        if self.adapt_threads and others is not None and self.load.threads_for(others) != torch.get_num_threads():
+            torch.set_num_threads(self.load.threads_for(others))
 
     def _has_new(self, s: Stream) -> bool:
         return len(self.engine.tokens.get(s.request, ())) - s.request.prompt_len > s.sent
