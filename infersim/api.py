@@ -241,8 +241,8 @@ def require_executor(what: str) -> None:
 
     missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"{what} runs the executor, which needs {', '.join(missing)}: pip install "
-                          "'infersim[executor]' (torch first, pinned: see the README)", what)
+        raise ConfigError(f"`infersim {what}` runs the PyTorch executor, which needs {', '.join(missing)}: pip "
+                          "install 'infersim[executor]' (torch first, pinned: see the README)")
 
 
 def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,
@@ -265,7 +265,7 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
         raise ConfigError("serve --http does not run speculative decoding; drop the speculative section",
                           "speculative", str(path))
     warn_threads(plan, threads)
-    set_threads(plan, threads)
+    pinned = set_threads(plan, threads)
     try:
         loaded = load_model(plan, device)
         engine = build_engine(plan, loaded, device)
@@ -276,7 +276,8 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
     keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
     served = Served(engine, loaded.tokenizer, served_model or plan.model.name, vocab, plan.max_model_len,
                     loaded.eos_token_id)
-    return plan, OpenAIServer(served, keep_warm_s=keep_warm_s, keep_trace=keep_trace)
+    return plan, OpenAIServer(served, keep_warm_s=keep_warm_s, keep_trace=keep_trace,
+                              adapt_threads=not pinned and device == "cpu")
 
 
 def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
@@ -624,6 +625,10 @@ def _check_drafters(plans: list, named_only: bool = False) -> None:
     """Each (path, plan)'s draft model or Medusa heads are there, and a Medusa tree fits its heads, checked before
     the target model loads; errors name the scenario file. `named_only`: a simulation may plan with heads or a draft
     not made yet, so only a folder the scenario names that holds them is checked against it."""
+    import importlib.util
+
+    if named_only and importlib.util.find_spec("torch") is None:  # planning without the executor: nothing to load
+        return
     for path, plan in plans:
         if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
             from executor.speculative.build import drafter_dir  # torch: only where a drafter is named

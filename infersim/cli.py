@@ -145,8 +145,7 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
         if served_model is not None or tokenizer is not None:
             raise ConfigError("--served-model and --tokenizer name an endpoint's: only with --endpoint",
                               "--served-model" if served_model is not None else "--tokenizer")
-        if not refit:
-            api.require_executor("profile")
+        api.require_executor("profile")
         api.profile(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
     except ConfigError as e:
         _fail(e)
@@ -166,6 +165,10 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
         picked = [int(x) for x in layers.split(",") if x.strip()]
     except ValueError:
         _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
+    try:
+        api.require_executor("distill")
+    except ConfigError as e:
+        _fail(e)
     teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
     if not picked or any(not 0 <= n < teacher for n in picked):
         _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
@@ -191,6 +194,7 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
     try:
+        api.require_executor("train-medusa")
         if not retree:  # before minutes of training that would end in the write
             api.prepare_out(out)
         elif out is not None and out.exists() and not out.is_dir():
