@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -115,8 +113,12 @@ def test_profile_from_the_endpoint_s_streams_prices_a_scenario(served, tmp_path)
     (["profile", "--endpoint", "URL", "--refit"], "not with --refit"),
     (["profile", "--served-model", "x"], "only with --endpoint"),
 ])
-def test_bad_endpoint_flags_are_one_line_and_exit_2(served, args, message):
+def test_bad_endpoint_flags_are_one_line_and_exit_2(served, args, message, capsys):
+    from infersim.cli import app
+
     running, path, _ = served
     args = [str(path) if a == "SCENARIO" else running.url if a == "URL" else a for a in args]
-    r = subprocess.run([sys.executable, "-m", "infersim.cli", *args], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+    with pytest.raises(SystemExit) as e:
+        app(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
