@@ -9,7 +9,7 @@ llama-cpp-python's server holds a lock around its model: it serves one request a
 max_concurrent_streams 1; the scenario says max_num_seqs 1), and by default cuts a streaming request short when
 another arrives, so it is started with --interrupt_requests False.
 
-Usage: python bench/llamacpp_endpoint.py [--python /venv/with/llama_cpp/bin/python] [--threads 2] [--quick]
+Usage: python bench/llamacpp_endpoint.py [--python /venv/with/llama_cpp/bin/python] [--threads 1] [--quick]
                                          [--out runs/llamacpp]
 Ends with `name: value` lines.
 """
@@ -75,7 +75,9 @@ def start(python: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--python", default=sys.executable, help="a Python whose environment has llama_cpp.server")
-    ap.add_argument("--threads", type=int, default=2)
+    # one: on a shared 2-core VM, llama.cpp's two OpenMP threads spinning against other processes' work ran its steps
+    # 10x slower and erratic (ITL 650 ms where one thread gave a steady 50 ms)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="the profile's short sweep")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "llamacpp")
     args = ap.parse_args()

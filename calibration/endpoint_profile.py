@@ -28,10 +28,10 @@ from sim.cost.fitted import fit, shape_of
 WINDOW = 4  # consecutive decode gaps of a stream pooled into one sample
 
 
-def sweep(quick: bool = False, max_len: int = 2048) -> list[list[tuple[int, int, float]]]:
-    """The loads, each a list of requests (prompt tokens, output tokens, seconds after the load starts): lone
-    prefills of many lengths; B requests at once decoding together at two contexts; and prompts arriving while B
-    requests decode."""
+def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tuple[int, int, float]]]]:
+    """The loads, each (requests sent at once, the requests as (prompt tokens, output tokens, seconds after the load
+    starts)): lone prefills of many lengths; B requests at once decoding together at two contexts; and prompts
+    arriving while B requests decode. Prompts and outputs fit `max_len`."""
     rng = random.Random(0)
 
     def fits(p, o):
@@ -40,16 +40,16 @@ def sweep(quick: bool = False, max_len: int = 2048) -> list[list[tuple[int, int,
     loads = []
     for p in [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536]:
         if fits(p, 4):
-            loads += [[(p, 4, 0.0)]] * (2 if quick else 3)
+            loads += [(1, [(p, 4, 0.0)])] * (2 if quick else 3)
     for b, c in [(1, 128), (4, 128), (4, 512)] if quick else \
             [(1, 64), (1, 512), (2, 256), (4, 64), (4, 512), (8, 128), (8, 512), (16, 64), (16, 256)]:
         o = 12 if quick else 24
         load = [(max(8, int(c * rng.uniform(0.6, 1.4))), o, 0.0) for _ in range(b)]
-        loads.append([(p, x, t) for p, x, t in load if fits(p, x)])
+        loads.append((b, [(p, x, t) for p, x, t in load if fits(p, x)]))
     for b, p in [(4, 256)] if quick else [(4, 128), (4, 512), (8, 256)]:
         load = [(rng.randint(32, 256), 40, 0.0) for _ in range(b)] + [(p, 4, 0.25), (p, 4, 0.5)]
-        loads.append([(q, x, t) for q, x, t in load if fits(q, x)])
-    return [load for load in loads if load]
+        loads.append((b + 2, [(q, x, t) for q, x, t in load if fits(q, x)]))
+    return [(b, load) for b, load in loads if load]
 
 
 async def _run_load(ep: Endpoint, prompts: Prompts, load: list[tuple[int, int, float]], first_id: int,
@@ -117,16 +117,24 @@ def _sample(kind: str, new: list[int], ctx: list[int], sampled: int, prefill: in
 
 
 def profile_endpoint(ep: Endpoint, model_spec: dict, quick: bool = False, timeout_s: float | None = 600.0,
-                     progress=None) -> dict:
+                     progress=None, max_len: int | None = None) -> dict:
     """Run the sweep against the endpoint and fit the step-cost model; the profile (the JSON cost_model.profile
-    names), recording what it was measured from."""
+    names), recording what it was measured from. Prompts and outputs fit `max_len` (and the endpoint's own
+    max_model_len). A server that ran requests sent together one at a time is sent no more than two at once after."""
     prompts = Prompts(ep)
-    loads = sweep(quick, ep.max_model_len or model_spec.get("max_position_embeddings") or 2048)
-    samples, t0, next_id = [], time.perf_counter(), 0
-    for n, load in enumerate(loads):
+    max_len = min(x for x in (max_len, ep.max_model_len, model_spec.get("max_position_embeddings"), 8192) if x)
+    loads = sweep(quick, max_len)
+    samples, t0, next_id, serial, skipped = [], time.perf_counter(), 0, False, 0
+    for n, (together, load) in enumerate(loads):
+        if serial and together > 2:
+            skipped += 1
+            continue
         outs = asyncio.run(_run_load(ep, prompts, load, next_id, timeout_s))
         next_id += len(load)
-        samples += steps_of(outs)
+        got = steps_of(outs)
+        samples += got
+        if together > 1 and max((s["streams"] for s in got if s["kind"] != "prefill"), default=1) == 1:
+            serial = True  # they ran one after another: more at once would only queue
         if progress is not None:
             progress(n + 1, len(loads))
     decode = [s for s in samples if s["kind"] != "prefill"]
@@ -135,6 +143,6 @@ def profile_endpoint(ep: Endpoint, model_spec: dict, quick: bool = False, timeou
     fitted = fit(shapes, [s["time_s"] for s in samples])
     return {"model": model_spec, "host": {"device": "endpoint", "endpoint": ep.url, "served_model": ep.model,
                                           "engine": ep.engine},
-            "endpoint": {**ep.describe(), "max_concurrent_streams": streams, "loads": len(loads),
-                         "requests": next_id},
+            "endpoint": {**ep.describe(), "max_concurrent_streams": streams, "loads": len(loads) - skipped,
+                         "loads_skipped_serial": skipped, "requests": next_id, "max_len": max_len},
             "sweep_s": time.perf_counter() - t0, "fit": fitted, "samples": samples}

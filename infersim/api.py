@@ -468,8 +468,10 @@ def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, 
 
     _check_replaces_a_profile(out)
     prepare_out_file(out, "--out")
+    max_len = None
     if scenario is not None:
-        spec = load_plan(scenario).model
+        plan = load_plan(scenario)
+        spec, max_len = plan.model, plan.max_model_len
     elif Path(model).exists():
         spec = load_hf_config(Path(model), "--model")
     else:
@@ -486,7 +488,7 @@ def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, 
         from calibration.endpoint_profile import sweep
 
         with progress_bar(err, quiet, "profile loads", len(sweep(quick))) as progress:
-            prof = run(ep, spec.model_dump(), quick, progress=progress)
+            prof = run(ep, spec.model_dump(), quick, progress=progress, max_len=max_len)
     finally:
         ep.close()
     try:
