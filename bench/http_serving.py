@@ -1,22 +1,27 @@
 """HTTP serving's overhead (issue 48): one workload on the executor in process (`infersim serve`'s replay) and through
 `infersim serve --http` (a server process; this process replays the workload against it as `validate --endpoint`
-does, streaming), side by side, alternating round by round (in process first in even rounds, HTTP first in odd ones)
+does, streaming), each a process of its own loading the model, side by side, alternating round by round (in process first in even rounds, HTTP first in odd ones)
 so the machine's drift falls on both. Each figure is the median over rounds; TTFT counts from the request's arrival
 in process and from sending at the HTTP client, so the delta holds the HTTP stack both ways, the client's parsing and
 the engine thread's hand-offs. Targets: throughput within 5%, TTFT p50 within +10 ms.
 
-Usage: python bench/http_serving.py [--scenario bench/scenarios/http_serving.yaml] [--rounds 2]
-Ends with `name: value` lines.
+Two workloads (bench/scenarios/): http_serving.yaml at about half the engine's capacity (TTFT is then mostly the
+prefill and what HTTP adds), http_serving_saturated.yaml past it (throughput is then what the engine serves).
+
+Usage: python bench/http_serving.py [--scenario FILE ...] [--rounds 2]
+Ends with `name: value` lines, prefixed `light_` and `saturated_`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,15 +41,21 @@ FIGURES = (("throughput_tok_s", "throughput", "output_tokens_per_s", 1.0), ("ttf
            ("e2e_p50_ms", "e2e_s", "p50", 1e3))
 
 
+FIGURE_NAMES = [name for name, *_ in FIGURES]
+
+
 def figures(metrics: dict) -> dict:
     return {name: metrics[section][key] * scale for name, section, key, scale in FIGURES}
 
 
-def in_process(plan, specs, loaded) -> dict:
-    from executor.serve import serve
-
-    records, *_ = serve(plan, specs, "cpu", plan.executor.threads, loaded=loaded)
-    return figures(compute_metrics(records, plan.slo))
+def in_process(path: Path) -> dict:
+    """`infersim serve` of the scenario in a process of its own, as the server runs in one: its report's figures."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "infersim.cli", "serve", str(path), "--out", out, "-q", "--no-plots"],
+                       cwd=ROOT, check=True, capture_output=True)
+        report = json.loads((Path(out) / "report.json").read_text())
+    assert report["requests"]["completed"] == report["requests"]["arrived"]
+    return figures(report)
 
 
 def over_http(path: Path, plan, specs) -> dict:
@@ -73,38 +84,40 @@ def over_http(path: Path, plan, specs) -> dict:
         server.wait(timeout=60)
 
 
+def compare(path: Path, rounds: int) -> dict:
+    """One scenario, both ways, `rounds` rounds: the medians per way."""
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    runs = {"in_process": [], "http": []}
+    for r in range(rounds):
+        for mode in ("in_process", "http") if r % 2 == 0 else ("http", "in_process"):
+            t0 = time.perf_counter()
+            got = in_process(path) if mode == "in_process" else over_http(path, plan, specs)
+            got["load_avg_1min"] = os.getloadavg()[0]
+            runs[mode].append(got)
+            print(f"{plan.name} round {r + 1} {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
+                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {mode: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for mode, rs in runs.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", type=Path, default=ROOT / "bench" / "scenarios" / "http_serving.yaml")
+    ap.add_argument("--scenario", type=Path, nargs="+", default=[ROOT / "bench" / "scenarios" / "http_serving.yaml",
+                                                                 ROOT / "bench" / "scenarios" /
+                                                                 "http_serving_saturated.yaml"])
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from executor.serve import load_model, set_threads
-
-    _, plan = load_scenario(args.scenario)
-    specs = generate_requests(plan.workload, plan.base_dir)
-    set_threads(plan)
-    loaded = load_model(plan, "cpu")
-    runs = {"in_process": [], "http": []}
-    load = []
-    for r in range(args.rounds):
-        order = ("in_process", "http") if r % 2 == 0 else ("http", "in_process")
-        for mode in order:
-            t0 = time.perf_counter()
-            got = in_process(plan, specs, loaded) if mode == "in_process" else over_http(args.scenario, plan, specs)
-            runs[mode].append(got)
-            load.append(os.getloadavg()[0])
-            print(f"round {r + 1} {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
-                  + f" ({time.perf_counter() - t0:.0f} s, load {load[-1]:.2f})", flush=True)
-    med = {mode: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for mode, rs in runs.items()}
-    a, b = med["in_process"], med["http"]
-    print(f"scenario: {plan.name} ({len(specs)} requests, {args.rounds} rounds)")
-    for k in a:
-        print(f"in_process_{k}: {a[k]:.2f}")
-        print(f"http_{k}: {b[k]:.2f}")
-    print(f"throughput_ratio: {b['throughput_tok_s'] / a['throughput_tok_s']:.4f}")
-    print(f"ttft_p50_delta_ms: {b['ttft_p50_ms'] - a['ttft_p50_ms']:+.2f}")
-    print(f"tpot_p50_ratio: {b['tpot_p50_ms'] / a['tpot_p50_ms']:.4f}")
-    print(f"load_avg_1min: {statistics.mean(load):.2f}")
+    results = {path: compare(path, args.rounds) for path in args.scenario}
+    for path, med in results.items():
+        a, b = med["in_process"], med["http"]
+        tag = "saturated_" if "saturated" in path.stem else "light_" if path.stem == "http_serving" else path.stem + "_"
+        for k in FIGURE_NAMES:
+            print(f"{tag}in_process_{k}: {a[k]:.2f}")
+            print(f"{tag}http_{k}: {b[k]:.2f}")
+        print(f"{tag}throughput_ratio: {b['throughput_tok_s'] / a['throughput_tok_s']:.4f}")
+        print(f"{tag}ttft_p50_delta_ms: {b['ttft_p50_ms'] - a['ttft_p50_ms']:+.2f}")
+        print(f"{tag}tpot_p50_ratio: {b['tpot_p50_ms'] / a['tpot_p50_ms']:.4f}")
+        print(f"{tag}load_avg_1min: {(a['load_avg_1min'] + b['load_avg_1min']) / 2:.2f}")
 
 
 if __name__ == "__main__":
