@@ -284,7 +284,8 @@ class PrefillDriver:
         kv = self.engine.scheduler.kv
         make = request_maker(kv.prefix_caching, kv.block_size, self.engine.scheduler.cfg.max_model_len)
         self.requests = [make(s) for s in specs]
-        self.arrivals = Arrivals(self.requests, specs, self.corpus, self.plan.workload.max_concurrency)
+        self.arrivals = Arrivals(self.requests, specs, self.corpus, self.plan.workload.max_concurrency,
+                                self._sequence)
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:
@@ -309,7 +310,7 @@ class PrefillDriver:
                     progress(sum(r.is_done for r in reqs), len(reqs))
             self._absorb()
             self.group.check()
-            arrivals.ended(engine.now(), self._sequence)
+            arrivals.ended(engine.now())
             if not arrivals.pending() and not self.live:
                 break
             if sched.has_work() and engine.step() is not None:
@@ -337,7 +338,7 @@ class PrefillDriver:
         r.replica = link.rank  # the prefill instance is replica 0, decode instances 1..M
         link.num_outstanding += 1
         tokens = self.engine.tokens.pop(r)
-        if r.id in self.arrivals.turns.next_turn:
+        if self.arrivals.book.follows(r.id):
             self.handed_prompts[r.id] = tokens[:r.prompt_len]
         self._send(link, Handoff(r.id, r.arrival_s, r.prompt_len, r.max_tokens, tokens, r.first_token_s,
                                  self.engine.scheduler.sending[r], r.num_preemptions))

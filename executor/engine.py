@@ -16,7 +16,7 @@ from executor.cache_engine import KVCache
 from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaModel
 from executor.model_runner import ModelRunner, StepInput
-from executor.sampling import SamplingParams, sample
+from executor.sampling import RequestSampling, SamplingParams, greedy, sample
 from executor.speculative.verify import verify, verify_tree
 from sim.policy.request import Request
 from sim.policy.scheduler import ScheduledBatch, Scheduler
@@ -90,6 +90,8 @@ class Engine:
     use_graphs: bool | None = None
     # makes the runner, called as ModelRunner is (executor.distributed: a sharded or pipelined runner); None: ModelRunner
     runner_factory: object | None = None
+    # requests with sampling of their own (an online server's): the rest sample as `sampling` says
+    request_sampling: dict[Request, RequestSampling] = field(default_factory=dict)
 
     def __post_init__(self):
         keep_freed_memory()  # each step's activations reuse mapped heap pages instead of faulting in fresh ones
@@ -111,14 +113,27 @@ class Engine:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def add(self, req: Request, prompt_ids: list[int]) -> bool:
-        """Queue a request with its prompt token ids; False if the scheduler rejected it."""
+    def add(self, req: Request, prompt_ids: list[int], sampling: RequestSampling | None = None) -> bool:
+        """Queue a request with its prompt token ids (and its own sampling, if any); False if the scheduler rejected
+        it."""
         if len(prompt_ids) != req.prompt_len:
             raise ValueError(f"request {req.id}: {len(prompt_ids)} prompt ids for prompt_len {req.prompt_len}")
         accepted = self.scheduler.add(req)
         if accepted:
             self.tokens[req] = list(prompt_ids)
+            if sampling is not None:
+                self.request_sampling[req] = sampling
         return accepted
+
+    def abort(self, req: Request, reason: str | None) -> None:
+        """End a queued or running request between steps, its KV freed: finished where it is (`reason` None: its
+        client matched a stop string) or rejected with `reason` (its client went away)."""
+        self.scheduler.abort(req, reason)
+        self.drafts.pop(req, None)
+        self.draft_probs.pop(req, None)
+        self.request_sampling.pop(req, None)
+        if reason is None:
+            req.finish_s = req.token_times[-1] if req.token_times else self.now()
 
     def output_ids(self, req: Request) -> list[int]:
         return self.tokens[req][req.prompt_len:]
@@ -144,7 +159,9 @@ class Engine:
         out: dict[Request, list[int]] = {}
         paths: dict[Request, list[int]] = {}
         single = [(r, start) for r, start, n in spans if n == 1]
-        if single:
+        if single and self.request_sampling:
+            out.update((r, [tok]) for (r, _), tok in zip(single, self._sample_own(logits, single)))
+        elif single:
             at = [start for _, start in single]  # all rows, in order, in a step of plain decodes: no gather
             picked = sample(logits[:len(at)] if at == list(range(len(at))) else logits[at], self.sampling,
                             self.generator).tolist()
@@ -159,6 +176,23 @@ class Engine:
                 out[r] = verify(logits[start:start + n], self.drafts[r][:n - 1], self.sampling, self.generator,
                                 None if q is None else q[:n - 1])
         return out, paths
+
+    def _sample_own(self, logits: torch.Tensor, single: list[tuple[Request, int]]) -> list[int]:
+        """One token per row where some requests sample their own way: the greedy rows in one argmax, EOS masked
+        for a row short of its min_tokens, the others each from their own generator."""
+        own, eos = self.request_sampling, self.eos_token_id
+        picked = greedy(logits[[start for _, start in single]]).tolist()
+        for k, (r, start) in enumerate(single):
+            s = own.get(r)
+            params, generator = (s.params, s.generator) if s is not None else (self.sampling, self.generator)
+            held = s is not None and eos is not None and r.num_generated < s.min_tokens
+            if params.temperature > 0 or (held and picked[k] == eos):
+                row = logits[start:start + 1]
+                if held:
+                    row = row.clone()
+                    row[0, eos] = float("-inf")
+                picked[k] = int(sample(row, params, generator)[0])
+        return picked
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -212,6 +246,7 @@ class Engine:
             r.finish_s = end
             self.drafts.pop(r, None)
             self.draft_probs.pop(r, None)
+            self.request_sampling.pop(r, None)
         kv = sched.kv
         record = StepRecord(
             step=len(self.records), start_s=start, end_s=end, new_tokens=step.query_lens,
@@ -227,8 +262,10 @@ class Engine:
         """Each request's new tokens appended, cut after EOS (unless ignored) and timed at `end`; the requests that
         stopped at EOS, and per request that verified drafts how many it accepted."""
         stopped, accepted = set(), {}
+        own = self.request_sampling
         for r, toks in emitted.items():
-            if not self.sampling.ignore_eos and self.eos_token_id in toks:
+            ignore_eos = own[r].params.ignore_eos if r in own else self.sampling.ignore_eos
+            if not ignore_eos and self.eos_token_id in toks:
                 toks = toks[:toks.index(self.eos_token_id) + 1]
                 stopped.add(r)
             self.tokens[r].extend(toks)

@@ -25,6 +25,17 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
 
 
+@dataclass
+class RequestSampling:
+    """One request's own sampling, beside the engine's (an HTTP request's temperature, top_p, seed): its params, its
+    generator (seeded when the request names a seed), and how many tokens it generates before EOS may end it
+    (vLLM's min_tokens)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    min_tokens: int = 0
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from, per row of `logits` [N, vocab] (temperature > 0)."""
     logits = logits.float() / params.temperature

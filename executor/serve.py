@@ -1,7 +1,6 @@
 """Serving a plan on the real executor: load its weights, build its engine, replay its requests online."""
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import time
@@ -25,9 +24,9 @@ from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
+from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
-from sim.policy.client import ClientGate
-from sim.policy.conversation import Conversations, ended_at, reject_unsent
+from sim.policy.conversation import ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
 from sim.report.metrics import records_from_requests
@@ -191,107 +190,58 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
 
 
 class Arrivals:
-    """What a replay sends, and when: first turns at their arrival times; a conversation's later turn its think time
-    after the turn before it ends, its prompt that turn's tokens and its own new ones (next_turn_ids), or rejected
-    with it; a closed loop's units (RequestSpec.users) in order to the first user free, each its think time after
-    that user's unit before it ended. With `max_concurrency`, a request whose time comes while that many are in
-    flight waits at the client and is sent when one ends, its arrival then. Users and the client's limit are one gate
-    (sim.policy.client), as in the simulator. One bookkeeping for the colocated replay and the disaggregated
-    driver."""
+    """The workload's arrival book (sim.policy.arrivals) on the wall clock, looked at between engine steps: what to
+    send by now, as (request, prompt ids); a conversation's later turn's prompt is the turn before it, what that turn
+    generated (`sequence(req)`: its token ids) and its own new tokens (next_turn_ids). The requests sent are watched
+    for their ends, which the book is told of at the next look. One bookkeeping for the colocated replay and the
+    disaggregated driver."""
 
     def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int],
-                 max_concurrency: int | None = None):
-        self.requests, self.specs, self.corpus = requests, specs, corpus
-        users = next((s.users for s in specs if s.users), 0)  # a closed loop's, on each of its units
-        self.by_user = users > 0
-        limit = users or max_concurrency
-        self.gate = ClientGate(limit) if limit else None
-        self.flight: set[int] = set()  # with the gate: indices of requests sent that had not ended at the last look
-        self.turns = Conversations(specs)
-        self.first = [i for i, s in enumerate(specs) if s.after < 0 and not s.users]
-        self.index = {r.id: i for i, r in enumerate(requests)} if self.turns.any else {}
-        self.later: list[tuple[float, int, list[int]]] = []  # heap of later turns known: (arrival, index, prompt ids)
-        self.open: set[int] = set()  # indices of turns sent whose next turn waits for them to end
-        self.nxt = 0
-        if self.by_user:  # each user takes a unit and thinks before sending it; the rest wait for a user
-            for i, spec in enumerate(specs):
-                if spec.users and self.gate.offer(i):
-                    self._schedule(i, spec.think_s)
-
-    def _schedule(self, i: int, at: float) -> None:
-        s = self.specs[i]
-        self.requests[i].arrival_s = at
-        heapq.heappush(self.later, (at, i, prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)))
-
-    def _next_first_s(self) -> float:
-        return self.requests[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf
+                 max_concurrency: int | None = None, sequence=None):
+        self.requests, self.specs, self.corpus, self.sequence = requests, specs, corpus, sequence
+        self.book = ArrivalBook(specs, max_concurrency)
+        self.flight: set[int] = set()  # indices of requests sent that had not ended at the last look
+        self.history: dict[int, list[int]] = {}  # a turn that ended with a later turn waiting: its token ids
 
     def next_s(self) -> float:
         """When the next known request arrives (inf: none known)."""
-        return min(self._next_first_s(), self.later[0][0] if self.later else math.inf)
+        return self.book.next_s()
 
     def pending(self) -> bool:
         """Whether requests are still to be sent (some may wait for a turn to end, or at the client for a slot)."""
-        return (self.nxt < len(self.first) or bool(self.later) or bool(self.open)
-                or (self.gate is not None and bool(self.gate.waiting)))
+        return self.book.pending()
+
+    def ended(self, now: float) -> None:
+        """Tell the book of the requests sent that ended by `now`, in the order they ended."""
+        done = sorted((ended_at(self.requests[i], now), i) for i in self.flight if self.requests[i].is_done)
+        for end, i in done:
+            self.flight.discard(i)
+            r = self.requests[i]
+            finished = r.status is Status.FINISHED
+            if finished and self.book.follows(r.id):
+                self.history[r.id] = self.sequence(r)
+            self.book.ended(r.id, end, finished)
 
     def due(self, now: float) -> list[tuple[Request, list[int]]]:
-        """Every request to send by `now`, with its prompt ids, in arrival order. With the client's gate, requests
-        that ended since the last look free their slots at their ends, in time order with the arrivals: a request
-        that waited for a slot arrives when the slot freed."""
-        arriving = []
-        while self.next_s() <= now:
-            if not self.later or self._next_first_s() <= self.later[0][0]:
-                i, self.nxt = self.first[self.nxt], self.nxt + 1
-                s = self.specs[i]
-                ids = prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)
-            else:
-                _, i, ids = heapq.heappop(self.later)
-            arriving.append((self.requests[i].arrival_s, 1, i, ids))
-        if self.gate is None or self.by_user:
-            return [self._send(i, ids) for _, _, i, ids in arriving]
-        ending = [(ended_at(self.requests[i], now), 0, i, None) for i in self.flight if self.requests[i].is_done]
+        """Every request to send by `now`, with its prompt ids, in arrival order (a later turn rejected with its
+        conversation is marked so, not sent)."""
+        if not self.book.known:
+            self.ended(now)
         out = []
-        for t, arrives, i, ids in sorted(ending + arriving):  # at one instant a slot frees before it is taken
-            if arrives:
-                if self.gate.offer((i, ids)):
-                    out.append(self._send(i, ids))
+        for send in self.book.due(now):
+            r, s = self.requests[send.index], self.specs[send.index]
+            if send.unsent:
+                reject_unsent(r, send.arrival_s)
                 continue
-            self.flight.discard(i)
-            waiting = self.gate.release()
-            if waiting is not None:
-                r = self.requests[waiting[0]]
-                r.client_wait_s, r.arrival_s = t - r.arrival_s, t
-                out.append(self._send(*waiting))
+            r.arrival_s, r.client_wait_s = send.arrival_s, send.client_wait_s
+            if s.after >= 0:
+                ids = next_turn_ids(self.corpus, self.history.pop(s.after), r.prompt_len, r.id)
+            else:
+                ids = prompt_ids(self.corpus, s.prompt_len, s.id, s.prefix, s.prefix_unit)
+            if not self.book.known:
+                self.flight.add(send.index)
+            out.append((r, ids))
         return out
-
-    def _send(self, i: int, ids: list[int]) -> tuple[Request, list[int]]:
-        if self.requests[i].id in self.turns.next_turn:
-            self.open.add(i)
-        if self.gate is not None:
-            self.flight.add(i)
-        return self.requests[i], ids
-
-    def ended(self, now: float, sequence) -> None:
-        """Turns that ended since the last look: the turn after each is now known (`sequence(req)`: the token ids the
-        turn ran, its prompt and what it generated), or, after a rejected one, rejected at `now`. A closed loop's
-        units that ended free their users, in the order they ended, for the units waiting."""
-        watched = self.open | self.flight if self.by_user else self.open
-        done = sorted((ended_at(self.requests[i], now), i) for i in watched if self.requests[i].is_done)
-        for end, i in done:
-            self.open.discard(i)
-            self.flight.discard(i)
-            before = self.requests[i]
-            spec, gone = self.turns.ended(before)
-            if spec is not None:
-                r = self.requests[self.index[spec.id]]
-                r.arrival_s = end + spec.think_s
-                ids = next_turn_ids(self.corpus, sequence(before), r.prompt_len, r.id)
-                heapq.heappush(self.later, (r.arrival_s, self.index[spec.id], ids))
-            for g in gone:
-                reject_unsent(self.requests[self.index[g.id]], now)
-            if self.by_user and spec is None and (waiting := self.gate.release()) is not None:
-                self._schedule(waiting, end + self.specs[waiting].think_s)
 
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
@@ -308,7 +258,8 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     requests = [make(s) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        _replay(engine, Arrivals(requests, specs, corpus, max_concurrency), load, adapt_threads, progress, keep_warm)
+        arrivals = Arrivals(requests, specs, corpus, max_concurrency, lambda r: _sequence(engine, r))
+        _replay(engine, arrivals, load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
@@ -330,13 +281,12 @@ def _replay(engine, arrivals: Arrivals, load: CpuLoad | None, adapt_threads: boo
     """The replay loop: send what is due, learn which turns follow the ones that ended, step; idle until the next
     arrival."""
     requests = arrivals.requests
-    sequence = lambda r: _sequence(engine, r)  # noqa: E731
     next_sample = LOAD_EVERY_S
     while arrivals.pending() or engine.has_work():
         now = engine.now()
         for r, ids in arrivals.due(now):
             engine.add(r, ids)
-        arrivals.ended(now, sequence)
+        arrivals.ended(now)
         if now >= next_sample:
             next_sample = now + LOAD_EVERY_S
             others = load.sample() if load is not None else None

@@ -234,6 +234,102 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     return report
 
 
+def require_executor(what: str) -> None:
+    """The executor's heavy dependencies (torch, transformers, ...: the `executor` extra) are installed, else a
+    one-line error saying how to get them: planning needs none of them."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"`infersim {what}` runs the PyTorch executor, which needs {', '.join(missing)}: pip "
+                          "install 'infersim[executor]' (torch first, pinned: see the README)")
+
+
+def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,
+                keep_trace: bool = False):
+    """(plan, the OpenAI-compatible server of a scenario's model on the executor: executor.http_server.OpenAIServer,
+    its engine loaded and warmed up, not yet listening). The scenario's scheduler, KV cache and limits serve whatever
+    clients send; its workload is not replayed. `keep_trace`: every step and request kept for a report."""
+    require_executor("serve")
+    from executor.http_server import OpenAIServer, Served
+    from executor.prompts import corpus_ids
+    from executor.serve import build_engine, check_device, load_model, set_threads, warm_up
+
+    check_device(device)
+    plan = load_plan(path)
+    check_checkpoint(plan, path)
+    if plan.pools is not None or plan.replicas != 1 or plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+        raise ConfigError("serve --http runs one replica on one device: allowed: no pools, replicas: 1, no tensor "
+                          "or pipeline parallelism", "replicas", str(path))
+    if plan.speculative is not None:
+        raise ConfigError("serve --http does not run speculative decoding; drop the speculative section",
+                          "speculative", str(path))
+    warn_threads(plan, threads)
+    pinned = set_threads(plan, threads)
+    try:
+        loaded = load_model(plan, device)
+        engine = build_engine(plan, loaded, device)
+    except ConfigError as e:
+        raise e.with_file(str(path)) from None
+    vocab = loaded.model.config.vocab_size
+    warm_up(engine, [i for i in corpus_ids(loaded.tokenizer) if i < vocab])
+    keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
+    served = Served(engine, loaded.tokenizer, served_model or plan.model.name, vocab, plan.max_model_len,
+                    loaded.eos_token_id)
+    return plan, OpenAIServer(served, keep_warm_s=keep_warm_s, keep_trace=keep_trace,
+                              adapt_threads=not pinned and device == "cpu")
+
+
+def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
+               threads: int | None = None, out: Path | None = None, quiet: bool = False,
+               served_model: str | None = None) -> dict | None:
+    """Serve a scenario's model as an OpenAI-compatible HTTP server (http_server) until stopped (Ctrl-C). With
+    `out`, the report of every request served is written there when it stops (and returned)."""
+    require_executor("serve")
+    import uvicorn
+
+    from executor.http_server import bind
+    from executor.serve import trace_of, write_traces
+    from sim.report.metrics import records_from_requests
+
+    prepare_out(out)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{port}: allowed: a port number in 0..65535", "--port")
+    try:
+        sock = bind(host, port)
+    except (OSError, OverflowError) as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e})", "--port") from None
+    plan, server = http_server(path, device, threads, served_model, keep_trace=out is not None)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    if not quiet:
+        Console(stderr=True).print(f"{plan.name}: serving {server.served.model_name} at {url}/v1 (OpenAI API; "
+                                   "/metrics, /health); Ctrl-C stops", highlight=False)
+    uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on",
+                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
+    sock.close()
+    if out is None:
+        return None
+    engine, requests = server.served.engine, server.online.finished
+    records = records_from_requests(requests)
+    report = build_report(plan, records, trace_of(engine), engine.now(), engine="executor",
+                          extra={"executor": {"device": device, "threads": _torch_threads(), "http": url}})
+    write_outputs(out, report, records, trace_of(engine), plots=False)
+    write_traces(out, engine, requests)
+    if not quiet:
+        print_summary(report, Console())
+        Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
+    return report
+
+
+KEEP_WARM_S = 1.0  # a CPU server keeps torch's threads busy this long into an idle spell (executor.keep_warm)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 class progress_bar:
     """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
 
@@ -324,6 +420,90 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
                                                       "summary": summary, "scenarios": results}, indent=2) + "\n")
         (out / "table.md").write_text(markdown_table(results))
     return results, prof, summary
+
+
+def validate_endpoint(scenario: Path, endpoint: str, served_model: str | None = None, profile: Path | None = None,
+                      out: Path | None = None, tokenizer: str | None = None, chat: bool = False,
+                      timeout_s: float | None = None, quiet: bool = False) -> dict:
+    """Replay a scenario's workload against a running OpenAI-compatible server and compare with the simulation
+    (`profile`, else the scenario's own cost model): validation.json's content, written under `out` with
+    requests.csv, requests.jsonl and the CDF plot. Needs no torch."""
+    from calibration.endpoint import connect
+    from calibration.endpoint_validate import validate_endpoint as run
+
+    plan = load_plan(scenario)
+    if plan.pools is not None:
+        raise ConfigError("an endpoint is one server: a scenario with pools cannot be compared with it; allowed: "
+                          "one replica set", "pools", str(scenario))
+    if profile is not None:
+        from sim.config.profile import read_profile
+
+        read_profile(profile, plan.model, "--profile")
+    prepare_out(out)
+    ep = connect(endpoint, served_model, tokenizer)
+    err = Console(stderr=True)
+    if not quiet:
+        err.print(f"{plan.name}: replaying {plan.workload.num_requests or 'the'} requests against {ep.url} "
+                  f"({ep.model}, {ep.engine})", highlight=False)
+    try:
+        n = len(generate_requests(plan.workload, plan.base_dir))
+        with progress_bar(err, quiet, "replaying", n) as progress:
+            return run(plan, ep, profile, out, chat, timeout_s, progress)
+    except ConfigError as e:
+        raise e.with_file(str(scenario)) from None
+    finally:
+        ep.close()
+
+
+def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, model: str = "SmolLM2-135M",
+                     scenario: Path | None = None, quick: bool = False, tokenizer: str | None = None,
+                     quiet: bool = False) -> dict:
+    """Fit the step-cost model to a running server's streams (calibration.endpoint_profile) and write the profile
+    `cost_model: {profile: OUT}` reads. The model it records: the scenario's, else `model` (a catalog name or a
+    local config). Needs no torch."""
+    from calibration.endpoint import connect
+    from calibration.endpoint_profile import profile_endpoint as run
+    from sim.config.models import catalog_model, load_hf_config
+    from sim.config.profile import check_profile
+
+    _check_replaces_a_profile(out)
+    prepare_out_file(out, "--out")
+    max_len = None
+    if scenario is not None:
+        plan = load_plan(scenario)
+        spec, max_len = plan.model, plan.max_model_len
+    elif Path(model).exists():
+        spec = load_hf_config(Path(model), "--model")
+    else:
+        try:
+            spec = catalog_model(model)
+        except (KeyError, ConfigError):
+            raise ConfigError(f"{model!r} is neither a catalog model (infersim models) nor a local config",
+                              "--model") from None
+    ep = connect(endpoint, served_model, tokenizer)
+    err = Console(stderr=True)
+    if not quiet:
+        err.print(f"profiling {ep.url} ({ep.model}, {ep.engine}) as {spec.name}", highlight=False)
+    try:
+        from calibration.endpoint_profile import sweep
+
+        with progress_bar(err, quiet, "profile loads", len(sweep(quick))) as progress:
+            prof = run(ep, spec.model_dump(), quick, progress=progress, max_len=max_len)
+    finally:
+        ep.close()
+    try:
+        check_profile(prof, out)
+    except ConfigError as e:
+        raise ConfigError(f"the fit of the endpoint's streams is no profile `infersim run` takes ({e.message})",
+                          "--endpoint") from None
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    if not quiet:
+        f, streams = prof["fit"], prof["endpoint"]["max_concurrent_streams"]
+        Console().print(f"profiled {len(prof['samples'])} step shapes in {prof['sweep_s']:.0f} s; held-out MAPE "
+                        f"{f['heldout']['mape'] * 100:.1f}%, R² {f['heldout']['r2']:.4f}; the endpoint ran at most "
+                        f"{streams} stream{'s' if streams > 1 else ''} at once"
+                        + (" (plan with serving.max_num_seqs: 1)" if streams == 1 else "") + f"; wrote {out}")
+    return prof
 
 
 def validate_capacity(scenarios: list[Path], out: Path | None = None, device: str = "cpu",
@@ -447,6 +627,10 @@ def _check_drafters(plans: list, named_only: bool = False) -> None:
     """Each (path, plan)'s draft model or Medusa heads are there, and a Medusa tree fits its heads, checked before
     the target model loads; errors name the scenario file. `named_only`: a simulation may plan with heads or a draft
     not made yet, so only a folder the scenario names that holds them is checked against it."""
+    import importlib.util
+
+    if named_only and importlib.util.find_spec("torch") is None:  # planning without the executor: nothing to load
+        return
     for path, plan in plans:
         if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
             from executor.speculative.build import drafter_dir  # torch: only where a drafter is named

@@ -47,6 +47,8 @@ MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained f
 
 def _path(value: str) -> Path:
     """A path flag's value; an empty one (an unset shell variable) would silently mean the current folder."""
+    if isinstance(value, Path):  # a default: typer passes it through the parser too
+        return value
     if not value.strip():
         raise typer.BadParameter("an empty path; give a folder or file name")
     return Path(value)
@@ -79,11 +81,30 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
           no_plots: bool = typer.Option(False, "--no-plots"),
           profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
                                                  "scenario's cost_model.profile): a speculative scenario's overhead "
-                                                 "per step is measured against its predicted verify steps")) -> None:
+                                                 "per step is measured against its predicted verify steps"),
+          http: bool = typer.Option(False, "--http", help="serve the scenario's model as an OpenAI-compatible HTTP "
+                                    "server (its scheduler, KV cache and limits) until Ctrl-C, instead of replaying "
+                                    "its workload; --out: the report of what it served, when it stops"),
+          host: str = typer.Option("127.0.0.1", "--host", help="--http: the address to listen on"),
+          port: int = typer.Option(8000, "--port", min=0, max=65535, help="--http: the port (0: any free one)"),
+          served_model: Optional[str] = typer.Option(None, "--served-model", help="--http: the model's name in the "
+                                                     "API (default: the scenario's model)")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
-    the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl."""
-    from executor.distributed.launch import WorkerError
-
+    the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
+    its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
+    try:
+        if http:
+            if profile is not None:
+                raise ConfigError("--profile measures a replay's speculative overhead: not with --http", "--profile")
+            api.serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model)
+            return
+        if served_model is not None:
+            raise ConfigError("--served-model names the model an HTTP server serves: only with --http",
+                              "--served-model")
+        api.require_executor("serve")
+        from executor.distributed.launch import WorkerError
+    except ConfigError as e:
+        _fail(e)
     try:
         api.serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
@@ -106,9 +127,27 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
                                        "samples stored in the --out profile, in place"),
             scenario: Optional[Path] = typer.Option(None, "--scenario", help="profile the executor as this scenario "
                                                     "runs it: its model (random_weights too), its tensor- or "
-                                                    "pipeline-parallel layout, its threads")) -> None:
-    """Time engine steps of many shapes on the executor, fit the step-cost model, write a profile JSON."""
+                                                    "pipeline-parallel layout, its threads"),
+            endpoint: Optional[str] = typer.Option(None, "--endpoint", help="profile a running OpenAI-compatible "
+                                                   "server (URL, e.g. http://localhost:8000/v1) from its streams "
+                                                   "instead: the model it serves is --scenario's, else --model"),
+            served_model: Optional[str] = typer.Option(None, "--served-model", help="--endpoint: the model's name "
+                                                       "there (default: the one it serves)"),
+            tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="--endpoint: a local tokenizer (HF "
+                                                    "folder or GGUF) where the server has no /tokenize")) -> None:
+    """Time engine steps of many shapes on the executor (or a server's streams, --endpoint), fit the step-cost
+    model, write a profile JSON."""
     try:
+        if endpoint is not None:
+            if refit or threads is not None or device != "cpu" or repeats != 3:
+                raise ConfigError("--endpoint measures a running server: not with --refit, --threads, --device or "
+                                  "--repeats", "--endpoint")
+            api.profile_endpoint(endpoint, out, served_model, model, scenario, quick, tokenizer)
+            return
+        if served_model is not None or tokenizer is not None:
+            raise ConfigError("--served-model and --tokenizer name an endpoint's: only with --endpoint",
+                              "--served-model" if served_model is not None else "--tokenizer")
+        api.require_executor("profile")
         api.profile(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
     except ConfigError as e:
         _fail(e)
@@ -128,6 +167,10 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
         picked = [int(x) for x in layers.split(",") if x.strip()]
     except ValueError:
         _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
+    try:
+        api.require_executor("distill")
+    except ConfigError as e:
+        _fail(e)
     teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
     if not picked or any(not 0 <= n < teacher for n in picked):
         _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
@@ -153,6 +196,7 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
     try:
+        api.require_executor("train-medusa")
         if not retree:  # before minutes of training that would end in the write
             api.prepare_out(out)
         elif out is not None and out.exists() and not out.is_dir():
@@ -189,10 +233,36 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                              "grid's step (capacity is found within it)"),
              requests: Optional[int] = typer.Option(None, "--requests", min=2, help="--capacity: probe with this "
                                                     "many requests of the scenario's workload instead (a longer "
-                                                    "probe judges keeping up more finely)")) -> None:
-    """Run scenarios on the executor and in the simulator; print real vs sim and the % error per metric."""
-    from executor.distributed.launch import WorkerError
-
+                                                    "probe judges keeping up more finely)"),
+             endpoint: Optional[str] = typer.Option(None, "--endpoint", help="replay the scenario against a running "
+                                                    "OpenAI-compatible server (URL) instead of the executor, and "
+                                                    "compare it with the simulation (--profile, else the "
+                                                    "scenario's cost model)"),
+             served_model: Optional[str] = typer.Option(None, "--served-model", help="--endpoint: the model's "
+                                                        "name there (default: the one it serves)"),
+             tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="--endpoint: a local tokenizer (HF "
+                                                     "folder or GGUF) where the server has no /tokenize"),
+             chat: bool = typer.Option(False, "--chat", help="--endpoint: send /v1/chat/completions (the server's "
+                                       "chat template around each prompt) instead of /v1/completions"),
+             timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="--endpoint: a request "
+                                                     "not done this many seconds after it was sent ends rejected")
+             ) -> None:
+    """Run scenarios on the executor (or a server, --endpoint) and in the simulator; print real vs sim and the %
+    error per metric."""
+    if endpoint is not None:
+        _validate_endpoint(scenarios, endpoint, served_model, profile_path, out, tokenizer, chat, timeout,
+                           [("--real-from", real_from), ("--profile-alongside", alongside), ("--threads", threads),
+                            ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None),
+                            ("--requests", requests), ("--device", device if device != "cpu" else None)])
+        return
+    try:
+        if served_model is not None or tokenizer is not None or chat or timeout is not None:
+            raise ConfigError("--served-model, --tokenizer, --chat and --timeout are for an endpoint: only with "
+                              "--endpoint", "--endpoint")
+        api.require_executor("validate")
+        from executor.distributed.launch import WorkerError
+    except ConfigError as e:
+        _fail(e)
     try:
         if capacity:
             if real_from is not None or repeat > 1:
@@ -229,6 +299,32 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         Console().print(t)
         if out is not None:
             Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
+
+
+def _validate_endpoint(scenarios: List[Path], endpoint: str, served_model, profile_path, out, tokenizer, chat,
+                       timeout, others: list) -> None:
+    """`validate --endpoint`: one scenario replayed against a server, its table printed."""
+    try:
+        given = [flag for flag, value in others if value is not None]
+        if given:
+            raise ConfigError(f"--endpoint replays against a running server: not with {', '.join(given)}",
+                              "--endpoint")
+        if len(scenarios) != 1 or scenarios[0].is_dir():
+            raise ConfigError("--endpoint replays one scenario file", "SCENARIO")
+        result = api.validate_endpoint(scenarios[0], endpoint, served_model, profile_path, out, tokenizer, chat,
+                                       timeout)
+    except ConfigError as e:
+        _fail(e)
+    ep = result["endpoint"]
+    _print_validation(result, f"{ep['url']} ({ep['model']}, {ep['engine']})", result["profile"] or "its cost model",
+                      1)
+    rq, lengths = result["requests"], result["lengths"]
+    Console().print(f"requests: {rq['arrived']} sent, {rq['completed']} completed, {rq['rejected']} rejected"
+                    + "".join(f"; {n} {reason}" for reason, n in rq["rejected_by_reason"].items())
+                    + f"; prompts the server counted otherwise: {lengths['prompts_off']} of "
+                    f"{lengths['prompts_counted_by_server']}, outputs of another length: {lengths['outputs_off']}")
+    if out is not None:
+        Console().print(f"wrote {out}/validation.json, requests.csv, requests.jsonl, latency_cdf_sim_vs_real.png")
 
 
 def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> None:

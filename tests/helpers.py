@@ -121,3 +121,28 @@ def in_flight(requests) -> int:
     events = sorted([(r.arrival_s, 1) for r in requests] +
                     [(r.finish_s if r.status is Status.FINISHED else r.arrival_s, -1) for r in requests])
     return int(np.max(np.cumsum([d for _, d in events])))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def tiny_tokenizer(folder, vocab_size: int = 1000):
+    """A word-level tokenizer of `vocab_size` ids saved beside a tiny checkpoint (text prompts, a chat template and
+    streamed text for the HTTP server's tests): <unk> <s> </s> (EOS 2), the chat roles, then words w5, w6, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "<user>", "<assistant>", "<system>"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def words(n: int, start: int = 0) -> str:
+    """Text of exactly `n` tokens for tiny_tokenizer."""
+    return " ".join(f"w{6 + (start + i) % 900}" for i in range(n))

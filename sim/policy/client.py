@@ -1,7 +1,7 @@
 """The load generator's own limit on requests in flight (workload.max_concurrency: vLLM's benchmark
 `--max-concurrency`, an asyncio semaphore around each request): a request whose time comes while that many are in
-flight waits at the client, first come first served, and is sent when one of them ends. One gate for the simulator's
-arrivals and the executor's replay."""
+flight waits at the client, first come first served, and is sent when one of them ends. Kept by the arrival book
+(sim.policy.arrivals), which every clock drives."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,5 +1,5 @@
 """A conversation's later turns (workload.conversation): each arrives its think time after the turn before it ends,
-or is rejected with it. One bookkeeping for the simulator's arrivals and the executor's replay."""
+or is rejected with it. Kept by the arrival book (sim.policy.arrivals)."""
 from __future__ import annotations
 
 from sim.config.workload import RequestSpec
@@ -15,12 +15,12 @@ class Conversations:
         self.next_turn = {s.after: s for s in specs if s.after >= 0}  # a turn's id -> the turn after it, until sent
         self.any = bool(self.next_turn)  # some request follows another
 
-    def ended(self, req: Request) -> tuple[RequestSpec | None, list[RequestSpec]]:
-        """`req` ended: (the turn that now follows it, sent its think_s after `ended_at(req, now)`; or None: its
-        conversation, if any, is over) and the turns that end with it unsent, in order (a rejected turn ends its
-        conversation)."""
-        spec = self.next_turn.pop(req.id, None)
-        if req.status is Status.FINISHED:
+    def ended(self, req_id: int, finished: bool) -> tuple[RequestSpec | None, list[RequestSpec]]:
+        """Request `req_id` ended, `finished` or rejected: (the turn that now follows it, sent its think_s after
+        `ended_at(req, now)`; or None: its conversation, if any, is over) and the turns that end with it unsent, in
+        order (a rejected turn ends its conversation)."""
+        spec = self.next_turn.pop(req_id, None)
+        if finished:
             return spec, []
         gone = []
         while spec is not None:

@@ -172,6 +172,28 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.incoming) + \
             len(self.receiving) + len(self.ready)
 
+    def abort(self, req: Request, reason: str | None) -> None:
+        """Take a request out wherever it waits or runs, its blocks freed (an online server's client went away, or
+        matched a stop string): finished with finish_reason "stop" (`reason` None) or rejected with `reason`. Call
+        between steps."""
+        if req in self.running:
+            if req in self.decoding:
+                self.decoding.leave(req)
+            del self.running[req]
+            self.prefilling.pop(req, None)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+            self.kv.free_host_blocks.extend(reversed(req.host_block_table))
+            req.host_block_table = ()
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.num_draft = 0
+        if reason is None:
+            req.status, req.finish_reason = Status.FINISHED, "stop"
+        else:
+            req.status, req.reject_reason = Status.REJECTED, reason
+
     # -- disaggregated hand-off -------------------------------------------------------------------
     def take_handoffs(self) -> list[Request]:
         """Prefill instance: the requests handed off since the last call (their blocks in `sending`)."""

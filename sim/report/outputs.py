@@ -144,8 +144,10 @@ def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
             "usd_per_hour": plan.hardware.price_per_hour * devices}
 
 
-def write_requests_csv(path: Path, rec: RequestRecords) -> None:
+def write_requests_csv(path: Path, rec: RequestRecords, extra: dict[str, list] | None = None) -> None:
+    """One row per request; `extra`: more columns, a value per request each (an endpoint replay's ITLs, errors)."""
     lat = per_request_latency(rec)
+    extra = extra or {}
     first, finish = rec.first_token_s, rec.finish_s
 
     def num(x: float) -> str:
@@ -154,7 +156,8 @@ def write_requests_csv(path: Path, rec: RequestRecords) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "status", "reject_reason",
-                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted", "conversation"])
+                    "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted", "conversation",
+                    *extra])
         spec = rec.speculation if rec.speculation is not None else np.zeros((len(rec.id), 4), np.int64)
         conv = rec.conversation if rec.conversation is not None else np.full(len(rec.id), -1)
         for i in range(len(rec.id)):
@@ -162,7 +165,7 @@ def write_requests_csv(path: Path, rec: RequestRecords) -> None:
                         int(rec.output_len[i]), "completed" if rec.completed[i] else "rejected",
                         rec.reject_reason[i], num(first[i]), num(finish[i]), num(lat["ttft"][i]),
                         num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i]), int(spec[i, 0]),
-                        int(spec[i, 1]), int(conv[i]) if conv[i] >= 0 else ""])
+                        int(spec[i, 1]), int(conv[i]) if conv[i] >= 0 else "", *(col[i] for col in extra.values())])
 
 
 def check_finite(report: dict) -> None:

@@ -13,10 +13,10 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, make_pricer, speculation_model
+from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
-from sim.policy.client import ClientGate
-from sim.policy.conversation import Conversations, ended_at, reject_unsent
-from sim.policy.request import Request
+from sim.policy.conversation import ended_at, reject_unsent
+from sim.policy.request import Request, Status
 from sim.report.trace import ReplicaTrace
 from sim.simulator.pipeline import Pipeline
 from sim.simulator.replica import Replica
@@ -105,111 +105,72 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
 
 
 class Arrivals:
-    """The arrival process: each request at its time to `admit(req)` (False: rejected, so it ends now). A
-    conversation's later turn (RequestSpec.after) arrives its think time after the turn before it ends
-    (sim.policy.conversation). A closed loop's units (RequestSpec.users: requests, or conversations) go in order to
-    the first user free, each sent its think time after that user's unit before it ended. With `max_concurrency`, a
-    request whose time comes while that many are in flight waits at the client and is sent when one ends; its arrival
-    is then when it was sent. Users and the client's limit are one gate (sim.policy.client). `next_arrival()` is the
-    earliest arrival known now (the replicas' bulk decode stops short of it)."""
+    """The workload's arrival book (sim.policy.arrivals) on SimPy's clock: each request sent at its time to
+    `admit(req)` (False: rejected, so it ends now). The book is told of every request that ends (Done.on_end) and
+    what that makes due is taken in after every other event of the instant (SameInstant), so the order SimPy took
+    the instant's events in does not matter. `next_arrival()` is the earliest arrival known now (the replicas' bulk
+    decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
                  make_request: Callable[[RequestSpec], Request], instant: SameInstant,
                  max_concurrency: int | None = None):
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
+        self.book = ArrivalBook(specs, max_concurrency)
         self.requests: list[Request] = []
-        self.turns = Conversations(specs)
-        users = next((s.users for s in specs if s.users), 0)  # a closed loop's, on each of its units
-        self.by_user = users > 0
-        limit = users or max_concurrency
-        self.gate = ClientGate(limit) if limit else None
-        self.next_first = math.inf  # the next request that follows no other
-        self.scheduled: list[float] = []  # heap: arrival times known since a request ended (later turns, the gate's)
         self.admit: Callable[[Request], bool] | None = None
-        self.known = not self.turns.any and self.gate is None  # every arrival time known from the start
+        self.known = self.book.known  # every arrival time known from the start
+        self.alarms: list[float] = []  # heap: times a timeout will look at the book
+        self.flushing = False  # a look at the end of this instant is booked
         if not self.known:
             done.on_end = self.ended
 
     def next_arrival(self) -> float:
-        return min(self.next_first, self.scheduled[0]) if self.scheduled else self.next_first
+        return self.book.next_s()
 
     def start(self, admit: Callable[[Request], bool]) -> None:
         self.admit = admit
-        if self.by_user:  # each user takes a unit and thinks before sending it; the rest wait for a user
-            for spec in self.specs:
-                if spec.users and self.gate.offer(spec):
-                    self._schedule(spec, spec.think_s)
+        self._arm()
+
+    def _arm(self) -> None:
+        """A timeout at the book's next time, unless one is set for then or earlier."""
+        t = self.book.next_s()
+        if t < math.inf and (not self.alarms or t < self.alarms[0]):
+            heapq.heappush(self.alarms, t)
+            self.env.timeout(max(0.0, t - self.env.now)).callbacks.append(self._ring)
+
+    def _ring(self, _event: simpy.Event) -> None:
+        heapq.heappop(self.alarms)
+        if self.known:  # first turns alone: sent as their time comes
+            self._flush()
         else:
-            self.env.process(self._first())
+            self._flush_after_instant()
 
-    def _first(self):
-        env = self.env
-        for spec in self.specs:
-            if spec.after >= 0:
-                continue
-            self.next_first = spec.arrival_s
-            if spec.arrival_s > env.now:
-                yield env.timeout(spec.arrival_s - env.now)
-            self._arrive(self.make(spec))
-        self.next_first = math.inf
+    def _flush_after_instant(self) -> None:
+        if not self.flushing:
+            self.flushing = True
+            self.instant.then(-1, self._flush)  # no request has id -1
 
-    def _arrive(self, req: Request) -> None:
-        if self.gate is not None and not self.by_user and not self.gate.offer(req):
-            return  # waits at the client for a request in flight to end
-        self._enter(req)
-
-    def _enter(self, req: Request) -> None:
-        """A request sent: to the deployment, which admits it or turns it away (it ends now)."""
-        self.requests.append(req)
-        if not self.admit(req):
-            self.done()
-            if not self.known:
+    def _flush(self) -> None:
+        self.flushing = False
+        now = self.env.now
+        for send in self.book.due(now):
+            req = self.make(self.specs[send.index])
+            req.arrival_s, req.client_wait_s = send.arrival_s, send.client_wait_s
+            self.requests.append(req)
+            if send.unsent:
+                reject_unsent(req, send.arrival_s)
+                self.done()
+            elif not self.admit(req):
+                self.done()
                 self.ended(req, req.arrival_s)
+        self._arm()
 
     def ended(self, req: Request, at: float | None = None) -> None:
-        """A request ended (a rejected one at `at`, by the clock that turned it away; None: env.now): the turn after
-        it (if any) arrives after its think time, or ends then unsent; the request waiting longest at the client (if
-        any) is sent then; a closed loop's unit that ended frees its user for the next unit. Times run from the end,
-        not env.now, whose last bits differ between bulk runs and steps."""
-        end = ended_at(req, self.env.now if at is None else at)
-        spec, gone = self.turns.ended(req)
-        if spec is not None:
-            self._schedule(spec, end + spec.think_s)
-        for s in gone:
-            turn = self.make(s)
-            reject_unsent(turn, end)
-            self.requests.append(turn)
-            self.done()
-        if self.gate is not None and (spec is None or not self.by_user):
-            waiting = self.gate.release()
-            if waiting is None:
-                return
-            if self.by_user:
-                self._schedule(waiting, end + waiting.think_s)
-            else:
-                heapq.heappush(self.scheduled, end)
-                self.instant.then(waiting.id, lambda: self._send(waiting, end))
-
-    def _schedule(self, spec: RequestSpec, at: float) -> None:
-        heapq.heappush(self.scheduled, at)
-        self.env.process(self._later(spec, at))
-
-    def _later(self, spec: RequestSpec, at: float):
-        yield self.env.timeout(max(0.0, at - self.env.now))
-        self.instant.then(spec.id, lambda: self._arrive_later(spec, at))  # turns due together: in id order
-
-    def _arrive_later(self, spec: RequestSpec, at: float) -> None:
-        heapq.heappop(self.scheduled)
-        req = self.make(spec)
-        req.arrival_s = at
-        self._arrive(req)
-
-    def _send(self, req: Request, at: float) -> None:
-        """A request that waited at the client takes the slot a request freed at `at` (now): it arrives then."""
-        heapq.heappop(self.scheduled)
-        req.client_wait_s = at - req.arrival_s
-        req.arrival_s = at
-        self._enter(req)
+        """A request ended (or was turned away) at `at`, by the clock that ended it (None: now): the book takes it in
+        at the end of the instant. Times run from the end, not env.now, whose last bits differ between bulk runs and
+        steps."""
+        self.book.ended(req.id, ended_at(req, self.env.now if at is None else at), req.status is Status.FINISHED)
+        self._flush_after_instant()
 
 
 def run_env(env: simpy.Environment, until: simpy.Event | None = None) -> None:

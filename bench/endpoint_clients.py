@@ -1,0 +1,194 @@
+"""Clients no one here wrote against `infersim serve --http` (issue 48, 5a): the official `openai` Python client and
+guidellm (an established benchmark client from PyPI) send the same load as infersim's own replay (`validate
+--endpoint`'s client): 4 users back to back, 128-token prompts, 32-token outputs forced with ignore_eos. Their TTFT and
+inter-token latency should agree with the replay's within 5%: what infersim measures of an endpoint is what others
+measure of it. The three take turns, round by round (the order rotating), against one server; each figure is the
+median over rounds of that run's median.
+
+guidellm reports per request (E2E − TTFT) / (tokens − 1) as its inter-token latency: vLLM's TPOT, compared with the
+replay's TPOT; the openai loop's chunk gaps are compared with the replay's ITL too. guidellm runs from its own
+environment (`--guidellm PATH`; pip install guidellm pulls torch 2.14 and more): without it, its rows are skipped.
+
+Usage: python bench/endpoint_clients.py [--rounds 3] [--guidellm /path/to/venv/bin/guidellm]
+Ends with `name: value` lines.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from calibration.endpoint import Prompts, connect, replay  # noqa: E402
+from sim.config.plan import load_scenario  # noqa: E402
+from sim.config.workload import generate_requests  # noqa: E402
+
+SCENARIO = ROOT / "bench" / "scenarios" / "clients.yaml"
+
+
+def start_server(path: Path) -> tuple[subprocess.Popen, str]:
+    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0"],
+                              cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    for line in server.stderr:
+        m = re.search(r"at (http://\S+)/v1", line)
+        if m:
+            return server, m.group(1)
+    raise RuntimeError(f"the server did not start (exit code {server.wait()})")
+
+
+def summary(ttft: list[float], tpot: list[float], itl: list[float]) -> dict:
+    return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "tpot_p50_ms": 1e3 * statistics.median(tpot),
+            "itl_p50_ms": 1e3 * statistics.median(itl) if itl else None, "requests": len(ttft)}
+
+
+def ours(url: str, specs) -> dict:
+    ep = connect(url)
+    try:
+        outs = replay(ep, specs)
+    finally:
+        ep.close()
+    assert all(o.finished for o in outs), [o.error for o in outs if not o.finished][:3]
+    ttft = [o.token_times[0] - o.sent_s for o in outs]
+    tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in outs]
+    itl = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:]) if b > a]
+    return summary(ttft, tpot, itl)
+
+
+def openai_loop(url: str, model: str, texts: list[str], users: int, output_len: int) -> dict:
+    """`users` workers, each sending the next prompt as soon as its last answer ended (the official client)."""
+    import openai
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        todo = list(texts)
+        ttft, tpot, itl = [], [], []
+
+        async def worker():
+            while todo:
+                prompt = todo.pop(0)
+                t0 = time.perf_counter()
+                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len,
+                                                         temperature=0, stream=True,
+                                                         extra_body={"ignore_eos": True, "min_tokens": output_len})
+                times = []
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        times.append(time.perf_counter())
+                assert len(times) == output_len, len(times)
+                ttft.append(times[0] - t0)
+                tpot.append((times[-1] - times[0]) / (len(times) - 1))
+                itl.extend(b - a for a, b in zip(times, times[1:]))
+
+        await asyncio.gather(*(worker() for _ in range(users)))
+        await client.close()
+        return summary(ttft, tpot, itl)
+
+    return asyncio.run(run())
+
+
+def guidellm_run(exe: str, url: str, model: str, tokenizer: Path, n: int, users: int, prompt_len: int,
+                 output_len: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        spec = {"spec": {"backend": {"kind": "openai_http", "target": url, "model": model,
+                                     "request_format": "/v1/completions"},
+                         "profile": {"kind": "concurrent", "streams": users},
+                         "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_len, "output_tokens": output_len}],
+                         "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
+                         "constraints": [{"kind": "max_requests", "count": n}],
+                         "outputs": [{"kind": "json", "path": str(out)}]}}
+        (Path(tmp) / "scenario.json").write_text(json.dumps(spec))
+        r = subprocess.run([exe, "run", "-c", str(Path(tmp) / "scenario.json"), "--disable-console-interactive"],
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm failed: {r.stderr[-400:]}")
+        reqs = json.loads(out.read_text())["benchmarks"][0]["requests"]["successful"]
+    assert len(reqs) >= n and all(q["output_tokens"] == output_len for q in reqs), [q["output_tokens"] for q in reqs]
+    ttft = [q["time_to_first_token_ms"] / 1e3 for q in reqs]
+    tpot = [q["inter_token_latency_ms"] / 1e3 for q in reqs]  # guidellm's ITL: (E2E - TTFT) / (tokens - 1)
+    return summary(ttft, tpot, [])
+
+
+def save_tokenizer(folder: Path) -> Path:
+    """The SmolLM2 tokenizer, out of the GGUF, as a folder guidellm's transformers loads."""
+    from transformers import AutoTokenizer
+
+    from executor.weights import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--guidellm", default=shutil.which("guidellm"))
+    args = ap.parse_args()
+    import openai
+
+    _, plan = load_scenario(SCENARIO)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    users, prompt_len, output_len = plan.workload.closed_loop.users, specs[0].prompt_len, specs[0].output_len
+    server, url = start_server(SCENARIO)
+    tmp = Path(tempfile.mkdtemp())
+    runs: dict[str, list[dict]] = {"infersim": [], "openai": [], "guidellm": []}
+    load = []
+    try:
+        ep = connect(url)
+        model = ep.model
+        prompts = Prompts(ep)
+        texts = [prompts.text(prompt_len, s.id) for s in specs]
+        ep.close()
+        tokenizer = save_tokenizer(tmp / "tok") if args.guidellm else None
+        clients = {"infersim": lambda: ours(url, specs),
+                   "openai": lambda: openai_loop(url, model, texts, users, output_len),
+                   "guidellm": lambda: guidellm_run(args.guidellm, url, model, tokenizer, len(specs), users,
+                                                    prompt_len, output_len)}
+        names = [n for n in clients if n != "guidellm" or args.guidellm]
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                got = clients[name]()
+                runs[name].append(got)
+                load.append(os.getloadavg()[0])
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if v is not None)
+                      + f" (load {load[-1]:.2f})", flush=True)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in ("ttft_p50_ms", "tpot_p50_ms")}
+           | {"itl_p50_ms": statistics.median(x["itl_p50_ms"] for x in rs) if rs[0]["itl_p50_ms"] else None}
+           for n, rs in runs.items() if rs}
+    print(f"openai_version: {openai.__version__}")
+    if args.guidellm:
+        print(f"guidellm_version: {subprocess.run([args.guidellm, '--version'], capture_output=True, text=True).stdout.split()[-1]}")
+    for name, m in med.items():
+        for k, v in m.items():
+            if v is not None:
+                print(f"{name}_{k}: {v:.2f}")
+    for name in med:
+        if name == "infersim":
+            continue
+        for k in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms"):
+            if med[name].get(k) is not None:
+                print(f"{name}_vs_infersim_{k.removesuffix('_ms')}_pct: {100 * (med[name][k] / med['infersim'][k] - 1):+.1f}")
+    print(f"load_avg_1min: {statistics.mean(load):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""HTTP serving's overhead (issue 48): one workload on the executor in process (`infersim serve`'s replay) and through
+`infersim serve --http` (a server process; this process replays the workload against it as `validate --endpoint`
+does, streaming), each a process of its own loading the model, side by side, alternating round by round (in process first in even rounds, HTTP first in odd ones)
+so the machine's drift falls on both. Each figure is the median over rounds; TTFT counts from the request's arrival
+in process and from sending at the HTTP client, so the delta holds the HTTP stack both ways, the client's parsing and
+the engine thread's hand-offs. Targets: throughput within 5%, TTFT p50 within +10 ms.
+
+Two workloads (bench/scenarios/): http_serving.yaml at about half the engine's capacity (TTFT is then mostly the
+prefill and what HTTP adds), http_serving_saturated.yaml past it (throughput is then what the engine serves).
+
+Usage: python bench/http_serving.py [--scenario FILE ...] [--rounds 2]
+Ends with `name: value` lines, prefixed `light_` and `saturated_`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from calibration.endpoint import connect, replay  # noqa: E402
+from calibration.endpoint_validate import endpoint_records  # noqa: E402
+from sim.config.plan import load_scenario  # noqa: E402
+from sim.config.workload import generate_requests  # noqa: E402
+from sim.report.metrics import compute_metrics  # noqa: E402
+
+FIGURES = (("throughput_tok_s", "throughput", "output_tokens_per_s", 1.0), ("ttft_p50_ms", "ttft_s", "p50", 1e3),
+           ("tpot_p50_ms", "tpot_s", "p50", 1e3), ("itl_p50_ms", "itl_s", "p50", 1e3),
+           ("e2e_p50_ms", "e2e_s", "p50", 1e3))
+
+
+FIGURE_NAMES = [name for name, *_ in FIGURES]
+
+
+def figures(metrics: dict) -> dict:
+    return {name: metrics[section][key] * scale for name, section, key, scale in FIGURES}
+
+
+def in_process(path: Path) -> dict:
+    """`infersim serve` of the scenario in a process of its own, as the server runs in one: its report's figures."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "infersim.cli", "serve", str(path), "--out", out, "-q", "--no-plots"],
+                       cwd=ROOT, check=True, capture_output=True)
+        report = json.loads((Path(out) / "report.json").read_text())
+    assert report["requests"]["completed"] == report["requests"]["arrived"]
+    return figures(report)
+
+
+def over_http(path: Path, plan, specs) -> dict:
+    """Start `infersim serve --http` on a free port, replay the workload against it, stop it."""
+    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0"],
+                              cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in server.stderr:
+            m = re.search(r"at (http://\S+)/v1", line)
+            if m:
+                url = m.group(1)
+                break
+        if url is None:
+            raise RuntimeError(f"the server did not start (exit code {server.wait()})")
+        ep = connect(url)
+        try:
+            outcomes = replay(ep, specs, plan.workload.max_concurrency)
+        finally:
+            ep.close()
+        _, records = endpoint_records(outcomes)
+        assert all(o.finished for o in outcomes), [o.error for o in outcomes if not o.finished][:3]
+        return figures(compute_metrics(records, plan.slo))
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+
+
+def compare(path: Path, rounds: int) -> dict:
+    """One scenario, both ways, `rounds` rounds: the medians per way."""
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    runs = {"in_process": [], "http": []}
+    for r in range(rounds):
+        for mode in ("in_process", "http") if r % 2 == 0 else ("http", "in_process"):
+            t0 = time.perf_counter()
+            got = in_process(path) if mode == "in_process" else over_http(path, plan, specs)
+            got["load_avg_1min"] = os.getloadavg()[0]
+            runs[mode].append(got)
+            print(f"{plan.name} round {r + 1} {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
+                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {mode: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for mode, rs in runs.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenario", type=Path, nargs="+", default=[ROOT / "bench" / "scenarios" / "http_serving.yaml",
+                                                                 ROOT / "bench" / "scenarios" /
+                                                                 "http_serving_saturated.yaml"])
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    results = {path: compare(path, args.rounds) for path in args.scenario}
+    for path, med in results.items():
+        a, b = med["in_process"], med["http"]
+        tag = "saturated_" if "saturated" in path.stem else "light_" if path.stem == "http_serving" else path.stem + "_"
+        for k in FIGURE_NAMES:
+            print(f"{tag}in_process_{k}: {a[k]:.2f}")
+            print(f"{tag}http_{k}: {b[k]:.2f}")
+        print(f"{tag}throughput_ratio: {b['throughput_tok_s'] / a['throughput_tok_s']:.4f}")
+        print(f"{tag}ttft_p50_delta_ms: {b['ttft_p50_ms'] - a['ttft_p50_ms']:+.2f}")
+        print(f"{tag}tpot_p50_ratio: {b['tpot_p50_ms'] / a['tpot_p50_ms']:.4f}")
+        print(f"{tag}load_avg_1min: {(a['load_avg_1min'] + b['load_avg_1min']) / 2:.2f}")
+
+
+if __name__ == "__main__":
+    main()

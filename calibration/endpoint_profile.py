@@ -1,0 +1,148 @@
+"""`infersim profile --endpoint URL`: fit the simulator's step-cost model (sim.cost.fitted) to what a running server's
+streams show, from outside: no step is seen, so each sample is a step shape the sweep controls and the time the
+stream gives it.
+
+- A lone request's TTFT is a prefill step of its prompt (and the server's per-request overhead, which the fit's
+  prefill terms take on: the simulator then predicts TTFT as a client sees it).
+- Each gap between two tokens of a stream is one decode step; the streams batched with it are the others streaming
+  across that gap (first token before it, last after it), their contexts their prompts and tokens so far. Gaps
+  within which another request got its first token also ran that prompt: a mixed step. B requests sent at once
+  decode at batch B, if the server batches them; a server that serves one at a time shows batch 1, and the profile
+  records the most streams it ever ran together (`endpoint.max_concurrent_streams`).
+- Gaps are pooled per (batch, window of tokens): the sample is their median.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import httpx
+
+from calibration.endpoint import CONNECT_TIMEOUT_S, Endpoint, Outcome, Prompts, stream_one
+from sim.config.errors import ConfigError
+from sim.config.workload import RequestSpec
+from sim.cost.fitted import fit, shape_of
+
+WINDOW = 4  # consecutive decode gaps of a stream pooled into one sample
+
+
+def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tuple[int, int, float]]]]:
+    """The loads, each (requests sent at once, the requests as (prompt tokens, output tokens, seconds after the load
+    starts)): lone prefills of many lengths; B requests at once decoding together at two contexts; and prompts
+    arriving while B requests decode. Prompts and outputs fit `max_len`."""
+    rng = random.Random(0)
+
+    def fits(p, o):
+        return p + o <= max_len
+
+    loads = []
+    for p in [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536]:
+        if fits(p, 4):
+            loads += [(1, [(p, 4, 0.0)])] * (2 if quick else 3)
+    for b, c in [(1, 128), (4, 128), (4, 512)] if quick else \
+            [(1, 64), (1, 512), (2, 256), (4, 64), (4, 512), (8, 128), (8, 512), (16, 64), (16, 256)]:
+        o = 12 if quick else 24
+        load = [(max(8, int(c * rng.uniform(0.6, 1.4))), o, 0.0) for _ in range(b)]
+        loads.append((b, [(p, x, t) for p, x, t in load if fits(p, x)]))
+    for b, p in [(4, 256)] if quick else [(4, 128), (4, 512), (8, 256)]:
+        load = [(rng.randint(32, 256), 40, 0.0) for _ in range(b)] + [(p, 4, 0.25), (p, 4, 0.5)]
+        loads.append((b + 2, [(q, x, t) for q, x, t in load if fits(q, x)]))
+    return [(b, load) for b, load in loads if load]
+
+
+async def _run_load(ep: Endpoint, prompts: Prompts, load: list[tuple[int, int, float]], first_id: int,
+                    timeout_s: float | None) -> list[Outcome]:
+    """One load: its requests sent on their offsets, every stream timed."""
+    specs = [RequestSpec(first_id + i, t, p, o) for i, (p, o, t) in enumerate(load)]
+    texts = [prompts.text(s.prompt_len, s.id) for s in specs]
+    outs = [Outcome(s, s.arrival_s, ep) for s in specs]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as client:
+        t0 = time.perf_counter()
+
+        async def one(out: Outcome, text: str) -> None:
+            await asyncio.sleep(max(0.0, out.due_s - (time.perf_counter() - t0)))
+            await stream_one(client, ep, out, text, t0, False, timeout_s)
+
+        await asyncio.gather(*(one(o, t) for o, t in zip(outs, texts)))
+    return outs
+
+
+def steps_of(outs: list[Outcome]) -> list[dict]:
+    """The step samples a load's streams show (see the module docstring)."""
+    done = [o for o in outs if o.finished]
+    for o in outs:
+        if o.error is not None:
+            raise ConfigError(f"the endpoint failed a profiling request ({o.error}); profile it when it serves "
+                              "requests of up to the sweep's lengths", "--endpoint")
+    samples = []
+    if len(outs) == 1 and done:  # a lone request: its TTFT is the prefill
+        o = done[0]
+        samples.append(_sample("prefill", [o.spec.prompt_len], [o.spec.prompt_len], 1, 1, [o.token_times[0] - o.sent_s]))
+    firsts = [o.token_times[0] for o in done]
+    for o in done:
+        pooled: dict[tuple, list] = {}
+        times = o.token_times
+        for k in range(len(times) - 1):
+            a, b = times[k], times[k + 1]
+            if b <= a:
+                continue
+            batch = [q for q in done if q is not o and q.token_times[0] <= a and q.token_times[-1] >= b]
+            if any(q.spec.id < o.spec.id for q in batch):
+                continue  # the step is counted once, on its first stream
+            joined = [q for q, f in zip(done, firsts) if a < f <= b and q is not o]
+            # the step that streamed token k + 1 computed token k: its context is the prompt and k + 1 tokens
+            ctx = [o.spec.prompt_len + k + 1] + [q.spec.prompt_len + _tokens_by(q, a) for q in batch]
+            kind = "mixed" if joined else "decode"
+            key = (kind, len(batch), tuple(q.spec.id for q in joined), k // WINDOW)
+            pooled.setdefault(key, []).append((ctx, [q.spec.prompt_len for q in joined], b - a))
+        for (kind, _, _, _), rows in pooled.items():
+            ctx = [round(statistics.mean(c[i] for c, _, _ in rows)) for i in range(len(rows[0][0]))]
+            prompts = rows[0][1]
+            samples.append(_sample(kind, [1] * len(ctx) + prompts, ctx + prompts, len(ctx) + len(prompts),
+                                   len(prompts), [t for _, _, t in rows], streams=len(ctx)))
+    return samples
+
+
+def _tokens_by(o: Outcome, t: float) -> int:
+    return sum(1 for x in o.token_times if x <= t)
+
+
+def _sample(kind: str, new: list[int], ctx: list[int], sampled: int, prefill: int, times: list[float],
+            streams: int = 1) -> dict:
+    return {"kind": kind, "new_tokens": new, "context_lens": ctx, "num_sampled": sampled, "num_prefill": prefill,
+            "time_s": statistics.median(times), "observations": len(times), "streams": streams}
+
+
+def profile_endpoint(ep: Endpoint, model_spec: dict, quick: bool = False, timeout_s: float | None = 600.0,
+                     progress=None, max_len: int | None = None) -> dict:
+    """Run the sweep against the endpoint and fit the step-cost model; the profile (the JSON cost_model.profile
+    names), recording what it was measured from. Prompts and outputs fit `max_len` (and the endpoint's own
+    max_model_len). A server that ran requests sent together one at a time is sent no more than two at once after."""
+    prompts = Prompts(ep)
+    max_len = min(x for x in (max_len, ep.max_model_len, model_spec.get("max_position_embeddings"), 8192) if x)
+    loads = sweep(quick, max_len)
+    samples, t0, next_id, serial, skipped = [], time.perf_counter(), 0, False, 0
+    for n, (together, load) in enumerate(loads):
+        if serial and together > 2:
+            skipped += 1
+            continue
+        outs = asyncio.run(_run_load(ep, prompts, load, next_id, timeout_s))
+        next_id += len(load)
+        got = steps_of(outs)
+        samples += got
+        if together > 1 and max((s["streams"] for s in got if s["kind"] != "prefill"), default=1) == 1:
+            serial = True  # they ran one after another: more at once would only queue
+        if progress is not None:
+            progress(n + 1, len(loads))
+    decode = [s for s in samples if s["kind"] != "prefill"]
+    streams = max((s["streams"] for s in decode), default=1)
+    shapes = [shape_of(s["new_tokens"], s["context_lens"], s["num_sampled"], s["num_prefill"]) for s in samples]
+    fitted = fit(shapes, [s["time_s"] for s in samples])
+    return {"model": model_spec, "host": {"device": "endpoint", "endpoint": ep.url, "served_model": ep.model,
+                                          "engine": ep.engine},
+            "endpoint": {**ep.describe(), "max_concurrent_streams": streams, "loads": len(loads) - skipped,
+                         "loads_skipped_serial": skipped, "requests": next_id, "max_len": max_len},
+            "sweep_s": time.perf_counter() - t0, "fit": fitted, "samples": samples}
