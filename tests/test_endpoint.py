@@ -97,7 +97,9 @@ def test_profile_from_the_endpoint_s_streams_prices_a_scenario(served, tmp_path)
     assert kinds == {"prefill", "decode", "mixed"}
     assert prof["endpoint"]["max_concurrent_streams"] >= 4  # the server batches streams sent together
     assert prof["host"]["endpoint"] == running.url and prof["endpoint"]["model"] == "tiny"
-    assert prof["fit"]["heldout"]["mape"] < 1.0
+    # a tiny model's ~1 ms steps seen through HTTP: the bound catches a broken fit, not its accuracy (measured on a
+    # real model by bench/llamacpp_endpoint.py)
+    assert prof["fit"]["heldout"]["mape"] < 3.0
     data = yaml.safe_load(path.read_text())
     data["cost_model"] = {"profile": str(prof_path)}
     (tmp_path / "priced.yaml").write_text(yaml.safe_dump(data))

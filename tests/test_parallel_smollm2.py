@@ -14,7 +14,7 @@ from tests.parallel_workloads import outputs, policy
 
 pytestmark = pytest.mark.slow
 
-LENGTHS = [(40, 12), (150, 6), (9, 20), (90, 10), (230, 4), (61, 15)]  # (prompt, output): mixed steps
+LENGTHS = [(40, 6), (150, 3), (9, 10), (90, 5), (230, 2), (61, 8)]  # (prompt, output): mixed steps
 
 
 @pytest.fixture(scope="module")
