@@ -3,13 +3,15 @@ guidellm (an established benchmark client from PyPI) send the same load as infer
 --endpoint`'s client): 4 users back to back, 128-token prompts, 32-token outputs forced with ignore_eos. Their TTFT and
 inter-token latency should agree with the replay's within 5%: what infersim measures of an endpoint is what others
 measure of it. The three take turns, round by round (the order rotating), against one server; each figure is the
-median over rounds of that run's median.
+median over rounds of that run's median. On a small machine a client's own work (parsing streams, guidellm's
+worker processes) would take cores from the server and change what it measures: by default the server runs on core 0
+with one thread and the clients on the other cores (`--shared-cores` to share them).
 
 guidellm reports per request (E2E − TTFT) / (tokens − 1) as its inter-token latency: vLLM's TPOT, compared with the
 replay's TPOT; the openai loop's chunk gaps are compared with the replay's ITL too. guidellm runs from its own
 environment (`--guidellm PATH`; pip install guidellm pulls torch 2.14 and more): without it, its rows are skipped.
 
-Usage: python bench/endpoint_clients.py [--rounds 3] [--guidellm /path/to/venv/bin/guidellm]
+Usage: python bench/endpoint_clients.py [--rounds 3] [--guidellm /path/to/venv/bin/guidellm] [--shared-cores]
 Ends with `name: value` lines.
 """
 from __future__ import annotations
@@ -40,9 +42,12 @@ from sim.config.workload import generate_requests  # noqa: E402
 SCENARIO = ROOT / "bench" / "scenarios" / "clients.yaml"
 
 
-def start_server(path: Path) -> tuple[subprocess.Popen, str]:
-    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0"],
-                              cwd=ROOT, stderr=subprocess.PIPE, text=True)
+def start_server(path: Path, pin: bool) -> tuple[subprocess.Popen, str]:
+    """The server; with `pin`, on core 0 with one thread, so that no client's work takes time from its steps."""
+    threads = ["--threads", "1"] if pin else []
+    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0",
+                               *threads], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None)
     for line in server.stderr:
         m = re.search(r"at (http://\S+)/v1", line)
         if m:
@@ -134,60 +139,86 @@ def save_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def specs_for(users: int):
+    """The bench scenario's requests with `users` in its closed loop."""
+    _, plan = load_scenario(SCENARIO)
+    loop = plan.workload.closed_loop.model_copy(update={"users": users})
+    return generate_requests(plan.workload.model_copy(update={"closed_loop": loop}), plan.base_dir)
+
+
+def measure(url: str, users: int, rounds: int, guidellm: str | None, tokenizer: Path | None) -> tuple[dict, list]:
+    """Each client's medians over `rounds` rounds at `users` concurrent users, the order rotating; and the loads."""
+    specs = specs_for(users)
+    prompt_len, output_len = specs[0].prompt_len, specs[0].output_len
+    ep = connect(url)
+    model = ep.model
+    prompts = Prompts(ep)
+    texts = [prompts.text(prompt_len, s.id) for s in specs]
+    ep.close()
+    clients = {"infersim": lambda: ours(url, specs),
+               "openai": lambda: openai_loop(url, model, texts, users, output_len),
+               "guidellm": lambda: guidellm_run(guidellm, url, model, tokenizer, len(specs), users, prompt_len,
+                                                output_len)}
+    names = [n for n in clients if n != "guidellm" or guidellm]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    load = []
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            got = clients[name]()
+            runs[name].append(got)
+            load.append(os.getloadavg()[0])
+            print(f"users {users} round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()
+                                                                     if v is not None)
+                  + f" (load {load[-1]:.2f})", flush=True)
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in ("ttft_p50_ms", "tpot_p50_ms")}
+           | {"itl_p50_ms": statistics.median(x["itl_p50_ms"] for x in rs) if rs[0]["itl_p50_ms"] else None}
+           for n, rs in runs.items()}
+    return med, load
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--users", default="1,4", help="comma-separated closed-loop sizes, each measured in turn")
     ap.add_argument("--guidellm", default=shutil.which("guidellm"))
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="server and clients share every core (default: the server on core 0, the clients on the rest)")
     args = ap.parse_args()
+    pin = not args.shared_cores and len(os.sched_getaffinity(0)) >= 2
     import openai
 
-    _, plan = load_scenario(SCENARIO)
-    specs = generate_requests(plan.workload, plan.base_dir)
-    users, prompt_len, output_len = plan.workload.closed_loop.users, specs[0].prompt_len, specs[0].output_len
-    server, url = start_server(SCENARIO)
+    server, url = start_server(SCENARIO, pin)
+    if pin:  # the clients (guidellm's processes too) keep off the server's core
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {0})
     tmp = Path(tempfile.mkdtemp())
-    runs: dict[str, list[dict]] = {"infersim": [], "openai": [], "guidellm": []}
-    load = []
+    results, load = {}, []
     try:
-        ep = connect(url)
-        model = ep.model
-        prompts = Prompts(ep)
-        texts = [prompts.text(prompt_len, s.id) for s in specs]
-        ep.close()
         tokenizer = save_tokenizer(tmp / "tok") if args.guidellm else None
-        clients = {"infersim": lambda: ours(url, specs),
-                   "openai": lambda: openai_loop(url, model, texts, users, output_len),
-                   "guidellm": lambda: guidellm_run(args.guidellm, url, model, tokenizer, len(specs), users,
-                                                    prompt_len, output_len)}
-        names = [n for n in clients if n != "guidellm" or args.guidellm]
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                got = clients[name]()
-                runs[name].append(got)
-                load.append(os.getloadavg()[0])
-                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if v is not None)
-                      + f" (load {load[-1]:.2f})", flush=True)
+        for users in (int(u) for u in args.users.split(",")):
+            results[users], loads = measure(url, users, args.rounds, args.guidellm, tokenizer)
+            load += loads
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
-    med = {n: {k: statistics.median(x[k] for x in rs) for k in ("ttft_p50_ms", "tpot_p50_ms")}
-           | {"itl_p50_ms": statistics.median(x["itl_p50_ms"] for x in rs) if rs[0]["itl_p50_ms"] else None}
-           for n, rs in runs.items() if rs}
     print(f"openai_version: {openai.__version__}")
     if args.guidellm:
         print(f"guidellm_version: {subprocess.run([args.guidellm, '--version'], capture_output=True, text=True).stdout.split()[-1]}")
-    for name, m in med.items():
-        for k, v in m.items():
-            if v is not None:
-                print(f"{name}_{k}: {v:.2f}")
-    for name in med:
-        if name == "infersim":
-            continue
-        for k in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms"):
-            if med[name].get(k) is not None:
-                print(f"{name}_vs_infersim_{k.removesuffix('_ms')}_pct: {100 * (med[name][k] / med['infersim'][k] - 1):+.1f}")
+    for users, med in results.items():
+        for name, m in med.items():
+            for k, v in m.items():
+                if v is not None:
+                    print(f"users{users}_{name}_{k}: {v:.2f}")
+    for users, med in results.items():
+        for name in med:
+            if name == "infersim":
+                continue
+            for k in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms"):
+                if med[name].get(k) is not None:
+                    print(f"users{users}_{name}_vs_infersim_{k.removesuffix('_ms')}_pct: "
+                          f"{100 * (med[name][k] / med['infersim'][k] - 1):+.1f}")
     print(f"load_avg_1min: {statistics.mean(load):.2f}")
+    print(f"server_pinned_to_one_core: {int(pin)}")
 
 
 if __name__ == "__main__":

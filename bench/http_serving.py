@@ -8,7 +8,11 @@ the engine thread's hand-offs. Targets: throughput within 5%, TTFT p50 within +1
 Two workloads (bench/scenarios/): http_serving.yaml at about half the engine's capacity (TTFT is then mostly the
 prefill and what HTTP adds), http_serving_saturated.yaml past it (throughput is then what the engine serves).
 
-Usage: python bench/http_serving.py [--scenario FILE ...] [--rounds 2]
+On a small machine the HTTP client's own work (parsing streams) would take a core from the engine, which a
+server's users do not see (their clients run elsewhere): by default each engine runs on core 0 with one thread and the
+client on the other cores (`--shared-cores` to share them, as the first measurements did).
+
+Usage: python bench/http_serving.py [--scenario FILE ...] [--rounds 2] [--shared-cores]
 Ends with `name: value` lines, prefixed `light_` and `saturated_`.
 """
 from __future__ import annotations
@@ -48,20 +52,30 @@ def figures(metrics: dict) -> dict:
     return {name: metrics[section][key] * scale for name, section, key, scale in FIGURES}
 
 
-def in_process(path: Path) -> dict:
+def engine_on(pin: bool) -> tuple[list[str], object]:
+    """Flags and a preexec for an engine process: with `pin`, core 0 and one thread, so that the HTTP client's own
+    work (on the other cores) takes nothing from the engine and both ways compute alike."""
+    if not pin:
+        return [], None
+    return ["--threads", "1"], lambda: os.sched_setaffinity(0, {0})
+
+
+def in_process(path: Path, pin: bool) -> dict:
     """`infersim serve` of the scenario in a process of its own, as the server runs in one: its report's figures."""
+    flags, preexec = engine_on(pin)
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "infersim.cli", "serve", str(path), "--out", out, "-q", "--no-plots"],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "infersim.cli", "serve", str(path), "--out", out, "-q", "--no-plots",
+                        *flags], cwd=ROOT, check=True, capture_output=True, preexec_fn=preexec)
         report = json.loads((Path(out) / "report.json").read_text())
     assert report["requests"]["completed"] == report["requests"]["arrived"]
     return figures(report)
 
 
-def over_http(path: Path, plan, specs) -> dict:
+def over_http(path: Path, plan, specs, pin: bool) -> dict:
     """Start `infersim serve --http` on a free port, replay the workload against it, stop it."""
-    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0"],
-                              cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    flags, preexec = engine_on(pin)
+    server = subprocess.Popen([sys.executable, "-m", "infersim.cli", "serve", str(path), "--http", "--port", "0",
+                               *flags], cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     try:
         url = None
         for line in server.stderr:
@@ -84,7 +98,7 @@ def over_http(path: Path, plan, specs) -> dict:
         server.wait(timeout=60)
 
 
-def compare(path: Path, rounds: int) -> dict:
+def compare(path: Path, rounds: int, pin: bool) -> dict:
     """One scenario, both ways, `rounds` rounds: the medians per way."""
     _, plan = load_scenario(path)
     specs = generate_requests(plan.workload, plan.base_dir)
@@ -92,7 +106,7 @@ def compare(path: Path, rounds: int) -> dict:
     for r in range(rounds):
         for mode in ("in_process", "http") if r % 2 == 0 else ("http", "in_process"):
             t0 = time.perf_counter()
-            got = in_process(path) if mode == "in_process" else over_http(path, plan, specs)
+            got = in_process(path, pin) if mode == "in_process" else over_http(path, plan, specs, pin)
             got["load_avg_1min"] = os.getloadavg()[0]
             runs[mode].append(got)
             print(f"{plan.name} round {r + 1} {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
@@ -106,8 +120,14 @@ def main() -> None:
                                                                  ROOT / "bench" / "scenarios" /
                                                                  "http_serving_saturated.yaml"])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="engine and client share every core (default: the engine on core 0, one thread; the client on "
+                         "the rest)")
     args = ap.parse_args()
-    results = {path: compare(path, args.rounds) for path in args.scenario}
+    pin = not args.shared_cores and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {0})  # this process replays: off the engine's core
+    results = {path: compare(path, args.rounds, pin) for path in args.scenario}
     for path, med in results.items():
         a, b = med["in_process"], med["http"]
         tag = "saturated_" if "saturated" in path.stem else "light_" if path.stem == "http_serving" else path.stem + "_"
@@ -118,6 +138,7 @@ def main() -> None:
         print(f"{tag}ttft_p50_delta_ms: {b['ttft_p50_ms'] - a['ttft_p50_ms']:+.2f}")
         print(f"{tag}tpot_p50_ratio: {b['tpot_p50_ms'] / a['tpot_p50_ms']:.4f}")
         print(f"{tag}load_avg_1min: {(a['load_avg_1min'] + b['load_avg_1min']) / 2:.2f}")
+    print(f"engine_pinned_to_one_core: {int(pin)}")
 
 
 if __name__ == "__main__":

@@ -323,7 +323,8 @@ def _sse(body: dict) -> str:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: one the system picks), before the server starts: its address is known at once."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle off only on sockets whose proto says TCP, and accepted ones inherit this one's
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

@@ -231,3 +231,27 @@ def test_the_official_openai_client_streams_from_it(server):
     assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny", prompt=words(3), max_tokens=4, temperature=9)
+
+
+def test_accepted_connections_turn_nagle_off():
+    """asyncio sets TCP_NODELAY only on sockets whose proto says TCP; an accepted socket takes the listener's. With
+    proto 0, a stream's first chunk waited for the client's delayed ACK (~40 ms) after the response headers."""
+    import asyncio
+    import socket
+
+    from executor.http_server import bind
+
+    listener = bind("127.0.0.1", 0)
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    try:
+        async def nodelay() -> int:
+            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, conn)
+            value = transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            transport.abort()
+            return value
+
+        assert asyncio.run(nodelay()) != 0
+    finally:
+        client.close()
+        listener.close()
