@@ -159,7 +159,10 @@ def connect(url: str, served_model: str | None = None, tokenizer: str | None = N
         raise ConfigError(f"{root} does not serve {model!r}; it serves {', '.join(map(str, names[:4]))}",
                           "--served-model")
     card = data[names.index(model)]
-    engine = " ".join(x for x in (str(card.get("owned_by") or ""), r.headers.get("server", "")) if x) or "unknown"
+    # what the server says of itself: its `server` header and the model's owner (vLLM: "vllm"; llama.cpp's: "me")
+    said = [f"server {r.headers['server']}" if r.headers.get("server") else "",
+            f"owned_by {str(card['owned_by'])[:40]}" if card.get("owned_by") else ""]
+    engine = ", ".join(x for x in said if x) or "unknown"
     tokens = LocalTokens(tokenizer) if tokenizer else RemoteTokens.probe(client, model)
     if tokens is None:
         client.close()
