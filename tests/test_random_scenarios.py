@@ -432,7 +432,7 @@ def check_engines(result, schedulers) -> None:
     assert len(schedulers) == len(result.replicas)
     for sched, trace in zip(schedulers, result.replicas):
         kv = sched.kv
-        assert not sched.has_work() and sched.num_outstanding == 0 and not sched.sending and not sched.outbox
+        assert not sched.has_work() and sched.num_outstanding == 0 and not sched.handoff.sending and not sched.handoff.outbox
         assert sorted(kv.free_blocks) == list(range(kv.num_blocks))
         assert sorted(kv.free_host_blocks) == list(range(kv.num_swap_blocks))
         assert trace.peak_blocks <= trace.num_blocks

@@ -27,7 +27,7 @@ from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, 
 from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
 from sim.cost.step import PricesStages, Stages, StepCost, decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 VLLM_STEP_OVERHEAD_S = 126e-6
 VLLM_PER_SEQ_OVERHEAD_S = 4.4e-6

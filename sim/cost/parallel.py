@@ -19,7 +19,7 @@ from sim.config.models import ModelSpec
 from sim.cost.comm import MeasuredCollectives
 from sim.cost.fitted import FittedCostModel, parts_of
 from sim.cost.step import PricesStages, Stages, StepCost, decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 # terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
 # the weights it holds; the step's fixed cost in full on every stage (each runs a forward of its own: measured on

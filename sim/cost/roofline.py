@@ -10,7 +10,7 @@ from sim.config.hardware import HardwareSpec
 from sim.config.models import ModelSpec
 from sim.cost.comm import Interconnect, TensorParallelComm
 from sim.cost.step import StepCost
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 # Weight-only quantized matmuls (int8/int4, fp8 without fp8 tensor cores) dequantize each weight tile before the
 # 16-bit multiply: ~15% over the dense kernel where they are compute-bound (Marlin / AWQ kernels at large batch),
