@@ -25,12 +25,13 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.limits import MAX_REQUESTS
 from sim.config.plan import Plan, check_profile_device, make_plan
 from sim.config.profile import read_profile
 from sim.config.scenario import SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.config.yaml_file import read_yaml
 from sim.cost.build import speculation_model
 from sim.report.capacity import (

@@ -21,8 +21,8 @@ from executor.prompts import corpus_ids, prompt_ids
 from executor.serve import build_engine, load_model
 from infersim.cli import app
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
-from sim.config.workload import generate_requests
 from sim.report.metrics import compute_metrics
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 

@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 
 import sim.simulator.engines as engines
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
-from sim.config.workload import generate_requests
 from sim.policy.build import make_policy
 from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Status

@@ -8,7 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
-from sim.config.workload import EmpiricalLength, RequestSpec, WorkloadConfig, generate_requests, load_trace
+from sim.config.generator import generate_requests
+from sim.config.traces import load_trace
+from sim.config.workload import EmpiricalLength, RequestSpec, WorkloadConfig
 
 AZURE = Path(__file__).resolve().parents[1] / "sim" / "data" / "azure_llm_2023_conv.csv"
 FIXED = {"dist": "fixed", "value": 7}
