@@ -117,6 +117,18 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
+    specs = _request_specs(cfg, columns, order, chains, rng_prefix)
+    if cfg.conversation is not None:
+        return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces, cfg.closed_loop, rng_users)
+    if cfg.closed_loop is not None:
+        return _closed_loop(specs, cfg.closed_loop, rng_users)
+    return specs
+
+
+def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chains: list | None,
+                   rng_prefix) -> list[RequestSpec]:
+    """The requests of `columns` (arrival, prompt, output, in arrival order; `order` took them there), with what
+    their prompts share: a trace's hash_ids (`chains`, in the rows' first order), or workload.shared_prefix's ids."""
     if chains is not None:
         for key, what in (("conversation", "a conversation's turns would share more"),
                           ("shared_prefix", "a shared prefix would replace them")):
@@ -124,18 +136,12 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
                 raise ConfigError(f"the trace's hash_ids already say what its prompts share; {what}: drop "
                                   f"workload.{key}, or use a trace without hash_ids", f"workload.{key}")
         chains = [chains[k] for k in order.tolist()]
-        specs = [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
-    elif cfg.shared_prefix is None:
-        specs = [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
-    else:
-        sp = cfg.shared_prefix
-        prefix = rng_prefix.integers(0, sp.num_prefixes, len(arrivals))[order].tolist()
-        specs = [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
-    if cfg.conversation is not None:
-        return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces, cfg.closed_loop, rng_users)
-    if cfg.closed_loop is not None:
-        return _closed_loop(specs, cfg.closed_loop, rng_users)
-    return specs
+        return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
+    if cfg.shared_prefix is None:
+        return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
+    sp = cfg.shared_prefix
+    prefix = rng_prefix.integers(0, sp.num_prefixes, len(order))[order].tolist()
+    return [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
 
 
 def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
