@@ -52,6 +52,8 @@ class SchedulerConfig:
 # vLLM turns chunked prefill on by default past this context (engine args, V0; V1 always): a step budget of a whole
 # 128k-token prompt reserves ~11 GiB of activations for Llama-3.1-8B
 LONG_CONTEXT = 32768
+# vLLM's step budget with chunked prefill (and the least one without it)
+DEFAULT_STEP_TOKENS = 2048
 
 
 def _default(cls, name: str):
@@ -70,7 +72,8 @@ def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
           "batch_size", "max_queue_len", "max_queue_delay_s")}
     if k["enable_chunked_prefill"] is None:
         k["enable_chunked_prefill"] = k["batching"] == "continuous" and max_model_len > LONG_CONTEXT
-    budget = knobs.get("max_num_batched_tokens") or (2048 if k["enable_chunked_prefill"] else max(max_model_len, 2048))
+    budget = knobs.get("max_num_batched_tokens") or \
+        (DEFAULT_STEP_TOKENS if k["enable_chunked_prefill"] else max(max_model_len, DEFAULT_STEP_TOKENS))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
     return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,
                            preemption=knobs.get("preemption", _default(KVCacheConfig, "preemption")),
