@@ -24,7 +24,7 @@ from sim.config.scenario import (
     parse_scenario,
     validation_error,
 )
-from sim.config.sharding import Sharding, shard
+from sim.config.sharding import shard
 from sim.config.workload import WorkloadConfig
 from sim.config.yaml_file import read_yaml
 
@@ -143,11 +143,6 @@ class Plan:
     @property
     def prefill_chunk_size(self) -> int:
         return self.scheduler.prefill_chunk_size
-
-    @property
-    def sharding(self) -> Sharding:
-        """How the model splits over the replica's tensor-parallel group."""
-        return shard(self.model, self.tensor_parallel_size)
 
     @property
     def largest_stage_layers(self) -> int:
