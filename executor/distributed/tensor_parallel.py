@@ -36,7 +36,7 @@ from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaConfig, LlamaModel
 from executor.model_runner import ModelRunner, StepInput
 from executor.sampling import SamplingParams
-from sim.config.sharding import shard
+from sim.config.sharding import shard, vocab_shard
 
 SHM_CAPACITY = 1 << 20  # floats per rank per shared-memory operation (4 MiB): larger ones go in chunks
 
@@ -61,11 +61,6 @@ def shard_config(config: LlamaConfig, tp: int) -> LlamaConfig:
     s = shard(config, tp)
     return replace(config, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate,
                    tie_word_embeddings=False)
-
-
-def vocab_shard(vocab_size: int, tp: int) -> int:
-    """Rows of each rank's LM head slice (the last one zero-padded)."""
-    return -(-vocab_size // tp)
 
 
 def shard_state(model: LlamaModel, tp: int, rank: int) -> dict[str, torch.Tensor]:

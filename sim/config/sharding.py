@@ -1,6 +1,7 @@
 """How a model's layers split over a tensor-parallel group (Megatron-style), the one rule the plan, every cost model,
 calibration and the executor's tensor parallel read: query heads and the MLP's columns split evenly; KV heads split
-evenly too, or, with more devices than KV heads (as vLLM does), each device holds a copy of one."""
+evenly too, or, with more devices than KV heads (as vLLM does), each device holds a copy of one; the LM head splits
+by vocabulary rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +40,11 @@ class Sharding:
     def kv_bytes(self, model_bytes: float) -> float:
         """One device's share of K/V bytes the whole model keeps (per token, say): its KV heads' fraction."""
         return model_bytes * self.kv_heads / self.num_kv_heads
+
+
+def vocab_shard(vocab_size: int, tp: int) -> int:
+    """Rows of each device's slice of a vocab-parallel LM head (the last one zero-padded)."""
+    return -(-vocab_size // tp)
 
 
 def shard(model: _Shaped, tp: int) -> Sharding:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.config.models import ModelSpec
-from sim.config.sharding import shard
+from sim.config.sharding import shard, vocab_shard
 from sim.cost.comm import Collectives
 from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
 from sim.cost.parallel import stage_layers
@@ -125,7 +125,7 @@ class KernelCostModel(PricesStages):
             t = pass_time(p["add"], 2 * tokens * m.hidden_size * self.act_bytes) if tokens else 0.0
             if sampled:
                 t += pass_time(p["input_norm"], 2 * sampled * m.hidden_size * self.act_bytes)
-                t += self.lm_gemm.time(sampled, -(-m.vocab_size // self.tp), m.hidden_size, self.act_bytes,
+                t += self.lm_gemm.time(sampled, vocab_shard(m.vocab_size, self.tp), m.hidden_size, self.act_bytes,
                                        self.act_bytes)
             t = self._head[key] = self.refinement.lm_head * t
         return t
