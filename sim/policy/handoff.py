@@ -8,13 +8,16 @@ the KV in) and, once `received`, decodes them like a swapped-in request. A coloc
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status
 
-if TYPE_CHECKING:
-    from sim.policy.base_scheduler import BaseScheduler
+
+class DecodePolicy(Protocol):
+    """What a prefill instance asks of the decode instances' policy (a scheduler's)."""
+
+    def decode_reject_reason(self, req: Request) -> str | None: ...
 
 
 class HandOff:
@@ -23,7 +26,7 @@ class HandOff:
 
     __slots__ = ("kv", "decode_pool", "sending", "outbox", "incoming", "receiving", "ready")
 
-    def __init__(self, kv: BlockAllocator, decode_pool: "BaseScheduler | None" = None):
+    def __init__(self, kv: BlockAllocator, decode_pool: DecodePolicy | None = None):
         self.kv = kv
         self.decode_pool = decode_pool
         self.sending: dict[Request, list[int]] = {}  # handed off, KV not yet sent: the blocks it still holds
