@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calibration.endpoint import Prompts, connect, replay  # noqa: E402
+from sim.config.generator import generate_requests  # noqa: E402
 from sim.config.plan import load_scenario  # noqa: E402
-from sim.config.workload import generate_requests  # noqa: E402
 
 SCENARIO = ROOT / "bench" / "scenarios" / "clients.yaml"
 

@@ -34,7 +34,7 @@ from executor.build import make_engine, run_offline  # noqa: E402
 from executor.engine import Engine, SamplingParams  # noqa: E402
 from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
-from sim.config.workload import load_trace  # noqa: E402
+from sim.config.traces import load_trace  # noqa: E402
 from sim.policy.block_manager import BlockAllocator  # noqa: E402
 from sim.policy.request import Status  # noqa: E402
 from sim.policy.scheduler import Scheduler  # noqa: E402

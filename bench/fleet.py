@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from infersim.api import load_plan
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan, replan
-from sim.config.workload import generate_requests
 from sim.report.outputs import build_report
 from sim.simulator.cluster import sim_records, simulate
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from calibration.endpoint import connect, replay  # noqa: E402
 from calibration.endpoint_validate import endpoint_records  # noqa: E402
+from sim.config.generator import generate_requests  # noqa: E402
 from sim.config.plan import load_scenario  # noqa: E402
-from sim.config.workload import generate_requests  # noqa: E402
 from sim.report.metrics import compute_metrics  # noqa: E402
 
 FIGURES = (("throughput_tok_s", "throughput", "output_tokens_per_s", 1.0), ("ttft_p50_ms", "ttft_s", "p50", 1e3),

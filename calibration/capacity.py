@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from calibration.validate import print_stage, run_real, simulated, slo_metrics, step_time_ratio, with_profile
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.cost.build import make_pricer
 from sim.report.capacity import Grid, offered_rate, probe_rows, rates_grid, users_grid
 

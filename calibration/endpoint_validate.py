@@ -8,8 +8,8 @@ from pathlib import Path
 
 from calibration.endpoint import Endpoint, Outcome, replay
 from calibration.validate import compare, latency_quantiles, slo_metrics, with_profile, write_cdf_plot
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan
-from sim.config.workload import generate_requests
 from sim.report.metrics import records_from_requests
 from sim.report.outputs import write_requests_csv
 from sim.simulator.cluster import sim_records, simulate

@@ -25,10 +25,9 @@ import yaml
 from calibration.capacity import validate_capacity
 from calibration.profile import profile_command
 from calibration.validate import METRICS, markdown_table, model_loader, summarize, validate_many
-from executor import engine
 from executor.serve import check_device
 from sim.config.errors import ConfigError
-from sim.config.plan import load_scenario
+from sim.config.plan import load_scenario, replan
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "scenarios/gpu"
@@ -78,6 +77,11 @@ def run_cuda_tests() -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(count.outcomes.items())) + f" (pytest exit {int(rc)})"
 
 
+def as_run(plan, eager: bool):
+    """The plan as this check runs it: `--eager` turns its executor's CUDA graphs off."""
+    return replan(plan, executor={**plan.source["executor"], "cuda_graphs": False}) if eager else plan
+
+
 def check_model(name: str, paths: list[Path], out: Path, args, stages: dict) -> tuple[dict, list, dict | None]:
     """Profile one model as its first scenario runs it, validate its scenarios with that profile, and measure its
     capacity where CAPACITY names a scenario: (profile, validation results, capacity.json content or None)."""
@@ -87,19 +91,19 @@ def check_model(name: str, paths: list[Path], out: Path, args, stages: dict) -> 
     t = time.perf_counter()
     prof_path = folder / f"{args.device}.json"
     prof = profile_command(args.device, name, prof_path, args.threads, args.quick, repeats=args.repeats,
-                           scenario=paths[0])
+                           scenario=paths[0], cuda_graphs=not args.eager)
     stages[f"{name} profile"] = time.perf_counter() - t
     t = time.perf_counter()
     load = model_loader(args.device)
     # one folder per scenario file, as `infersim validate --out` names them: `--real-from` re-scores them
-    plans = [(load_scenario(path)[1], folder / path.stem) for path in paths]
+    plans = [(as_run(load_scenario(path)[1], args.eager), folder / path.stem) for path in paths]
     results = validate_many(plans, prof_path, args.device, runs=args.runs, load=load)
     stages[f"{name} validate"] = time.perf_counter() - t
     capacity = None
     if name in CAPACITY and not args.no_capacity:
         t = time.perf_counter()
         path = CAPACITY[name] if args.device != "cpu" else dry_scenario(CAPACITY[name], folder / "scenarios")
-        plan = load_scenario(path)[1]
+        plan = as_run(load_scenario(path)[1], args.eager)
         capacity = validate_capacity(plan, prof_path, args.device, args.threads, load(plan),
                                      out=folder / "capacity", precision=args.precision)
         stages[f"{name} capacity"] = time.perf_counter() - t
@@ -145,7 +149,6 @@ def main() -> None:
     if unknown or not names:
         raise ConfigError(f"unknown model {unknown[0] if unknown else args.models!r}; allowed: {', '.join(MODELS)}",
                           "--models")
-    engine.CUDA_GRAPHS = not args.eager
     stages = {}
     t0 = time.perf_counter()
     tests = "skipped here (run separately)" if args.skip_tests or args.device == "cpu" else run_cuda_tests()

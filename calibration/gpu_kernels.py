@@ -14,7 +14,7 @@ call streams them from memory as a decoder layer does:
   cached prefix (causal to the lower right), and decodes of a batch over its KV cache (GQA as query groups);
 - grouped expert GEMMs (`torch._grouped_mm`) as a mixture-of-experts layer runs them, tokens spread over experts.
 
-Writes one JSON record per measurement: {"op": ..., shape fields..., "s": seconds per call}. Needs only torch.
+Writes one JSON record per measurement: {"op": ..., shape fields..., "s": seconds per call}. Needs only torch (and the sharding rule, sim/config/sharding.py).
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from sim.cost.kernels import layer_gemms
 
 # Shapes of real models (hidden, heads, kv_heads, head_dim, intermediate, vocab): the projections a device computes
 # at each tensor-parallel size
@@ -49,10 +51,7 @@ ROTATE_BYTES = 256 * 2**20  # weights rotated through copies this large: several
 def projections(hidden, heads, kv_heads, head_dim, inter, tp) -> list[tuple[str, int, int]]:
     """(name, N, K) of a decoder layer's GEMMs on one of `tp` devices (Megatron sharding; KV heads replicated where
     fewer than devices)."""
-    q = heads * head_dim // tp
-    kv = max(1, kv_heads // tp) * head_dim
-    return [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter // tp, hidden),
-            ("down", hidden, inter // tp)]
+    return [(op, n, k) for op, _, n, k in layer_gemms(hidden, heads, kv_heads, head_dim, inter, tp, 1)]
 
 
 class Timer:

@@ -18,6 +18,7 @@ from scipy.optimize import nnls
 from sim.config.hardware import HARDWARE_CATALOG, measured_devices
 from sim.config.models import ModelSpec
 from sim.config.profile import REFINEMENT_TERMS as TERMS
+from sim.config.sharding import shard
 from sim.cost.comm import Interconnect
 from sim.cost.fitted import shape_of
 from sim.cost.gpu import KernelCostModel
@@ -45,8 +46,7 @@ def kernel_model(model: dict, device: str, tensor_parallel_size: int = 1) -> Ker
     spec = ModelSpec(**{k: v for k, v in model.items() if k in ModelSpec.model_fields})
     kernels, _ = load_kernels()
     hw = HARDWARE_CATALOG[device]
-    kv_heads = max(1, spec.num_kv_heads // tensor_parallel_size)
-    kv_layer = spec.kv_bytes_per_token / spec.num_layers * kv_heads / spec.num_kv_heads
+    kv_layer = shard(spec, tensor_parallel_size).kv_bytes(spec.kv_bytes_per_token / spec.num_layers)
     return KernelCostModel(spec, kernels[device], hw, Interconnect.of(hw), kv_layer, tensor_parallel_size)
 
 

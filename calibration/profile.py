@@ -60,7 +60,8 @@ def measure_device(device: str) -> dict:
     return {"matmul_flops": 2 * n**3 / mm, "memory_bandwidth": 2 * x.numel() * 4 / cp}
 
 
-def device_info(device: str) -> dict:
+def device_info(device: str, cuda_graphs: bool = True) -> dict:
+    """The machine a profile was measured on; on a GPU, whether its steps replayed CUDA graphs."""
     info = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     try:
@@ -71,7 +72,8 @@ def device_info(device: str) -> dict:
         from executor import engine
 
         info["gpu"] = torch.cuda.get_device_name()
-        info["cuda_graphs"] = engine.CUDA_GRAPHS  # steps replayed from graphs: the fit's step costs depend on it
+        # steps replayed from graphs: the fit's step costs depend on it
+        info["cuda_graphs"] = cuda_graphs and engine.CUDA_GRAPHS
     return info
 
 
@@ -97,12 +99,14 @@ def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None
 
 
 @contextmanager
-def engines(model, device: str, parallel: dict | None = None) -> Iterator:
+def engines(model, device: str, parallel: dict | None = None, cuda_graphs: bool = True) -> Iterator:
     """make(**cfg) -> an engine for one workload run: in this process, or over a tensor- or pipeline-parallel
     process group (`parallel`: {"tensor_parallel_size": n} or {"pipeline_parallel_size": p}, one batch in flight)
-    started for the block, each rank with this process's torch threads; with the group's worker pids."""
+    started for the block, each rank with this process's torch threads; with the group's worker pids.
+    `cuda_graphs` False: every step eager on a GPU too."""
     if not parallel:
-        yield (lambda **cfg: profile_engine(model, device, **cfg)), []
+        use_graphs = None if cuda_graphs else False
+        yield (lambda **cfg: profile_engine(model, device, use_graphs=use_graphs, **cfg)), []
         return
     from executor.distributed.pipeline import pipeline
     from executor.distributed.tensor_parallel import tensor_parallel
@@ -175,8 +179,9 @@ class Sweep:
     machine spreads over all shapes; scheduling is deterministic, so step i of every repeat has the same shape."""
 
     def __init__(self, model, corpus: list[int], device: str, quick: bool = False, repeats: int = 3,
-                 progress=None, parallel: dict | None = None):
+                 progress=None, parallel: dict | None = None, cuda_graphs: bool = True):
         self.model, self.corpus, self.device = model, corpus, device
+        self.cuda_graphs = cuda_graphs  # on a GPU: steps replayed from CUDA graphs (the executor's default)
         self.progress = progress  # progress(units done, units) after each workload run
         self.load = CpuLoad()  # other processes' CPU while the sweep runs: a busy machine spoils a profile
         # through a parallel engine (each slice starts its process group): the parallel engines run no drafters
@@ -194,7 +199,7 @@ class Sweep:
         stop = min(len(self.units), round(fraction * len(self.units)))
         if stop <= self.done:
             return
-        with engines(self.model, self.device, self.parallel) as (make, workers):
+        with engines(self.model, self.device, self.parallel, self.cuda_graphs) as (make, workers):
             if self.done == 0 or self.parallel:  # warm-up: first forwards (of a new group's processes) allocate
                 run_workload(make(), self.corpus, [(64, 4)] * 2)
             self.load.workers = workers  # the group's CPU is the sweep's own
@@ -261,7 +266,7 @@ class Sweep:
         communication the executor's parallel engines use measured on the CPU (executor/distributed/comm_bench.py)."""
         self.run_until(1.0)
         samples, speed = self.samples_and_speeds()
-        host = {**device_info(self.device), "other_processes_cores": round(self.load.mean_others, 2),
+        host = {**device_info(self.device, self.cuda_graphs), "other_processes_cores": round(self.load.mean_others, 2),
                 "other_processes_busy_share": round(self.load.busy_share, 2)}
         prof = {"model": model_spec, "host": host, "measured": measure_device(self.device),
                 "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
@@ -278,10 +283,10 @@ class Sweep:
 
 
 def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool = False, repeats: int = 3,
-            progress=None, parallel: dict | None = None) -> dict:
+            progress=None, parallel: dict | None = None, cuda_graphs: bool = True) -> dict:
     """Sweep, fit, and assemble the profile (the JSON `cost_model.profile` names); `parallel`: through that
-    tensor- or pipeline-parallel layout of the executor."""
-    sweep = Sweep(model, corpus, device, quick, repeats, progress, parallel)
+    tensor- or pipeline-parallel layout of the executor; `cuda_graphs` False: eager steps on a GPU."""
+    sweep = Sweep(model, corpus, device, quick, repeats, progress, parallel, cuda_graphs)
     prof = sweep.profile(model_spec)
     warning = sweep.load.warning("the profile sweep")
     if warning:
@@ -390,9 +395,10 @@ def layout_of(plan) -> dict | None:
 
 
 def profile_command(device: str, model: str, out: Path, threads: int | None, quick: bool, repeats: int = 3,
-                    scenario: Path | None = None) -> dict:
+                    scenario: Path | None = None, cuda_graphs: bool | None = None) -> dict:
     """`infersim profile`: load the model, sweep, fit, write and summarize the profile. `scenario`: profile the
-    executor as that scenario runs it (its model and weights, its tensor- or pipeline-parallel layout, its threads)."""
+    executor as that scenario runs it (its model and weights, its tensor- or pipeline-parallel layout, its threads,
+    its executor.cuda_graphs unless `cuda_graphs` says otherwise)."""
     from executor.prompts import corpus_ids
     from executor.weights import load_hf_model, smollm2_gguf_path
     from sim.config.models import catalog_model, load_hf_config
@@ -406,6 +412,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
         _, plan = load_scenario(scenario)
         threads = threads or plan.executor.threads
         parallel = layout_of(plan)
+        cuda_graphs = plan.executor.cuda_graphs if cuda_graphs is None else cuda_graphs
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -433,7 +440,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     err.print(f"profiling {spec.name} on {device}{where}: {len(workloads(quick))} workloads x {repeats} repeats",
               highlight=False)
     prof = profile(net, corpus, device, spec.model_dump(), quick=quick, repeats=repeats,
-                   progress=_every_tenth(err), parallel=parallel)
+                   progress=_every_tenth(err), parallel=parallel, cuda_graphs=cuda_graphs is not False)
     write_profile(out, prof)
     f = prof["fit"]
     Console().print(f"profiled {len(prof['samples'])} steps in {prof['sweep_s']:.0f} s; held-out MAPE "

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan, replan
-from sim.config.workload import generate_requests
 from sim.cost.build import make_pricer
 from sim.cost.fitted import shape_of
 from sim.cost.pricer import StepPricer

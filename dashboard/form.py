@@ -9,10 +9,22 @@ from pathlib import Path
 
 import streamlit as st
 
+from dashboard.schema import choices, default, upper
 from dashboard.seeds import saved, upload_dir
 from infersim import api
 from sim.config.limits import MAX_REPLICAS, MAX_REQUESTS
-from sim.config.scenario import CONTINUOUS_ONLY
+from sim.config.models import ModelSpec
+from sim.config.plan import DEFAULT_STEP_TOKENS, LONG_CONTEXT
+from sim.config.scenario import (
+    CONTINUOUS_ONLY,
+    KVCacheConfig,
+    ParallelConfig,
+    Scenario,
+    ServingConfig,
+    SLOConfig,
+    SpeculativeConfig,
+)
+from sim.config.workload import ArrivalConfig
 from sim.policy.router import ROUTERS
 
 AS_SEEDED = "as in the scenario"
@@ -26,12 +38,12 @@ PROMPT_LEN = {"dist": "lognormal", "median": 512, "sigma": 0.8, "max": 4096}
 OUTPUT_LEN = {"dist": "lognormal", "median": 128, "sigma": 0.8, "max": 1024}
 # (model key, label, the choice that writes no key (the model's own), other choices, help): priced per hardware
 COMPRESSION = (
-    ("weight_dtype", "Weights", "default", ["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
+    ("weight_dtype", "Weights", "default", choices(ModelSpec, "weight_dtype"),
      "default: the model's own dtype. int8 / int4: weight-only quantization; fp8 computes in fp8 where the hardware "
      "has it, else only its bytes shrink"),
-    ("kv_dtype", "KV cache", "default", ["fp32", "fp16", "bf16", "fp8", "int8"],
+    ("kv_dtype", "KV cache", "default", choices(ModelSpec, "kv_dtype"),
      "the KV cache's element type; default: the activations' (int8: a scale per token and head)"),
-    ("sparsity", "Sparsity", "none", ["2:4"],
+    ("sparsity", "Sparsity", default(ModelSpec, "sparsity"), choices(ModelSpec, "sparsity", exclude=("none",)),
      "2:4: decoder weights pruned to 2 of every 4; faster and smaller only on hardware with sparse tensor cores"),
 )
 
@@ -118,7 +130,8 @@ def deployment(f: Form, seed: dict) -> dict:
         out["pools"], out["replicas"] = pools, None
     else:
         with c1:
-            out["replicas"] = f.integer("Replicas", "replicas", seed.get("replicas", 1), hi=MAX_REPLICAS)
+            out["replicas"] = f.integer("Replicas", "replicas", seed.get("replicas", default(Scenario, "replicas")),
+                                        hi=MAX_REPLICAS)
         out["pools"] = None
     with c3:
         out["router"] = f.choice("Router", "router", list(ROUTERS), seed.get("router"))
@@ -126,10 +139,12 @@ def deployment(f: Form, seed: dict) -> dict:
     c1, c2 = st.columns(2)
     with c1:
         parallel["tensor_parallel_size"] = f.integer("tensor_parallel_size", "parallel.tp",
-                                                     parallel.get("tensor_parallel_size", 1), hi=64)
+                                                     parallel.get("tensor_parallel_size", 1),
+                                                     hi=upper(ParallelConfig, "tensor_parallel_size"))
     with c2:
         parallel["pipeline_parallel_size"] = f.integer("pipeline_parallel_size", "parallel.pp",
-                                                       parallel.get("pipeline_parallel_size", 1), hi=64)
+                                                       parallel.get("pipeline_parallel_size", 1),
+                                                       hi=upper(ParallelConfig, "pipeline_parallel_size"))
     out["parallel"] = parallel
     out["speculative"] = speculative(f, seed.get("speculative"))
     return out
@@ -140,10 +155,10 @@ def compression(f: Form, model: str | dict) -> str | dict:
     ...}`); a choice left at the model's default writes no key, so the catalog's own dtype applies."""
     picked = dict(model) if isinstance(model, dict) else {"base": model}
     cols = st.columns(3)
-    for col, (key, label, default, options, why) in zip(cols, COMPRESSION):
+    for col, (key, label, own, options, why) in zip(cols, COMPRESSION):
         with col:
-            value = f.choice(label, f"model.{key}", [default, *options], picked.get(key), help=why)
-        if value == default:
+            value = f.choice(label, f"model.{key}", [own, *options], picked.get(key), help=why)
+        if value == own:
             picked.pop(key, None)
         else:
             picked[key] = value
@@ -165,7 +180,9 @@ def speculative(f: Form, seeded: dict | None) -> dict | None:
                                             key=f.key("speculative.alpha"))
     with c2:
         spec["num_speculative_tokens"] = f.integer("Draft length γ", "speculative.gamma",
-                                                   spec.get("num_speculative_tokens", 5), hi=64)
+                                                   spec.get("num_speculative_tokens",
+                                                            default(SpeculativeConfig, "num_speculative_tokens")),
+                                                   hi=upper(SpeculativeConfig, "num_speculative_tokens"))
     return spec
 
 
@@ -178,7 +195,7 @@ def policy(f: Form, seed: dict) -> dict:
     kv = dict(seed.get("kv_cache") or {})
     c1, c2 = st.columns(2)
     with c1:
-        serving["batching"] = f.choice("Batching", "serving.batching", ["continuous", "static"],
+        serving["batching"] = f.choice("Batching", "serving.batching", choices(ServingConfig, "batching"),
                                        serving.get("batching"))
     static = serving["batching"] == "static"
     # the keys the other batching mode reads are dropped: the scenario refuses keys nothing reads
@@ -186,30 +203,33 @@ def policy(f: Form, seed: dict) -> dict:
         serving.pop(k, None)
     with c2:
         if static:
-            serving["batch_size"] = f.integer("batch_size", "serving.batch_size", serving.get("batch_size", 8))
+            serving["batch_size"] = f.integer("batch_size", "serving.batch_size", serving.get("batch_size", default(ServingConfig, "batch_size")))
         else:
             serving["max_num_seqs"] = f.integer("max_num_seqs", "serving.max_num_seqs",
-                                                serving.get("max_num_seqs", 256))
+                                                serving.get("max_num_seqs", default(ServingConfig, "max_num_seqs")))
     if not static:
         c1, c2 = st.columns(2)
         with c1:
             budget = f.integer("max_num_batched_tokens", "serving.budget", serving.get("max_num_batched_tokens"),
-                               optional=True, help="empty: 2048 with chunked prefill, else max(max_model_len, 2048)")
+                               optional=True, help=f"empty: {DEFAULT_STEP_TOKENS} with chunked prefill, else "
+                                                   f"max(max_model_len, {DEFAULT_STEP_TOKENS})")
         serving["max_num_batched_tokens"] = budget
         with c2:
             chunked = f.choice("Chunked prefill", "serving.chunked", list(CHUNKED),
                                next(k for k, v in CHUNKED.items() if v == serving.get("enable_chunked_prefill")),
-                               help="auto: on when max_model_len is over 32,768 (vLLM's default)")
+                               help=f"auto: on when max_model_len is over {LONG_CONTEXT:,} (vLLM's default)")
             serving["enable_chunked_prefill"] = CHUNKED[chunked]
         if serving["enable_chunked_prefill"] is not True:
             serving.pop("prefill_chunk_size", None)
     c1, c2, c3 = st.columns(3)
     with c1:
-        kv["allocator"] = f.choice("KV allocator", "kv.allocator", ["paged", "contiguous"], kv.get("allocator"))
+        kv["allocator"] = f.choice("KV allocator", "kv.allocator", choices(KVCacheConfig, "allocator"),
+                                   kv.get("allocator"))
     with c2:
-        kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", 16))
+        kv["block_size"] = f.integer("Block size (tokens)", "kv.block_size", kv.get("block_size", default(KVCacheConfig, "block_size")))
     with c3:
-        kv["preemption"] = f.choice("Preemption", "kv.preemption", ["recompute", "swap"], kv.get("preemption"))
+        kv["preemption"] = f.choice("Preemption", "kv.preemption", choices(KVCacheConfig, "preemption"),
+                                    kv.get("preemption"))
     if static or kv["allocator"] == "contiguous":  # prefix caching shares paged blocks of running batches
         kv.pop("enable_prefix_caching", None)
     else:
@@ -277,7 +297,8 @@ def workload(f: Form, seeded: dict) -> dict | None:
     duration = w.pop("duration_s", None)
     c1, c2, c3 = st.columns(3)
     with c1:
-        process = f.choice("Arrival process", "workload.process", ["poisson", "gamma", "constant"], arrival["process"])
+        process = f.choice("Arrival process", "workload.process", choices(ArrivalConfig, "process"),
+                           arrival["process"])
     with c2:
         rate = f.number("Rate (requests/s)", "workload.rate", arrival.get("rate", 1.0), step=0.5)
     new = {"process": process, "rate": rate}
@@ -399,7 +420,7 @@ def slo(f: Form, seeded: dict | None) -> dict:
     with c3:
         s["e2e_s"] = f.number("E2E target (s)", "slo.e2e_s", s.get("e2e_s"), step=1.0, optional=True)
     with c4:
-        s["quantile"] = f.number("Quantile", "slo.quantile", s.get("quantile", 0.9), hi=1.0, step=0.05)
+        s["quantile"] = f.number("Quantile", "slo.quantile", s.get("quantile", default(SLOConfig, "quantile")), hi=1.0, step=0.05)
     return {k: v for k, v in s.items() if v is not None}
 
 

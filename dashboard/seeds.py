@@ -37,14 +37,14 @@ def scenario_files() -> dict[str, Path]:
 
 
 def upload_dir() -> Path:
-    """This session's folder for uploaded files (scenario YAMLs, trace CSVs)."""
+    """This browser session's folder for uploaded files (scenario YAMLs, trace CSVs)."""
     if "upload_dir" not in st.session_state:
         st.session_state["upload_dir"] = tempfile.mkdtemp(prefix="infersim-dashboard-")
     return Path(st.session_state["upload_dir"])
 
 
 def saved(upload) -> Path:
-    """An uploaded file written to this session's folder (the readers take paths)."""
+    """An uploaded file written to this browser session's folder (the readers take paths)."""
     path = upload_dir() / (re.sub(r"[^\w.-]", "_", Path(upload.name).name) or "upload")
     path.write_bytes(upload.getvalue())
     return path

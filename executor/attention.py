@@ -417,6 +417,123 @@ def naive_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float |
 # ---- sdpa ---------------------------------------------------------------------------------
 
 
+class _SdpaStep:
+    """One layer's attention over the K/V pool as sdpa_attention runs it: prompt rows, decode rows and verify rows
+    each their own way, over the same queries, pool and metadata."""
+
+    __slots__ = ("q", "k_cache", "v_cache", "meta", "scale", "kvh", "group", "use_native")
+
+    def __init__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kvh: int, group: int,
+                 use_native: bool):
+        self.q, self.k_cache, self.v_cache, self.meta, self.scale = q, k_cache, v_cache, meta, scale
+        self.kvh, self.group, self.use_native = kvh, group, use_native
+
+    def prefill(self, qs, i):
+        """Attention of one prompt (or chunk, or candidate tree) `qs` over its sequence's gathered context."""
+        slots = self.meta.context_slots(i)
+        k = _gather(self.k_cache, slots, self.q.dtype)  # [S, kvh, D]
+        v = _gather(self.v_cache, slots, self.q.dtype)
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        qt, k, v = qs[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)  # [1, H, L|S, D]
+        length, ctx = qs.shape[0], slots.numel()
+        if length == ctx and i not in self.meta.trees:
+            o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=self.scale)
+        else:
+            # Chunked prefill: causal mask aligned to the bottom-right (queries are the last L positions).
+            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=self.meta.visible(i), scale=self.scale)
+        return o[0].transpose(0, 1)
+
+    def gather(self, tables, width):
+        """K and V [b, kvh, width, D] of the sequences whose block tables are `tables` [b, blocks]."""
+        b = tables.shape[0]
+        if tables.shape[1] == 1:  # one block per sequence (a contiguous cache): read only `width` keys of it
+            k = self.k_cache[:, :width].index_select(0, tables[:, 0])
+            v = self.v_cache[:, :width].index_select(0, tables[:, 0])
+        else:
+            # whole blocks of every sequence, padded to the bucket's widest table; the blocks are rows of a
+            # 2-D view, so index_select copies each with one memcpy (on the 4-D pool it dispatches a copy per
+            # block, ~10x slower)
+            flat = tables.view(-1)
+            full = tables.shape[1] * self.meta.block_size
+            k_cache, v_cache, kvh = self.k_cache, self.v_cache, self.kvh
+            k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+            v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
+        return dequantize_kv(k, self.q.dtype).transpose(1, 2), dequantize_kv(v, self.q.dtype).transpose(1, 2)
+
+    def verify_buckets(self, n, seqs):
+        """Per bucket of verify rows: (rows, block tables, key mask [b, 1, n·G, width] under which each query
+        sees the context up to its own position, or within a candidate tree only its ancestors, width).
+        Rows are padded at the front to n queries; a padding query sees the context up to the position
+        before its row's first (at least position 0), so its softmax stays finite, and is dropped."""
+        out = []
+        for rows, tables, lens, _, width in self.meta.buckets_of(seqs):
+            b = tables.shape[0]
+            positions = torch.arange(n, device=self.q.device)[None, :]
+            last = (lens[:, None] - n + positions).clamp_(min=0)  # query positions
+            mask = torch.arange(width, device=self.q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
+            for j, m in enumerate(range(b) if rows is None else rows.tolist()):
+                if seqs[m] in self.meta.trees:  # a candidate tree: each node sees the context and its ancestors
+                    mask[j, n - self.meta.query_lens[seqs[m]]:] = self.meta.visible(seqs[m], width)
+            g = self.group
+            out.append((rows, tables, mask[:, :, None, :].expand(b, n, g, width).reshape(b, 1, n * g, width), width))
+        return out
+
+    def verifies(self, qv, n, seqs):
+        """Rows of n queries each ([b·n, H, D], sequence-major): the G query heads sharing a kv head and the
+        n positions become n·G query rows of one SDPA call per bucket, under a causal mask aligned to the
+        end of each context."""
+        if self.use_native:
+            tables, lens, visible = self.meta.once(("native_rows", seqs[0], n),
+                                                   lambda: _native_rows(self.meta, n, seqs))
+            o = native.paged_attention(qv.contiguous().view(len(seqs), n, *qv.shape[1:]), self.k_cache, self.v_cache,
+                                       tables, lens, self.scale, visible)
+            return o.view(qv.shape)
+        out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
+        qs = qv.view(len(seqs), n, self.kvh, self.group, -1)
+        buckets = self.meta.once(("verify_buckets", seqs[0], self.group), lambda: self.verify_buckets(n, seqs))
+        for rows, tables, mask, width in buckets:
+            b = tables.shape[0]
+            k, v = self.gather(tables, width)
+            qb = qs if rows is None else qs[rows]
+            qg = qb.permute(0, 2, 1, 3, 4).reshape(b, self.kvh, n * self.group, -1)
+            o = attend_rows(qg, k, v, mask, self.scale)
+            o = o.view(b, self.kvh, n, self.group, -1).permute(0, 2, 1, 3, 4).reshape(b, n, -1, qv.shape[-1])
+            if rows is None:
+                return o.reshape(qv.shape)
+            out[rows] = o
+        return out.view(qv.shape)
+
+    def decodes(self, qd):
+        """Decode rows, one padded SDPA call per bucket of similar context length (or the native paged kernel)."""
+        if self.use_native:
+            return _native_decodes(qd, self.k_cache, self.v_cache, self.meta, self.scale)
+        buckets = self.meta.decode_buckets
+        out = torch.empty_like(qd) if len(buckets) > 1 else None
+        for rows, tables, lens, mask, width in buckets:
+            b = tables.shape[0]
+            k, v = self.gather(tables, width)
+            qb = qd if rows is None else qd[rows]
+            qg = qb.view(b, self.kvh, self.group, -1)  # the G query heads sharing a kv head are G query rows
+            o = attend_rows(qg, k, v, mask, self.scale).reshape(b, -1, qd.shape[-1])
+            if out is None:
+                return o
+            out[rows] = o
+        return out
+
+    def prefills(self, seqs, out):
+        """Whole prompts and chunks in one native call; a candidate tree (never a prompt) keeps its mask."""
+        plain = [i for i in seqs if i not in self.meta.trees]
+        for i in seqs:
+            if i in self.meta.trees:
+                s, e = self.meta.cu_query_lens[i], self.meta.cu_query_lens[i + 1]
+                out[s:e] = self.prefill(self.q[s:e], i)
+        if plain:
+            starts, lens, ctx, tables = self.meta.once(("native_prefill", tuple(plain)),
+                                                       lambda: _native_prefill(self.meta, plain))
+            native.prefill_attention(self.q, out, self.k_cache, self.v_cache, starts, lens, ctx, tables, self.scale)
+
+
 def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None):
     """torch SDPA on gathered K/V: one call per prefill, one padded call per bucket of decodes of similar
     context length (padding every decode to the longest context wastes the gather and the attention).
@@ -434,112 +551,14 @@ def sdpa_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | 
         and native.kv_pool_usable(v_cache)
     if use_native and not meta.prefill_seqs:  # decodes only (most steps): one kernel call, nothing to regroup
         return _native_decodes(q, k_cache, v_cache, meta, scale)
-
-    def prefill(qs, i):
-        slots = meta.context_slots(i)
-        k = _gather(k_cache, slots, q.dtype)  # [S, kvh, D]
-        v = _gather(v_cache, slots, q.dtype)
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        qt, k, v = qs[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)  # [1, H, L|S, D]
-        length, ctx = qs.shape[0], slots.numel()
-        if length == ctx and i not in meta.trees:
-            o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale)
-        else:
-            # Chunked prefill: causal mask aligned to the bottom-right (queries are the last L positions).
-            o = F.scaled_dot_product_attention(qt, k, v, attn_mask=meta.visible(i), scale=scale)
-        return o[0].transpose(0, 1)
-
-    def gather(tables, width):
-        """K and V [b, kvh, width, D] of the sequences whose block tables are `tables` [b, blocks]."""
-        b = tables.shape[0]
-        if tables.shape[1] == 1:  # one block per sequence (a contiguous cache): read only `width` keys of it
-            k = k_cache[:, :width].index_select(0, tables[:, 0])
-            v = v_cache[:, :width].index_select(0, tables[:, 0])
-        else:
-            # whole blocks of every sequence, padded to the bucket's widest table; the blocks are rows of a
-            # 2-D view, so index_select copies each with one memcpy (on the 4-D pool it dispatches a copy per
-            # block, ~10x slower)
-            flat = tables.view(-1)
-            full = tables.shape[1] * meta.block_size
-            k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
-            v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(b, full, kvh, -1)[:, :width]
-        return dequantize_kv(k, q.dtype).transpose(1, 2), dequantize_kv(v, q.dtype).transpose(1, 2)
-
-    def verify_buckets(n, seqs):
-        """Per bucket of verify rows: (rows, block tables, key mask [b, 1, n·G, width] under which each query
-        sees the context up to its own position, or within a candidate tree only its ancestors, width).
-        Rows are padded at the front to n queries; a padding query sees the context up to the position
-        before its row's first (at least position 0), so its softmax stays finite, and is dropped."""
-        out = []
-        for rows, tables, lens, _, width in meta.buckets_of(seqs):
-            b = tables.shape[0]
-            last = (lens[:, None] - n + torch.arange(n, device=q.device)[None, :]).clamp_(min=0)  # query positions
-            mask = torch.arange(width, device=q.device)[None, None, :] <= last[:, :, None]  # [b, n, width]
-            for j, m in enumerate(range(b) if rows is None else rows.tolist()):
-                if seqs[m] in meta.trees:  # a candidate tree: each node sees the context and its ancestors
-                    mask[j, n - meta.query_lens[seqs[m]]:] = meta.visible(seqs[m], width)
-            out.append((rows, tables, mask[:, :, None, :].expand(b, n, group, width).reshape(b, 1, n * group, width),
-                        width))
-        return out
-
-    def verifies(qv, n, seqs):
-        """Rows of n queries each ([b·n, H, D], sequence-major): the G query heads sharing a kv head and the
-        n positions become n·G query rows of one SDPA call per bucket, under a causal mask aligned to the
-        end of each context."""
-        if use_native:
-            tables, lens, visible = meta.once(("native_rows", seqs[0], n), lambda: _native_rows(meta, n, seqs))
-            o = native.paged_attention(qv.contiguous().view(len(seqs), n, *qv.shape[1:]), k_cache, v_cache,
-                                       tables, lens, scale, visible)
-            return o.view(qv.shape)
-        out = torch.empty_like(qv).view(len(seqs), n, -1, qv.shape[-1])
-        qs = qv.view(len(seqs), n, kvh, group, -1)
-        for rows, tables, mask, width in meta.once(("verify_buckets", seqs[0], group), lambda: verify_buckets(n, seqs)):
-            b = tables.shape[0]
-            k, v = gather(tables, width)
-            qb = qs if rows is None else qs[rows]
-            qg = qb.permute(0, 2, 1, 3, 4).reshape(b, kvh, n * group, -1)
-            o = attend_rows(qg, k, v, mask, scale)
-            o = o.view(b, kvh, n, group, -1).permute(0, 2, 1, 3, 4).reshape(b, n, -1, qv.shape[-1])
-            if rows is None:
-                return o.reshape(qv.shape)
-            out[rows] = o
-        return out.view(qv.shape)
-
-    def decodes(qd):
-        if use_native:
-            return _native_decodes(qd, k_cache, v_cache, meta, scale)
-        buckets = meta.decode_buckets
-        out = torch.empty_like(qd) if len(buckets) > 1 else None
-        for rows, tables, lens, mask, width in buckets:
-            b = tables.shape[0]
-            k, v = gather(tables, width)
-            qb = qd if rows is None else qd[rows]
-            qg = qb.view(b, kvh, group, -1)  # the G query heads sharing a kv head are G query rows
-            o = attend_rows(qg, k, v, mask, scale).reshape(b, -1, qd.shape[-1])
-            if out is None:
-                return o
-            out[rows] = o
-        return out
-
-    def prefills(seqs, out):
-        """Whole prompts and chunks in one native call; a candidate tree (never a prompt) keeps its mask."""
-        plain = [i for i in seqs if i not in meta.trees]
-        for i in seqs:
-            if i in meta.trees:
-                s, e = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
-                out[s:e] = prefill(q[s:e], i)
-        if plain:
-            starts, lens, ctx, tables = meta.once(("native_prefill", tuple(plain)),
-                                                  lambda: _native_prefill(meta, plain))
-            native.prefill_attention(q, out, k_cache, v_cache, starts, lens, ctx, tables, scale)
+    step = _SdpaStep(q, k_cache, v_cache, meta, scale, kvh, group, use_native)
 
     native_prefill = use_native and q.is_contiguous() and q.shape[-1] in native.PREFILL_HEAD_DIMS
     if native_prefill and not meta.trees:
         # chain verify rows are short causal prompts to the prefill kernel, which takes them at their own lengths
         # (no padding) 1.5-2x faster than the paged kernel's rows of n slots; plain decodes stay on the latter
-        return _per_group(q, meta, prefill, decodes, None, prefills)
-    return _per_group(q, meta, prefill, decodes, verifies, prefills if native_prefill else None)
+        return _per_group(q, meta, step.prefill, step.decodes, None, step.prefills)
+    return _per_group(q, meta, step.prefill, step.decodes, step.verifies, step.prefills if native_prefill else None)
 
 
 # ---- online softmax (flash and paged) -------------------------------------------------------

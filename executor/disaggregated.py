@@ -170,7 +170,7 @@ class DecodeInstance:
         while self.copies and self.copies[0][1].done():
             r, fut = self.copies.popleft()
             start, end, nbytes = fut.result()
-            self.engine.scheduler.received(r)
+            self.engine.scheduler.handoff.received(r)
             out.append(Transfer(r.id, self.rank, r.num_computed, nbytes, r.first_token_s, start, end))
         return out
 
@@ -314,7 +314,7 @@ class PrefillDriver:
             if not arrivals.pending() and not self.live:
                 break
             if sched.has_work() and engine.step() is not None:
-                for r in sched.take_handoffs():
+                for r in sched.handoff.take():
                     self._hand_off(r)
                 for r in [r for r in self.live if r.is_done]:  # ended here: a one-token answer, or rejected
                     self.live.discard(r)
@@ -341,7 +341,7 @@ class PrefillDriver:
         if self.arrivals.book.follows(r.id):
             self.handed_prompts[r.id] = tokens[:r.prompt_len]
         self._send(link, Handoff(r.id, r.arrival_s, r.prompt_len, r.max_tokens, tokens, r.first_token_s,
-                                 self.engine.scheduler.sending[r], r.num_preemptions))
+                                 self.engine.scheduler.handoff.sending[r], r.num_preemptions))
 
     def _absorb(self) -> None:
         """Everything the decode instances have reported since the last look."""
@@ -353,12 +353,12 @@ class PrefillDriver:
                 link.samples += news.samples
                 link.num_preemptions, link.peak_blocks = news.num_preemptions, news.peak_blocks
                 for t in news.transfers:
-                    sched.release(self.by_id[t.request])
+                    sched.handoff.release(self.by_id[t.request])
                     self.transfers.append(t)
                 for e in news.ended:
                     r = self.by_id[e.id]
-                    if r in sched.sending:  # rejected by the decode instance before its KV moved
-                        sched.release(r)
+                    if r in sched.handoff.sending:  # rejected by the decode instance before its KV moved
+                        sched.handoff.release(r)
                     r.status, r.reject_reason, r.finish_reason = e.status, e.reject_reason, e.finish_reason
                     r.token_times, r.finish_s, r.num_preemptions = e.token_times, e.finish_s, e.num_preemptions
                     self.outputs[r.id] = e.output_ids

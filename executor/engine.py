@@ -21,7 +21,8 @@ from executor.speculative.verify import verify, verify_tree
 from sim.policy.request import Request
 from sim.policy.scheduler import ScheduledBatch, Scheduler
 
-# Switch off to run every step eagerly on a GPU too (use_graphs=None then means off; for comparisons).
+# A test and comparison hook (DEVELOPERS.md): off, every step runs eagerly on a GPU too (use_graphs=None then means
+# off). A run says it with executor.cuda_graphs, which reaches the engine as use_graphs.
 CUDA_GRAPHS = True
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from sim.config import environment
+
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # A projection with at most this many rows goes through linear_small, more rows through oneDNN's blocked GEMM.
@@ -39,7 +41,7 @@ KV_MAX_HEAD_DIM = 1024
 
 def _cache_dir() -> Path:
     """$INFERSIM_CACHE_DIR (default ~/.cache/infersim)/native, beside the other caches."""
-    return Path(os.environ.get("INFERSIM_CACHE_DIR") or Path.home() / ".cache" / "infersim") / "native"
+    return environment.cache_dir() / "native"
 
 
 def _cpu_model() -> str:
@@ -54,9 +56,9 @@ def _cpu_model() -> str:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built if needed; None where they cannot be (no compiler, disabled)."""
-    if os.environ.get("INFERSIM_NATIVE", "1") == "0":
+    if not environment.native_enabled():
         return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = environment.cxx() or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, platform.machine(), _cpu_model(),

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from executor.model import LlamaConfig, LlamaModel
+from sim.config import environment
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -57,8 +57,7 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode())
-    root = Path(os.environ.get("INFERSIM_CACHE_DIR") or Path.home() / ".cache" / "infersim")
-    return root / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    return environment.cache_dir() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
 def _cache_gguf(model, tokenizer, target: Path) -> None:

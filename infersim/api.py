@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan, check_profile_device, load_scenario, plan_of
-from sim.config.workload import generate_requests
 from sim.report.metrics import RequestRecords
 from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
 from sim.report.trace import ReplicaTrace

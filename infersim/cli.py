@@ -281,24 +281,30 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         raise typer.Exit(1)
     if capacity:
         _print_capacity(results, device, prof)
-        return
+    else:
+        _print_validations(results, device, prof, summary, out)
+
+
+def _print_validations(results: list[dict], device: str, prof, summary: dict | None, out: Path | None) -> None:
+    """Each scenario's real vs sim table, the machine's drift, and over several scenarios the summary table."""
     for result in results:
         _print_validation(result, device, prof, result["runs"])
     drift = _drift_line(results)
     if drift:
         Console().print(drift)
-    if summary is not None:
-        spread = any(r["runs"] > 1 for r in results)
-        t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
-                  *(["median spread %"] if spread else []))
-        for name, row in summary.items():
-            t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
-                      _num(row["median_abs_error_at_run_speed_pct"]),
-                      *([_num(row["median_spread_pct"])] if spread else []))
-        Console().print(f"[bold]{len(results)} scenarios[/]")
-        Console().print(t)
-        if out is not None:
-            Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
+    if summary is None:
+        return
+    spread = any(r["runs"] > 1 for r in results)
+    t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
+              *(["median spread %"] if spread else []))
+    for name, row in summary.items():
+        t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
+                  _num(row["median_abs_error_at_run_speed_pct"]),
+                  *([_num(row["median_spread_pct"])] if spread else []))
+    Console().print(f"[bold]{len(results)} scenarios[/]")
+    Console().print(t)
+    if out is not None:
+        Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
 
 
 def _validate_endpoint(scenarios: List[Path], endpoint: str, served_model, profile_path, out, tokenizer, chat,

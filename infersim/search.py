@@ -25,12 +25,13 @@ import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.limits import MAX_REQUESTS
 from sim.config.plan import Plan, check_profile_device, make_plan
 from sim.config.profile import read_profile
-from sim.config.scenario import SLOConfig, parse_scenario, validation_error
+from sim.config.scenario import Scenario, SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.config.yaml_file import read_yaml
 from sim.cost.build import speculation_model
 from sim.report.capacity import (
@@ -161,6 +162,22 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
         spec = SearchSpec.model_validate(data)
     except ValidationError as e:
         raise validation_error(e, SearchSpec) from None
+    base, scenario_dir, scenario = _base_scenario(spec, base_dir)
+    _check_space(spec, scenario, base, scenario_dir)
+    rate, unit = _target_rate(spec, scenario, scenario_dir)
+    bottom, top = lowest(unit, spec.search.min_rate), spec.search.max_rate
+    if not bottom <= rate <= top:  # the grid starts from the target: outside it, no verdict would be the SLO's
+        raise ConfigError(f"the target, {rate:g} {unit}, lies outside the grid's {bottom:g}..{top:g}; allowed: "
+                          "search.min_rate <= target <= search.max_rate",
+                          "search.max_rate" if rate > top else "search.min_rate")
+    slo = spec.target.slo or scenario.slo
+    check_has_slo(slo, "target.slo")
+    return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search, unit)
+
+
+def _base_scenario(spec: SearchSpec, base_dir: Path) -> tuple[dict, Path, Scenario]:
+    """The base scenario (its mapping, its folder, parsed), faults in its own file reported against that file; its
+    profile read now unless the search sweeps the cost model."""
     if isinstance(spec.scenario, str):
         path = base_dir / spec.scenario
         try:  # a fault inside the base scenario's own file is reported against that file
@@ -182,6 +199,11 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
             read_profile(scenario_dir / scenario.cost_model.profile)
         except ConfigError as e:
             raise ConfigError(e.message, e.key_path if e.file else "scenario.cost_model.profile", e.file) from None
+    return base, scenario_dir, scenario
+
+
+def _check_space(spec: SearchSpec, scenario: Scenario, base: dict, scenario_dir: Path) -> None:
+    """Every key of the space is a scenario key that can be searched, with values, not too many configurations."""
     if not spec.space:
         raise ConfigError("no keys to search; allowed: dotted scenario keys, each with the values to try (e.g. "
                           "serving.max_num_seqs: [64, 256])", "space")
@@ -203,47 +225,49 @@ def parse_search_spec(data: Any, base_dir: Path = Path(".")) -> Search:
     if count > MAX_CONFIGURATIONS:
         raise ConfigError(f"{count:,} configurations; allowed: at most {MAX_CONFIGURATIONS:,}", "space")
     for key, values in spec.space.items():
-        twice = next((i for i, v in enumerate(values) if v in values[:i]), None)
-        if twice is not None:  # the same configuration twice: two rows of one label, probed twice
-            raise ConfigError(f"{_short_value(values[twice])} is listed twice; allowed: each value once",
-                              f"space.{key}[{twice}]")
-        for within in (k for k in spec.space if k != key and key.startswith(k + ".")):
-            inner = key[len(within) + 1:].split(".")
-            clash = next((i for i, v in enumerate(spec.space[within]) if _has_path(v, inner)), None)
-            if clash is not None:  # the section is applied first: the dotted key would silently replace its value
-                raise ConfigError(f"space.{within}[{clash}] sets {'.'.join(inner)}, which space.{key} searches too; "
-                                  "allowed: one or the other", f"space.{key}")
-        seen: dict[str, int] = {}
-        for i, v in enumerate(values):
-            same = _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
-            if same is not None and same in seen:  # e.g. "cpu" and {base: cpu}: one configuration searched twice
-                raise ConfigError(f"{_short_value(v)} is the configuration of value [{seen[same]}] again; allowed: "
-                                  "each value once", f"space.{key}[{i}]")
-            seen.setdefault(same, i)
+        _check_values(spec, key, values, base, scenario_dir)
+
+
+def _check_values(spec: SearchSpec, key: str, values: list, base: dict, scenario_dir: Path) -> None:
+    """One key's values: each once (as given and as the configuration it makes), none clashing with a section the
+    space also sets."""
+    twice = next((i for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:  # the same configuration twice: two rows of one label, probed twice
+        raise ConfigError(f"{_short_value(values[twice])} is listed twice; allowed: each value once",
+                          f"space.{key}[{twice}]")
+    for within in (k for k in spec.space if k != key and key.startswith(k + ".")):
+        inner = key[len(within) + 1:].split(".")
+        clash = next((i for i, v in enumerate(spec.space[within]) if _has_path(v, inner)), None)
+        if clash is not None:  # the section is applied first: the dotted key would silently replace its value
+            raise ConfigError(f"space.{within}[{clash}] sets {'.'.join(inner)}, which space.{key} searches too; "
+                              "allowed: one or the other", f"space.{key}")
+    seen: dict[str, int] = {}
+    for i, v in enumerate(values):
+        same = _check_value(base, key, v, f"space.{key}[{i}]", scenario_dir)
+        if same is not None and same in seen:  # e.g. "cpu" and {base: cpu}: one configuration searched twice
+            raise ConfigError(f"{_short_value(v)} is the configuration of value [{seen[same]}] again; allowed: "
+                              "each value once", f"space.{key}[{i}]")
+        seen.setdefault(same, i)
+
+
+def _target_rate(spec: SearchSpec, scenario: Scenario, scenario_dir: Path) -> tuple[float, str]:
+    """The load the search must carry and its unit: users for a closed loop, else requests per second (the
+    workload's own mean rate unless target.rate says)."""
     loop = scenario.workload.closed_loop
     if loop is not None:  # its load is its users: the capacity is the most users it serves within the SLOs
         if spec.target.rate is not None:
             raise ConfigError("a closed loop's target is users, not a rate: give target.users (default: "
                               "workload.closed_loop.users)", "target.rate")
-        rate, unit = float(spec.target.users or loop.users), "users"
+        rate = float(spec.target.users or loop.users)
         probe = users_probe(scenario.workload, scenario_dir, int(rate), spec.search.max_requests)  # its faults now
         if len(probe) < STEADY_ROUNDS:
             raise ConfigError(f"probes of {len(probe)} requests cannot judge even one user (a closed loop's probe "
                               f"needs {STEADY_ROUNDS} requests per user or more)", "search.max_requests")
-    else:
-        if spec.target.users is not None:
-            raise ConfigError("target.users is a closed loop's (scenario workload.closed_loop); give target.rate",
-                              "target.users")
-        unit = "req/s"
-        rate = spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests))
-    bottom, top = lowest(unit, spec.search.min_rate), spec.search.max_rate
-    if not bottom <= rate <= top:  # the grid starts from the target: outside it, no verdict would be the SLO's
-        raise ConfigError(f"the target, {rate:g} {unit}, lies outside the grid's {bottom:g}..{top:g}; allowed: "
-                          "search.min_rate <= target <= search.max_rate",
-                          "search.max_rate" if rate > top else "search.min_rate")
-    slo = spec.target.slo or scenario.slo
-    check_has_slo(slo, "target.slo")
-    return Search(spec.name, base, scenario_dir, spec.space, rate, slo, spec.search, unit)
+        return rate, "users"
+    if spec.target.users is not None:
+        raise ConfigError("target.users is a closed loop's (scenario workload.closed_loop); give target.rate",
+                          "target.users")
+    return spec.target.rate or _mean_rate(_probe_specs(scenario, scenario_dir, spec.search.max_requests)), "req/s"
 
 
 def load_search_spec(path: str | Path) -> Search:

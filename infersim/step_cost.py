@@ -6,8 +6,8 @@ import statistics
 from dataclasses import dataclass
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan
-from sim.config.workload import generate_requests
 from sim.cost.build import describe_cost, make_pricer
 from sim.cost.fitted import shape_of
 

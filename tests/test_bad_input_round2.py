@@ -407,7 +407,8 @@ def test_serve_of_a_broken_trace(tmp_path, text):
 
 # -- traces: what happens to rows out of order and lengths of 0 (README, workload.trace) --------------------------
 def test_trace_rows_are_sorted_and_zero_lengths_count_as_one(tmp_path):
-    from sim.config.workload import WorkloadConfig, generate_requests
+    from sim.config.generator import generate_requests
+    from sim.config.workload import WorkloadConfig
 
     trace = write(tmp_path / "t.csv", "arrival_s,prompt_len,output_len\n5,10,0\n1,0,5\n3,7,7\n")
     specs = generate_requests(WorkloadConfig.model_validate({"trace": {"path": str(trace)}}))

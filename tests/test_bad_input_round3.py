@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sim.config.workload import load_trace
+from sim.config.traces import load_trace
 from tests.test_bad_input_more import invoke, one_line_error, write
 from tests.test_bad_input_round2 import TINY_CONFIG, hf_config_error, tiny
 

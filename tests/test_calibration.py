@@ -313,8 +313,8 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     from calibration.validate import run_real, slo_metrics
     from executor.cpu_load import CpuLoad
     from executor.serve import load_model
+    from sim.config.generator import generate_requests
     from sim.config.plan import load_scenario
-    from sim.config.workload import generate_requests
     from sim.report.capacity import passes, probe_rows, scaled
 
     path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},

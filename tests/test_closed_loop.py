@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
 from sim.config.scenario import parse_scenario
-from sim.config.workload import generate_requests
 from sim.policy.request import Status
 from sim.report.capacity import check_scalable
 from tests.helpers import in_flight, run, scenario, tiny_checkpoint, write_tiny_scenario

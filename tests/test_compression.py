@@ -6,7 +6,7 @@ import pytest
 
 from sim.config.errors import ConfigError
 from sim.cost.build import make_cost_model
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 from tests.helpers import plan_of, scenario
 
 PREFILL = BatchShape(num_seqs=4, num_new_tokens=8192, sum_context=8192, attn_pairs=4 * 2048 * 2049 // 2,

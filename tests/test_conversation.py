@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
 from sim.config.scenario import parse_scenario
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.prefix import PrefixHashes
 from sim.policy.request import Status

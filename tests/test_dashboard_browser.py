@@ -4,7 +4,6 @@ the page shows the result and no error; then a long run is cancelled. The screen
 (runs/artifacts/, or $INFERSIM_ARTIFACTS)."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -21,8 +20,10 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
+from sim.config import environment
+
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = Path(os.environ.get("INFERSIM_ARTIFACTS", ROOT / "runs" / "artifacts"))
+ARTIFACTS = environment.artifacts_dir(ROOT / "runs" / "artifacts")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 WAIT_S = 90

@@ -20,9 +20,10 @@ from executor.disaggregated import STOPPED, check_pools
 from executor.prompts import corpus_ids, prompt_ids
 from executor.serve import build_engine, load_model
 from infersim.cli import app
+from sim.config import environment
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
-from sim.config.workload import generate_requests
 from sim.report.metrics import compute_metrics
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
@@ -273,7 +274,7 @@ def test_layouts_the_executor_does_not_run_are_one_line_errors(checkpoint, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("INFERSIM_LONG"), reason="three SmolLM2 loads, ~30 s; the tiny model's twin "
+@pytest.mark.skipif(not environment.long_tests(), reason="three SmolLM2 loads, ~30 s; the tiny model's twin "
                     "above runs by default: INFERSIM_LONG=1 pytest ...")
 def test_smollm2_greedy_output_is_the_colocated_engines(tmp_path):
     """The real model: 12 requests through a prefill and a decode process, token for token as one engine."""

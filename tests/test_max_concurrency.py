@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario, make_plan
 from sim.config.scenario import parse_scenario
-from sim.config.workload import generate_requests
 from sim.policy.client import ClientGate
 from sim.policy.request import Status
 from sim.simulator.cluster import simulate

@@ -6,7 +6,7 @@ import pytest
 
 from sim.config.errors import ConfigError
 from sim.cost.build import make_cost_model
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 from tests.helpers import plan_of, run, scenario
 
 LOW_LOAD = {"seed": 2, "arrival": {"process": "poisson", "rate": 0.5}, "num_requests": 60,

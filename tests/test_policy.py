@@ -7,7 +7,8 @@ from sim.config.models import MODEL_CATALOG
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status
-from sim.policy.scheduler import Scheduler, StaticScheduler
+from sim.policy.scheduler import Scheduler
+from sim.policy.static_scheduler import StaticScheduler
 
 
 def test_kv_bytes_llama2_7b_4096_tokens_is_2_gib():

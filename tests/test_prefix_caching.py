@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario, scheduler_config
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.policy.block_manager import PrefixCachingAllocator
 from sim.policy.prefix import PrefixHashes, request_maker
 from sim.policy.request import Request, Status

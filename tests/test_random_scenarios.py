@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from unittest import mock
 
@@ -34,10 +33,11 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import sim.simulator.engines as engines
+from sim.config import environment
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
-from sim.config.workload import generate_requests
 from sim.policy.build import make_policy
 from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Status
@@ -48,7 +48,7 @@ from tests.helpers import assert_itl_is_the_token_gaps
 ROOT = Path(__file__).resolve().parents[1]
 FAST = settings(derandomize=True, database=None, deadline=None, max_examples=200,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-EXPLORE = int(os.environ.get("INFERSIM_EXPLORE", "0"))  # examples of the long exploration (0: skip it)
+EXPLORE = environment.explore_examples()  # examples of the long exploration (0: skip it)
 # figures averaged over the samples taken at engine events, which runs of decode steps make coarser
 EVENT_AVERAGED = {"kv_cache": ("mean_utilization", "reserved_unused_fraction"),
                   "pools": ("utilization", "kv_mean_utilization")}
@@ -432,7 +432,7 @@ def check_engines(result, schedulers) -> None:
     assert len(schedulers) == len(result.replicas)
     for sched, trace in zip(schedulers, result.replicas):
         kv = sched.kv
-        assert not sched.has_work() and sched.num_outstanding == 0 and not sched.sending and not sched.outbox
+        assert not sched.has_work() and sched.num_outstanding == 0 and not sched.handoff.sending and not sched.handoff.outbox
         assert sorted(kv.free_blocks) == list(range(kv.num_blocks))
         assert sorted(kv.free_host_blocks) == list(range(kv.num_swap_blocks))
         assert trace.peak_blocks <= trace.num_blocks

@@ -132,7 +132,7 @@ def test_limits_are_checked_before_anything_is_allocated(change, key_path):
 
 @pytest.mark.parametrize("path", ["/dev/zero", "/etc/passwd"])
 def test_a_trace_that_is_no_trace_is_refused_without_echoing_it(path):
-    from sim.config.workload import generate_requests
+    from sim.config.generator import generate_requests
 
     data = scenario(model="SmolLM2-135M", hardware="cpu")
     data["workload"] = {"trace": {"path": path}}

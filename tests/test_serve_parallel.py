@@ -13,8 +13,8 @@ import pytest
 from executor.distributed.launch import STOPPED, WorkerError
 from infersim.api import serve_scenario
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
-from sim.config.workload import generate_requests
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 

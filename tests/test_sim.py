@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sim.cost.build import make_cost_model
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 from tests.helpers import assert_itl_is_the_token_gaps, plan_of, run, scenario, token_times
 
 MIXED = {"seed": 7, "arrival": {"process": "poisson", "rate": 6.0}, "num_requests": 400,

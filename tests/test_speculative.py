@@ -63,7 +63,7 @@ def _spec_scenario(rate, alpha=None, gamma=5, max_num_seqs=64, n=120):
 
 
 def _requested_lengths(sc) -> dict:
-    from sim.config.workload import generate_requests
+    from sim.config.generator import generate_requests
     from tests.helpers import plan_of
 
     plan = plan_of(sc)

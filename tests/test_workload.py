@@ -8,7 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
-from sim.config.workload import EmpiricalLength, RequestSpec, WorkloadConfig, generate_requests, load_trace
+from sim.config.generator import generate_requests
+from sim.config.traces import load_trace
+from sim.config.workload import EmpiricalLength, RequestSpec, WorkloadConfig
 
 AZURE = Path(__file__).resolve().parents[1] / "sim" / "data" / "azure_llm_2023_conv.csv"
 FIXED = {"dist": "fixed", "value": 7}
@@ -377,13 +379,13 @@ def test_bad_trace_files_of_other_formats(tmp_path, name, text, where):
 def test_bursty_gamma_arrivals_are_held_to_the_request_limit(monkeypatch):
     """rate x duration_s bounds a Poisson count, not a very bursty gamma's (cv 100 at 10/s over 100 s draws 6,579
     here, not 1,000): the draw itself stops at the limit with an error at the cv."""
-    import sim.config.workload as workload
+    import sim.config.generator as generator
 
-    monkeypatch.setattr(workload, "MAX_REQUESTS", 2000)
+    monkeypatch.setattr(generator, "MAX_REQUESTS", 2000)
     cfg = WorkloadConfig(arrival={"process": "gamma", "rate": 10.0, "cv": 100.0}, duration_s=100.0,
                          prompt_len={"dist": "fixed", "value": 8}, output_len={"dist": "fixed", "value": 8})
     with pytest.raises(ConfigError) as e:
         generate_requests(cfg)
     assert e.value.key_path == "workload.arrival.cv" and "at most 2,000" in e.value.message
-    monkeypatch.setattr(workload, "MAX_REQUESTS", 2_000_000)
+    monkeypatch.setattr(generator, "MAX_REQUESTS", 2_000_000)
     assert len(generate_requests(cfg)) == 6579

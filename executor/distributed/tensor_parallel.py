@@ -36,6 +36,7 @@ from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaConfig, LlamaModel
 from executor.model_runner import ModelRunner, StepInput
 from executor.sampling import SamplingParams
+from sim.config.sharding import shard, vocab_shard
 
 SHM_CAPACITY = 1 << 20  # floats per rank per shared-memory operation (4 MiB): larger ones go in chunks
 
@@ -48,29 +49,28 @@ def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:
         ok = [d for d in range(1, c.num_heads + 1) if c.num_heads % d == 0 and c.intermediate_size % d == 0]
         raise ValueError(f"tensor_parallel_size {tp} does not divide the {c.num_heads} attention heads and "
                          f"{c.intermediate_size} MLP columns; allowed: {', '.join(map(str, ok))}")
-    if c.num_kv_heads % tp and tp % c.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp} neither divides nor is a multiple of the {c.num_kv_heads} KV heads")
+    try:
+        shard(c, tp)
+    except ValueError as e:
+        raise ValueError(f"tensor_parallel_size {e}") from None
 
 
 def shard_config(config: LlamaConfig, tp: int) -> LlamaConfig:
     """One rank's shapes: its query heads, its KV heads (at least one), its MLP columns; the LM head is not tied
     (its vocabulary slice replaces it)."""
-    return replace(config, num_heads=config.num_heads // tp, num_kv_heads=max(1, config.num_kv_heads // tp),
-                   intermediate_size=config.intermediate_size // tp, tie_word_embeddings=False)
-
-
-def vocab_shard(vocab_size: int, tp: int) -> int:
-    """Rows of each rank's LM head slice (the last one zero-padded)."""
-    return -(-vocab_size // tp)
+    s = shard(config, tp)
+    return replace(config, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate,
+                   tie_word_embeddings=False)
 
 
 def shard_state(model: LlamaModel, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s weights under the shard model's names (contiguous copies in host memory)."""
     c = model.config
-    d, hq, hk = c.head_dim, c.num_heads // tp, max(1, c.num_kv_heads // tp)
-    q0, k0 = rank * hq * d, (rank * c.num_kv_heads // tp) * d  # first query row, first KV row of this rank
+    s = shard(c, tp)
+    d, hq, hk = c.head_dim, s.heads, s.kv_heads
+    q0, k0 = rank * hq * d, s.kv_head_of(rank) * d  # first query row, first KV row of this rank
     q_size, kv_size = c.num_heads * d, c.num_kv_heads * d
-    i, i0 = c.intermediate_size // tp, rank * (c.intermediate_size // tp)
+    i, i0 = s.intermediate, rank * s.intermediate
     vs = vocab_shard(c.vocab_size, tp)
     head = torch.zeros(vs, c.hidden_size, dtype=model.lm_head.weight.dtype, device=model.lm_head.weight.device)
     part = model.lm_head.weight[rank * vs:(rank + 1) * vs]

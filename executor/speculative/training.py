@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from executor.prompts import corpus_ids, paragraphs, prompt_ids
 from executor.sampling import SamplingParams
 from executor.speculative.draft_model import DraftModel, check_layers, make_student
 from executor.speculative.medusa import TOPK, MedusaHeads
+from sim.config import environment
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
@@ -441,8 +441,7 @@ def cached_answers(teacher: LlamaModel, prompts: list[list[int]], eos: int | Non
 
 def default_draft_dir() -> Path:
     """Where `infersim distill` saves by default: $INFERSIM_CACHE_DIR (default ~/.cache/infersim)/drafts/."""
-    root = Path(os.environ.get("INFERSIM_CACHE_DIR") or Path.home() / ".cache" / "infersim")
-    return root / "drafts" / "smollm2-135m"
+    return environment.cache_dir() / "drafts" / "smollm2-135m"
 
 
 def distill_command(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,

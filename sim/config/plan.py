@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
-from sim.config.limits import MAX_TOTAL_BLOCKS
+from sim.config.memory import Layout, memory_budget
 from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
@@ -24,6 +24,7 @@ from sim.config.scenario import (
     parse_scenario,
     validation_error,
 )
+from sim.config.sharding import shard
 from sim.config.workload import WorkloadConfig
 from sim.config.yaml_file import read_yaml
 
@@ -51,6 +52,8 @@ class SchedulerConfig:
 # vLLM turns chunked prefill on by default past this context (engine args, V0; V1 always): a step budget of a whole
 # 128k-token prompt reserves ~11 GiB of activations for Llama-3.1-8B
 LONG_CONTEXT = 32768
+# vLLM's step budget with chunked prefill (and the least one without it)
+DEFAULT_STEP_TOKENS = 2048
 
 
 def _default(cls, name: str):
@@ -69,7 +72,8 @@ def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
           "batch_size", "max_queue_len", "max_queue_delay_s")}
     if k["enable_chunked_prefill"] is None:
         k["enable_chunked_prefill"] = k["batching"] == "continuous" and max_model_len > LONG_CONTEXT
-    budget = knobs.get("max_num_batched_tokens") or (2048 if k["enable_chunked_prefill"] else max(max_model_len, 2048))
+    budget = knobs.get("max_num_batched_tokens") or \
+        (DEFAULT_STEP_TOKENS if k["enable_chunked_prefill"] else max(max_model_len, DEFAULT_STEP_TOKENS))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
     return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,
                            preemption=knobs.get("preemption", _default(KVCacheConfig, "preemption")),
@@ -139,6 +143,16 @@ class Plan:
     @property
     def prefill_chunk_size(self) -> int:
         return self.scheduler.prefill_chunk_size
+
+    @property
+    def largest_stage_layers(self) -> int:
+        """The largest pipeline stage's share of the layers (the one `kv_bytes_per_token` covers)."""
+        return largest_stage(self.model.num_layers, self.pipeline_parallel_size)
+
+    @property
+    def kv_bytes_per_token_layer(self) -> float:
+        """K/V bytes per token and layer on one device (its share of the KV heads)."""
+        return self.kv_bytes_per_token / self.largest_stage_layers
 
 
 @dataclass(frozen=True)
@@ -275,14 +289,34 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         return _make_pools(scenario, base_dir)
     model, checkpoint = resolve_model(scenario.model, base_dir)
     hw = resolve_hardware(scenario.hardware)
-    sv, kv, spec = scenario.serving, scenario.kv_cache, scenario.speculative
+    sv, kv = scenario.serving, scenario.kv_cache
+    scheduler = _scheduler_of(scenario, model)
+    layout = _layout_of(scenario, model)
+    memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, sv.max_num_seqs,
+                           scheduler.max_model_len)
+    cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
+    return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
+                replicas=scenario.replicas, router=scenario.router, scheduler=scheduler,
+                tensor_parallel_size=layout.sharding.tp, sequence_parallel=layout.sequence_parallel,
+                pipeline_parallel_size=layout.pipeline_parallel_size, virtual_engines=layout.virtual_engines,
+                kv_bytes_per_token=memory.kv_bytes_per_token, kv_allocator=kv.allocator,
+                enable_prefix_caching=kv.enable_prefix_caching,
+                kv_watermark=kv.watermark, weight_bytes=memory.weight_bytes, activation_bytes=memory.activation_bytes,
+                kv_cache_bytes=memory.kv_cache_bytes, block_size=memory.block_size, num_blocks=memory.num_blocks,
+                num_swap_blocks=memory.num_swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
+                executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"))
+
+
+def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:
+    """The scheduler's knobs, checked against the model's positions and each other."""
+    sv, spec = scenario.serving, scenario.speculative
     max_model_len = sv.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:  # vLLM refuses it too: positions past those are untrained
         raise ConfigError(f"max_model_len {max_model_len} exceeds {model.name}'s max_position_embeddings "
                           f"({model.max_position_embeddings}); allowed: at most that, or a model spec with more "
                           "positions", "serving.max_model_len")
     scheduler = scheduler_config(
-        max_model_len, **sv.model_dump(exclude={"max_model_len"}), preemption=kv.preemption,
+        max_model_len, **sv.model_dump(exclude={"max_model_len"}), preemption=scenario.kv_cache.preemption,
         num_speculative_tokens=spec.num_draft_tokens if spec else 0,
         speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
     budget = scheduler.max_num_batched_tokens
@@ -298,64 +332,51 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     if sv.batching == "continuous" and budget < sv.max_num_seqs and scheduler.enable_chunked_prefill:
         raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
-    tp, sp = scenario.parallel.tensor_parallel_size, scenario.parallel.sequence_parallel
-    kv_heads = _check_tensor_parallel(model, tp)
-    pp = scenario.parallel.pipeline_parallel_size
-    engines = scenario.parallel.virtual_engines or pp
+    return scheduler
+
+
+def _layout_of(scenario: Scenario, model: ModelSpec) -> Layout:
+    """How a replica splits the model: tensor-parallel sharding, pipeline stages and batches in flight, checked."""
+    par = scenario.parallel
+    try:
+        sharding = shard(model, par.tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError(str(e), "parallel.tensor_parallel_size") from None
+    pp = par.pipeline_parallel_size
+    engines = par.virtual_engines or pp
     if pp > model.num_layers:
         raise ConfigError(f"{pp} stages for the {model.num_layers} layers of {model.name}; allowed: at most "
                           f"{model.num_layers}", "parallel.pipeline_parallel_size")
     if engines > pp:
         raise ConfigError(f"{engines} batches in flight through {pp} stages; allowed: 1..{pp} (one per stage fills "
                           "the pipeline)", "parallel.virtual_engines")
-    stage_layers = -(-model.num_layers // pp)  # the largest stage's share sizes every device
-    act_bytes = model.act_bytes
-    # Peak activations of one forward over the step budget on one device (the MLP's columns, and with sequence
-    # parallelism the hidden-sized regions, split by TP), plus fp32 logits for every sequence (vocab-parallel).
-    activation = budget * (4 * model.hidden_size / (tp if sp else 1) + 2 * model.intermediate_size / tp) * act_bytes \
-        + sv.max_num_seqs * model.vocab_size * 4 / tp
-    usable = hw.memory_bytes * kv.gpu_memory_utilization
-    model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
-    weight_bytes = model_bytes / tp
-    if pp > 1:
-        weight_bytes = weight_bytes * stage_layers / model.num_layers
-    kv_bytes = usable - weight_bytes - activation
-    if kv_bytes <= 0:
-        need = -(-model_bytes // max(usable - activation, 1.0))
-        more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
-        raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
-                          f"{activation / 2**30:.1f} GiB activations per device at tensor_parallel_size {tp}) does not "
-                          f"fit in {hw.name} ({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
-                          f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
-                          "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
-    block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    kv_bytes_per_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads * stage_layers / model.num_layers
-    block_bytes = block_size * kv_bytes_per_token
-    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes) // engines
-    if num_blocks * engines * block_bytes > kv_bytes:
-        raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
-                          f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
-                          f"{int(kv_bytes // block_bytes) // engines}", "kv_cache.num_blocks")
-    if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
-        raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
-                          f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
-                          "quantized weights", "serving.max_model_len")
-    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) // engines if kv.preemption == "swap" else 0
-    if (num_blocks + swap_blocks) * scenario.replicas * engines > MAX_TOTAL_BLOCKS:
-        raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {scenario.replicas} "
-                          f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
-                          "bigger block_size or a smaller swap_space_gib)",
-                          "kv_cache.num_blocks" if kv.num_blocks else
-                          "kv_cache.swap_space_gib" if swap_blocks > num_blocks else "hardware")
-    c = scenario.cost_model
-    # read now, so a bad profile is reported against the scenario that names it
+    return Layout(sharding, par.sequence_parallel, pp, engines, largest_stage(model.num_layers, pp), scenario.replicas)
+
+
+def largest_stage(num_layers: int, pp: int) -> int:
+    """The largest pipeline stage's share of the layers, which sizes every device."""
+    return -(-num_layers // pp)
+
+
+def _cost_plan(c: CostModelConfig, base_dir: Path, model: ModelSpec, hw: HardwareSpec, layout: Layout) -> CostPlan:
+    """What prices the steps; a profile is read now, so that a bad one is reported against the scenario naming it."""
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
+    if profile is not None:
+        _check_profile_layout(profile, layout.sharding.tp, layout.pipeline_parallel_size)
+    source = _cost_source(c, hw, profile)
+    refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
+    return CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
+                    c.profile_scale, source, refined)
+
+
+def _check_profile_layout(profile: ProfileFile, tp: int, pp: int) -> None:
+    """A profile prices this layout: it was measured through it, or on one device with what composing needs."""
     key = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
-    if profile is not None and profile.parallel != (1, 1) and profile.parallel != (tp, pp):
+    if profile.parallel != (1, 1) and profile.parallel != (tp, pp):
         raise ConfigError(f"{profile.path} was measured through tensor x pipeline parallel {profile.parallel[0]} x "
                           f"{profile.parallel[1]}, not {tp} x {pp}; allowed: a profile of that layout or of one "
                           "device", key)
-    if profile is not None and tp * pp > 1 and profile.parallel == (1, 1):  # composed (sim/cost/parallel.py)
+    if tp * pp > 1 and profile.parallel == (1, 1):  # composed (sim/cost/parallel.py)
         if tp > 1 and pp > 1:
             raise ConfigError("a fitted profile prices tensor or pipeline parallelism, not both; allowed: the roofline "
                               "(no cost_model.profile) for both", key)
@@ -367,33 +388,6 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         if missing:
             raise ConfigError(f"{profile.path} has no {', '.join(missing)} measurement (comm.fit), which pricing "
                               "this layout's steps needs; profile again (`infersim profile`), or use the roofline", key)
-    source = _cost_source(c, hw, profile)
-    refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
-    cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
-                    c.profile_scale, source, refined)
-    return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
-                replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
-                sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,
-                kv_bytes_per_token=kv_bytes_per_token, kv_allocator=kv.allocator,
-                enable_prefix_caching=kv.enable_prefix_caching,
-                kv_watermark=kv.watermark, weight_bytes=weight_bytes, activation_bytes=activation,
-                kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
-                workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,
-                speculative=spec, source=scenario.model_dump(mode="json"))
-
-
-def _check_tensor_parallel(model: ModelSpec, tp: int) -> int:
-    """The KV heads one device holds at tensor_parallel_size `tp`: the query heads must split evenly, the KV heads
-    too, or (more devices than KV heads, as vLLM does) each device holds a copy of one."""
-    key = "parallel.tensor_parallel_size"
-    if model.num_heads % tp:
-        ok = [d for d in range(1, min(model.num_heads, 64) + 1) if model.num_heads % d == 0]
-        raise ConfigError(f"{tp} does not divide the {model.num_heads} attention heads of {model.name}; allowed: "
-                          f"{', '.join(map(str, ok))}", key)
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ConfigError(f"{tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads of "
-                          f"{model.name}", key)
-    return max(1, model.num_kv_heads // tp)
 
 
 def check_profile_device(plan: Plan) -> None:

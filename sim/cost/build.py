@@ -39,7 +39,8 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
                              per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
                              block_bytes=plan.block_size * plan.kv_bytes_per_token,
-                             tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel)
+                             tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel,
+                             kv_bytes_per_token=plan.kv_bytes_per_token_layer * plan.model.num_layers)
 
 
 def _given(value: float | None, default: float) -> float:
@@ -57,8 +58,7 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
     refinement = Refinement(**c.refinement) if c.refinement is not None else \
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
-    stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)  # the plan's KV bytes are the largest stage's
-    return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
+    return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
                            plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from sim.config.profile import FEATURES, ProfileFile, read_profile
 from sim.cost.step import StepCost, decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 # candidate knots of the few_tokens and ramp_tokens terms (0: none); the fit keeps the pair with the least
 # training error

@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.config.models import ModelSpec
+from sim.config.sharding import shard, vocab_shard
 from sim.cost.comm import Collectives
 from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
 from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
 from sim.cost.step import PricesStages, Stages, StepCost, decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 VLLM_STEP_OVERHEAD_S = 126e-6
 VLLM_PER_SEQ_OVERHEAD_S = 4.4e-6
@@ -64,7 +65,8 @@ class KernelCostModel(PricesStages):
         self.act_bytes = model.act_bytes
         self.s_per_swap_block = block_bytes / hw.host_bandwidth
         att, r = kernels.attention, refinement
-        heads = model.num_heads // tensor_parallel_size
+        self.sharding = shard(model, tensor_parallel_size)
+        heads = self.sharding.heads
         self.s_per_prefill_pair = r.attention * self.layers * 4 * heads * model.head_size / att["prefill_flops"]
         self.s_per_prefill_seq = r.attention * self.layers * att["prefill_floor_s"]
         self.s_per_prefill_key = r.attention * self.layers * att["prefill_s_per_key"]
@@ -74,7 +76,7 @@ class KernelCostModel(PricesStages):
         kv_bytes = r.attention * self.layers * kv_bytes_per_token_layer
         self.s_per_kv_token = kv_bytes / att["decode_bandwidth"]
         self.s_per_kv_token_one_wave = kv_bytes / att["decode_bandwidth_one_wave"]
-        self.one_wave_rows = att["sms"] // max(1, model.num_kv_heads // tensor_parallel_size)
+        self.one_wave_rows = att["sms"] // self.sharding.kv_heads
         self.collectives = collectives
         self.layer_share = [n / self.layers for n in stage_layers(self.layers, self.pp)]
         self._linear: dict[int, float] = {}
@@ -123,7 +125,7 @@ class KernelCostModel(PricesStages):
             t = pass_time(p["add"], 2 * tokens * m.hidden_size * self.act_bytes) if tokens else 0.0
             if sampled:
                 t += pass_time(p["input_norm"], 2 * sampled * m.hidden_size * self.act_bytes)
-                t += self.lm_gemm.time(sampled, -(-m.vocab_size // self.tp), m.hidden_size, self.act_bytes,
+                t += self.lm_gemm.time(sampled, vocab_shard(m.vocab_size, self.tp), m.hidden_size, self.act_bytes,
                                        self.act_bytes)
             t = self._head[key] = self.refinement.lm_head * t
         return t

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from sim.config.sharding import LayerShape, shard
+
 KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
 
 
@@ -78,21 +80,21 @@ def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: in
                 gated: bool = True) -> list[tuple[str, int, int, int]]:
     """(op, M, N, K) of one decoder layer's GEMMs on one of `tp` devices (Megatron sharding: heads and the MLP's
     columns split, KV heads replicated where there are fewer than devices)."""
-    q = heads * head_dim // tp
-    kv = max(1, kv_heads // tp) * head_dim
-    up = (2 if gated else 1) * inter // tp
+    s = shard(LayerShape(heads, kv_heads, inter), tp)
+    q, kv = s.heads * head_dim, s.kv_heads * head_dim
+    up = (2 if gated else 1) * s.intermediate
     return [("qkv", tokens, q + 2 * kv, hidden), ("o", tokens, hidden, q), ("gate_up", tokens, up, hidden),
-            ("down", tokens, hidden, inter // tp)]
+            ("down", tokens, hidden, s.intermediate)]
 
 
 def layer_passes(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,
                  gated: bool = True, act_bytes: int = 2) -> dict[str, float]:
     """Bytes each elementwise pass of one decoder layer reads and writes on one of `tp` devices: the two norms over
     the (replicated) hidden state, rotary over the queries and keys, the gated activation, one residual add."""
-    q = heads * head_dim // tp
-    kv = max(1, kv_heads // tp) * head_dim
+    s = shard(LayerShape(heads, kv_heads, inter), tp)
+    q, kv = s.heads * head_dim, s.kv_heads * head_dim
     return {"input_norm": 2 * tokens * hidden * act_bytes, "post_norm": 2 * tokens * hidden * act_bytes,
-            "rope": 2 * tokens * (q + kv) * act_bytes, "act": (3 if gated else 2) * tokens * (inter // tp) * act_bytes,
+            "rope": 2 * tokens * (q + kv) * act_bytes, "act": (3 if gated else 2) * tokens * s.intermediate * act_bytes,
             "add": 3 * tokens * hidden * act_bytes}
 
 

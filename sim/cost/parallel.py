@@ -16,10 +16,11 @@ stream crosses between stages and the sampling rows' hidden states come back. A 
 from __future__ import annotations
 
 from sim.config.models import ModelSpec
+from sim.config.sharding import vocab_shard
 from sim.cost.comm import MeasuredCollectives
 from sim.cost.fitted import FittedCostModel, parts_of
 from sim.cost.step import PricesStages, Stages, StepCost, decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 # terms of the forward fit that scale with the layers a device runs; the few-token kink (streaming the weights) by
 # the weights it holds; the step's fixed cost in full on every stage (each runs a forward of its own: measured on
@@ -46,7 +47,7 @@ class ParallelFittedCostModel(PricesStages):
         self.total, self.forward, self.comm = total, forward, comm
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.token_bytes = model.hidden_size * model.act_bytes
-        self.logit_row_bytes = -(-model.vocab_size // self.tp) * 4  # a rank's vocabulary slice, fp32
+        self.logit_row_bytes = vocab_shard(model.vocab_size, self.tp) * 4  # a rank's vocabulary slice, fp32
         self.num_layers = model.num_layers
         layers = stage_layers(model.num_layers, self.pp)
         weights = [n * model.params_per_layer for n in layers]

@@ -4,7 +4,7 @@ on top, and on a pipelined replica the step's stages."""
 from __future__ import annotations
 
 from sim.cost.step import PricesStages, Stages, StepCost, StepCostModel
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 
 def equal_stages(step_s: float, tokens: int, num_stages: int, send_s_per_token: float,

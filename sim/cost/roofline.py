@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from sim.config.hardware import HardwareSpec
 from sim.config.models import ModelSpec
+from sim.config.sharding import shard
 from sim.cost.comm import Interconnect, TensorParallelComm
 from sim.cost.step import StepCost
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 # Weight-only quantized matmuls (int8/int4, fp8 without fp8 tensor cores) dequantize each weight tile before the
 # 16-bit multiply: ~15% over the dense kernel where they are compute-bound (Marlin / AWQ kernels at large batch),
@@ -35,12 +36,14 @@ class RooflineCostModel:
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, compute_efficiency: float = 0.6,
                  memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
-                 block_bytes: float = 0.0, tensor_parallel_size: int = 1, sequence_parallel: bool = False):
+                 block_bytes: float = 0.0, tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+                 kv_bytes_per_token: float | None = None):
+        """`kv_bytes_per_token`: what one device reads per token of context over all layers (the plan's; by default
+        the model's at this tensor-parallel size)."""
         n = tensor_parallel_size
         act_bytes = model.act_bytes
         flops = hw.flops(model.act_dtype) * compute_efficiency
         bw = hw.memory_bandwidth * memory_efficiency
-        kv_heads = max(1, model.num_kv_heads // n)  # per device
         # the linear layers: fp8 tensor cores where weights and hardware have them, 2:4 sparse tensor cores at twice
         # the rate, and weight-only quantization paying to dequantize the weights it streams
         sparse = model.sparsity == "2:4" and hw.sparse_tensor_cores
@@ -54,7 +57,9 @@ class RooflineCostModel:
         self.s_lm_head_weights = model.embedding_params * act_bytes / bw / n  # their share in step_cost's parts
         self.s_per_act_token = 8 * model.num_layers * model.hidden_size * act_bytes / bw / (n if sequence_parallel else 1)
         self.s_per_attn_pair = 4 * model.num_layers * model.num_heads * model.head_size / flops / n
-        self.s_per_kv_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads / bw
+        if kv_bytes_per_token is None:
+            kv_bytes_per_token = shard(model, n).kv_bytes(model.kv_bytes_per_token)
+        self.s_per_kv_token = kv_bytes_per_token / bw
         self.step_overhead_s = step_overhead_s
         self.per_seq_overhead_s = per_seq_overhead_s
         self.s_per_swap_block = block_bytes / hw.host_bandwidth

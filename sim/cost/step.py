@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Protocol
 
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 
 @dataclass(slots=True)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from sim.config.errors import ConfigError
+from sim.config.generator import generate_requests
 from sim.config.scenario import SLOConfig
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.report.metrics import compute_metrics
 
 KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more

@@ -7,8 +7,9 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request

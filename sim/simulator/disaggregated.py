@@ -17,8 +17,9 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim.config.generator import generate_requests
 from sim.config.plan import Plan
-from sim.config.workload import RequestSpec, generate_requests
+from sim.config.workload import RequestSpec
 from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request
@@ -54,7 +55,7 @@ class KVTransfers:
         d = self.router.pick(self.decode)
         replica = self.decode[d]
         if not replica.scheduler.add_prefilled(r):
-            prefill.scheduler.release(r)
+            prefill.scheduler.handoff.release(r)
             prefill.wake(r.first_token_s, after_the_instant=True)
             self.done(r, r.first_token_s)  # turned away at its hand-off
             return
@@ -79,9 +80,9 @@ class KVTransfers:
     def _arrive(self, r: Request, replica: Replica, at: float):
         yield self.env.timeout(at - self.env.now)
         prefill, _ = self.source.pop(r)
-        prefill.scheduler.release(r)
+        prefill.scheduler.handoff.release(r)
         prefill.wake(at)
-        replica.scheduler.received(r)
+        replica.scheduler.handoff.received(r)
         replica.wake(at)
 
     def summary(self) -> dict:

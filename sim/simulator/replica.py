@@ -121,7 +121,7 @@ class Replica:
                 for r in sched.expire(self.clock):
                     if self.on_finish:
                         self.on_finish(r, self.clock)
-            if sched.incoming:
+            if sched.handoff.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
@@ -131,7 +131,7 @@ class Replica:
                     continue
                 # an empty engine can always take the head of its queue, unless blocks wait to be sent or to be
                 # filled by a transfer on its way (its arrival wakes the engine)
-                if sched.has_work() and not sched.sending and not sched.receiving:
+                if sched.has_work() and not sched.handoff.sending and not sched.handoff.receiving:
                     raise RuntimeError(f"replica {self.index}: work queued but nothing schedulable")
                 self.wakeup = env.event()
                 self.clock = max(self.clock, (yield self.wakeup))
@@ -217,8 +217,8 @@ class Replica:
                 r.first_token_s = clock
         for r in batch.received:
             self.handoff_gaps.append(clock - r.first_token_s)
-        if sched.outbox:
-            self.on_handoff(self, sched.take_handoffs())
+        if sched.handoff.outbox:
+            self.on_handoff(self, sched.handoff.take())
         return finished
 
     def settle_token_times(self) -> None:

@@ -1,0 +1,95 @@
+"""The memory budget of one device of a replica: its weights, the peak activations of a step, and the KV cache the
+rest holds, as blocks (and the host blocks swap preemption may use)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.config.errors import ConfigError
+from sim.config.hardware import HardwareSpec
+from sim.config.limits import MAX_TOTAL_BLOCKS
+from sim.config.models import ModelSpec
+from sim.config.scenario import KVCacheConfig
+from sim.config.sharding import Sharding
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes on one device of a replica, and the KV blocks they leave."""
+
+    weight_bytes: float
+    activation_bytes: float
+    kv_cache_bytes: float
+    kv_bytes_per_token: float  # the device's share of the KV heads, over its stage's layers
+    block_size: int
+    num_blocks: int
+    num_swap_blocks: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a replica is split into: its tensor-parallel sharding, pipeline stages, batches in flight, and how many
+    replicas there are."""
+
+    sharding: Sharding
+    sequence_parallel: bool
+    pipeline_parallel_size: int
+    virtual_engines: int
+    stage_layers: int  # the largest stage's share of the layers, which sizes every device
+    replicas: int
+
+
+def activation_bytes(model: ModelSpec, step_tokens: int, max_num_seqs: int, tp: int, sp: bool) -> float:
+    """Peak activations of one forward over the step budget on one device (the MLP's columns, and with sequence
+    parallelism the hidden-sized regions, split by TP), plus fp32 logits for every sequence (vocab-parallel)."""
+    return step_tokens * (4 * model.hidden_size / (tp if sp else 1) + 2 * model.intermediate_size / tp) \
+        * model.act_bytes + max_num_seqs * model.vocab_size * 4 / tp
+
+
+def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout: Layout, step_tokens: int,
+                  max_num_seqs: int, max_model_len: int) -> MemoryBudget:
+    """The budget of one device, or a ConfigError saying what does not fit and what would."""
+    tp, pp = layout.sharding.tp, layout.pipeline_parallel_size
+    activation = activation_bytes(model, step_tokens, max_num_seqs, tp, layout.sequence_parallel)
+    usable = hw.memory_bytes * kv.gpu_memory_utilization
+    model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
+    weight_bytes = model_bytes / tp
+    if pp > 1:
+        weight_bytes = weight_bytes * layout.stage_layers / model.num_layers
+    kv_bytes = usable - weight_bytes - activation
+    if kv_bytes <= 0:
+        need = -(-model_bytes // max(usable - activation, 1.0))
+        more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
+        raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
+                          f"{activation / 2**30:.1f} GiB activations per device at tensor_parallel_size {tp}) does not "
+                          f"fit in {hw.name} ({usable / 2**30:.1f} GiB usable at gpu_memory_utilization "
+                          f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
+                          "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
+    block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
+    kv_bytes_per_token = layout.sharding.kv_bytes(model.kv_bytes_per_token) * layout.stage_layers / model.num_layers
+    num_blocks, swap_blocks = kv_blocks(kv, layout, kv_bytes, block_size * kv_bytes_per_token, block_size,
+                                        max_model_len)
+    return MemoryBudget(weight_bytes, activation, kv_bytes, kv_bytes_per_token, block_size, num_blocks, swap_blocks)
+
+
+def kv_blocks(kv: KVCacheConfig, layout: Layout, kv_bytes: float, block_bytes: float, block_size: int,
+              max_model_len: int) -> tuple[int, int]:
+    """(device blocks, host swap blocks) per batch in flight that `kv_bytes` hold, checked against the scenario's
+    num_blocks, one sequence of max_model_len, and the simulator's bound on blocks in all."""
+    engines = layout.virtual_engines
+    num_blocks = kv.num_blocks or int(kv_bytes // block_bytes) // engines
+    if num_blocks * engines * block_bytes > kv_bytes:
+        raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
+                          f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
+                          f"{int(kv_bytes // block_bytes) // engines}", "kv_cache.num_blocks")
+    if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
+        raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
+                          f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
+                          "quantized weights", "serving.max_model_len")
+    swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) // engines if kv.preemption == "swap" else 0
+    if (num_blocks + swap_blocks) * layout.replicas * engines > MAX_TOTAL_BLOCKS:
+        raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {layout.replicas} "
+                          f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
+                          "bigger block_size or a smaller swap_space_gib)",
+                          "kv_cache.num_blocks" if kv.num_blocks else
+                          "kv_cache.swap_space_gib" if swap_blocks > num_blocks else "hardware")
+    return num_blocks, swap_blocks

@@ -1,0 +1,239 @@
+"""What every batching policy shares: the waiting queue and the checks a request must pass to join it, queue
+timeouts, aborts, and the bookkeeping after a step (prompts done, decode rows advanced, rows finished), including runs
+of identical decode steps. A policy (`Scheduler`: continuous batching; `StaticScheduler`) forms each step's batch
+(`_schedule`) and may say what finishing a row means (`_finish`) and what follows a step (`_after_steps`).
+
+Plain Python, no SimPy, no torch: the simulator's replica and the executor's engine call the same objects; only the
+clock differs. `eager=False` (the simulator) leaves decoding requests' counters stale between events, so a step costs
+O(events), not O(batch); the executor keeps them current.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+
+from sim.config.plan import SchedulerConfig
+from sim.policy.batch import ScheduledBatch
+from sim.policy.block_manager import BlockAllocator
+from sim.policy.decode_set import DecodeSet
+from sim.policy.handoff import HandOff
+from sim.policy.request import Request, Status
+
+
+class BaseScheduler:
+    """The queues and per-step bookkeeping of a scheduler over a paged or contiguous KV allocator."""
+
+    speculative = False
+
+    def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool, decoding: DecodeSet,
+                 handoff: HandOff | None = None):
+        self.cfg = cfg
+        self.kv = kv
+        self.eager = eager
+        self.decoding = decoding
+        self.handoff = handoff if handoff is not None else HandOff(kv)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[Request, None] = {}  # admission order: preemption takes from the end
+        self.prefilling: dict[Request, None] = {}  # running, prompt not fully computed (chunked)
+        self.swapped: deque[Request] = deque()
+        self.steps_since_admission = 0
+        self.num_preemptions = 0
+        self.prefix_caching = kv.prefix_caching
+
+    # -- arrivals -------------------------------------------------------------------------------
+    def add(self, req: Request) -> bool:
+        """Queue a request, or reject it with a reason if it can never be served."""
+        reason = self._reject_reason(req)
+        if reason:
+            req.status, req.reject_reason = Status.REJECTED, reason
+            return False
+        self.waiting.append(req)
+        return True
+
+    def _reject_reason(self, req: Request) -> str | None:
+        """Why `req` can never be served here (None: it can)."""
+        total = req.prompt_len + req.max_tokens
+        pool = self.handoff.decode_pool
+        if req.prompt_len < 1 or req.max_tokens < 1:
+            return "prompt and output need at least one token each"
+        if total > self.cfg.max_model_len:
+            return "prompt_len + max_tokens exceeds max_model_len"
+        refused = pool.decode_reject_reason(req) if pool is not None else None
+        if refused:  # turned away now, not after its prompt is computed for nothing
+            return refused
+        if self.kv.blocks_for(total - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
+            return "needs more KV cache than the whole cache"
+        if self.cfg.max_queue_len is not None and len(self.waiting) >= self.cfg.max_queue_len:
+            return "queue full (max_queue_len)"
+        return None
+
+    def decode_reject_reason(self, req: Request) -> str | None:
+        """Decode instance: why a request prefilled elsewhere could never be served here (None: it could)."""
+        if req.prompt_len + req.max_tokens > self.cfg.max_model_len:
+            return "prompt_len + max_tokens exceeds the decode pool's max_model_len"
+        if self.kv.blocks_for(req.prompt_len + req.max_tokens - 1) > self.kv.num_blocks - self.kv.watermark_blocks:
+            return "needs more KV cache than the decode instance's whole cache"
+        return None
+
+    def expire(self, now: float) -> list[Request]:
+        """Reject the waiting requests that have not started within max_queue_delay_s of arriving (either clock
+        calls this before each step with its time); returns them."""
+        delay = self.cfg.max_queue_delay_s
+        if delay is None or not self.waiting:
+            return []
+        gone = [r for r in self.waiting if not r.num_preemptions and r.arrival_s + delay <= now]
+        if gone:
+            dropped = set(gone)
+            self.waiting = deque(r for r in self.waiting if r not in dropped)
+            for r in gone:
+                r.status, r.reject_reason = Status.REJECTED, "queue timeout (max_queue_delay_s)"
+        return gone
+
+    def next_expiry(self) -> float:
+        """When the first waiting request will time out (inf if none can)."""
+        delay = self.cfg.max_queue_delay_s
+        if delay is None:
+            return float("inf")
+        return min((r.arrival_s + delay for r in self.waiting if not r.num_preemptions), default=float("inf"))
+
+    def has_work(self) -> bool:
+        """Whether a step could run now (a request still arriving from a prefill instance cannot)."""
+        return bool(self.waiting or self.running or self.swapped or self.handoff.ready)
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests queued, running, swapped out or handed to this instance, not yet done."""
+        return len(self.waiting) + len(self.running) + len(self.swapped) + self.handoff.num_outstanding
+
+    @property
+    def drafting(self) -> bool:
+        """Whether decode rows take drafts this step (speculative decoding only)."""
+        return False
+
+    def abort(self, req: Request, reason: str | None) -> None:
+        """Take a request out wherever it waits or runs, its blocks freed (an online server's client went away, or
+        matched a stop string): finished with finish_reason "stop" (`reason` None) or rejected with `reason`. Call
+        between steps."""
+        if req in self.running:
+            if req in self.decoding:
+                self.decoding.leave(req)
+            del self.running[req]
+            self.prefilling.pop(req, None)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+            self.kv.free_host_blocks.extend(reversed(req.host_block_table))
+            req.host_block_table = ()
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.num_draft = 0
+        if reason is None:
+            req.status, req.finish_reason = Status.FINISHED, "stop"
+        else:
+            req.status, req.reject_reason = Status.REJECTED, reason
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once)."""
+        tokens = self.decoding.sum_computed
+        if self.prefilling:
+            tokens += sum(r.num_computed for r in self.prefilling)
+        if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
+            return max(0, tokens - self.kv.shared_refs * self.kv.block_size)
+        return tokens
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step's batch; allocates its KV blocks and may preempt."""
+        batch = self._schedule()
+        self.kv.note_peak()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
+        raise NotImplementedError
+
+    # -- after the step -------------------------------------------------------------------------
+    def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = (),
+                      accepted: dict[Request, int] | None = None) -> tuple[list[Request], list[Request]]:
+        """Account for a finished step. Returns (requests that got their first token of a run — prompt
+        done or swapped in —, requests that finished). Every decode row got one token, plus, with
+        speculative decoding, its `accepted` drafts (none if absent).
+        `stopped`: requests the executor saw emit EOS this step."""
+        dec = self.decoding
+        started, finished = list(batch.swapped_in), []
+        if batch.decodes:
+            self._advance_decodes(batch, accepted, finished)
+        for r, n in batch.prefill:
+            r.num_computed += n
+            if self.prefix_caching:
+                self.kv.register(r)
+            if r.num_computed < r.num_tokens:
+                continue  # a prompt chunk: no token yet
+            self.prefilling.pop(r, None)
+            r.num_generated += 1
+            started.append(r)
+            if r.num_generated >= r.max_tokens or r in stopped:
+                finished.append(self._finish(r))
+            else:
+                self._first_token(r)
+        for r in dec.pop_finished():
+            finished.append(self._finish(r))
+        for r in stopped:
+            if r in dec:
+                dec.leave(r)
+                finished.append(self._finish(r))
+        if self.eager:
+            self.sync_all()
+        self._after_steps(0)
+        return started, finished
+
+    def _advance_decodes(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,
+                         finished: list[Request]) -> None:
+        """Every decode row got one token (its finish is found by the decode set)."""
+        self.decoding.advance(1)
+
+    def _first_token(self, r: Request) -> None:
+        """A request whose prompt is done and that goes on: it decodes from the next step."""
+        self.decoding.join(r, self._block_capacity(r))
+
+    def _block_capacity(self, r: Request) -> int | None:
+        return None if self.kv.contiguous else len(r.block_table) * self.kv.block_size
+
+    def _finish(self, r: Request) -> Request:
+        """A request is done: its blocks are freed (a conversation's turn registers its answer's blocks first)."""
+        r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
+        r.status = Status.FINISHED
+        del self.running[r]
+        if len(r.block_hashes) > r.num_registered:  # a conversation's turn: its answer's blocks, for the next turn
+            self.kv.register(r, r.num_tokens - 1)
+        self.kv.free(r)
+        return r
+
+    def _after_steps(self, extra: int) -> None:
+        """What a policy does after a step and `extra` more decode steps of a run were accounted for."""
+
+    def sync_all(self) -> None:
+        """Bring every decoding request's counters up to date."""
+        for r in self.decoding.members:
+            self.decoding.sync(r)
+
+    # -- many identical decode steps at once (simulator only) ----------------------------------
+    def decode_horizon(self, k_max: int) -> int:
+        """How many decode steps, the scheduled one included, would be scheduled identically (absent
+        arrivals): until a request finishes."""
+        return max(1, min(k_max, self.decoding.next_finish() - self.decoding.steps))
+
+    def advance_decode(self, k: int) -> list[Request]:
+        """Apply the remaining k - 1 steps of a decode-only run (k ≤ decode_horizon) and account for all
+        k; returns the requests that finished."""
+        dec = self.decoding
+        if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
+            raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
+        self.kv.note_peak()
+        dec.advance(k)
+        self.steps_since_admission += k - 1
+        finished = [self._finish(r) for r in dec.pop_finished()]
+        if self.eager:
+            self.sync_all()
+        self._after_steps(k - 1)
+        return finished
