@@ -9,9 +9,11 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
+from sim.config.expert_parallel import does_not_fit_a_rank, expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
+from sim.config.moe import kv_bytes_per_device_token
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
     CostModelConfig,
@@ -90,6 +92,7 @@ class CostPlan:
     profile_scale: float
     source: str = "roofline"
     refinement: dict | None = None  # the profile's refinement of the GPU kernel model, where it prices the steps
+    expert_load_imbalance: float = 1.0  # a MoE's busiest expert (or expert-parallel rank) over the mean
 
 
 @dataclass(frozen=True)
@@ -127,10 +130,16 @@ class Plan:
     # disaggregated: the prefill and decode pools, each resolved as a plan of its own; the plan's own replica fields
     # are the decode pool's
     pools: Pools | None = None
+    data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
+    enable_expert_parallel: bool = False
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -299,7 +308,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
     tp, sp = scenario.parallel.tensor_parallel_size, scenario.parallel.sequence_parallel
-    kv_heads = _check_tensor_parallel(model, tp)
+    _check_tensor_parallel(model, tp)
+    layout = expert_layout(model, scenario.parallel)
     pp = scenario.parallel.pipeline_parallel_size
     engines = scenario.parallel.virtual_engines or pp
     if pp > model.num_layers:
@@ -316,11 +326,13 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         + sv.max_num_seqs * model.vocab_size * 4 / tp
     usable = hw.memory_bytes * kv.gpu_memory_utilization
     model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
-    weight_bytes = model_bytes / tp
+    weight_bytes = layout.weight_bytes(model, hw.sparse_tensor_cores)
     if pp > 1:
         weight_bytes = weight_bytes * stage_layers / model.num_layers
     kv_bytes = usable - weight_bytes - activation
     if kv_bytes <= 0:
+        if layout.data_parallel_size > 1 and not layout.enable_expert_parallel:
+            raise does_not_fit_a_rank(model, layout, weight_bytes, usable)
         need = -(-model_bytes // max(usable - activation, 1.0))
         more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
         raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
@@ -329,7 +341,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    kv_bytes_per_token = model.kv_bytes_per_token * kv_heads / model.num_kv_heads * stage_layers / model.num_layers
+    kv_bytes_per_token = kv_bytes_per_device_token(model, tp) * stage_layers / model.num_layers
     block_bytes = block_size * kv_bytes_per_token
     num_blocks = kv.num_blocks or int(kv_bytes // block_bytes) // engines
     if num_blocks * engines * block_bytes > kv_bytes:
@@ -341,6 +353,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")
     swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) // engines if kv.preemption == "swap" else 0
+    scheduler, num_blocks, swap_blocks = layout.replica_engine(scheduler, num_blocks, swap_blocks)
     if (num_blocks + swap_blocks) * scenario.replicas * engines > MAX_TOTAL_BLOCKS:
         raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {scenario.replicas} "
                           f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
@@ -370,7 +383,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     source = _cost_source(c, hw, profile)
     refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
     cost = CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
-                    c.profile_scale, source, refined)
+                    c.profile_scale, source, refined, c.expert_load_imbalance)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler, tensor_parallel_size=tp,
                 sequence_parallel=sp, pipeline_parallel_size=pp, virtual_engines=engines,
@@ -379,7 +392,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 kv_watermark=kv.watermark, weight_bytes=weight_bytes, activation_bytes=activation,
                 kv_cache_bytes=kv_bytes, block_size=block_size, num_blocks=num_blocks, num_swap_blocks=swap_blocks,
                 workload=scenario.workload, slo=scenario.slo, cost=cost, executor=scenario.executor,
-                speculative=spec, source=scenario.model_dump(mode="json"))
+                speculative=spec, source=scenario.model_dump(mode="json"),
+                data_parallel_size=layout.data_parallel_size, enable_expert_parallel=layout.enable_expert_parallel)
 
 
 def _check_tensor_parallel(model: ModelSpec, tp: int) -> int:
