@@ -513,8 +513,8 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
         priced = describe_cost(plan.pools.decode if plan.pools is not None else plan)
     except ConfigError as e:
         _fail(e)
-    parts = [p for p in ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s", "swap_s")
-             if any(r[p] for _, r in rows)]
+    parts = [p for p in ("linear_s", "experts_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
+                         "swap_s") if any(r[p] for _, r in rows)]
     t = Table("step", "total ms", *(f"{p[:-2].replace('_', ' ')} ms (%)" for p in parts), title=plan.name)
     for label, r in rows:
         t.add_row(label, f"{r['total_s'] * 1e3:.3f}",
