@@ -356,7 +356,8 @@ def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     return out
 
 
-SHORT_KEYS = {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}
+SHORT_KEYS = {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp",
+              "parallel.data_parallel_size": "dp", "parallel.enable_expert_parallel": "ep"}
 
 
 def _key_labels(keys: list[str]) -> dict[str, str]:
