@@ -50,16 +50,17 @@ def test_the_busiest_expert_and_rank_set_the_time():
     assert b.linear_s == a.linear_s and b.attention_s == a.attention_s
 
 
-def test_expert_parallelism_adds_a_dispatch_and_a_combine_per_moe_layer():
-    tp = make_cost_model(moe_plan(cost_model={"type": "roofline"}, tensor_parallel_size=2))
-    ep = make_cost_model(moe_plan(cost_model={"type": "roofline"}, tensor_parallel_size=2,
-                                  enable_expert_parallel=True))
-    link = Interconnect.of(HARDWARE_CATALOG["H100-SXM"])
-    tokens = 64
-    routed = tokens * 2 / 2 * 4096 * 2  # 64 tokens × top-2 over 2 devices, bf16 hidden states
-    assert ep.communication_s(tokens, tokens) - tp.communication_s(tokens, tokens) == \
-        pytest.approx(2 * 32 * link.all_to_all_s(routed, 2))
-    assert link.all_to_all_s(routed, 2) == pytest.approx(routed / 2 / link.bandwidth + link.latency_s)
+def test_expert_parallelism_across_data_parallel_ranks_adds_a_dispatch_and_a_combine_per_moe_layer():
+    def comm(**parallel):
+        return make_cost_model(moe_plan("Qwen3-30B-A3B", cost_model={"type": "roofline"}, **parallel)).communication_s
+    link, tokens = Interconnect.of(HARDWARE_CATALOG["H100-SXM"]), 64
+    routed = tokens * 8 / 4 * 2048 * 2  # 64 tokens × top-8 over 4 devices, bf16 hidden states
+    assert comm(data_parallel_size=4, enable_expert_parallel=True)(tokens, tokens) == \
+        pytest.approx(2 * 48 * link.all_to_all_s(routed, 4))
+    assert link.all_to_all_s(routed, 4) == pytest.approx(routed * 3 / 4 / link.bandwidth + link.latency_s)
+    # one DP rank: every device holds every token, and the layer's all-reduce combines the experts' outputs
+    assert comm(tensor_parallel_size=2, enable_expert_parallel=True)(tokens, tokens) == \
+        comm(tensor_parallel_size=2)(tokens, tokens) > 0
 
 
 def test_latent_attention_is_read_whole_on_every_tensor_parallel_rank():

@@ -12,8 +12,10 @@ sequences, sampling rows and context on its tensor-parallel devices, in parallel
 - attention over the rank's prompt chunks and decode rows (sim/cost/moe_kernels.py: MLA decompressed in prefill,
   absorbed in decode);
 - communication: tensor parallelism's two all-reduces a layer of the rank's hidden states and the logits gather; with
-  expert parallelism a dispatch and a combine all-to-all per MoE layer, each device sending its 1 / EP of the
-  replica's routed rows (the busiest receiving imbalance × the mean);
+  expert parallelism across data-parallel ranks a dispatch and a combine all-to-all per MoE layer, each device
+  sending its 1 / EP of the replica's routed rows (the busiest receiving imbalance × the mean). Within one DP rank
+  (EP = TP) every device already holds every token: each runs its own experts on them and the layer's all-reduce
+  combines them, as with sliced experts (vLLM's path without data parallelism);
 - the host's overhead per step and per sequence of a rank (the ranks' hosts run side by side).
 
 A decode step is base(batch) + context × cost per KV token, so runs of decode steps stay exact and allocation-free.
@@ -68,7 +70,7 @@ class MoECostModel:
             t = 2 * m.num_layers * c.all_reduce_s(tokens / self.dp * self.token_bytes, self.tp)
             if sampled:
                 t += c.gather_s(sampled / self.dp * m.vocab_size * 4, self.tp)
-        if self.ep > 1 and tokens:
+        if self.expert_parallel and self.dp > 1 and tokens:
             routed = tokens * m.num_experts_per_tok / self.ep * self.imbalance * self.token_bytes
             t += 2 * self.n_moe * c.all_to_all_s(routed, self.ep)  # dispatch and combine
         return t
