@@ -47,7 +47,8 @@ class MoECostModel:
         self.s_per_swap_block = block_bytes / host_bandwidth
         self.n_moe = moe.moe_layers(model)
         self.token_bytes = model.hidden_size * model.act_bytes
-        self._fixed_cache: dict[tuple, tuple] = {}
+        self._token_cache: dict[tuple[int, int], tuple] = {}
+        self._decode_cache: dict[int, tuple[float, float]] = {}
 
     # -- the experts' load and the communication -------------------------------------------------------------------
     def expert_load(self, tokens: int) -> tuple[float, float, float]:
@@ -76,22 +77,28 @@ class MoECostModel:
         return t
 
     # -- a step ------------------------------------------------------------------------------------------------------
+    def _by_tokens(self, tokens: int, sampled: int) -> tuple[float, float, float, float]:
+        """(linear, LM head, experts, communication): the parts that depend on the step's tokens and sampling rows
+        alone, cached (a run's steps repeat few of them)."""
+        key = (tokens, sampled)
+        got = self._token_cache.get(key)
+        if got is None:
+            linear, head = self.parts.linear_s(tokens / self.dp, sampled / self.dp)
+            got = (linear, head, self.parts.experts_s(*self.expert_load(tokens)), self.communication_s(tokens, sampled))
+            if len(self._token_cache) < 65536:  # bounded for long runs of odd shapes
+                self._token_cache[key] = got
+        return got
+
     def _fixed(self, tokens: int, seqs: int, sampled: int, prefill: int, prefill_pairs: int,
                prefill_context: int) -> tuple:
         """(linear, LM head, experts, attention but the decode rows' KV, communication, overhead) of a step."""
-        key = (tokens, seqs, sampled, prefill, prefill_pairs, prefill_context)
-        got = self._fixed_cache.get(key)
-        if got is None:
-            dp, p = self.dp, self.parts
-            linear, head = p.linear_s(tokens / dp, sampled / dp)
-            experts = p.experts_s(*self.expert_load(tokens))
-            attention = p.attention_fixed_s(prefill / dp, prefill_pairs / dp, prefill_context / dp, seqs > prefill)
-            overhead = self.step_overhead_s + seqs / dp * self.per_seq_overhead_s + \
-                (self.prefill_overhead_s if prefill else 0.0)
-            got = (linear, head, experts, attention, self.communication_s(tokens, sampled), overhead)
-            if len(self._fixed_cache) < 65536:  # decode batches and repeated shapes; bounded for long runs
-                self._fixed_cache[key] = got
-        return got
+        dp = self.dp
+        linear, head, experts, comm = self._by_tokens(tokens, sampled)
+        attention = self.parts.attention_fixed_s(prefill / dp, prefill_pairs / dp, prefill_context / dp,
+                                                 seqs > prefill)
+        overhead = self.step_overhead_s + seqs / dp * self.per_seq_overhead_s + \
+            (self.prefill_overhead_s if prefill else 0.0)
+        return linear, head, experts, attention, comm, overhead
 
     @staticmethod
     def _base(parts: tuple) -> float:
@@ -120,14 +127,21 @@ class MoECostModel:
                         attention_s=attention + decode_ctx * per_kv, communication_s=comm, lm_head_s=head,
                         overhead_s=overhead, swap_s=swap, experts_s=experts)
 
+    def _decode_base(self, num_seqs: int) -> tuple[float, float]:
+        """(a decode step of `num_seqs` rows without its context term, seconds per context token), cached."""
+        got = self._decode_cache.get(num_seqs)
+        if got is None:
+            got = self._decode_cache[num_seqs] = (self._base(self._fixed(num_seqs, num_seqs, num_seqs, 0, 0, 0))
+                                                  + 0.0, self._per_kv(num_seqs))
+        return got
+
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        return (self._base(self._fixed(num_seqs, num_seqs, num_seqs, 0, 0, 0)) + 0.0) + \
-            sum_context * self._per_kv(num_seqs)
+        base, per_kv = self._decode_base(num_seqs)
+        return base + sum_context * per_kv
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         # decode_time with its per-batch part hoisted: the same float operations, so the same step ends
-        base = self._base(self._fixed(num_seqs, num_seqs, num_seqs, 0, 0, 0)) + 0.0
-        per_kv, s, k, append = self._per_kv(num_seqs), sum_context, 0, step_end.append
+        (base, per_kv), s, k, append = self._decode_base(num_seqs), sum_context, 0, step_end.append
         while k < k_max:
             clock += base + s * per_kv
             append(clock)
