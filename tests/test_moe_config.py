@@ -173,3 +173,26 @@ def test_bad_layouts_are_one_line_errors(model, hardware, parallel, where, needl
     with pytest.raises(ConfigError) as e:
         plan_of(moe_scenario(model, hardware, **parallel))
     assert e.value.key_path == where and needle in e.value.message, e.value.one_line()
+
+
+@pytest.mark.parametrize("text, where, needle", [
+    ("model: {base: Mixtral-8x7B, num_experts_per_tok: 9}\nhardware: H100-SXM\nparallel: {tensor_parallel_size: 2}\n",
+     "model", "num_experts_per_tok 9 with 8 routed experts"),
+    ("model: Qwen3-30B-A3B\nhardware: H100-SXM\nparallel: {tensor_parallel_size: 3, enable_expert_parallel: true}\n",
+     "parallel.tensor_parallel_size", "does not divide the 32 attention heads"),
+    ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {tensor_parallel_size: 2, data_parallel_size: 3, "
+     "enable_expert_parallel: true}\n", "parallel.data_parallel_size", "does not divide the 8 experts"),
+    ("model: Llama-3-8B\nhardware: H100-SXM\nparallel: {enable_expert_parallel: true}\n",
+     "parallel.enable_expert_parallel", "is dense")])
+def test_bad_moe_scenarios_exit_2_with_one_line(tmp_path, text, where, needle):
+    from typer.testing import CliRunner
+
+    from infersim.cli import app
+
+    path = tmp_path / "s.yaml"
+    path.write_text(text + "workload: {arrival: {process: poisson, rate: 1}, num_requests: 2, "
+                           "prompt_len: {dist: fixed, value: 8}, output_len: {dist: fixed, value: 8}}\n")
+    r = CliRunner().invoke(app, ["run", str(path), "-q", "--no-plots", "--out", str(tmp_path / "out")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert f"{path}: {where}: " in lines[0] and needle in lines[0], lines[0]
