@@ -118,8 +118,10 @@ def describe_cost(plan: Plan) -> dict:
     accuracy = load_accuracy()
     if c.source == "kernels":
         k = kernels[plan.hardware.name]
+        # a dense model runs no experts: its report keeps the notes of what it runs
+        notes = {part: note for part, note in k.notes.items() if part != "grouped" or is_sparse(plan.model)}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
-               "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+               "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
         if is_sparse(plan.model) and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
             out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
