@@ -5,6 +5,8 @@
   kernel model is fitted to the device's other models and predicts this one's every (TP, T). Four of the eight
   shapes are not in infersim's catalog (CodeLlama-34B, InternLM-20B, Qwen-72B, Phi-2).
 - H200 GEMMs (timed here, docs/runs/2026-12-04-h200): the same, leaving out each model's projections.
+- H200 grouped expert GEMMs (torch._grouped_mm, calibration/data/gpu/moe.csv: Mixtral-8x7B, Qwen3-30B-A3B and a
+  DeepSeek-V3 EP8 shard): each model's predicted by the fit to the other two.
 - TP all-reduce and send/recv (Vidur's NCCL measurements on DGX A100 / H100 and PCIe boards, one node): fitted to
   every other message size of each configuration, judged on the sizes in between.
 - The roofline is judged on the same rows as it prices them today (compute_efficiency 0.6, memory_efficiency 0.8,
@@ -21,8 +23,10 @@ from calibration.kernel_fit import (
     COLLECTIVES,
     GEMMS,
     LINEAR_OPS,
+    MOE,
     fit_collective,
     gemm_truth,
+    grouped_truth,
     linear_truth,
     read_table,
     stats,
@@ -110,6 +114,9 @@ def main() -> None:
     print(f"allreduce_abs_err_median_pct: {stats(ar)[0]:.1f}")
     print(f"allreduce_abs_err_p90_pct: {stats(ar)[1]:.1f}")
     print(f"send_recv_abs_err_median_pct: {stats(sr)[0]:.1f}")
+    moe = grouped_truth(read_table(MOE))
+    print(f"moe_abs_err_median_pct: {stats(moe)[0]:.1f}")
+    print(f"moe_abs_err_p90_pct: {stats(moe)[1]:.1f}")
     print(f"roofline_allreduce_real_over_predicted_median: {np.median(ratios):.1f}")
     print(f"roofline_allreduce_real_over_predicted_median_datasheet_links: {np.median(befores):.1f}")
 

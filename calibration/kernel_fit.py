@@ -12,7 +12,9 @@ Every fit is least squares on log time (relative error: a 5 µs kernel weighs as
 - an elementwise pass (norms, rotary, activation, residual add): floor + bytes / bandwidth, one fit per kind;
 - prefill attention: floor per sequence + FLOPs / flops + per key (the last query tile walks every key);
 - decode attention: floor + KV bytes / bandwidth;
-- a collective over n devices: (latency^p + (bytes / bandwidth)^p)^(1/p), one fit per system, collective and n.
+- a collective over n devices: (latency^p + (bytes / bandwidth)^p)^(1/p), one fit per system, collective and n;
+- a grouped expert GEMM (torch._grouped_mm over the experts a step's tokens touched): the GEMM form over all of them,
+  each touched expert's weights streamed once, every expert computing the busiest one's rows.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import io
 import json
 import math
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,15 @@ from scipy.optimize import least_squares
 
 from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.models import ModelSpec
-from sim.cost.kernels import KERNELS_PATH, DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
+from sim.cost.kernels import (
+    KERNELS_PATH,
+    DeviceKernels,
+    GemmFit,
+    grouped_gemm_time,
+    layer_gemms,
+    layer_passes,
+    pass_time,
+)
 from sim.cost.roofline import RooflineCostModel
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu"
@@ -312,6 +323,38 @@ def fit_attention(rows: list[dict], sms: int) -> dict:
             "sms": sms}
 
 
+def grouped_shapes(rows: list[dict]) -> tuple[np.ndarray, ...]:
+    """(routed rows, touched experts, busiest expert's rows, N, K, seconds) of grouped expert GEMM rows (moe.csv):
+    gate/up maps hidden to 2 × inter, down inter to hidden; uniform routing, so the busiest has the mean."""
+    tokens = np.array([r["tokens"] * r["top_k"] for r in rows], float)
+    touched = np.array([r["active_experts"] for r in rows], float)
+    up = np.array([r["kind"] == "gate_up" for r in rows])
+    hidden, inter = (np.array([r[k] for r in rows], float) for k in ("hidden", "inter"))
+    return (tokens, touched, tokens / touched, np.where(up, 2 * inter, hidden), np.where(up, hidden, inter),
+            np.array([r["us"] for r in rows], float) * 1e-6)
+
+
+def fit_grouped(rows: list[dict]) -> GemmFit:
+    """The grouped expert GEMM fit (bf16) to moe.csv's rows."""
+    tokens, touched, busiest, n, k, t = grouped_shapes(rows)
+
+    def model(p):
+        return grouped_gemm_time(GemmFit(p[0] * 1e-6, p[1] * 1e12, p[2] * 1e12, p[3], p[4]), tokens, touched, busiest,
+                                 n, k)
+    p = _fit(lambda p: np.log(model(p)) - np.log(t), [5, 3, 500, 2, 32], [0, 0.05, 5, 1, 0], [100, 20, 5000, 8, 4096])
+    return GemmFit(p[0] * 1e-6, p[1] * 1e12, p[2] * 1e12, float(p[3]), float(p[4]))
+
+
+def grouped_truth(rows: list[dict]) -> list[float]:
+    """Leave one model out: each model's grouped GEMMs predicted by the fit to the others'; relative errors."""
+    errs = []
+    for model in sorted({r["model"] for r in rows}):
+        fit = fit_grouped([r for r in rows if r["model"] != model])
+        tokens, touched, busiest, n, k, t = grouped_shapes([r for r in rows if r["model"] == model])
+        errs += list(grouped_gemm_time(fit, tokens, touched, busiest, n, k) / t - 1)
+    return errs
+
+
 def linear_rows(rows: list[dict], device: str, exclude_model: str | None = None) -> list[dict]:
     return [r for r in rows if r["device"] == device and r["model"] != exclude_model]
 
@@ -381,9 +424,16 @@ def fit_all() -> dict:
             attn = [r for r in read_table(ATTENTION) if r["device"] == device]
             devices[device] = DeviceKernels(device, "measured", fits, fit_elementwise(elem),
                                             fit_attention(attn, SMS[device]) if attn else None).to_json()
+    moe = read_table(MOE) if MOE.exists() else []
+    for device in sorted({r["device"] for r in moe}):
+        devices[device]["grouped"] = asdict(fit_grouped([r for r in moe if r["device"] == device]))
     gemm_rows = read_table(GEMMS) if GEMMS.exists() else []
-    return {"devices": derive(devices), "accuracy": accuracy(ops, gemm_rows),
-            "collectives": fit_collectives(read_table(COLLECTIVES))}
+    out = accuracy(ops, gemm_rows)
+    if moe:
+        e = grouped_truth(moe)
+        out["grouped_gemm"] = {"what": "grouped expert GEMMs (H200), leave one model out",
+                               "median_pct": round(stats(e)[0], 1), "p90_pct": round(stats(e)[1], 1)}
+    return {"devices": derive(devices), "accuracy": out, "collectives": fit_collectives(read_table(COLLECTIVES))}
 
 
 # the NCCL system each device's collectives were measured on (the H200's HGX board has the H100's NVSwitch fabric)
@@ -413,12 +463,18 @@ def derive(devices: dict) -> dict:
             notes["attention"] = ("H200's SDPA (FlashAttention-2) fit; decode at the H200's fractions of the "
                                   "GEMM streaming bandwidth" + ("" if hopper else f"; prefill at "
                                   f"{FA2_AMPERE_EFFICIENCY:.0%} of peak (FlashAttention-2 paper: 50-73% on A100)"))
+        grouped = k.grouped
+        if grouped is None and ref.grouped is not None:  # this device's GEMM rates over the H200's, on its fit
+            g, f16 = ref.grouped, gemm["fp16"]
+            grouped = GemmFit(g.floor_s, g.bandwidth * f16.bandwidth / ref_gemm.bandwidth,
+                              g.flops * f16.flops / ref_gemm.flops, g.sharpness, g.m_half)
+            notes["grouped"] = "the H200's grouped expert GEMM fit at this device's GEMM bandwidth and FLOP rate"
         if "fp8" not in gemm and hw is not None and "fp8" in hw.peak_flops and "fp8" in ref.gemm:
             f8, f16 = ref.gemm["fp8"], ref_gemm
             gemm["fp8"] = GemmFit(f8.floor_s, gemm["fp16"].bandwidth, gemm["fp16"].flops * f8.flops / f16.flops,
                                   f8.sharpness, f8.m_half)
             notes["gemm.fp8"] = "this device's bf16 fit at the H200's measured fp8/bf16 FLOP ratio"
-        out[name] = DeviceKernels(name, k.source, gemm, k.passes, att, SYSTEMS.get(name), notes, name)
+        out[name] = DeviceKernels(name, k.source, gemm, k.passes, att, SYSTEMS.get(name), notes, name, grouped)
     a100 = out["A100-80GB"]
     scale = HARDWARE_CATALOG["A100-40GB"].memory_bandwidth / HARDWARE_CATALOG["A100-80GB"].memory_bandwidth
     out["A100-40GB"] = DeviceKernels(
@@ -427,7 +483,9 @@ def derive(devices: dict) -> dict:
         {op: {**f, "bandwidth": f["bandwidth"] * scale} for op, f in a100.passes.items()},
         {**a100.attention, "decode_bandwidth": a100.attention["decode_bandwidth"] * scale,
          "decode_bandwidth_one_wave": a100.attention["decode_bandwidth_one_wave"] * scale}, SYSTEMS["A100-40GB"],
-        {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"}, "A100-80GB")
+        {"all": f"A100-80GB's fits, memory-bound rates x {scale:.3f} (1.555 / 2.039 TB/s HBM)"}, "A100-80GB",
+        GemmFit(a100.grouped.floor_s, a100.grouped.bandwidth * scale, a100.grouped.flops, a100.grouped.sharpness,
+                a100.grouped.m_half) if a100.grouped is not None else None)
     return {name: k.to_json() for name, k in sorted(out.items())}
 
 

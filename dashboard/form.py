@@ -136,7 +136,7 @@ def deployment(f: Form, seed: dict) -> dict:
     with c3:
         out["router"] = f.choice("Router", "router", list(ROUTERS), seed.get("router"))
     parallel = dict(seed.get("parallel") or {})
-    c1, c2 = st.columns(2)
+    c1, c2, c3, c4 = st.columns(4)
     with c1:
         parallel["tensor_parallel_size"] = f.integer("tensor_parallel_size", "parallel.tp",
                                                      parallel.get("tensor_parallel_size", 1),
@@ -145,6 +145,17 @@ def deployment(f: Form, seed: dict) -> dict:
         parallel["pipeline_parallel_size"] = f.integer("pipeline_parallel_size", "parallel.pp",
                                                        parallel.get("pipeline_parallel_size", 1),
                                                        hi=upper(ParallelConfig, "pipeline_parallel_size"))
+    with c3:
+        dp = f.integer("data_parallel_size", "parallel.dp", parallel.get("data_parallel_size", 1),
+                       hi=upper(ParallelConfig, "data_parallel_size"),
+                       help="attention data-parallel ranks of tensor_parallel_size devices each (vLLM)")
+    with c4:
+        ep = st.toggle("enable_expert_parallel", value=bool(parallel.get("enable_expert_parallel")),
+                       key=f.key("parallel.ep"), help="a mixture of experts' experts whole over TP × DP devices")
+    for key, value, default in (("data_parallel_size", dp, 1), ("enable_expert_parallel", ep, False)):
+        parallel.pop(key, None)
+        if value != default:  # a dense deployment's scenario keeps its keys as they were
+            parallel[key] = value
     out["parallel"] = parallel
     out["speculative"] = speculative(f, seed.get("speculative"))
     return out

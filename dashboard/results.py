@@ -13,8 +13,8 @@ from dashboard.form import portable
 from infersim.api import Outcome, step_costs
 from sim.report.outputs import cost_line
 
-STEP_PARTS = (("linear", "linear_s"), ("attention", "attention_s"), ("communication", "communication_s"),
-              ("LM head", "lm_head_s"), ("host overhead", "overhead_s"), ("drafting", "draft_s"), ("swap", "swap_s"))
+STEP_PARTS = (("linear", "linear_s"), ("experts", "experts_s"), ("attention", "attention_s"),
+              ("communication", "communication_s"), ("LM head", "lm_head_s"), ("host overhead", "overhead_s"), ("drafting", "draft_s"), ("swap", "swap_s"))
 
 LATENCY_ROWS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
 

@@ -519,8 +519,8 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
         priced = describe_cost(plan.pools.decode if plan.pools is not None else plan)
     except ConfigError as e:
         _fail(e)
-    parts = [p for p in ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s", "swap_s")
-             if any(r[p] for _, r in rows)]
+    parts = [p for p in ("linear_s", "experts_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
+                         "swap_s") if any(r[p] for _, r in rows)]
     t = Table("step", "total ms", *(f"{p[:-2].replace('_', ' ')} ms (%)" for p in parts), title=plan.name)
     for label, r in rows:
         t.add_row(label, f"{r['total_s'] * 1e3:.3f}",
@@ -533,11 +533,12 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
 @app.command()
 def models() -> None:
     """List the model catalog."""
-    t = Table("params", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
-              "max_len", "dtype", "KV/token")
+    t = Table("params", "active", "experts", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+              "vocab", "max_len", "dtype", "KV/token")
     t.columns.insert(0, Column("name", no_wrap=True))
     for m in api.model_catalog().values():
-        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size), str(m.num_heads),
+        experts = f"{m.num_experts_per_tok}/{m.num_experts}" if m.num_experts else "-"
+        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", f"{m.active_params / 1e9:.2f}B", experts, str(m.num_layers), str(m.hidden_size), str(m.num_heads),
                   str(m.num_kv_heads), str(m.head_size), str(m.intermediate_size), str(m.vocab_size),
                   str(m.max_position_embeddings), m.weight_dtype, f"{m.kv_bytes_per_token / 1024:.0f} KiB")
     _wide_console().print(t)

@@ -380,7 +380,8 @@ def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     return out
 
 
-SHORT_KEYS = {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp"}
+SHORT_KEYS = {"parallel.tensor_parallel_size": "tp", "parallel.pipeline_parallel_size": "pp",
+              "parallel.data_parallel_size": "dp", "parallel.enable_expert_parallel": "ep"}
 
 
 def _key_labels(keys: list[str]) -> dict[str, str]:
@@ -434,13 +435,12 @@ def _value_label(v) -> str:
 
 def devices_of(plan: Plan) -> int:
     plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
-    return sum(p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size for p in plans)
+    return sum(p.replicas * p.devices_per_replica for p in plans)
 
 
 def usd_per_hour(plan: Plan) -> float:
     plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
-    return sum(p.hardware.price_per_hour * p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size
-               for p in plans)
+    return sum(p.hardware.price_per_hour * p.replicas * p.devices_per_replica for p in plans)
 
 
 # -- one configuration's capacity (runs in a worker) ------------------------------------------------------------

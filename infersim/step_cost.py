@@ -61,7 +61,7 @@ def pool_plan(plan: Plan, step: Step, pool: str | None = None) -> Plan:
 
 def price(plan: Plan, step: Step, pool: str | None = None) -> dict:
     """{"total_s", the parts ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
-    "swap_s"), "source": what priced it}."""
+    "swap_s", "experts_s": a mixture of experts' routed experts), "source": what priced it}."""
     p = pool_plan(plan, step, pool)
     cost = make_pricer(p).step_cost(shape_of(step.new_tokens, step.context_lens, num_prefill=step.num_prefill))
     return {**cost.to_json(), "source": describe_cost(p)["source"]}

@@ -91,12 +91,12 @@ def test_builtin_trace_unchanged():
 
 # -- hf_config: each used to be priced as a dense llama of the file's torch_dtype ---------------------------------
 BROKEN_HF = {
-    # W: a Mixtral priced as dense with one expert's MLP
-    "mixtral": ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
-                "num_local_experts 8: mixture-of-experts is not modelled"),
-    "llama-with-experts": ({"num_experts": 4}, "num_experts 4: mixture-of-experts"),
+    # W: a Mixtral priced as dense with one expert's MLP (Mixtral is modelled now; a top-k past its experts is not)
+    "mixtral-top-k": ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 9},
+                      "num_experts_per_tok 9 with 8 routed experts"),
+    "llama-with-experts": ({"num_experts": 4}, "num_experts 4: mixture-of-experts in a llama config"),
     # W: a GPT-2 (other layers, LayerNorm, GELU) priced as a llama
-    "gpt2": ({"model_type": "gpt2"}, "model_type 'gpt2' is not modelled; allowed: llama, mistral"),
+    "gpt2": ({"model_type": "gpt2"}, "model_type 'gpt2' is not modelled; allowed: llama, mistral, mixtral"),
     # W: a 4-bit GPTQ checkpoint priced at its torch_dtype's fp32 bytes
     "gptq-fp32": ({"quantization_config": {"quant_method": "gptq", "bits": 4}, "dtype": None,
                    "torch_dtype": "float32"}, "quantized checkpoint (gptq, 4 bits); allowed: model.weight_dtype int4"),

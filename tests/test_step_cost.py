@@ -59,6 +59,12 @@ COST_MODELS = {
     "parallel fitted TP 3": lambda: fitted(tensor_parallel_size=3),
     "parallel fitted PP 2": lambda: fitted(pipeline_parallel_size=2),
     "parallel fitted PP 3": lambda: fitted(pipeline_parallel_size=3),
+    "roofline MoE TP 2": lambda: roofline(model="Mixtral-8x7B", hardware="H100-SXM",
+                                          parallel={"tensor_parallel_size": 2}),
+    "roofline dense DP 2": lambda: roofline(model="Llama-3-8B", hardware="H100-SXM", parallel={"data_parallel_size": 2}),
+    "kernels MoE DP 4 x EP": lambda: kernels(model="Qwen3-30B-A3B", hardware="H100-SXM", parallel={
+        "data_parallel_size": 4, "enable_expert_parallel": True}, cost_model={"expert_load_imbalance": 1.3}),
+    "kernels MLA MoE TP 8": lambda: kernels(model="DeepSeek-V3", hardware="H200", parallel={"tensor_parallel_size": 8}),
 }
 
 

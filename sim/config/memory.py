@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.config.errors import ConfigError
+from sim.config.expert_parallel import ExpertLayout, does_not_fit_a_rank
 from sim.config.hardware import HardwareSpec
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec
+from sim.config.moe import is_mla
 from sim.config.scenario import KVCacheConfig
 from sim.config.sharding import Sharding
 
@@ -36,6 +38,7 @@ class Layout:
     virtual_engines: int
     stage_layers: int  # the largest stage's share of the layers, which sizes every device
     replicas: int
+    expert: ExpertLayout  # data-parallel ranks, and experts whole over TP x DP devices or sliced over TP
 
 
 def activation_bytes(model: ModelSpec, step_tokens: int, max_num_seqs: int, tp: int, sp: bool) -> float:
@@ -52,11 +55,13 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
     activation = activation_bytes(model, step_tokens, max_num_seqs, tp, layout.sequence_parallel)
     usable = hw.memory_bytes * kv.gpu_memory_utilization
     model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
-    weight_bytes = model_bytes / tp
+    weight_bytes = layout.expert.weight_bytes(model, hw.sparse_tensor_cores)
     if pp > 1:
         weight_bytes = weight_bytes * layout.stage_layers / model.num_layers
     kv_bytes = usable - weight_bytes - activation
     if kv_bytes <= 0:
+        if layout.expert.data_parallel_size > 1 and not layout.expert.enable_expert_parallel:
+            raise does_not_fit_a_rank(model, layout.expert, weight_bytes, usable)
         need = -(-model_bytes // max(usable - activation, 1.0))
         more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""
         raise ConfigError(f"model {model.name} ({weight_bytes / 2**30:.1f} GiB of weights + "
@@ -65,7 +70,9 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
                           f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    kv_bytes_per_token = layout.sharding.kv_bytes(model.kv_bytes_per_token) * layout.stage_layers / model.num_layers
+    # MLA's latent serves every head: each tensor-parallel rank keeps all of it, as vLLM does
+    per_device = model.kv_bytes_per_token if is_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
+    kv_bytes_per_token = per_device * layout.stage_layers / model.num_layers
     num_blocks, swap_blocks = kv_blocks(kv, layout, kv_bytes, block_size * kv_bytes_per_token, block_size,
                                         max_model_len)
     return MemoryBudget(weight_bytes, activation, kv_bytes, kv_bytes_per_token, block_size, num_blocks, swap_blocks)
@@ -86,7 +93,7 @@ def kv_blocks(kv: KVCacheConfig, layout: Layout, kv_bytes: float, block_bytes: f
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")
     swap_blocks = int(kv.swap_space_gib * 2**30 // block_bytes) // engines if kv.preemption == "swap" else 0
-    if (num_blocks + swap_blocks) * layout.replicas * engines > MAX_TOTAL_BLOCKS:
+    if (num_blocks + swap_blocks) * layout.replicas * engines * layout.expert.data_parallel_size > MAX_TOTAL_BLOCKS:
         raise ConfigError(f"{num_blocks:,} KV blocks and {swap_blocks:,} swap blocks per replica x {layout.replicas} "
                           f"replicas; allowed: at most {MAX_TOTAL_BLOCKS:,} blocks in all (set kv_cache.num_blocks, a "
                           "bigger block_size or a smaller swap_space_gib)",

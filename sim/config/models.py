@@ -5,8 +5,17 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from sim.config import moe
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
 
@@ -40,6 +49,28 @@ class ModelSpec(StrictModel):
                                              "with sparse tensor cores, stored and computed dense elsewhere")
     tie_word_embeddings: bool = False
     rope_theta: float = Field(10000.0, gt=0)
+    # mixture-of-experts, names as in Hugging Face configs (0 routed experts: a dense model)
+    num_experts: NonNegativeInt = Field(0, description="routed experts in each MoE layer (0: dense)")
+    num_experts_per_tok: NonNegativeInt = Field(0, description="routed experts each token runs (top-k)")
+    moe_intermediate_size: PositiveInt | None = Field(None, description="one routed expert's FFN width; default "
+                                                                        "intermediate_size")
+    num_shared_experts: NonNegativeInt = Field(0, description="experts every token runs besides its top-k")
+    shared_expert_intermediate_size: PositiveInt | None = Field(None, description="the shared experts' FFN width "
+                                                                                  "in all; default num_shared_experts "
+                                                                                  "× moe_intermediate_size")
+    shared_expert_gate: bool = Field(False, description="a sigmoid gate scales the shared experts' output "
+                                                        "(Qwen2-MoE)")
+    norm_topk_prob: bool = Field(True, description="the top-k routing weights renormalized to sum to 1")
+    first_k_dense_replace: NonNegativeInt = Field(0, description="the first k layers keep a dense MLP (DeepSeek)")
+    decoder_sparse_step: PositiveInt = Field(1, description="every n-th layer is MoE (Qwen-MoE)")
+    mlp_only_layers: list[NonNegativeInt] = Field(default_factory=list, description="layers that keep a dense MLP "
+                                                                                    "(Qwen-MoE)")
+    # multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank set caches one latent and a rotary key per token
+    kv_lora_rank: PositiveInt | None = None
+    q_lora_rank: PositiveInt | None = None
+    qk_rope_head_dim: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt | None = None
+    v_head_dim: PositiveInt | None = None
 
     @field_validator("num_kv_heads")
     @classmethod
@@ -55,6 +86,11 @@ class ModelSpec(StrictModel):
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size}), or give "
                              "head_dim")
+        return self
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> "ModelSpec":
+        moe.check(self)
         return self
 
     @property
@@ -90,19 +126,38 @@ class ModelSpec(StrictModel):
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """2 (K and V) · layers · kv_heads · head_dim · bytes per element."""
+        """2 (K and V) · layers · kv_heads · head_dim · bytes per element; MLA: layers · (kv_lora_rank +
+        qk_rope_head_dim) · bytes per element."""
+        if moe.is_mla(self):
+            return moe.kv_bytes_per_token(self)
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.kv_bytes_per_element
 
     @property
     def params_per_layer(self) -> int:
+        """A decoder layer's parameters (a MoE or MLA model's: the mean over its layers, every expert counted)."""
+        if moe.is_sparse(self):
+            return self.linear_params // self.num_layers
         h, d = self.hidden_size, self.head_size
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
         return attn + 3 * h * self.intermediate_size + 2 * h  # SwiGLU gate/up/down + two RMSNorms
 
     @property
     def linear_params(self) -> int:
-        """Parameters every token multiplies through (all decoder layers; not embeddings or lm_head)."""
+        """The decoder layers' parameters (not embeddings or lm_head): what every token multiplies through in a dense
+        model; every expert of a MoE (active_linear_params: a token's share)."""
+        if moe.is_sparse(self):
+            return moe.decoder_params(self).total
         return self.num_layers * self.params_per_layer
+
+    @property
+    def active_linear_params(self) -> int:
+        """Decoder parameters one token multiplies through (a MoE's top-k experts, not all)."""
+        return moe.decoder_params(self).active if moe.is_sparse(self) else self.linear_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through, embedding and LM head included (num_params for a dense model)."""
+        return moe.active_params(self) if moe.is_sparse(self) else self.num_params
 
     @property
     def embedding_params(self) -> int:
@@ -155,6 +210,19 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
           weight_dtype="bf16"),
     _spec("Llama-3.1-Minitron-4B-Width", 32, 3072, 32, 8, 9216, 128256, 131072, rope_theta=500000.0,
           weight_dtype="bf16"),
+    # mixtures of experts (sim/config/moe.py); DeepSeek-V3 with latent attention, served in its fp8 checkpoint
+    _spec("Mixtral-8x7B", 32, 4096, 32, 8, 14336, 32000, 32768, rope_theta=1e6, weight_dtype="bf16",
+          num_experts=8, num_experts_per_tok=2),
+    _spec("Mixtral-8x22B", 56, 6144, 48, 8, 16384, 32768, 65536, rope_theta=1e6, weight_dtype="bf16",
+          num_experts=8, num_experts_per_tok=2),
+    _spec("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151936, 40960, head_dim=128, rope_theta=1e6,
+          weight_dtype="bf16", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    _spec("Qwen3-235B-A22B", 94, 4096, 64, 4, 12288, 151936, 40960, head_dim=128, rope_theta=1e6,
+          weight_dtype="bf16", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
+    _spec("DeepSeek-V3", 61, 7168, 128, 128, 18432, 129280, 163840, head_dim=192, weight_dtype="fp8",
+          num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
+          first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+          v_head_dim=128),
 ]}
 
 
@@ -177,10 +245,24 @@ HF_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num
            "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
            "tie_word_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta"}
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-# the llama-shaped decoders the simulator prices and the executor runs (Mistral-7B is in the catalog); others differ in
-# layers (MoE, biases, other activations) or keys, and would be priced as something they are not
-HF_MODEL_TYPES = ("llama", "mistral")
-_EXPERT_KEYS = ("num_local_experts", "num_experts")
+# the decoders the simulator prices: llama-shaped (Mistral-7B is in the catalog), and the mixtures of experts and
+# latent attention below; others differ in layers (biases, other activations) or keys, and would be priced as
+# something they are not
+DENSE_MODEL_TYPES = ("llama", "mistral")
+# a mixture of experts' config.json key -> ModelSpec field, by model_type
+_MOE_KEYS = {"num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+             "norm_topk_prob": "norm_topk_prob"}
+_QWEN_MOE = {**_MOE_KEYS, "num_experts": "num_experts", "decoder_sparse_step": "decoder_sparse_step",
+             "mlp_only_layers": "mlp_only_layers", "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+_DEEPSEEK = {**_MOE_KEYS, "n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts",
+             "first_k_dense_replace": "first_k_dense_replace", "kv_lora_rank": "kv_lora_rank",
+             "q_lora_rank": "q_lora_rank", "qk_rope_head_dim": "qk_rope_head_dim",
+             "qk_nope_head_dim": "qk_nope_head_dim", "v_head_dim": "v_head_dim"}
+MOE_HF_KEYS = {"mixtral": {**_MOE_KEYS, "num_local_experts": "num_experts"}, "qwen2_moe": _QWEN_MOE,
+               "qwen3_moe": _QWEN_MOE, "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK}
+HF_MODEL_TYPES = DENSE_MODEL_TYPES + tuple(MOE_HF_KEYS)
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob")
 # a quantized checkpoint's bits -> the weight_dtype that serves it
 _QUANT_DTYPES = {4: "int4", 8: "int8"}
 
@@ -190,19 +272,26 @@ class UnsupportedModel(ValueError):
 
 
 def _check_supported(config: dict, weight_dtype: str | None) -> None:
-    """Refuse what would be priced as a dense llama without being one: mixture-of-experts, another model_type, and
-    quantized weights whose serving dtype the scenario does not say."""
-    for key in _EXPERT_KEYS:
-        experts = config.get(key)
-        if experts is not None and not (type(experts) is int and experts <= 1):
-            raise UnsupportedModel(f"{key} {repr(experts)[:40]}: mixture-of-experts is not modelled; allowed: a dense "
-                                   "llama-family config")
+    """Refuse what would be priced as something it is not: experts in a config whose model_type has none, another
+    model_type, DeepSeek's MoE layers at another frequency, and quantized weights whose serving dtype the scenario
+    does not say (fp8 checkpoints serve as fp8)."""
     model_type = config.get("model_type")
     if model_type is not None and model_type not in HF_MODEL_TYPES:
         raise UnsupportedModel(f"model_type {repr(model_type)[:40]} is not modelled; allowed: "
-                               f"{', '.join(HF_MODEL_TYPES)} (a llama-family config)")
+                               f"{', '.join(HF_MODEL_TYPES)}")
+    if model_type not in MOE_HF_KEYS:
+        for key in _EXPERT_KEYS:
+            experts = config.get(key)
+            if experts is not None and not (type(experts) is int and experts <= 1):
+                raise UnsupportedModel(f"{key} {repr(experts)[:40]}: mixture-of-experts in a "
+                                       f"{model_type or 'llama'} config; allowed: model_type "
+                                       f"{', '.join(MOE_HF_KEYS)}")
+    freq = config.get("moe_layer_freq", 1)
+    if model_type in ("deepseek_v2", "deepseek_v3") and freq != 1:
+        raise UnsupportedModel(f"moe_layer_freq {repr(freq)[:20]}: MoE layers at another frequency are not "
+                               "modelled; allowed: 1")
     quant = config.get("quantization_config")
-    if quant is not None and weight_dtype is None:
+    if quant is not None and weight_dtype is None and _served(quant) != "fp8":
         raise UnsupportedModel(f"quantized checkpoint ({_quantization(quant)}); allowed: model.weight_dtype "
                                f"{_served(quant)} (how it is served) beside hf_config, not its torch_dtype")
 
@@ -225,24 +314,39 @@ def _served(quant) -> str:
 
 def _hf_value(config: dict, key: str):
     """A config.json value as the file types it: whole numbers for counts, a number for rope_theta, true/false for
-    tie_word_embeddings (transformers loads nothing else; "64" or "false" used to pass here and fail there)."""
+    tie_word_embeddings and norm_topk_prob, a list of layer numbers for mlp_only_layers (transformers loads nothing
+    else; "64" or "false" used to pass here and fail there)."""
     v = config[key]
-    if key == "tie_word_embeddings":
-        ok = isinstance(v, bool)
+    whole = isinstance(v, int) and not isinstance(v, bool)
+    if key in _BOOL_KEYS:
+        ok, what = isinstance(v, bool), "true or false"
     elif key == "rope_theta":
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+    elif key == "mlp_only_layers":
+        ok = isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        what = "a list of layer numbers"
     else:
-        ok = isinstance(v, int) and not isinstance(v, bool)
+        ok, what = whole, "a whole number"
     if not ok:
-        what = {"tie_word_embeddings": "true or false", "rope_theta": "a number"}.get(key, "a whole number")
         raise ValueError(f"{key} {repr(v)[:40]}: {what}")
     return v
 
 
+def _moe_fields(config: dict) -> dict:
+    """The MoE and latent-attention fields of a mixture of experts' config.json (none for a dense model_type)."""
+    keys = MOE_HF_KEYS.get(config.get("model_type"), {})
+    fields = {f: _hf_value(config, k) for k, f in keys.items() if config.get(k) is not None}
+    if fields.get("shared_expert_intermediate_size") and config.get("model_type") == "qwen2_moe":
+        fields["shared_expert_gate"] = True  # Qwen2-MoE's shared_expert_gate: hidden -> 1, a sigmoid
+    if fields.get("kv_lora_rank") and config.get("head_dim") is None:  # a query head meets a key in nope + rope
+        fields["head_dim"] = fields.get("qk_nope_head_dim", 0) + fields.get("qk_rope_head_dim", 0) or None
+    return fields
+
+
 def model_from_hf_config(config: dict, name: str = "hf-model", weight_dtype: str | None = None) -> ModelSpec:
-    """Build a ModelSpec from the dict of a Hugging Face llama-family config.json; ValueError naming the file's key
-    for a value missing, mistyped or out of the spec's bounds. `weight_dtype`: how it is served, instead of the
-    file's torch_dtype."""
+    """Build a ModelSpec from the dict of a Hugging Face config.json (llama family, Mixtral, Qwen2/3-MoE,
+    DeepSeek-V2/V3); ValueError naming the file's key for a value missing, mistyped or out of the spec's bounds.
+    `weight_dtype`: how it is served, instead of the file's torch_dtype (an fp8 checkpoint: fp8)."""
     if not isinstance(config, dict):
         raise ValueError(f"a JSON object, not a {type(config).__name__}")
     _check_supported(config, weight_dtype)
@@ -255,7 +359,10 @@ def model_from_hf_config(config: dict, name: str = "hf-model", weight_dtype: str
     if config.get("num_key_value_heads") is None:
         config = {**config, "num_key_value_heads": config["num_attention_heads"]}
     fields = {HF_KEYS[k]: _hf_value(config, k) for k in HF_KEYS if config.get(k) is not None}
+    fields = {**fields, **_moe_fields(config)}
     dtype = config.get("torch_dtype") or config.get("dtype") or "float16"
+    if weight_dtype is None and config.get("quantization_config") is not None:
+        weight_dtype = "fp8"  # _check_supported let only fp8 checkpoints through without a weight_dtype
     if weight_dtype is None and (not isinstance(dtype, str) or dtype not in _DTYPES):  # read as fp16, it priced other weights' bytes unannounced
         raise ValueError(f"torch_dtype {repr(dtype)[:40]}: one of {', '.join(_DTYPES)}, or the model's "
                          "weight_dtype set beside hf_config")
@@ -264,7 +371,8 @@ def model_from_hf_config(config: dict, name: str = "hf-model", weight_dtype: str
     except ValidationError as e:
         err = e.errors()[0]
         field = err["loc"][0] if err["loc"] else None
-        key = next((k for k, f in HF_KEYS.items() if f == field), None)
+        keys = {**HF_KEYS, **MOE_HF_KEYS.get(config.get("model_type"), {})}
+        key = next((k for k, f in keys.items() if f == field), None)
         msg = err["msg"].removeprefix("Value error, ")
         raise ValueError(f"{key} {err.get('input')!r}: {msg}" if key else msg) from None
 
@@ -289,5 +397,5 @@ def load_hf_config(path: Path, key_path: str = "model.hf_config", weight_dtype: 
     except UnsupportedModel as e:
         raise ConfigError(f"{path}: {e}", key_path) from None
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: {e}; allowed: a llama-family config.json (whole num_hidden_layers, hidden_size, "
+        raise ConfigError(f"{path}: {e}; allowed: a llama-family, Mixtral, Qwen-MoE or DeepSeek config.json (whole num_hidden_layers, hidden_size, "
                           "num_attention_heads, intermediate_size, vocab_size)", key_path) from None

@@ -9,6 +9,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from sim.config.errors import ConfigError
+from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
 from sim.config.memory import Layout, memory_budget
 from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
@@ -94,6 +95,7 @@ class CostPlan:
     profile_scale: float
     source: str = "roofline"
     refinement: dict | None = None  # the profile's refinement of the GPU kernel model, where it prices the steps
+    expert_load_imbalance: float = 1.0  # a MoE's busiest expert (or expert-parallel rank) over the mean
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,16 @@ class Plan:
     # disaggregated: the prefill and decode pools, each resolved as a plan of its own; the plan's own replica fields
     # are the decode pool's
     pools: Pools | None = None
+    data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
+    enable_expert_parallel: bool = False
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -295,6 +303,9 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, sv.max_num_seqs,
                            scheduler.max_model_len)
     cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
+    # a replica's data-parallel ranks run as one engine over DP times a rank's batch and blocks
+    scheduler, num_blocks, swap_blocks = layout.expert.replica_engine(scheduler, memory.num_blocks,
+                                                                      memory.num_swap_blocks)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler,
                 tensor_parallel_size=layout.sharding.tp, sequence_parallel=layout.sequence_parallel,
@@ -302,9 +313,11 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 kv_bytes_per_token=memory.kv_bytes_per_token, kv_allocator=kv.allocator,
                 enable_prefix_caching=kv.enable_prefix_caching,
                 kv_watermark=kv.watermark, weight_bytes=memory.weight_bytes, activation_bytes=memory.activation_bytes,
-                kv_cache_bytes=memory.kv_cache_bytes, block_size=memory.block_size, num_blocks=memory.num_blocks,
-                num_swap_blocks=memory.num_swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
-                executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"))
+                kv_cache_bytes=memory.kv_cache_bytes, block_size=memory.block_size, num_blocks=num_blocks,
+                num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
+                executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
+                data_parallel_size=layout.expert.data_parallel_size,
+                enable_expert_parallel=layout.expert.enable_expert_parallel)
 
 
 def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:
@@ -350,7 +363,8 @@ def _layout_of(scenario: Scenario, model: ModelSpec) -> Layout:
     if engines > pp:
         raise ConfigError(f"{engines} batches in flight through {pp} stages; allowed: 1..{pp} (one per stage fills "
                           "the pipeline)", "parallel.virtual_engines")
-    return Layout(sharding, par.sequence_parallel, pp, engines, largest_stage(model.num_layers, pp), scenario.replicas)
+    return Layout(sharding, par.sequence_parallel, pp, engines, largest_stage(model.num_layers, pp), scenario.replicas,
+                  expert_layout(model, par))
 
 
 def largest_stage(num_layers: int, pp: int) -> int:
@@ -366,7 +380,7 @@ def _cost_plan(c: CostModelConfig, base_dir: Path, model: ModelSpec, hw: Hardwar
     source = _cost_source(c, hw, profile)
     refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
     return CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
-                    c.profile_scale, source, refined)
+                    c.profile_scale, source, refined, c.expert_load_imbalance)
 
 
 def _check_profile_layout(profile: ProfileFile, tp: int, pp: int) -> None:

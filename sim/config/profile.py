@@ -60,6 +60,12 @@ def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -
         raise ConfigError(f"{path} was measured for {str(m.get('name'))[:40]} ({m.get('num_layers')} layers, hidden "
                           f"{m.get('hidden_size')}), not {model.name}; profile this model with `infersim profile`",
                           key_path)
+    experts = (m.get("num_experts", 0), m.get("num_experts_per_tok", 0))
+    if model is not None and m and experts != (model.num_experts, model.num_experts_per_tok):
+        what = f"{experts[1]} of {experts[0]} experts" if experts[0] else "a dense model"
+        raise ConfigError(f"{path} was measured on {what}; it prices no other routing, and {model.name} runs "
+                          f"{model.num_experts_per_tok} of {model.num_experts} experts a token; profile this model "
+                          "with `infersim profile`", key_path)
     have, want = (_compression(m), _compression(model.model_dump())) if model is not None and m else (None, None)
     if have != want:
         raise ConfigError(f"{path} was measured with {_describe(have)}, not {_describe(want)}: compression changes "

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from sim.config.errors import ConfigError
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
+from sim.config.moe import is_sparse
 from sim.config.plan import Plan
-from sim.cost.comm import Interconnect, MeasuredCollectives
+from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
 from sim.cost.kernels import load_accuracy, load_kernels
+from sim.cost.moe import MoECostModel
+from sim.cost.moe_kernels import KernelParts, RooflineParts
 from sim.cost.nccl import NcclCollectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
@@ -24,9 +27,15 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
     else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline."""
     c = plan.cost
+    moe_layout = is_sparse(plan.model) or plan.data_parallel_size > 1
+    if moe_layout and c.source != "profile":
+        return moe_cost_model(plan)
     if c.source == "kernels":
         return kernel_cost_model(plan)
     if c.profile is not None:
+        if plan.data_parallel_size > 1:
+            raise ConfigError(f"{c.profile.path.name} fitted one engine's steps; it prices no data-parallel ranks; "
+                              "allowed: data_parallel_size 1 with a profile, or no profile", "cost_model.profile")
         fitted = FittedCostModel.from_profile(c.profile)
         if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
             coefs, knot, ramp_knot = c.profile.forward
@@ -47,14 +56,47 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
+def _collectives(plan: Plan, kernels) -> Collectives:
+    """The NCCL collectives measured on the device's system where its links are the catalog's, else the link's."""
+    link = Interconnect.of(plan.hardware)
+    _, collective_fits = load_kernels()
+    return NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
+        if kernels.collectives in collective_fits and as_in_catalog(plan.hardware, LINK_FIELDS) else link
+
+
+def moe_cost_model(plan: Plan) -> MoECostModel:
+    """A mixture-of-experts, latent-attention or data-parallel replica's steps (sim/cost/moe.py), priced by the GPU
+    kernel model where the device's kernels were measured, else by the roofline. (A profile of the same model prices
+    its steps as it measured them; one of another model is refused by the profile reader.)"""
+    c, m, hw = plan.cost, plan.model, plan.hardware
+    if c.refinement is not None:
+        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
+                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
+                          "no profile", "cost_model.type")
+    layout = dict(tensor_parallel_size=plan.tensor_parallel_size, data_parallel_size=plan.data_parallel_size,
+                  expert_parallel=plan.enable_expert_parallel, load_imbalance=c.expert_load_imbalance,
+                  block_bytes=plan.block_size * plan.kv_bytes_per_token, host_bandwidth=hw.host_bandwidth)
+    if c.source == "kernels":
+        kernels = load_kernels()[0][hw.name]
+        stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)
+        parts = KernelParts(m, kernels, hw, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
+                            plan.enable_expert_parallel)
+        return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
+                            step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
+                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
+    parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
+                          plan.sequence_parallel, plan.enable_expert_parallel)
+    return MoECostModel(m, parts, Interconnect.of(hw), **layout,
+                        step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
+                        per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S))
+
+
 def kernel_cost_model(plan: Plan) -> KernelCostModel:
     """The GPU kernel model of the plan's device (its measured kernels and, where its links are the catalog's, the
     NCCL collectives measured on its system), with the host overheads the scenario set."""
-    kernels, collective_fits = load_kernels()
+    kernels, _ = load_kernels()
     k, hw, m, c = kernels[plan.hardware.name], plan.hardware, plan.model, plan.cost
-    link = Interconnect.of(hw)
-    collectives = NcclCollectives(k.collectives, collective_fits[k.collectives], link) \
-        if k.collectives in collective_fits and as_in_catalog(hw, LINK_FIELDS) else link
+    collectives = _collectives(plan, k)
     refinement = Refinement(**c.refinement) if c.refinement is not None else \
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
@@ -76,8 +118,12 @@ def describe_cost(plan: Plan) -> dict:
     accuracy = load_accuracy()
     if c.source == "kernels":
         k = kernels[plan.hardware.name]
+        # a dense model runs no experts: its report keeps the notes of what it runs
+        notes = {part: note for part, note in k.notes.items() if part != "grouped" or is_sparse(plan.model)}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
-               "notes": k.notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+               "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+        if is_sparse(plan.model) and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
+            out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
             out["refined_by"] = c.profile.path.name
             out["error"] = {"what": "the profile's held-out steps",

@@ -26,6 +26,9 @@ class Collectives(Protocol):
     def send_s(self, nbytes: float) -> float:
         """One point-to-point send of `nbytes`."""
 
+    def all_to_all_s(self, nbytes: float, devices: int) -> float:
+        """One all-to-all in which each of `devices` devices holds `nbytes` for all of them (its own share stays)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Interconnect:
@@ -72,6 +75,11 @@ class Interconnect:
 
     def send_s(self, nbytes: float) -> float:
         return self.send_bytes_s(nbytes) + self.latency_s
+
+    def all_to_all_s(self, nbytes: float, devices: int) -> float:
+        """Each device sends the (n−1)/n of its bytes bound elsewhere at once: through a switch one latency, over a
+        ring the messages pass n−1 hops."""
+        return self.gather_s(nbytes, devices)
 
 
 @dataclass(frozen=True, slots=True)

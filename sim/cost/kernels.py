@@ -12,6 +12,9 @@ docs/cost-model.md#the-gpu-kernel-model.
 - An elementwise pass (a norm, rotary, the gated activation, a residual add): floor + bytes / bandwidth.
 - Attention: prefill = floor per sequence + FLOPs / flops + a cost per key (the last query tile walks them all);
   decode = floor + KV bytes / bandwidth.
+- A grouped expert GEMM (a MoE layer's gate/up or down over the experts a step touches, `torch._grouped_mm`): the
+  GEMM form over them all, streaming each touched expert's weights once and computing every touched expert as if it
+  had the busiest expert's tokens (the busiest sets the time; under uniform routing that is the tokens' own count).
 """
 from __future__ import annotations
 
@@ -44,6 +47,16 @@ class GemmFit:
         return self.floor_s + (t_mem ** p + t_compute ** p) ** (1.0 / p)
 
 
+def grouped_gemm_time(fit: GemmFit, tokens, touched, busiest, n, k, weight_bytes: float = 2.0,
+                      act_bytes: float = 2.0, compute_scale: float = 1.0):
+    """Seconds for a grouped GEMM of `tokens` routed rows in all over `touched` experts (each x[m_e, k] @ w_e[n, k]ᵀ),
+    the busiest expert computing `busiest` rows (floats or numpy arrays)."""
+    t_mem = (touched * n * k * weight_bytes + tokens * (k + n) * act_bytes) / fit.bandwidth
+    t_compute = 2.0 * n * k * touched * (busiest + fit.m_half) / (fit.flops * compute_scale)
+    p = fit.sharpness
+    return fit.floor_s + (t_mem ** p + t_compute ** p) ** (1.0 / p)
+
+
 def pass_time(fit: dict, nbytes: float) -> float:
     """Seconds for an elementwise pass moving `nbytes` ({"floor_s", "bandwidth"})."""
     return fit["floor_s"] + nbytes / fit["bandwidth"]
@@ -63,17 +76,20 @@ class DeviceKernels:
     collectives: str | None = None
     notes: dict = field(default_factory=dict)
     measured_on: str = ""  # the device whose kernels the fits come from (this one, or the one carried over)
+    grouped: GemmFit | None = None  # grouped expert GEMMs (16-bit), where measured or carried over
 
     def to_json(self) -> dict:
         return {"device": self.device, "source": self.source, "gemm": {k: asdict(v) for k, v in self.gemm.items()},
                 "passes": self.passes, "attention": self.attention, "collectives": self.collectives,
-                "notes": self.notes, "measured_on": self.measured_on or self.device}
+                "notes": self.notes, "measured_on": self.measured_on or self.device,
+                **({"grouped": asdict(self.grouped)} if self.grouped is not None else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceKernels":
         return cls(data["device"], data["source"], {k: GemmFit(**v) for k, v in data["gemm"].items()},
                    data["passes"], data.get("attention"), data.get("collectives"), data.get("notes", {}),
-                   data.get("measured_on", data["device"]))
+                   data.get("measured_on", data["device"]),
+                   GemmFit(**data["grouped"]) if data.get("grouped") else None)
 
 
 def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,

@@ -67,3 +67,10 @@ class NcclCollectives:
 
     def send_s(self, nbytes: float) -> float:
         return self._send.time(nbytes) if self._send is not None else self.link.send_s(nbytes)
+
+    def all_to_all_s(self, nbytes: float, devices: int) -> float:
+        """No all-to-all was measured: a device's (n−1)/n of the bytes leaving at once, at the measured
+        point-to-point rate (every peer is one NVSwitch hop away)."""
+        if self._send is None:
+            return self.link.all_to_all_s(nbytes, devices)
+        return self._send.time((devices - 1) / devices * nbytes)

@@ -24,6 +24,7 @@ class StepCost:
     overhead_s: float = 0.0  # the host's share: scheduling, input preparation, sampling, launches
     draft_s: float = 0.0  # speculative decoding's drafter
     swap_s: float = 0.0  # KV blocks copied between device and host memory
+    experts_s: float = 0.0  # a mixture of experts' routed experts (their all-to-all is communication)
 
     def parts(self) -> dict[str, float]:
         """The named parts, without the total."""

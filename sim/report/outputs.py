@@ -61,8 +61,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     engines = (plan.pools.decode if plan.pools is not None else plan).virtual_engines
     out_tok_s = m["throughput"]["output_tokens_per_s"]
     pool_plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
-    usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.tensor_parallel_size * p.pipeline_parallel_size
-                       for p in pool_plans)
+    usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.devices_per_replica for p in pool_plans)
     report = {
         "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
                      "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
@@ -85,8 +84,9 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
+                       # one device's: a replica's data-parallel ranks each hold 1 / DP of its blocks
                        "kv_cache": plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
-                       / GiB,
+                       / GiB / plan.data_parallel_size,
                        "device": plan.hardware.memory_gib},
         "cost": {"usd_per_hour": usd_per_hour,
                  "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
@@ -130,7 +130,7 @@ def prefix_cache_section(replicas: list) -> dict:
 def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
     """One pool of a disaggregated cluster: its layout, how busy its engines were, its KV use and cost."""
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
-    devices = plan.replicas * plan.tensor_parallel_size * plan.pipeline_parallel_size
+    devices = plan.replicas * plan.devices_per_replica
     return {"replicas": plan.replicas, "hardware": plan.hardware.name,
             "tensor_parallel_size": plan.tensor_parallel_size, "pipeline_parallel_size": plan.pipeline_parallel_size,
             "devices": devices, "router": plan.router,

@@ -1,0 +1,218 @@
+"""Mixture-of-experts and multi-head latent attention (MLA) sizes of a model spec: which layers are MoE, the
+parameters of each part (in all and per token), the KV cache of a latent, and how a step's tokens spread over the
+experts. A dense llama-family spec (no experts, no latent) keeps its own formulas in sim/config/models.py.
+
+Parameters of one decoder layer, as Hugging Face's modelling code holds them:
+- attention: q, k, v, o (GQA); MLA (DeepSeek-V2/V3): q_a (hidden → q_lora_rank) and its norm then q_b (→ heads ×
+  (qk_nope + qk_rope)), or one q projection without q_lora_rank; kv_a_proj_with_mqa (hidden → kv_lora_rank +
+  qk_rope), its norm, kv_b (kv_lora_rank → heads × (qk_nope + v)); o (heads × v → hidden);
+- a dense layer's SwiGLU MLP (3 × hidden × intermediate_size), or a MoE layer's routed experts (each 3 × hidden ×
+  moe_intermediate_size), shared experts (3 × hidden × their width, plus Qwen2-MoE's one-output gate) and the
+  router (hidden × experts);
+- two RMSNorms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sim.config.sharding import shard
+
+ModelSpec = Any  # sim.config.models.ModelSpec, which reads its sizes from here
+
+
+def is_moe_layer(m: ModelSpec, i: int) -> bool:
+    """Layer `i` runs routed experts (Qwen2-MoE's rule, with DeepSeek's first dense layers)."""
+    return (m.num_experts > 0 and i >= m.first_k_dense_replace and i not in m.mlp_only_layers
+            and (i + 1) % m.decoder_sparse_step == 0)
+
+
+def moe_layers(m: ModelSpec) -> int:
+    """How many of the decoder layers are MoE."""
+    return sum(is_moe_layer(m, i) for i in range(m.num_layers))
+
+
+def is_mla(m: ModelSpec) -> bool:
+    """Multi-head latent attention: the cache holds one latent and one rotary key per token and layer."""
+    return m.kv_lora_rank is not None
+
+
+def is_sparse(m: ModelSpec) -> bool:
+    """A spec the dense formulas do not price: routed experts or a latent KV cache."""
+    return m.num_experts > 0 or is_mla(m)
+
+
+def expert_width(m: ModelSpec) -> int:
+    """One routed expert's FFN width."""
+    return m.moe_intermediate_size or m.intermediate_size
+
+
+def shared_width(m: ModelSpec) -> int:
+    """The shared experts' FFN width in all (0: none)."""
+    if m.shared_expert_intermediate_size is not None:
+        return m.shared_expert_intermediate_size
+    return m.num_shared_experts * expert_width(m)
+
+
+MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def check(m: ModelSpec) -> None:
+    """ValueError naming the key of an inconsistent MoE or MLA spec (called by ModelSpec's validation)."""
+    e, k = m.num_experts, m.num_experts_per_tok
+    if e == 0:
+        stray = [key for key in ("num_experts_per_tok", "num_shared_experts", "shared_expert_intermediate_size")
+                 if getattr(m, key)]
+        if stray:
+            raise ValueError(f"{stray[0]} {getattr(m, stray[0])} without routed experts; allowed: with num_experts "
+                             "1 or more, or 0 (a dense model)")
+    elif not 1 <= k <= e:
+        raise ValueError(f"num_experts_per_tok {k} with {e} routed experts; allowed: 1 to {e}")
+    if m.shared_expert_gate and not shared_width(m):
+        raise ValueError("shared_expert_gate without shared experts; allowed: with num_shared_experts or "
+                         "shared_expert_intermediate_size")
+    bad = [i for i in m.mlp_only_layers if i >= m.num_layers]
+    if bad:
+        raise ValueError(f"mlp_only_layers {bad[0]}: no such layer; allowed: 0 to {m.num_layers - 1}")
+    if e and not moe_layers(m):
+        raise ValueError(f"no MoE layer among the {m.num_layers} (first_k_dense_replace {m.first_k_dense_replace}, "
+                         f"decoder_sparse_step {m.decoder_sparse_step}, mlp_only_layers); allowed: at least one")
+    given = [key for key in MLA_KEYS if getattr(m, key) is not None]
+    if given and len(given) < len(MLA_KEYS) or (m.q_lora_rank is not None and not given):
+        missing = next(key for key in MLA_KEYS if getattr(m, key) is None)
+        raise ValueError(f"{missing} missing beside {(given or ['q_lora_rank'])[0]}; allowed: all of "
+                         f"{', '.join(MLA_KEYS)} (q_lora_rank optional) for latent attention, or none")
+
+
+# -- parameters ------------------------------------------------------------------------------------------------------
+def qk_head_dim(m: ModelSpec) -> int:
+    """Dimensions a query and a key head meet in (MLA: the no-position part and the rotary part)."""
+    return m.qk_nope_head_dim + m.qk_rope_head_dim if is_mla(m) else m.head_size
+
+
+def v_head_dim(m: ModelSpec) -> int:
+    return m.v_head_dim if is_mla(m) else m.head_size
+
+
+def attention_projections(m: ModelSpec) -> dict[str, int]:
+    """Each attention projection's parameters (and MLA's two low-rank norms, as `*_norm`)."""
+    h, heads = m.hidden_size, m.num_heads
+    if not is_mla(m):
+        d = m.head_size
+        return {"q": h * heads * d, "k": h * m.num_kv_heads * d, "v": h * m.num_kv_heads * d, "o": heads * d * h}
+    qk, r = qk_head_dim(m), m.kv_lora_rank
+    q = {"q_a": h * m.q_lora_rank, "q_a_norm": m.q_lora_rank, "q_b": m.q_lora_rank * heads * qk} \
+        if m.q_lora_rank else {"q": h * heads * qk}
+    return {**q, "kv_a": h * (r + m.qk_rope_head_dim), "kv_a_norm": r,
+            "kv_b": r * heads * (m.qk_nope_head_dim + m.v_head_dim), "o": heads * m.v_head_dim * h}
+
+
+def attention_params(m: ModelSpec) -> int:
+    return sum(attention_projections(m).values())
+
+
+def replicated_attention_params(m: ModelSpec) -> int:
+    """Attention parameters every tensor-parallel rank holds whole (vLLM: MLA's q_a and kv_a are ReplicatedLinear)."""
+    p = attention_projections(m)
+    return sum(p.get(k, 0) for k in ("q_a", "q_a_norm", "kv_a", "kv_a_norm"))
+
+
+def expert_params(m: ModelSpec) -> int:
+    """One routed expert (gate, up, down)."""
+    return 3 * m.hidden_size * expert_width(m)
+
+
+def shared_expert_params(m: ModelSpec) -> int:
+    """The shared experts of one MoE layer, with Qwen2-MoE's gate."""
+    width = shared_width(m)
+    return 3 * m.hidden_size * width + (m.hidden_size if m.shared_expert_gate and width else 0)
+
+
+def router_params(m: ModelSpec) -> int:
+    return m.hidden_size * m.num_experts
+
+
+@dataclass(frozen=True)
+class DecoderParams:
+    """A spec's decoder parameters summed over its layers, by part."""
+
+    attention: int
+    dense_mlp: int  # the dense layers' MLPs
+    routed: int  # every routed expert of every MoE layer
+    routed_active: int  # the top-k experts of each MoE layer: what one token multiplies through
+    shared: int
+    router: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.dense_mlp + self.routed + self.shared + self.router + self.norms
+
+    @property
+    def active(self) -> int:
+        """Parameters one token multiplies through."""
+        return self.attention + self.dense_mlp + self.routed_active + self.shared + self.router + self.norms
+
+    @property
+    def dense(self) -> int:
+        """Everything but the routed experts: what every token runs and every step reads."""
+        return self.total - self.routed
+
+
+def decoder_params(m: ModelSpec) -> DecoderParams:
+    """The decoder layers' parameters by part."""
+    n_moe = moe_layers(m)
+    n_dense = m.num_layers - n_moe
+    return DecoderParams(attention=m.num_layers * attention_params(m), dense_mlp=n_dense * 3 * m.hidden_size *
+                         m.intermediate_size, routed=n_moe * m.num_experts * expert_params(m),
+                         routed_active=n_moe * m.num_experts_per_tok * expert_params(m),
+                         shared=n_moe * shared_expert_params(m), router=n_moe * router_params(m),
+                         norms=m.num_layers * 2 * m.hidden_size)
+
+
+def active_params(m: ModelSpec) -> int:
+    """Parameters one token runs through, embedding and LM head included (how "active" sizes are published)."""
+    lm_head = 0 if m.tie_word_embeddings else m.embedding_params
+    return decoder_params(m).active + m.embedding_params + lm_head + m.hidden_size
+
+
+# -- KV cache ----------------------------------------------------------------------------------------------------------
+def latent_kv_elements(m: ModelSpec) -> int:
+    """MLA's cache per token and layer: the latent and the rotary key, shared by every head."""
+    return m.kv_lora_rank + m.qk_rope_head_dim
+
+
+def kv_bytes_per_token(m: ModelSpec) -> float:
+    """A token's KV bytes on all layers: MLA's latent and rotary key, or 2 (K, V) · kv_heads · head_dim."""
+    if is_mla(m):
+        return m.num_layers * latent_kv_elements(m) * m.kv_bytes_per_element
+    return 2 * m.num_layers * m.num_kv_heads * m.head_size * m.kv_bytes_per_element
+
+
+def kv_bytes_per_device_token(m: ModelSpec, tensor_parallel_size: int) -> float:
+    """A token's KV bytes on one tensor-parallel rank: its KV heads' share (a copy of one where there are fewer KV
+    heads than ranks), or the whole MLA latent (vLLM keeps all of it on every rank: one latent serves every head)."""
+    if is_mla(m):
+        return m.kv_bytes_per_token
+    return shard(m, tensor_parallel_size).kv_bytes(m.kv_bytes_per_token)
+
+
+# -- routing -----------------------------------------------------------------------------------------------------------
+def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
+    """Expected experts out of `experts` that `tokens` tokens choosing `top_k` each touch, under uniform routing:
+    E·(1 − (1 − k/E)^T) (each expert is missed by a token with probability 1 − k/E)."""
+    if experts == 0 or tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def tokens_per_expert(experts: int, top_k: int, tokens: float) -> float:
+    """Mean tokens a touched expert computes: the T·k choices over the experts touched."""
+    touched = distinct_experts(experts, top_k, tokens)
+    return tokens * top_k / touched if touched else 0.0
+
+
+def busiest_expert_tokens(experts: int, top_k: int, tokens: float, imbalance: float = 1.0) -> float:
+    """Tokens of the busiest expert: the mean over touched experts times the load-imbalance factor (1: uniform
+    routing), at most every token."""
+    return min(float(tokens), tokens_per_expert(experts, top_k, tokens) * imbalance)
