@@ -152,9 +152,9 @@ def deployment(f: Form, seed: dict) -> dict:
     with c4:
         ep = st.toggle("enable_expert_parallel", value=bool(parallel.get("enable_expert_parallel")),
                        key=f.key("parallel.ep"), help="a mixture of experts' experts whole over TP × DP devices")
-    for key, value, default in (("data_parallel_size", dp, 1), ("enable_expert_parallel", ep, False)):
+    for key, value in (("data_parallel_size", dp), ("enable_expert_parallel", ep)):
         parallel.pop(key, None)
-        if value != default:  # a dense deployment's scenario keeps its keys as they were
+        if value != default(ParallelConfig, key):  # a dense deployment's scenario keeps its keys as they were
             parallel[key] = value
     out["parallel"] = parallel
     out["speculative"] = speculative(f, seed.get("speculative"))
