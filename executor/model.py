@@ -43,6 +43,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     # mixture of experts (Hugging Face's names; 0 experts: dense): which layers are MoE is is_moe(layer)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -92,6 +93,7 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_id=getattr(hf, "eos_token_id", None),
+            qk_norm=getattr(hf, "model_type", None) in ("qwen3", "qwen3_moe"),
             **_moe_from_hf(hf),
         )
 
@@ -141,7 +143,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, layer_idx)
+        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, layer_idx,
+                                   c.rms_norm_eps if c.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = moe_block(c) if c.is_moe(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
 
@@ -339,7 +342,7 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             kinds_of = (type(layer), type(attn), type(mlp), type(layer.input_layernorm),
                         type(layer.post_attention_layernorm))
-            if kinds_of != (DecoderLayer, Attention, MLP, RMSNorm, RMSNorm) \
+            if kinds_of != (DecoderLayer, Attention, MLP, RMSNorm, RMSNorm) or attn.q_norm is not None \
                     or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (c.num_heads, c.num_kv_heads, c.head_dim):
                 return None
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
@@ -391,6 +394,9 @@ class LlamaModel(nn.Module):
                 attn = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
                 layer.self_attn.qkv_proj.weight.copy_(torch.cat(attn))
                 layer.self_attn.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+                if layer.self_attn.q_norm is not None:
+                    layer.self_attn.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
+                    layer.self_attn.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
                 if isinstance(layer.mlp, SparseMoeBlock):
                     layer.mlp.load_hf(sd, p)
                 else:
@@ -410,6 +416,9 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             sizes = [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
             q, k, v = layer.self_attn.qkv_proj.weight.split(sizes)
+            if layer.self_attn.q_norm is not None:
+                sd.update({p + "self_attn.q_norm.weight": layer.self_attn.q_norm.weight,
+                           p + "self_attn.k_norm.weight": layer.self_attn.k_norm.weight})
             if isinstance(layer.mlp, SparseMoeBlock):
                 sd.update(layer.mlp.hf_state(p + "mlp."))
             else:

@@ -41,16 +41,16 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), experts
 
 
-def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    # the grouped kernel wants every row and weight stride a multiple of 16 bytes
+def _grouped_mm_fits(x: torch.Tensor, down: torch.Tensor) -> bool:
+    # the grouped kernel wants every row and weight stride (hidden, intermediate) a multiple of 16 bytes
     align = 16 // x.element_size()
-    return USE_GROUPED_MM and x.shape[1] % align == 0 and all(w.shape[1] % align == 0 for w in weights)
+    return USE_GROUPED_MM and down.shape[1] % align == 0 and down.shape[2] % align == 0
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of rows `x` [N, H] grouped by expert (`counts[e]` consecutive rows for expert e) through expert
     weights `gate_up` [E, 2I, H] and `down` [E, H, I]: [N, H]."""
-    if not _grouped_mm_fits(x, gate_up, down):
+    if not _grouped_mm_fits(x, down):
         return _looped_swiglu(x, counts, gate_up, down)
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)

@@ -52,7 +52,7 @@ def tiny_model(seed: int = 0, config: LlamaConfig | None = None, attn_backend="s
 
 def to_transformers(model: LlamaModel, attn_implementation: str = "eager", family: str = "llama"):
     """A transformers causal LM (fp32, eval) holding exactly `model`'s weights: LlamaForCausalLM, or for a MoE
-    model the `family` "mixtral" or "qwen2_moe" (moe_config)."""
+    model the `family` "mixtral", "qwen2_moe" or "qwen3_moe" (moe_config)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if family == "llama":
@@ -68,8 +68,9 @@ def to_transformers(model: LlamaModel, attn_implementation: str = "eager", famil
 
 def moe_config(config: LlamaConfig, family: str):
     """The transformers config of a MoE LlamaConfig: "mixtral" (experts of intermediate_size, no dense layers, no
-    shared expert) or "qwen2_moe" (no attention biases); ValueError where the family cannot hold it."""
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    shared expert), "qwen2_moe" (no attention biases) or "qwen3_moe" (per-head q/k norms, no shared expert);
+    ValueError where the family cannot hold it."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     c = config
     common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
@@ -85,6 +86,16 @@ def moe_config(config: LlamaConfig, family: str):
                              "top-k and no shared expert")
         return MixtralConfig(intermediate_size=c.intermediate_size, num_local_experts=c.num_experts,
                              router_jitter_noise=0.0, sliding_window=None, **common)
+    if c.qk_norm != (family == "qwen3_moe"):
+        raise ValueError("per-head q/k norms are Qwen3-MoE's alone")
+    if family == "qwen3_moe":
+        if c.first_k_dense_replace or c.shared_expert_intermediate_size:
+            raise ValueError("a Qwen3-MoE config has no leading dense layers and no shared expert")
+        return Qwen3MoeConfig(intermediate_size=c.intermediate_size, num_experts=c.num_experts,
+                              moe_intermediate_size=c.moe_intermediate_size or c.intermediate_size,
+                              norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step,
+                              mlp_only_layers=list(c.mlp_only_layers), attention_bias=False,
+                              use_sliding_window=False, **common)
     if family == "qwen2_moe":
         if c.first_k_dense_replace or bool(c.shared_expert_intermediate_size) != c.shared_expert_gate:
             raise ValueError("a Qwen2-MoE config has no leading dense layers and gates its shared expert")
@@ -94,4 +105,4 @@ def moe_config(config: LlamaConfig, family: str):
                               norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step,
                               mlp_only_layers=list(c.mlp_only_layers), qkv_bias=False, use_sliding_window=False,
                               **common)
-    raise ValueError(f"unknown MoE family {family!r}; allowed: mixtral, qwen2_moe")
+    raise ValueError(f"unknown MoE family {family!r}; allowed: mixtral, qwen2_moe, qwen3_moe")

@@ -1,7 +1,7 @@
-"""The executor's mixture-of-experts block (executor/moe.py): tiny random-weight Mixtral- and Qwen2-MoE-style models
-give transformers' own logits and greedy tokens through the engine's paged prefill and decode, load what
-transformers holds in memory (fused 3-D experts) and what it writes to disk (one module per expert), and count the
-tokens each expert computed."""
+"""The executor's mixture-of-experts block (executor/moe.py): tiny random-weight Mixtral-, Qwen2-MoE- and
+Qwen3-MoE-style models give transformers' own logits and greedy tokens through the engine's paged prefill and
+decode, load what transformers holds in memory (fused 3-D experts) and what it writes to disk (one module per
+expert), and count the tokens each expert computed."""
 from __future__ import annotations
 
 import pytest
@@ -16,12 +16,15 @@ from tests.test_executor_model import full_forward, hf_greedy, random_prompts, r
 
 TOL = 1e-4
 # (transformers family, the tiny model's MoE fields): Mixtral's every layer routed, top-2 of 4, renormalized;
-# Qwen2-MoE's 8 narrow experts, a gated shared expert, the top-2 weights as the softmax gave them, a dense layer
+# Qwen2-MoE's 8 narrow experts, a gated shared expert, the top-2 weights as the softmax gave them, a dense layer;
+# Qwen3-MoE's per-head q/k norms, renormalized top-2, every second layer MoE
 MODELS = {
     "mixtral": ("mixtral", dict(num_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=64, shared_expert_gate=True,
                                     norm_topk_prob=False, mlp_only_layers=(1,))),
+    "qwen3_moe": ("qwen3_moe", dict(num_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    decoder_sparse_step=2, qk_norm=True)),
 }
 
 
