@@ -5,7 +5,15 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
@@ -40,6 +48,28 @@ class ModelSpec(StrictModel):
                                              "with sparse tensor cores, stored and computed dense elsewhere")
     tie_word_embeddings: bool = False
     rope_theta: float = Field(10000.0, gt=0)
+    # mixture-of-experts, names as in Hugging Face configs (0 routed experts: a dense model)
+    num_experts: NonNegativeInt = Field(0, description="routed experts in each MoE layer (0: dense)")
+    num_experts_per_tok: NonNegativeInt = Field(0, description="routed experts each token runs (top-k)")
+    moe_intermediate_size: PositiveInt | None = Field(None, description="one routed expert's FFN width; default "
+                                                                        "intermediate_size")
+    num_shared_experts: NonNegativeInt = Field(0, description="experts every token runs besides its top-k")
+    shared_expert_intermediate_size: PositiveInt | None = Field(None, description="the shared experts' FFN width "
+                                                                                  "in all; default num_shared_experts "
+                                                                                  "× moe_intermediate_size")
+    shared_expert_gate: bool = Field(False, description="a sigmoid gate scales the shared experts' output "
+                                                        "(Qwen2-MoE)")
+    norm_topk_prob: bool = Field(True, description="the top-k routing weights renormalized to sum to 1")
+    first_k_dense_replace: NonNegativeInt = Field(0, description="the first k layers keep a dense MLP (DeepSeek)")
+    decoder_sparse_step: PositiveInt = Field(1, description="every n-th layer is MoE (Qwen-MoE)")
+    mlp_only_layers: list[NonNegativeInt] = Field(default_factory=list, description="layers that keep a dense MLP "
+                                                                                    "(Qwen-MoE)")
+    # multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank set caches one latent and a rotary key per token
+    kv_lora_rank: PositiveInt | None = None
+    q_lora_rank: PositiveInt | None = None
+    qk_rope_head_dim: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt | None = None
+    v_head_dim: PositiveInt | None = None
 
     @field_validator("num_kv_heads")
     @classmethod
