@@ -65,7 +65,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
-        """Read a transformers LlamaConfig (v4 rope_theta/rope_scaling or v5 rope_parameters)."""
+        """Read a transformers LlamaConfig (v4 rope_theta/rope_scaling or v5 rope_parameters), or a Mixtral,
+        Qwen2-MoE or Qwen3-MoE one (their experts; Qwen3's q/k norms); NotImplementedError for what the layers do
+        not compute (biases, DeepSeek's latent attention and grouped routing, sliding windows, other activations)."""
         if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False) or getattr(hf, "qkv_bias", False):
             raise NotImplementedError("projection biases are not supported")
         if getattr(hf, "kv_lora_rank", None) or getattr(hf, "n_routed_experts", None):
@@ -99,8 +101,9 @@ class LlamaConfig:
 
     def to_hf(self):
         """The equivalent transformers LlamaConfig (for reference comparisons; a dense model's)."""
-        if self.num_experts:
-            raise NotImplementedError("a MoE model has no transformers LlamaConfig; build the twin from its own config")
+        if self.num_experts or self.qk_norm:
+            raise NotImplementedError("a MoE or Qwen3 model has no transformers LlamaConfig; build the twin from its "
+                                      "own family's config (executor.tiny.moe_config)")
         from transformers import LlamaConfig as HFLlamaConfig
 
         return HFLlamaConfig(
