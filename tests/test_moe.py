@@ -10,6 +10,7 @@ import torch
 from executor import moe
 from executor.build import make_engine, run_offline
 from executor.model import LlamaConfig, LlamaModel
+from executor.sampling import SamplingParams
 from executor.tiny import tiny_model, to_transformers
 from tests.parallel_workloads import policy
 from tests.test_executor_model import full_forward, hf_greedy, random_prompts, rel_err
@@ -69,7 +70,8 @@ def test_engine_greedy_tokens_are_transformers_generate_s(twins):
     prompts = random_prompts([9, 17, 4, 23, 12], model.config.vocab_size, seed=5)
     steps = [10, 6, 12, 8, 9]
     expected = [hf_greedy(hf, p, n)[0] for p, n in zip(prompts, steps)]
-    engine = make_engine(model, policy(max_num_seqs=3), eos_token_id=model.config.eos_token_id)
+    engine = make_engine(model, policy(max_num_seqs=3), SamplingParams(ignore_eos=False),
+                         eos_token_id=model.config.eos_token_id)
     requests = run_offline(engine, prompts, steps)
     assert [engine.output_ids(r) for r in requests] == expected
 

@@ -51,11 +51,13 @@ def test_two_ranks_give_the_single_process_s_tokens_and_expert_counts(reference,
 
 
 def test_expert_parallelism_must_divide_the_experts():
-    config = replace(moe_model("qwen2_moe").config, num_heads=6, num_kv_heads=3, head_dim=16, expert_parallel=True)
+    config = replace(moe_model("qwen2_moe").config, num_heads=6, num_kv_heads=3, head_dim=16, intermediate_size=96,
+                     shared_expert_intermediate_size=48, expert_parallel=True)
     with pytest.raises(ValueError, match="expert parallelism over 3 ranks does not divide the 8 experts"):
         check_tensor_parallel(config, 3)
     with pytest.raises(ValueError, match="does not divide an expert's 32 columns"):
-        check_tensor_parallel(replace(config, moe_intermediate_size=33, expert_parallel=False), 3)
+        check_tensor_parallel(replace(config, expert_parallel=False), 3)
+    check_tensor_parallel(replace(config, moe_intermediate_size=33, num_experts=6), 3)  # EP: experts whole
 
 
 def test_serve_of_the_ep2_scenario_traces_expert_counts(tmp_path):
