@@ -7,12 +7,13 @@ the block's partial output is summed by one all-reduce.
 Expert parallelism (`config.expert_parallel`, vLLM's enable_expert_parallel; EP size = TP here, the executor runs
 no attention data parallelism): rank r holds experts r·E/n .. (r+1)·E/n - 1 whole. The residual stream is the same
 on every rank, so each rank dispatches only its share of the tokens (an even split of the rows): it sorts its (token,
-choice) pairs by expert, sends each owner its rows with `all_to_all_single` (after one for the counts), runs the
-rows it received through its experts as grouped matmuls, and sends the results back the same way; it then adds each
-pair's output, scaled by its routing weight, to its own tokens. The block's output, a rank's own tokens' rows and
-zeros elsewhere, is summed over the ranks by the same one all-reduce, which so both combines the shares and
-replicates the result. A shared expert is sliced over the ranks as in tensor-parallel MoE and joins the same sum.
-Every rank runs the router on every token (a [T, H] × [H, E] product), so its expert counts are the step's.
+choice) pairs by expert, sends each owner its rows with `all_to_all_single`, runs the rows it received through its
+experts as grouped matmuls, and sends the results back the same way; it then adds each pair's output, scaled by its
+routing weight, to its own tokens. Every rank routes every token (a [T, H] × [H, E] product), so each knows how many
+rows, for which of its experts, every other rank sends it: two all-to-alls a layer, no count exchange, and every
+rank's expert counts are the step's. The block's output, a rank's own tokens' rows and zeros elsewhere, is summed
+over the ranks by the one all-reduce, which both combines the shares and replicates the result. A shared expert is
+sliced over the ranks as in tensor-parallel MoE and joins the same sum.
 """
 from __future__ import annotations
 
@@ -98,32 +99,27 @@ class ExpertParallelMoe(TensorParallelMoe):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This rank's tokens' routed output ([T, H], zero in the other ranks' rows)."""
         n, rank, t = dist.get_world_size(), dist.get_rank(), x.shape[0]
-        lo, hi = rank * t // n, (rank + 1) * t // n
-        order, counts = sort_by_expert(experts[lo:hi], self.num_experts)
+        bounds = [r * t // n for r in range(n + 1)]
         local, k = self.experts.num_experts, experts.shape[1]
+        lo, hi = bounds[rank], bounds[rank + 1]
+        order, counts = sort_by_expert(experts[lo:hi], self.num_experts)
         send = [sum(counts[r * local:(r + 1) * local]) for r in range(n)]
         rows = lo + order // k
-        # each row travels with its expert's index on the receiving rank (exact in any float type up to 256)
-        ids = (experts[lo:hi].flatten()[order] % local).to(x.dtype)
-        received, recv = _exchange(torch.cat([x[rows], ids[:, None]], dim=1), send)
-        mine = received[:, -1].long()
+        # every rank routed every token, so what each rank sends here, and for which of its experts, is known here
+        theirs = [experts[bounds[r]:bounds[r + 1]].flatten() for r in range(n)]
+        theirs = [e[e // local == rank].sort().values - rank * local for e in theirs]
+        received = _exchange(x[rows], send, [len(e) for e in theirs])
+        mine = torch.cat(theirs)
         by_expert = torch.argsort(mine, stable=True)
-        y = torch.empty_like(received[:, :-1])
-        y[by_expert] = grouped_swiglu(received[by_expert, :-1].contiguous(),
-                                      torch.bincount(mine, minlength=local).tolist(),
+        y = torch.empty_like(received)
+        y[by_expert] = grouped_swiglu(received[by_expert], torch.bincount(mine, minlength=local).tolist(),
                                       self.experts.gate_up_proj, self.experts.down_proj)
-        back, _ = _exchange(y, recv, send)
+        back = _exchange(y, [len(e) for e in theirs], send)
         return torch.zeros_like(x).index_add_(0, rows, back * weights[lo:hi].flatten()[order, None])
 
 
-def _exchange(rows: torch.Tensor, send: list[int], recv: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-    """all_to_all_single of `rows`, send[r] of them (consecutive) to rank r: (the rows received, how many from each
-    rank). `recv`: those counts where known (the way back), else exchanged first."""
-    if recv is None:
-        counts = torch.tensor(send, dtype=torch.int64, device=rows.device)
-        theirs = torch.empty_like(counts)
-        dist.all_to_all_single(theirs, counts)
-        recv = theirs.tolist()
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """all_to_all_single of `rows`: send[r] of them (consecutive) to rank r, recv[r] from rank r; the rows received."""
     out = rows.new_empty(sum(recv), rows.shape[1])
     dist.all_to_all_single(out, rows.contiguous(), recv, send)
-    return out, recv
+    return out
