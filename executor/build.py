@@ -18,12 +18,14 @@ def make_engine(model: LlamaModel, policy: Scheduler, sampling: SamplingParams |
     distillation and the benches. `runner_factory`: the runner of a rank's shard or a stage's layers
     (executor.distributed), made as Engine makes its ModelRunner. `kv_dtype` None: the model's own `kv_dtype`
     attribute if it has one (executor.serve.compress sets it). An int8 KV cache runs eagerly (use_graphs None
-    means off then; True is an error)."""
+    means off then; True is an error); so does a mixture-of-experts model."""
     p = next(model.parameters())
     kv_dtype = kv_dtype or getattr(model, "kv_dtype", None)  # a served model carries its scenario's (executor.serve)
     dtype = model.embed_tokens.weight.dtype  # the activations' dtype (quantized layers hold int8 buffers)
     kv = policy.kv
     if kv_dtype is not None and use_graphs is None:
+        use_graphs = False
+    if model.config.num_experts:  # routing sorts tokens by expert with host-side counts: no static graph holds it
         use_graphs = False
     cache = KVCache.for_model(model.config, kv.num_blocks, kv.block_size, dtype, p.device, kv_dtype)
     host = KVCache.for_model(model.config, kv.num_swap_blocks, kv.block_size, dtype, "cpu", kv_dtype) \

@@ -52,6 +52,9 @@ class StepRecord:
     virtual_engine: int | None = None
     stages: list[tuple[float, float]] | None = None
     driver_s: float | None = None
+    # a mixture-of-experts model: tokens each expert computed this step, summed over the MoE layers (this process's
+    # layers: a pipeline's first stage)
+    expert_tokens: list[int] | None = None
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}  # fields a layout does not use: absent
@@ -254,7 +257,8 @@ class Engine:
             context_lens=step.context_lens, num_prefill=len(batch.prefill), num_decode=len(batch.decode),
             num_padding=len(batch.padding), num_sampled=sum(step.counts), kv_blocks_used=kv.num_used,
             preempted=[r.id for r in batch.preempted], swapped_blocks=len(batch.swap_out) + len(batch.swap_in),
-            num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed, forward_s=forward_s)
+            num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed, forward_s=forward_s,
+            expert_tokens=self.model.take_expert_counts())
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
         return record

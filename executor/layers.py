@@ -291,9 +291,11 @@ class Rope:
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: fused qkv projection, RoPE, the K/V write to the step's slots,
-    the attention backend, output projection."""
+    the attention backend, output projection. `qk_norm_eps`: an RMSNorm over each query and key head before RoPE
+    (Qwen3's q_norm and k_norm)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -301,6 +303,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = Linear(self.q_size, hidden_size, bias=False)
         self.scale = head_dim ** -0.5
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache, backend,
                 rows: tuple[torch.Tensor, AttentionMetadata] | None = None) -> torch.Tensor:
@@ -309,12 +313,16 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         k_pool, v_pool = kv_cache.layer(self.layer_idx)
-        if rope.native:  # rotate q and k, write k and v to their slots: one pass over qkv
+        if rope.native and self.q_norm is None:  # rotate q and k, write k and v to their slots: one pass over qkv
             q = native.rope_write_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary.cos,
                                      rope.rotary.sin, rope.positions, k_pool, v_pool, meta.slot_mapping)
         else:
-            cos, sin = rope.cos, rope.sin
-            if FUSED_OPS and qkv.dtype == torch.float32:  # rotate q and k together
+            cos, sin = (rope.cos, rope.sin) if rope.cos is not None else rope.rotary(rope.positions)
+            if self.q_norm is not None:  # each head normed before its rotation
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
+                k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            elif FUSED_OPS and qkv.dtype == torch.float32:  # rotate q and k together
                 qk = apply_rope_into(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
                 q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
                 v = qkv[:, self.q_size + self.kv_size:]

@@ -19,6 +19,7 @@ from executor import attention, layers, native, quantize
 from executor.attention import AttentionMetadata, get_backend
 from executor.cache_engine import KVCache
 from executor.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+from executor.moe import SparseMoeBlock, is_moe_layer
 
 # Switch off to run decode steps layer by layer in Python even where the native decode loop applies (comparisons).
 USE_NATIVE_DECODE_LOOP = True
@@ -42,12 +43,37 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    # mixture of experts (Hugging Face's names; 0 experts: dense): which layers are MoE is is_moe(layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # one routed expert's width; None: intermediate_size
+    shared_expert_intermediate_size: int = 0  # the shared experts' width in all (0: none)
+    shared_expert_gate: bool = False  # sigmoid gate on the shared experts' output (Qwen2-MoE)
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    local_experts: int | None = None  # experts this copy holds (an expert-parallel rank's share); None: all
+    # sharded over ranks (executor.distributed): experts whole on each rank (vLLM's enable_expert_parallel), not sliced
+    expert_parallel: bool = False
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a MoE block instead of the dense MLP."""
+        return is_moe_layer(layer, self.num_experts, self.first_k_dense_replace, self.mlp_only_layers,
+                            self.decoder_sparse_step)
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:
-        """Read a transformers LlamaConfig (v4 rope_theta/rope_scaling or v5 rope_parameters)."""
-        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        """Read a transformers LlamaConfig (v4 rope_theta/rope_scaling or v5 rope_parameters), or a Mixtral,
+        Qwen2-MoE or Qwen3-MoE one (their experts; Qwen3's q/k norms); NotImplementedError for what the layers do
+        not compute (biases, DeepSeek's latent attention and grouped routing, sliding windows, other activations)."""
+        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False) or getattr(hf, "qkv_bias", False):
             raise NotImplementedError("projection biases are not supported")
+        if getattr(hf, "kv_lora_rank", None) or getattr(hf, "n_routed_experts", None):
+            raise NotImplementedError("DeepSeek's latent attention and grouped expert routing are not supported")
+        if getattr(hf, "use_sliding_window", True) and getattr(hf, "sliding_window", None):
+            raise NotImplementedError("sliding-window attention is not supported")
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {hf.hidden_act!r} is not supported")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
@@ -69,10 +95,15 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_id=getattr(hf, "eos_token_id", None),
+            qk_norm=getattr(hf, "model_type", None) in ("qwen3", "qwen3_moe"),
+            **_moe_from_hf(hf),
         )
 
     def to_hf(self):
-        """The equivalent transformers LlamaConfig (for reference comparisons)."""
+        """The equivalent transformers LlamaConfig (for reference comparisons; a dense model's)."""
+        if self.num_experts or self.qk_norm:
+            raise NotImplementedError("a MoE or Qwen3 model has no transformers LlamaConfig; build the twin from its "
+                                      "own family's config (executor.tiny.moe_config)")
         from transformers import LlamaConfig as HFLlamaConfig
 
         return HFLlamaConfig(
@@ -86,16 +117,39 @@ class LlamaConfig:
         )
 
 
+def _moe_from_hf(hf) -> dict:
+    """The MoE fields of LlamaConfig from a transformers Mixtral (num_local_experts) or Qwen2/3-MoE (num_experts,
+    moe_intermediate_size, shared expert, decoder_sparse_step, mlp_only_layers) config; {} for a dense one."""
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+    if not experts:
+        return {}
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or 0
+    return {"num_experts": experts, "num_experts_per_tok": hf.num_experts_per_tok,
+            "moe_intermediate_size": getattr(hf, "moe_intermediate_size", None),  # Mixtral's: intermediate_size
+            "shared_expert_intermediate_size": shared, "shared_expert_gate": bool(shared),  # Qwen2-MoE gates it
+            "norm_topk_prob": bool(getattr(hf, "norm_topk_prob", True)),  # Mixtral always renormalizes
+            "decoder_sparse_step": getattr(hf, "decoder_sparse_step", None) or 1,
+            "mlp_only_layers": tuple(getattr(hf, "mlp_only_layers", None) or ())}
+
+
+def moe_block(config: LlamaConfig, cls=SparseMoeBlock, **kwargs) -> SparseMoeBlock:
+    """A MoE block (`cls`: SparseMoeBlock or a parallel one, with its own `kwargs`) of the config's shapes."""
+    c = config
+    return cls(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size or c.intermediate_size,
+               c.norm_topk_prob, c.shared_expert_intermediate_size, c.shared_expert_gate, c.local_experts, **kwargs)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); the mlp a MoE block where config.is_moe."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, layer_idx)
+        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, layer_idx,
+                                   c.rms_norm_eps if c.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = moe_block(c) if c.is_moe(layer_idx) else MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, rope, meta, kv_cache, backend, rows=None, delta=None):
         """(residual stream, pending output). `x` is the model's own residual stream: updated in place under
@@ -291,7 +345,7 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             kinds_of = (type(layer), type(attn), type(mlp), type(layer.input_layernorm),
                         type(layer.post_attention_layernorm))
-            if kinds_of != (DecoderLayer, Attention, MLP, RMSNorm, RMSNorm) \
+            if kinds_of != (DecoderLayer, Attention, MLP, RMSNorm, RMSNorm) or attn.q_norm is not None \
                     or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (c.num_heads, c.num_kv_heads, c.head_dim):
                 return None
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
@@ -320,13 +374,19 @@ class LlamaModel(nn.Module):
                 "scale": scale.pop(), "max_rows": max_rows, "fp32": "fp32" in kinds,
                 "quantized": bool(kinds - {"fp32"})}
 
+    def take_expert_counts(self) -> list[int] | None:
+        """Tokens each expert computed, summed over the MoE layers, since the last call (None: a dense model)."""
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return sum(b.take_counts() for b in blocks).tolist() if blocks else None
+
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the given hidden rows only."""
         return self.lm_head(hidden_rows)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy a transformers LlamaForCausalLM state_dict in (fusing q/k/v and gate/up)."""
+        """Copy a transformers LlamaForCausalLM state_dict in (fusing q/k/v and gate/up); a MoE layer's block from
+        Mixtral's or Qwen-MoE's names (SparseMoeBlock.load_hf)."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
             self.norm.weight.copy_(sd["model.norm.weight"])
@@ -337,14 +397,21 @@ class LlamaModel(nn.Module):
                 attn = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
                 layer.self_attn.qkv_proj.weight.copy_(torch.cat(attn))
                 layer.self_attn.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
-                mlp = [sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]
-                layer.mlp.gate_up_proj.weight.copy_(torch.cat(mlp))
-                layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                if layer.self_attn.q_norm is not None:
+                    layer.self_attn.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
+                    layer.self_attn.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    layer.mlp.load_hf(sd, p)
+                else:
+                    mlp = [sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]
+                    layer.mlp.gate_up_proj.weight.copy_(torch.cat(mlp))
+                    layer.mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
                 layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
                 layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's weights under transformers' LlamaForCausalLM names (q/k/v and gate/up split)."""
+        """This model's weights under transformers' LlamaForCausalLM names (q/k/v and gate/up split; a MoE block's
+        under transformers ≥ 5's Qwen2-MoE names)."""
         c = self.config
         sd = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight,
               "lm_head.weight": self.lm_head.weight}
@@ -352,11 +419,17 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             sizes = [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
             q, k, v = layer.self_attn.qkv_proj.weight.split(sizes)
-            gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+            if layer.self_attn.q_norm is not None:
+                sd.update({p + "self_attn.q_norm.weight": layer.self_attn.q_norm.weight,
+                           p + "self_attn.k_norm.weight": layer.self_attn.k_norm.weight})
+            if isinstance(layer.mlp, SparseMoeBlock):
+                sd.update(layer.mlp.hf_state(p + "mlp."))
+            else:
+                gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+                sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                           p + "mlp.down_proj.weight": layer.mlp.down_proj.weight})
             sd.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                       p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                       p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
                        p + "input_layernorm.weight": layer.input_layernorm.weight,
                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
         return {k: v.detach().clone() for k, v in sd.items()}

@@ -23,6 +23,7 @@ from executor.speculative.build import make_drafter
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
+from sim.config.scenario import ParallelConfig
 from sim.config.workload import RequestSpec
 from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
@@ -126,11 +127,29 @@ def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = No
     from executor.tiny import tiny_model
 
     m = plan.model
+    if m.kv_lora_rank is not None:
+        raise ConfigError("the executor has no multi-head latent attention (DeepSeek); allowed: leave kv_lora_rank "
+                          "out", "model.kv_lora_rank")
+    shared = m.shared_expert_intermediate_size or m.num_shared_experts * (m.moe_intermediate_size or
+                                                                          m.intermediate_size)
     config = LlamaConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                          num_kv_heads=m.num_kv_heads, head_dim=m.head_size, intermediate_size=m.intermediate_size,
                          vocab_size=m.vocab_size, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-                         max_position_embeddings=m.max_position_embeddings)
-    return tiny_model(seed=plan.executor.seed, config=config, device=device, dtype=dtype)
+                         max_position_embeddings=m.max_position_embeddings, num_experts=m.num_experts,
+                         num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
+                         shared_expert_intermediate_size=shared, shared_expert_gate=m.shared_expert_gate,
+                         norm_topk_prob=m.norm_topk_prob, first_k_dense_replace=m.first_k_dense_replace,
+                         decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers))
+    try:
+        return tiny_model(seed=plan.executor.seed, config=config, device=device, dtype=dtype)
+    except ValueError as e:  # a MoE block's shapes
+        raise ConfigError(str(e), "model") from None
+
+
+def parallel_setting(plan: Plan, key: str):
+    """A key of the scenario's `parallel` section the plan does not resolve (data_parallel_size,
+    enable_expert_parallel), as validated; its default for a plan made without a scenario."""
+    return plan.source.get("parallel", {}).get(key, ParallelConfig.model_fields[key].default)
 
 
 def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
@@ -356,6 +375,9 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
         raise ConfigError("disaggregated pools are served by executor.disaggregated.serve_pools", "pools")
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
+    if parallel_setting(plan, "data_parallel_size") != 1:
+        raise ConfigError("the executor runs no attention data parallelism (its expert parallelism spans the tensor-"
+                          "parallel ranks); allowed: data_parallel_size 1", "parallel.data_parallel_size")
     stage = stage or (lambda _: None)
     parallel = plan.tensor_parallel_size * plan.pipeline_parallel_size > 1
     pinned = parallel or set_threads(plan, threads)

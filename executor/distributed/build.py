@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams
+from executor.serve import parallel_setting
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.policy.build import make_policy
@@ -37,6 +39,9 @@ def check_parallel(plan: Plan, model: LlamaModel) -> None:
         raise ConfigError("the executor's parallel engines shard uncompressed weights and KV (compressed, they "
                           "would run dequantized: no gain); allowed with parallel: fp32/bf16 weights and KV, no "
                           "sparsity", "model")
+    if pp > 1 and model.config.num_experts:  # a stage's layers are numbered from 0: MoE placement would shift
+        raise ConfigError("the executor splits a mixture of experts over tensor-parallel ranks (with or without "
+                          "enable_expert_parallel), not pipeline stages", "parallel.pipeline_parallel_size")
     if tp > 1:
         try:
             check_tensor_parallel(model.config, tp)
@@ -50,6 +55,8 @@ def parallel_engine(plan: Plan, model: LlamaModel, sampling: SamplingParams, eos
     """(the plan's engine, the worker processes' pids): an Engine over tensor_parallel_size ranks or a
     PipelineEngine over pipeline_parallel_size stages with virtual_engines batches in flight, `parallel_threads`
     torch threads a process."""
+    # where the plan's layout meets the model: a mixture of experts sharded whole or sliced (moe_parallel.py)
+    model.config = replace(model.config, expert_parallel=bool(parallel_setting(plan, "enable_expert_parallel")))
     check_parallel(plan, model)
     n = parallel_threads(plan, threads)
     if plan.tensor_parallel_size > 1:

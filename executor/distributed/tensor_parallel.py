@@ -29,12 +29,20 @@ from executor.build import make_engine
 from executor.cache_engine import KVCache
 from executor.distributed import messages
 from executor.distributed.launch import Group, collective, launch
+from executor.distributed.moe_parallel import (
+    check_moe_parallel,
+    moe_shard_fields,
+    moe_shard_state,
+    parallel_moe_block,
+    swiglu_columns,
+)
 from executor.distributed.shm import ShmCollectives, make_buffers
 from executor.engine import Engine
 from executor.layers import Linear
 from executor.malloc_tuning import keep_freed_memory
 from executor.model import LlamaConfig, LlamaModel
 from executor.model_runner import ModelRunner, StepInput
+from executor.moe import SparseMoeBlock
 from executor.sampling import SamplingParams
 from sim.config.sharding import shard, vocab_shard
 
@@ -53,14 +61,15 @@ def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:
         shard(c, tp)
     except ValueError as e:
         raise ValueError(f"tensor_parallel_size {e}") from None
+    check_moe_parallel(config, tp)
 
 
 def shard_config(config: LlamaConfig, tp: int) -> LlamaConfig:
     """One rank's shapes: its query heads, its KV heads (at least one), its MLP columns; the LM head is not tied
-    (its vocabulary slice replaces it)."""
+    (its vocabulary slice replaces it); a MoE model's experts or their columns (moe_parallel.py)."""
     s = shard(config, tp)
     return replace(config, num_heads=s.heads, num_kv_heads=s.kv_heads, intermediate_size=s.intermediate,
-                   tie_word_embeddings=False)
+                   tie_word_embeddings=False, **moe_shard_fields(config, tp))
 
 
 def shard_state(model: LlamaModel, tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -70,7 +79,6 @@ def shard_state(model: LlamaModel, tp: int, rank: int) -> dict[str, torch.Tensor
     d, hq, hk = c.head_dim, s.heads, s.kv_heads
     q0, k0 = rank * hq * d, s.kv_head_of(rank) * d  # first query row, first KV row of this rank
     q_size, kv_size = c.num_heads * d, c.num_kv_heads * d
-    i, i0 = s.intermediate, rank * s.intermediate
     vs = vocab_shard(c.vocab_size, tp)
     head = torch.zeros(vs, c.hidden_size, dtype=model.lm_head.weight.dtype, device=model.lm_head.weight.device)
     part = model.lm_head.weight[rank * vs:(rank + 1) * vs]
@@ -78,16 +86,21 @@ def shard_state(model: LlamaModel, tp: int, rank: int) -> dict[str, torch.Tensor
     sd = {"embed_tokens.weight": model.embed_tokens.weight, "norm.weight": model.norm.weight, "lm_head.weight": head}
     for n, layer in enumerate(model.layers):
         p, qkv = f"layers.{n}.", layer.self_attn.qkv_proj.weight
-        gate_up = layer.mlp.gate_up_proj.weight
+        if isinstance(layer.mlp, SparseMoeBlock):
+            moe = moe_shard_state(layer.mlp, c.expert_parallel, tp, rank)
+            sd.update({p + "mlp." + k: v for k, v in moe.items()})
+        else:
+            gate_up, down = swiglu_columns(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, tp, rank)
+            sd.update({p + "mlp.gate_up_proj.weight": gate_up, p + "mlp.down_proj.weight": down})
         sd.update({
             p + "self_attn.qkv_proj.weight": torch.cat([qkv[q0:q0 + hq * d], qkv[q_size + k0:q_size + k0 + hk * d],
                                                         qkv[q_size + kv_size + k0:q_size + kv_size + k0 + hk * d]]),
             p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight[:, q0:q0 + hq * d],
-            p + "mlp.gate_up_proj.weight": torch.cat([gate_up[i0:i0 + i], gate_up[c.intermediate_size + i0:
-                                                                                   c.intermediate_size + i0 + i]]),
-            p + "mlp.down_proj.weight": layer.mlp.down_proj.weight[:, i0:i0 + i],
             p + "input_layernorm.weight": layer.input_layernorm.weight,
             p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+        if layer.self_attn.q_norm is not None:  # per head, the same on every head: replicated
+            sd.update({p + "self_attn.q_norm.weight": layer.self_attn.q_norm.weight,
+                       p + "self_attn.k_norm.weight": layer.self_attn.k_norm.weight})
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}  # host copies: they travel
 
 
@@ -116,12 +129,15 @@ class VocabParallelHead(Linear):
 
 def shard_model(config: LlamaConfig, tp: int, comm, attn_backend="sdpa") -> LlamaModel:
     """A rank's model (weights uninitialized: load a shard_state): sharded attention and MLP, the row-parallel
-    projections and vocab-parallel head communicating through `comm`."""
+    projections, vocab-parallel head and MoE blocks communicating through `comm`."""
     c = shard_config(config, tp)
     model = LlamaModel(c, attn_backend=attn_backend)
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, comm)
-        layer.mlp.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, comm)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = parallel_moe_block(c, comm)
+        else:
+            layer.mlp.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, comm)
     model.lm_head = VocabParallelHead(c.hidden_size, config.vocab_size, tp, comm)
     return model.eval()
 
