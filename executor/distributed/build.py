@@ -11,7 +11,6 @@ from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams
-from executor.serve import parallel_setting
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.policy.build import make_policy
@@ -56,7 +55,7 @@ def parallel_engine(plan: Plan, model: LlamaModel, sampling: SamplingParams, eos
     PipelineEngine over pipeline_parallel_size stages with virtual_engines batches in flight, `parallel_threads`
     torch threads a process."""
     # where the plan's layout meets the model: a mixture of experts sharded whole or sliced (moe_parallel.py)
-    model.config = replace(model.config, expert_parallel=bool(parallel_setting(plan, "enable_expert_parallel")))
+    model.config = replace(model.config, expert_parallel=plan.enable_expert_parallel)
     check_parallel(plan, model)
     n = parallel_threads(plan, threads)
     if plan.tensor_parallel_size > 1:
