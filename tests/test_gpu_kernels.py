@@ -34,7 +34,8 @@ def test_the_shipped_fits_are_the_fits_of_the_shipped_tables():
             for k in a:
                 close(a[k], b[k], f"{path}.{k}")
         elif isinstance(a, float):
-            assert a == pytest.approx(b, rel=1e-4, abs=1e-12), path
+            # least_squares lands a few 1e-4 apart across scipy releases (1.17.1: 7e-4 on one GEMM rate)
+            assert a == pytest.approx(b, rel=3e-3, abs=1e-12), path
         else:
             assert a == b, path
     close(shipped, refit)

@@ -83,6 +83,8 @@ class KernelCostModel(PricesStages):
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
         self._decode_base: dict[int, float] = {}
+        self._staged_shape: BatchShape | None = None  # the last pipelined shape priced, and its stages
+        self._staged: tuple | None = None
 
     @staticmethod
     def _linear_kernel(model: ModelSpec, kernels: DeviceKernels, hw) -> tuple[GemmFit, float, float]:
@@ -195,16 +197,24 @@ class KernelCostModel(PricesStages):
         return self._sum(*self._terms(shape))  # step_cost's total without building it: the simulator's hot path
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
-        c = self.step_cost_one_device(shape)
-        layered = c.linear_s + c.attention_s + c.communication_s
-        stages = [share * layered for share in self.layer_share]
-        stages[0] += c.overhead_s + c.swap_s
-        stages[-1] += c.lm_head_s
-        send = self.collectives.send_s(shape.num_new_tokens * self.model.hidden_size * self.act_bytes)
-        back = self.collectives.send_s(shape.num_sampled * 8) if shape.num_sampled else 0.0
+        # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
+        if shape is not self._staged_shape:
+            self._staged_shape, self._staged = shape, self._stage_parts(shape)
+        stages, send, back = self._staged
+        stages = list(stages)
         if step_s is not None:
             stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
         return stages, send, back
+
+    def _stage_parts(self, shape: BatchShape) -> tuple[tuple[float, ...], float, float]:
+        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
+        layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
+        stages = [share * layered for share in self.layer_share]
+        stages[0] += overhead + swap
+        stages[-1] += head
+        send = self.collectives.send_s(shape.num_new_tokens * self.model.hidden_size * self.act_bytes)
+        back = self.collectives.send_s(shape.num_sampled * 8) if shape.num_sampled else 0.0
+        return tuple(stages), send, back
 
     def _base(self, num_seqs: int) -> float:
         """A decode step of `num_seqs` rows without its context term."""
