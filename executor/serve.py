@@ -23,7 +23,6 @@ from executor.speculative.build import make_drafter
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
-from sim.config.scenario import ParallelConfig
 from sim.config.workload import RequestSpec
 from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
@@ -145,11 +144,6 @@ def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = No
     except ValueError as e:  # a MoE block's shapes
         raise ConfigError(str(e), "model") from None
 
-
-def parallel_setting(plan: Plan, key: str):
-    """A key of the scenario's `parallel` section the plan does not resolve (data_parallel_size,
-    enable_expert_parallel), as validated; its default for a plan made without a scenario."""
-    return plan.source.get("parallel", {}).get(key, ParallelConfig.model_fields[key].default)
 
 
 def build_engine(plan: Plan, loaded: Loaded, device: str) -> Engine:
@@ -375,6 +369,8 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
         raise ConfigError("disaggregated pools are served by executor.disaggregated.serve_pools", "pools")
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
+    from executor.distributed.build import parallel_setting
+
     if parallel_setting(plan, "data_parallel_size") != 1:
         raise ConfigError("the executor runs no attention data parallelism (its expert parallelism spans the tensor-"
                           "parallel ranks); allowed: data_parallel_size 1", "parallel.data_parallel_size")

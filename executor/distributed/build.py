@@ -11,9 +11,9 @@ from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
 from executor.model import LlamaModel
 from executor.sampling import SamplingParams
-from executor.serve import parallel_setting
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
+from sim.config.scenario import ParallelConfig
 from sim.policy.build import make_policy
 
 TIMEOUT_S = 300.0  # the longest the driver waits on a worker in one step (a 2048-token prompt step takes ~2 s)
@@ -23,6 +23,12 @@ def parallel_threads(plan: Plan, threads: int | None = None) -> int:
     """torch threads per process: `threads`, else executor.threads, else the cores shared among the processes."""
     world = plan.tensor_parallel_size * plan.pipeline_parallel_size
     return threads or plan.executor.threads or max(1, (os.cpu_count() or 1) // world)
+
+
+def parallel_setting(plan: Plan, key: str):
+    """A key of the scenario's `parallel` section the plan does not resolve (data_parallel_size,
+    enable_expert_parallel), as validated; its default for a plan made without a scenario."""
+    return plan.source.get("parallel", {}).get(key, ParallelConfig.model_fields[key].default)
 
 
 def check_parallel(plan: Plan, model: LlamaModel) -> None:
