@@ -98,12 +98,14 @@ class BaseScheduler:
 
     def has_work(self) -> bool:
         """Whether a step could run now (a request still arriving from a prefill instance cannot)."""
-        return bool(self.waiting or self.running or self.swapped or self.handoff.ready)
+        return bool(self.waiting or self.running or self.swapped or self.handoff.ready)  # ready: see HandOff
 
     @property
     def num_outstanding(self) -> int:
         """Requests queued, running, swapped out or handed to this instance, not yet done."""
-        return len(self.waiting) + len(self.running) + len(self.swapped) + self.handoff.num_outstanding
+        h = self.handoff  # its three queues inline: routers ask at every arrival
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(h.incoming) + len(h.receiving) + \
+            len(h.ready)
 
     @property
     def drafting(self) -> bool:
@@ -161,8 +163,10 @@ class BaseScheduler:
         `stopped`: requests the executor saw emit EOS this step."""
         dec = self.decoding
         started, finished = list(batch.swapped_in), []
-        if batch.decodes:
-            self._advance_decodes(batch, accepted, finished)
+        if batch.decodes and self.speculative:
+            self._advance_verified(batch, accepted, finished)
+        elif batch.decodes:
+            dec.advance(1)
         for r, n in batch.prefill:
             r.num_computed += n
             if self.prefix_caching:
@@ -184,13 +188,14 @@ class BaseScheduler:
                 finished.append(self._finish(r))
         if self.eager:
             self.sync_all()
-        self._after_steps(0)
+        if self._after_steps is not None:
+            self._after_steps(0)
         return started, finished
 
-    def _advance_decodes(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,
-                         finished: list[Request]) -> None:
-        """Every decode row got one token (its finish is found by the decode set)."""
-        self.decoding.advance(1)
+    def _advance_verified(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,
+                          finished: list[Request]) -> None:
+        """Speculative decode rows: each got one token and its accepted drafts (speculative policies only)."""
+        raise NotImplementedError
 
     def _first_token(self, r: Request) -> None:
         """A request whose prompt is done and that goes on: it decodes from the next step."""
@@ -209,8 +214,9 @@ class BaseScheduler:
         self.kv.free(r)
         return r
 
-    def _after_steps(self, extra: int) -> None:
-        """What a policy does after a step and `extra` more decode steps of a run were accounted for."""
+    # a policy's work after a step and `extra` more decode steps of a run were accounted for: a method
+    # _after_steps(extra), or None (no call on the hot path)
+    _after_steps = None
 
     def sync_all(self) -> None:
         """Bring every decoding request's counters up to date."""
@@ -235,5 +241,6 @@ class BaseScheduler:
         finished = [self._finish(r) for r in dec.pop_finished()]
         if self.eager:
             self.sync_all()
-        self._after_steps(k - 1)
+        if self._after_steps is not None:
+            self._after_steps(k - 1)
         return finished

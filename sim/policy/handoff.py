@@ -40,11 +40,6 @@ class HandOff:
         """Requests that hold a sequence slot here but do not decode yet (KV reserved or arrived)."""
         return len(self.receiving) + len(self.ready)
 
-    @property
-    def num_outstanding(self) -> int:
-        """Requests handed to this (decode) instance that do not decode yet."""
-        return len(self.incoming) + len(self.receiving) + len(self.ready)
-
     # -- prefill instance ---------------------------------------------------------------------------
     def send(self, r: Request) -> None:
         """A request with its first token goes to a decode instance; its blocks are kept until its KV is sent."""

@@ -223,7 +223,8 @@ class Scheduler(BaseScheduler):
         cfg = self.cfg
         picks: list[tuple[Request, int]] = []
         free = self.kv.num_free - self.kv.watermark_blocks
-        slots = cfg.max_num_seqs - len(self.running) - self.handoff.holding
+        h = self.handoff  # HandOff.holding, inline: asked at every step with requests waiting
+        slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0:
                 break
@@ -275,12 +276,9 @@ class Scheduler(BaseScheduler):
                               swap_out=swap_out, swap_in=swap_in)
 
     # -- after the step -------------------------------------------------------------------------
-    def _advance_decodes(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,
-                         finished: list[Request]) -> None:
-        """Every decode row got one token, a speculative row also its accepted drafts."""
-        if not self.speculative:
-            self.decoding.advance(1)
-            return
+    def _advance_verified(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,
+                          finished: list[Request]) -> None:
+        """Every speculative decode row got one token and its accepted drafts."""
         done, added = self.spec.advance(batch.decode, accepted or {})
         self.decoding.sum_computed += added
         for r in done:
