@@ -55,9 +55,19 @@ def start_server(path: Path, pin: bool) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"the server did not start (exit code {server.wait()})")
 
 
-def summary(ttft: list[float], tpot: list[float], itl: list[float]) -> dict:
+def summary(ttft: list[float], tpot: list[float], itl: list[float], spans: list[tuple[float, float, float]]) -> dict:
     return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "tpot_p50_ms": 1e3 * statistics.median(tpot),
-            "itl_p50_ms": 1e3 * statistics.median(itl) if itl else None, "requests": len(ttft)}
+            "itl_p50_ms": 1e3 * statistics.median(itl) if itl else None, "requests": len(ttft),
+            "prefills_per_decode": prefills_per_decode(spans)}
+
+
+def prefills_per_decode(spans: list[tuple[float, float, float]]) -> float:
+    """The load a client sent, as its requests saw it: per request (sent, first token, last token), the mean number
+    of other requests whose prefill (sent to first token) overlaps its decode (first to last token). Requests sent
+    in step decode together; requests out of step share their decodes with each other's prefills, which raises TPOT."""
+    n = [sum(1 for j, (s2, f2, _) in enumerate(spans) if j != i and s2 < last and f2 > first)
+         for i, (_, first, last) in enumerate(spans)]
+    return statistics.mean(n)
 
 
 def ours(url: str, specs) -> dict:
@@ -70,7 +80,7 @@ def ours(url: str, specs) -> dict:
     ttft = [o.token_times[0] - o.sent_s for o in outs]
     tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in outs]
     itl = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:]) if b > a]
-    return summary(ttft, tpot, itl)
+    return summary(ttft, tpot, itl, [(o.sent_s, o.token_times[0], o.token_times[-1]) for o in outs])
 
 
 def openai_loop(url: str, model: str, texts: list[str], users: int, output_len: int) -> dict:
@@ -80,7 +90,7 @@ def openai_loop(url: str, model: str, texts: list[str], users: int, output_len: 
     async def run():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         todo = list(texts)
-        ttft, tpot, itl = [], [], []
+        ttft, tpot, itl, spans = [], [], [], []
 
         async def worker():
             while todo:
@@ -97,10 +107,11 @@ def openai_loop(url: str, model: str, texts: list[str], users: int, output_len: 
                 ttft.append(times[0] - t0)
                 tpot.append((times[-1] - times[0]) / (len(times) - 1))
                 itl.extend(b - a for a, b in zip(times, times[1:]))
+                spans.append((t0, times[0], times[-1]))
 
         await asyncio.gather(*(worker() for _ in range(users)))
         await client.close()
-        return summary(ttft, tpot, itl)
+        return summary(ttft, tpot, itl, spans)
 
     return asyncio.run(run())
 
@@ -125,7 +136,9 @@ def guidellm_run(exe: str, url: str, model: str, tokenizer: Path, n: int, users:
     assert len(reqs) >= n and all(q["output_tokens"] == output_len for q in reqs), [q["output_tokens"] for q in reqs]
     ttft = [q["time_to_first_token_ms"] / 1e3 for q in reqs]
     tpot = [q["inter_token_latency_ms"] / 1e3 for q in reqs]  # guidellm's ITL: (E2E - TTFT) / (tokens - 1)
-    return summary(ttft, tpot, [])
+    timings = [q["info"]["timings"] for q in reqs]
+    spans = [(t["request_start"], t["first_token_iteration"], t["last_token_iteration"]) for t in timings]
+    return summary(ttft, tpot, [], spans)
 
 
 def save_tokenizer(folder: Path) -> Path:
@@ -170,7 +183,7 @@ def measure(url: str, users: int, rounds: int, guidellm: str | None, tokenizer: 
             print(f"users {users} round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()
                                                                      if v is not None)
                   + f" (load {load[-1]:.2f})", flush=True)
-    med = {n: {k: statistics.median(x[k] for x in rs) for k in ("ttft_p50_ms", "tpot_p50_ms")}
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in ("ttft_p50_ms", "tpot_p50_ms", "prefills_per_decode")}
            | {"itl_p50_ms": statistics.median(x["itl_p50_ms"] for x in rs) if rs[0]["itl_p50_ms"] else None}
            for n, rs in runs.items()}
     return med, load
