@@ -27,7 +27,7 @@ from sim.cost.comm import Collectives
 from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
 from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
-from sim.cost.step import PricesStages, Stages, StepCost, decode_run
+from sim.cost.step import PricesStages, Stages, StepCost, affine_decode_run, decode_run
 from sim.policy.batch import BatchShape
 
 VLLM_STEP_OVERHEAD_S = 126e-6
@@ -233,14 +233,5 @@ class KernelCostModel(PricesStages):
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         if self.pp > 1:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
-        # decode_time with its per-batch part hoisted: the same float operations, so the same step ends
-        base, per_kv, s, k = self._base(num_seqs), self.per_kv_token_s(num_seqs), sum_context, 0
-        append = step_end.append
-        while k < k_max:
-            clock += base + s * per_kv
-            append(clock)
-            s += num_seqs
-            k += 1
-            if clock >= until:
-                break
-        return k, clock
+        return affine_decode_run(self._base(num_seqs), self.per_kv_token_s(num_seqs), num_seqs, sum_context, clock,
+                                 k_max, until, step_end)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from sim.config import moe
 from sim.config.models import ModelSpec
 from sim.cost.comm import Collectives
-from sim.cost.step import StepCost
+from sim.cost.step import StepCost, affine_decode_run
 from sim.policy.scheduler import BatchShape
 
 
@@ -140,13 +140,5 @@ class MoECostModel:
         return base + sum_context * per_kv
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
-        # decode_time with its per-batch part hoisted: the same float operations, so the same step ends
-        (base, per_kv), s, k, append = self._decode_base(num_seqs), sum_context, 0, step_end.append
-        while k < k_max:
-            clock += base + s * per_kv
-            append(clock)
-            s += num_seqs
-            k += 1
-            if clock >= until:
-                break
-        return k, clock
+        base, per_kv = self._decode_base(num_seqs)
+        return affine_decode_run(base, per_kv, num_seqs, sum_context, clock, k_max, until, step_end)

@@ -80,6 +80,21 @@ def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: floa
     return k, clock
 
 
+def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: int, clock: float, k_max: int,
+                      until: float, step_end: list[float]) -> tuple[int, float]:
+    """decode_run for a model whose decode step is `base + context * per_kv` (decode_time with its per-batch part
+    hoisted: the same float operations, so the same step ends), without allocating per step."""
+    s, k, append = sum_context, 0, step_end.append
+    while k < k_max:
+        clock += base + s * per_kv
+        append(clock)
+        s += num_seqs
+        k += 1
+        if clock >= until:
+            break
+    return k, clock
+
+
 # A pipelined step's stages: (each stage's seconds, the send between consecutive stages, the return of the sampling
 # rows' hidden states to stage 0).
 Stages = tuple[list[float], float, float]
