@@ -19,7 +19,8 @@ from executor import attention, layers, native, quantize
 from executor.attention import AttentionMetadata, get_backend
 from executor.cache_engine import KVCache
 from executor.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
-from executor.moe import SparseMoeBlock, is_moe_layer
+from executor.moe import SparseMoeBlock
+from sim.config.moe import is_moe_layer
 
 # Switch off to run decode steps layer by layer in Python even where the native decode loop applies (comparisons).
 USE_NATIVE_DECODE_LOOP = True
@@ -60,8 +61,7 @@ class LlamaConfig:
 
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a MoE block instead of the dense MLP."""
-        return is_moe_layer(layer, self.num_experts, self.first_k_dense_replace, self.mlp_only_layers,
-                            self.decoder_sparse_step)
+        return is_moe_layer(self, layer)  # the simulator's rule: this config has ModelSpec's names
 
     @classmethod
     def from_hf(cls, hf) -> LlamaConfig:

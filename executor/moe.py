@@ -25,13 +25,6 @@ from executor.layers import MLP, Linear
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-def is_moe_layer(layer: int, num_experts: int, first_k_dense_replace: int = 0, mlp_only_layers=(),
-                 decoder_sparse_step: int = 1) -> bool:
-    """Whether decoder layer `layer` has a MoE block (Qwen2-MoE's rule, with DeepSeek's leading dense layers)."""
-    return (num_experts > 0 and layer >= first_k_dense_replace and layer not in mlp_only_layers
-            and (layer + 1) % decoder_sparse_step == 0)
-
-
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing weights [T, k] in the logits' dtype, expert ids [T, k]) from router logits [T, E]."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)

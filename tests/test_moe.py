@@ -4,6 +4,8 @@ decode, load what transformers holds in memory (fused 3-D experts) and what it w
 expert), and count the tokens each expert computed."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from executor.build import make_engine, run_offline
 from executor.model import LlamaConfig, LlamaModel
 from executor.sampling import SamplingParams
 from executor.tiny import tiny_model, to_transformers
+from sim.config.moe import is_moe_layer
 from tests.parallel_workloads import policy
 from tests.test_executor_model import full_forward, hf_greedy, random_prompts, rel_err
 
@@ -41,10 +44,10 @@ def twins(request):
 
 
 def test_moe_layers_follow_qwen_s_rule():
-    layers = [i for i in range(8) if moe.is_moe_layer(i, 4, first_k_dense_replace=1, mlp_only_layers=(5,),
-                                                       decoder_sparse_step=2)]
-    assert layers == [1, 3, 7]
-    assert not any(moe.is_moe_layer(i, 0) for i in range(4))  # no experts: dense
+    qwen = SimpleNamespace(num_experts=4, first_k_dense_replace=1, mlp_only_layers=(5,), decoder_sparse_step=2)
+    assert [i for i in range(8) if is_moe_layer(qwen, i)] == [1, 3, 7]
+    dense = SimpleNamespace(num_experts=0, first_k_dense_replace=0, mlp_only_layers=(), decoder_sparse_step=1)
+    assert not any(is_moe_layer(dense, i) for i in range(4))  # no experts: dense
     model = moe_model("qwen2_moe")
     assert [type(layer.mlp).__name__ for layer in model.layers] == ["SparseMoeBlock", "MLP", "SparseMoeBlock"]
 
