@@ -124,3 +124,36 @@ def test_bad_endpoint_flags_are_one_line_and_exit_2(served, args, message, capsy
         app(args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_tokens_that_came_in_a_burst_share_the_span_before_them():
+    from calibration.endpoint_profile import step_gaps
+
+    # steps of 1 ms; the server's event loop held tokens 5-7 and sent them with token 4
+    times = [0.0, 0.001, 0.002, 0.003, 0.006, 0.00601, 0.00602, 0.00603, 0.00703]
+    gaps = step_gaps(times, floor=0.0002)
+    assert gaps[:3] == pytest.approx([0.001] * 3)
+    assert gaps[3:7] == pytest.approx([0.00603 / 4 - 0.003 / 4] * 4)  # 3.03 ms over four steps
+    assert gaps[7] == pytest.approx(0.001)
+    first, second, third = step_gaps([0.0, 0.00001, 0.00002, 0.001], floor=0.0002)
+    assert first is None and second is None and third == pytest.approx(0.00098)  # the burst's wait is in the TTFT
+    assert step_gaps(times, floor=0.0) == pytest.approx([b - a for a, b in zip(times, times[1:])])
+
+
+def test_a_stream_sent_whole_in_one_burst_shows_no_step():
+    from calibration.endpoint import Outcome
+    from calibration.endpoint_profile import burst_floor, steps_of
+    from sim.config.workload import RequestSpec
+
+    def stream(rid, times):
+        o = Outcome(RequestSpec(rid, 0.0, 32, len(times)), 0.0, None, sent_s=0.0)
+        o.token_times, o.finish_reason = list(times), "length"
+        return o
+
+    steady = stream(0, [0.01 + 0.001 * k for k in range(12)])
+    whole = stream(1, [0.5 + 0.00001 * k for k in range(6)])  # a lone request whose tokens all came at once
+    floor = burst_floor([steady, whole])
+    assert 0.0001 < floor < 0.001
+    assert [s["kind"] for s in steps_of([whole], floor)] == ["prefill"]
+    decode = [s for s in steps_of([steady], floor) if s["kind"] == "decode"]
+    assert decode and all(s["time_s"] == pytest.approx(0.001) for s in decode)
