@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
 from sim.config.profile import MIN_STEP_S, check_profile
-from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, shape_of
+from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, routed_experts, shape_of
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
 
@@ -113,6 +114,8 @@ def engines(model, device: str, parallel: dict | None = None, cuda_graphs: bool 
 
     threads = torch.get_num_threads()
     if parallel.get("tensor_parallel_size", 1) > 1:
+        # a mixture of experts' ranks hold its experts whole or sliced (executor/distributed/moe_parallel.py)
+        model.config = replace(model.config, expert_parallel=parallel.get("enable_expert_parallel", False))
         with tensor_parallel(model, parallel["tensor_parallel_size"], threads) as tp:
             yield (lambda **cfg: tp.engine(profile_policy(**cfg))), tp.group.pids
     else:
@@ -216,7 +219,7 @@ class Sweep:
         self.num_slices += 1
         self.done = stop
 
-    def samples_and_speeds(self) -> tuple[list[dict], list[float]]:
+    def samples_and_speeds(self, experts=None) -> tuple[list[dict], list[float]]:
         """One record per distinct step of the sweep: its shape and its median time over the repeats. Run in
         slices, each repeat's time is first divided by its slice's speed (below), so that a shape measured only
         in a slow or a fast minute is not priced at that minute's speed."""
@@ -233,7 +236,7 @@ class Sweep:
                             "time_s": statistics.median(times), "repeat_times_s": times,
                             "repeat_forward_s": [s.get("forward_s") for s in steps]})
                 slices.append(where)
-        speed = self.slice_speeds(out, slices)
+        speed = self.slice_speeds(out, slices, experts)
         for s, where in zip(out, slices):
             s["time_s"] = statistics.median(t / speed[j] for t, j in zip(s["repeat_times_s"], where))
             forward = s.pop("repeat_forward_s")
@@ -241,7 +244,7 @@ class Sweep:
                 s["forward_s"] = statistics.median(t / speed[j] for t, j in zip(forward, where))
         return out, speed
 
-    def slice_speeds(self, samples: list[dict], slices: list[list[int]]) -> list[float]:
+    def slice_speeds(self, samples: list[dict], slices: list[list[int]], experts=None) -> list[float]:
         """How fast the machine ran in each slice, relative to the mean over slices: the median, over the slice's
         steps, of measured over predicted time, with the fit of the raw medians. The slices of
         `validate --profile-alongside` sit between the executor runs and the machine's speed moved 0.8-1.5x between
@@ -250,8 +253,8 @@ class Sweep:
         All ones when the sweep ran at once."""
         if self.num_slices < 2:
             return [1.0] * max(1, self.num_slices)
-        first = fit_samples(samples)
-        cost = FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"])
+        first = fit_samples(samples, experts)
+        cost = FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"], experts=experts)
         ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
         for s, where in zip(samples, slices):
             pred = predicted_step_time(s, cost)
@@ -265,11 +268,13 @@ class Sweep:
         """The finished sweep fitted and assembled as a profile (the JSON `cost_model.profile` names), with the
         communication the executor's parallel engines use measured on the CPU (executor/distributed/comm_bench.py)."""
         self.run_until(1.0)
-        samples, speed = self.samples_and_speeds()
+        experts = routed_experts(model_spec)  # a mixture of experts' routing: the fit's experts_touched term
+        samples, speed = self.samples_and_speeds(experts)
         host = {**device_info(self.device, self.cuda_graphs), "other_processes_cores": round(self.load.mean_others, 2),
                 "other_processes_busy_share": round(self.load.busy_share, 2)}
         prof = {"model": model_spec, "host": host, "measured": measure_device(self.device),
-                "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples), "samples": samples}
+                "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples, experts),
+                "samples": samples}
         if self.parallel:
             prof["parallel"] = self.parallel  # it prices steps of this layout as they are, no composition
         kernels = refine_profile(prof)  # on a GPU the kernel model has: it refined by these steps
@@ -294,13 +299,14 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
     return prof
 
 
-def fit_samples(samples: list[dict]) -> dict:
+def fit_samples(samples: list[dict], experts=None) -> dict:
     """The step-cost fit of a profile's stored samples (each step's shape and median time), and as its `forward`
-    the same fit of the steps' time in the model runner (what a parallel layout splits; the rest is host work)."""
+    the same fit of the steps' time in the model runner (what a parallel layout splits; the rest is host work);
+    `experts`: a mixture of experts' routing (sim.cost.fitted.routed_experts)."""
     shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
-    out = fit(shapes, [s["time_s"] for s in samples])
+    out = fit(shapes, [s["time_s"] for s in samples], experts=experts)
     if all(s.get("forward_s") for s in samples):
-        out["forward"] = fit(shapes, [s["forward_s"] for s in samples])
+        out["forward"] = fit(shapes, [s["forward_s"] for s in samples], experts=experts)
     return out
 
 
@@ -332,7 +338,7 @@ def refit(prof: dict) -> dict:
             raise TypeError(f"samples[{i}]: time_s and forward_s are step times in seconds, finite and at least "
                             f"{MIN_STEP_S:g}")
         _check_sample_shape(smp, f"samples[{i}]")
-    fitted = {**prof, "fit": fit_samples(samples)}
+    fitted = {**prof, "fit": fit_samples(samples, routed_experts(prof.get("model")))}
     kernels = refine_profile(fitted)
     if kernels is not None:
         fitted["kernels"] = kernels
@@ -388,7 +394,8 @@ def write_profile(path: Path, prof: dict) -> None:
 def layout_of(plan) -> dict | None:
     """A plan's parallel layout as a profile records it, or None for one device."""
     if plan.tensor_parallel_size > 1:
-        return {"tensor_parallel_size": plan.tensor_parallel_size}
+        ep = {"enable_expert_parallel": True} if plan.enable_expert_parallel else {}
+        return {"tensor_parallel_size": plan.tensor_parallel_size, **ep}
     if plan.pipeline_parallel_size > 1:
         return {"pipeline_parallel_size": plan.pipeline_parallel_size}
     return None
@@ -434,7 +441,7 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     except (FileNotFoundError, OSError, ValueError) as e:  # transformers: ValueError for a folder it cannot read
         raise ConfigError(f"cannot load {model}: {e}", "--scenario" if scenario is not None else "--model") from None
     net = net.to(device)
-    corpus = corpus_ids(tok)
+    corpus = corpus_ids(tok, net.config.vocab_size)
     err = Console(stderr=True)
     where = f" through {parallel}" if parallel else ""
     err.print(f"profiling {spec.name} on {device}{where}: {len(workloads(quick))} workloads x {repeats} repeats",

@@ -518,13 +518,14 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     first scenario (one profile prices one model: every scenario must have the same). A tensor-parallel scenario's
     sweep runs through its layout (composed from one device, its steps came out 1.2-1.6x too fast: 60 barriers a
     step, docs/cost-model.md); a pipelined one's is of one device, its stages priced by composition."""
-    from calibration.profile import Sweep
+    from calibration.profile import Sweep, layout_of
     from executor.prompts import corpus_ids
 
     first = plans[0]
     def shape(p):  # what one profile prices: the model, its compression, the layout
         m = p.model
-        return m.num_layers, m.hidden_size, m.weight_dtype, m.kv_dtype, m.sparsity, p.tensor_parallel_size
+        return (m.num_layers, m.hidden_size, m.weight_dtype, m.kv_dtype, m.sparsity, p.tensor_parallel_size,
+                p.enable_expert_parallel)
 
     for plan in plans:
         if shape(plan) != shape(first):
@@ -535,9 +536,9 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
                               f"({f.weight_dtype}, {f.kv_dtype or 'unquantized'} KV) at {first.tensor_parallel_size}",
                               "--profile-alongside")
     loaded = load(first)
-    tp = first.tensor_parallel_size
-    return Sweep(loaded.model, corpus_ids(loaded.tokenizer), device, quick,
-                 parallel={"tensor_parallel_size": tp} if tp > 1 else None)
+    parallel = layout_of(first) if first.tensor_parallel_size > 1 else None  # a pipeline's: of one device
+    return Sweep(loaded.model, corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size), device, quick,
+                 parallel=parallel)
 
 
 def step_time_ratio(records: list[dict], pricer: StepPricer) -> dict:

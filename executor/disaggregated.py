@@ -105,8 +105,7 @@ def decode_worker(rank: int, plan: Plan, device: str, conn: Connection) -> None:
     decode what the driver hands off until it says stop."""
     loaded = load_model(plan, device)
     engine = build_engine(plan, loaded, device)
-    vocab = loaded.model.config.vocab_size
-    warm_up(engine, [i for i in corpus_ids(loaded.tokenizer) if i < vocab])
+    warm_up(engine, corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size))
     conn.send("ready")
     _, t0, source = conn.recv()
     engine.t0 = t0
@@ -448,8 +447,7 @@ def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threa
             engine = make_engine(loaded.model, make_policy(p_plan, eager=True, hand_off=d_plan), sampling_of(p_plan),
                                  loaded.eos_token_id, use_graphs=None if p_plan.executor.cuda_graphs else False)
             engine.kv_cache.data.share_memory_()  # the decode instances pull finished prompts' KV from here
-            vocab = loaded.model.config.vocab_size
-            corpus = [i for i in corpus_ids(loaded.tokenizer) if i < vocab]
+            corpus = corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size)
             stage("warming up")
             warm_up(engine, corpus, steps=1)  # one-token requests end here: nothing handed off
             driver = PrefillDriver(plan, engine, links, group, corpus)

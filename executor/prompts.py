@@ -7,13 +7,15 @@ CORPUS = "declaration_of_independence.txt"
 PLAIN = "plain_paragraphs.txt"  # modern prose the model copies nearly verbatim (see data/README.md)
 
 
-def corpus_ids(tokenizer) -> list[int]:
+def corpus_ids(tokenizer, vocab_size: int | None = None) -> list[int]:
     """The shipped text as token ids (no special tokens); without a tokenizer (a bare checkpoint, e.g. a
-    tiny test model) arbitrary ids, since only the prompts' lengths matter then."""
+    tiny test model) arbitrary ids, since only the prompts' lengths matter then. `vocab_size`: only the ids a
+    model of that vocabulary embeds (a small random-weight model's)."""
     if tokenizer is None:
-        return list(range(3, 1000))
-    text = (files("executor") / "data" / CORPUS).read_text()
-    return tokenizer.encode(text, add_special_tokens=False)
+        ids = list(range(3, 1000))
+    else:
+        ids = tokenizer.encode((files("executor") / "data" / CORPUS).read_text(), add_special_tokens=False)
+    return ids if vocab_size is None else [i for i in ids if i < vocab_size]
 
 
 def prompt_ids(corpus: list[int], length: int, request_id: int, prefix: tuple = (), prefix_unit: int = 0) -> list[int]:

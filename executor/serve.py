@@ -377,8 +377,7 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     if loaded is None:
         stage("loading the model")
         loaded = load_model(plan, device)
-    vocab = loaded.model.config.vocab_size
-    corpus = [i for i in corpus_ids(loaded.tokenizer) if i < vocab]  # a small random-weight model's vocabulary
+    corpus = corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size)
     if parallel:
         stage(f"starting {plan.tensor_parallel_size * plan.pipeline_parallel_size} processes")
     threads_before = torch.get_num_threads()

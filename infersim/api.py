@@ -272,7 +272,7 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
     except ConfigError as e:
         raise e.with_file(str(path)) from None
     vocab = loaded.model.config.vocab_size
-    warm_up(engine, [i for i in corpus_ids(loaded.tokenizer) if i < vocab])
+    warm_up(engine, corpus_ids(loaded.tokenizer, vocab))
     keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
     served = Served(engine, loaded.tokenizer, served_model or plan.model.name, vocab, plan.max_model_len,
                     loaded.eos_token_id)

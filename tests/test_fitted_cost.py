@@ -10,13 +10,13 @@ import pytest
 
 from calibration.profile import fit_samples
 from sim.config.errors import ConfigError
-from sim.cost.fitted import FEATURES, FittedCostModel, fit, shape_of
+from sim.cost.fitted import FEATURES, FittedCostModel, RoutedExperts, fit, routed_experts, shape_of
 from tests.helpers import run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
         "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6,
         "prefill_kv": 2e-6,
-        "few_tokens": 0.0, "ramp_tokens": 0.0}
+        "few_tokens": 0.0, "ramp_tokens": 0.0, "experts_touched": 0.0}
 
 
 def synthetic(n=400, noise=0.02, seed=0, truth=None):
@@ -82,7 +82,8 @@ def test_fit_finds_the_gemm_ramp():
 
 def test_decode_time_equals_step_time_of_the_decode_shape():
     for m in (FittedCostModel(TRUE), FittedCostModel({**TRUE, "few_tokens": 1e-3}, knot=12),
-              FittedCostModel({**TRUE, "ramp_tokens": 2e-4}, knot=4, ramp_knot=64)):
+              FittedCostModel({**TRUE, "ramp_tokens": 2e-4}, knot=4, ramp_knot=64),
+              FittedCostModel({**TRUE, "experts_touched": 3e-5}, knot=4, experts=RoutedExperts(8, 2, 3))):
         for b, s in [(1, 17), (7, 3000), (64, 65536)]:
             assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
 
@@ -174,3 +175,30 @@ def test_the_fit_s_form_holds_on_the_shipped_profiles_recorded_steps(name):
     fit = fit_samples(data["samples"])
     assert fit["heldout"]["mape"] < 0.08 and fit["heldout"]["r2"] > 0.99
     assert fit["heldout"]["mape"] == pytest.approx(data["fit"]["heldout"]["mape"], abs=0.005)
+
+
+def test_a_mixture_of_experts_fit_prices_the_experts_its_steps_touch():
+    """A step reads each expert its tokens touch once: a batch-1 decode 2 of 8 experts a layer, a 64-token prompt
+    nearly all. The fit recovers that term beside the dense ones, and a dense model's steps price as before."""
+    experts = RoutedExperts(num_experts=8, top_k=2, moe_layers=3)
+    truth = FittedCostModel({**TRUE, "experts_touched": 4e-4}, experts=experts)
+    shapes, times = synthetic(truth=truth)
+    result = fit(shapes, times, experts=experts)
+    assert result["coefs"]["experts_touched"] == pytest.approx(4e-4, rel=0.2)
+    assert result["heldout"]["mape"] < 0.03
+    one, prompt = shape_of([1], [100]), shape_of([64], [64])
+    assert experts.touched(1) == pytest.approx(3 * 2) and experts.touched(64) == pytest.approx(3 * 8, rel=1e-3)
+    assert truth.step_cost(one).experts_s == pytest.approx(4e-4 * 6)
+    assert truth.step_time(prompt) - FittedCostModel(TRUE).step_time(prompt) == pytest.approx(4e-4 * 24, rel=1e-3)
+    dense = FittedCostModel({**TRUE, "experts_touched": 4e-4})  # no routing: the term prices nothing
+    assert dense.step_time(prompt) == FittedCostModel(TRUE).step_time(prompt)
+    assert fit(shapes, times)["coefs"]["experts_touched"] == 0.0
+
+
+def test_routed_experts_of_a_model():
+    from sim.config.models import catalog_model
+
+    mixtral = routed_experts(catalog_model("Mixtral-8x7B"))
+    assert mixtral == RoutedExperts(8, 2, 32)
+    assert routed_experts(catalog_model("Mixtral-8x7B").model_dump()) == mixtral  # as a profile records it
+    assert routed_experts(catalog_model("Llama-3-8B")) is None and routed_experts(None) is None

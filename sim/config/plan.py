@@ -376,20 +376,30 @@ def _cost_plan(c: CostModelConfig, base_dir: Path, model: ModelSpec, hw: Hardwar
     """What prices the steps; a profile is read now, so that a bad one is reported against the scenario naming it."""
     profile = read_profile(base_dir / c.profile, model) if c.profile else None
     if profile is not None:
-        _check_profile_layout(profile, layout.sharding.tp, layout.pipeline_parallel_size)
+        _check_profile_layout(profile, layout.sharding.tp, layout.pipeline_parallel_size,
+                              layout.expert.enable_expert_parallel)
     source = _cost_source(c, hw, profile)
     refined = profile.kernels["refinement"] if source == "kernels" and profile is not None else None
     return CostPlan(c.compute_efficiency, c.memory_efficiency, c.step_overhead_s, c.per_seq_overhead_s, profile,
                     c.profile_scale, source, refined, c.expert_load_imbalance)
 
 
-def _check_profile_layout(profile: ProfileFile, tp: int, pp: int) -> None:
-    """A profile prices this layout: it was measured through it, or on one device with what composing needs."""
+def _check_profile_layout(profile: ProfileFile, tp: int, pp: int, expert_parallel: bool = False) -> None:
+    """A profile prices this layout: it was measured through it, or on one device with what composing needs (a
+    mixture of experts' only through its layout)."""
     key = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
     if profile.parallel != (1, 1) and profile.parallel != (tp, pp):
         raise ConfigError(f"{profile.path} was measured through tensor x pipeline parallel {profile.parallel[0]} x "
                           f"{profile.parallel[1]}, not {tp} x {pp}; allowed: a profile of that layout or of one "
                           "device", key)
+    if profile.expert_parallel != expert_parallel and profile.parallel == (tp, pp) and tp * pp > 1:
+        said = "with" if profile.expert_parallel else "without"
+        raise ConfigError(f"{profile.path} was measured {said} expert parallelism; allowed: a profile measured "
+                          f"through this layout (`infersim profile --scenario`)", "parallel.enable_expert_parallel")
+    if tp * pp > 1 and profile.parallel == (1, 1) and profile.data.get("model", {}).get("num_experts"):
+        raise ConfigError(f"{profile.path} was measured on one device; a mixture of experts' parallel steps are priced "
+                          "by a profile measured through their layout (`infersim profile --scenario`), or without "
+                          "a profile", key)
     if tp * pp > 1 and profile.parallel == (1, 1):  # composed (sim/cost/parallel.py)
         if tp > 1 and pp > 1:
             raise ConfigError("a fitted profile prices tensor or pipeline parallelism, not both; allowed: the roofline "

@@ -10,7 +10,7 @@ from sim.config.hardware import measured_devices
 
 # the fitted step-cost model's terms, in the order of its feature vector (sim.cost.fitted)
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
-            "sampled", "attn_pairs", "kv_tokens", "prefill_kv", "few_tokens", "ramp_tokens")
+            "sampled", "attn_pairs", "kv_tokens", "prefill_kv", "few_tokens", "ramp_tokens", "experts_touched")
 _OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
 MAX_KNOT = 4096
 MIN_STEP_S = 1e-7  # the fastest step a fit may predict: real engine steps take microseconds or more
@@ -25,7 +25,8 @@ class ProfileFile:
     """The fitted step-cost coefficients of one device and model, and everything else the file records.
     `forward`: the same fit of the steps' forward alone (coefficients, knot, ramp_knot), and `comm`: per operation
     its latency_s and s_per_byte — what composing tensor- and pipeline-parallel steps needs; None where not measured.
-    `parallel`: (tensor, pipeline parallel size) of the engine the sweep ran through ((1, 1): one device)."""
+    `parallel`: (tensor, pipeline parallel size) of the engine the sweep ran through ((1, 1): one device);
+    `expert_parallel`: whether its ranks held a mixture of experts' experts whole (enable_expert_parallel)."""
 
     path: Path
     coefs: dict
@@ -36,6 +37,7 @@ class ProfileFile:
     parallel: tuple[int, int] = (1, 1)
     ramp_knot: int = 0
     kernels: dict | None = None  # the GPU kernel model refined by these steps (calibration/kernel_refine.py)
+    expert_parallel: bool = False
 
 
 def read_profile(path: Path, model=None, key_path: str = "cost_model.profile") -> ProfileFile:
@@ -79,9 +81,9 @@ def check_profile(data, path: Path) -> ProfileFile:
     coefs, knot, ramp_knot = _check(data, path)
     forward = check_fit(data["fit"]["forward"], path, "fit.forward") if "forward" in data["fit"] else None
     comm = _check_comm(data["comm"], path) if "comm" in data else None
-    parallel = _check_parallel(data.get("parallel") or {}, path)
+    parallel, expert_parallel = _check_parallel(data.get("parallel") or {}, path)
     kernels = _check_kernels(data["kernels"], path) if data.get("kernels") is not None else None
-    return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot, kernels)
+    return ProfileFile(path, coefs, knot, data, forward, comm, parallel, ramp_knot, kernels, expert_parallel)
 
 
 REFINEMENT_TERMS = ("linear", "attention", "lm_head", "communication", "step_overhead_s", "per_seq_overhead_s",
@@ -170,18 +172,21 @@ def check_fit(fit, path: Path, key: str) -> tuple[dict, int, int]:
     return coefs, knots[0], knots[1]
 
 
-def _check_parallel(layout, path: Path) -> tuple[int, int]:
-    """The (tensor, pipeline) parallel sizes a profile was measured through."""
-    keys = ("tensor_parallel_size", "pipeline_parallel_size")
+def _check_parallel(layout, path: Path) -> tuple[tuple[int, int], bool]:
+    """The (tensor, pipeline) parallel sizes a profile was measured through, and whether with expert parallelism."""
+    keys = ("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel")
     if not isinstance(layout, dict) or set(layout) - set(keys):
-        raise _bad(path, "parallel", f"a mapping of {' and '.join(keys)}")
+        raise _bad(path, "parallel", f"a mapping of {', '.join(keys)}")
     sizes = []
-    for k in keys:
+    for k in keys[:2]:
         v = layout.get(k, 1)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
             raise _bad(path, f"parallel.{k}", f"{str(v)[:40]!r}: a whole number in 1..64")
         sizes.append(v)
-    return sizes[0], sizes[1]
+    ep = layout.get("enable_expert_parallel", False)
+    if not isinstance(ep, bool):
+        raise _bad(path, "parallel.enable_expert_parallel", f"{str(ep)[:40]!r}: true or false")
+    return (sizes[0], sizes[1]), ep
 
 
 def _check_comm(comm, path: Path) -> dict:

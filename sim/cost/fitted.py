@@ -5,6 +5,7 @@ time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·
        + c_has_verify·[some decode row carries drafts]
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
        + c_prefill_kv·the prompt chunks' context + c_few·max(0, knot − new tokens) + c_ramp·min(new tokens, ramp_knot)
+       + c_experts·MoE layers × the experts the step's tokens touch (a mixture of experts only)
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
@@ -24,6 +25,11 @@ batched-prefill term is what a step mixing prompt chunks with decode rows costs 
 prompts alone replay CUDA graphs and such a step runs eagerly (the H200 profile of 2026-11-30 fitted again with
 it: held-out MAPE 12.4% -> 8.8%, R² 0.90 -> 0.96; counting every multi-sequence prompt step instead: 10.6%); on
 the CPU profile 0.3 ms, held-out MAPE unchanged (2.64 -> 2.66%).
+A mixture of experts' routed experts cost per token (the per-token term takes them: every token runs k of them) and
+per expert a step touches: its weights are read once and its grouped matmul launched, whichever of its tokens it
+serves. The touched experts are the expectation under uniform routing (sim.config.moe.distinct_experts), in the fit
+as in the simulator, which knows no routing; through expert parallelism the fit prices the layout it measured (each
+rank's share of the experts, the all-to-alls: per token and per step).
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
 prefills.
 """
@@ -35,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.config.models import ModelSpec
+from sim.config.moe import distinct_experts, is_sparse, moe_layers
 from sim.config.profile import FEATURES, ProfileFile, read_profile
 from sim.cost.step import StepCost, decode_run
 from sim.policy.batch import BatchShape
@@ -51,14 +59,42 @@ RAMP_KNOTS = (0, 64, 128, 256, 512)
 PART_OF = {"step": "overhead_s", "new_tokens": "linear_s", "decode_seqs": "overhead_s", "prefill_seqs": "attention_s",
            "has_prefill": "overhead_s", "batched_prefill": "overhead_s", "has_verify": "overhead_s",
            "sampled": "lm_head_s", "attn_pairs": "attention_s", "kv_tokens": "attention_s",
-           "prefill_kv": "attention_s", "few_tokens": "linear_s", "ramp_tokens": "linear_s"}
+           "prefill_kv": "attention_s", "few_tokens": "linear_s", "ramp_tokens": "linear_s",
+           "experts_touched": "experts_s"}
+FEW, RAMP = FEATURES.index("few_tokens"), FEATURES.index("ramp_tokens")
 
 
-def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture of experts' routing as the fit prices it: each of `moe_layers` layers sends every token to `top_k`
+    of `num_experts` experts."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: int
+
+    def touched(self, tokens: int) -> float:
+        """Experts a step of `tokens` tokens touches, over all MoE layers (expected, uniform routing)."""
+        return self.moe_layers * distinct_experts(self.num_experts, self.top_k, tokens)
+
+
+def routed_experts(model: ModelSpec | dict | None) -> RoutedExperts | None:
+    """The routing of a model (its spec, or a profile's record of it); None for a dense model."""
+    if isinstance(model, dict):
+        model = ModelSpec.model_validate(model) if model.get("num_experts") else None
+    if model is None or not is_sparse(model) or not model.num_experts:
+        return None
+    return RoutedExperts(model.num_experts, model.num_experts_per_tok, moe_layers(model))
+
+
+def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0, experts: RoutedExperts | None = None
+             ) -> tuple[float, ...]:
+    """The fit's feature vector of a step (FEATURES order)."""
     p = shape.num_prefill
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
             1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context, shape.prefill_context,
-            max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot))
+            max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot),
+            experts.touched(shape.num_new_tokens) if experts is not None else 0)
 
 
 def parts_of(terms: dict[str, float]) -> dict[str, float]:
@@ -108,6 +144,7 @@ class FittedCostModel:
     meta: dict = field(default_factory=dict)
     knot: int = 0  # tokens below which a step costs c_few more per missing token (see the module docstring)
     ramp_knot: int = 0  # tokens up to which each costs c_ramp more
+    experts: RoutedExperts | None = None  # a mixture of experts' routing (the experts_touched term)
 
     def __post_init__(self):
         coefs = _upgrade(self.coefs)
@@ -115,12 +152,13 @@ class FittedCostModel:
 
     def step_time(self, shape: BatchShape) -> float:
         # the fit's own feature vector, so the priced form cannot drift from the fitted one
-        return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot)))
+        return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot, self.experts)))
 
     def terms(self, shape: BatchShape) -> dict[str, float]:
         """Each term's seconds in this step (coefficient × feature), by name in FEATURES order: their sum in that
         order is step_time."""
-        return dict(zip(FEATURES, [c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot))]))
+        x = features(shape, self.knot, self.ramp_knot, self.experts)
+        return dict(zip(FEATURES, [c * v for c, v in zip(self._c, x)]))
 
     def step_cost(self, shape: BatchShape) -> StepCost:
         """step_time's terms by the part of a step each prices (PART_OF)."""
@@ -129,10 +167,11 @@ class FittedCostModel:
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         # no prefill or verify terms: adding 0.0 is exact
-        c0, ct, cd, _, _, _, _, csa, cpair, ckv, _, cfew, cramp = self._c
-        return (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
-                + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
-                + cramp * min(num_seqs, self.ramp_knot))
+        c0, ct, cd, _, _, _, _, csa, cpair, ckv, _, cfew, cramp, ctouched = self._c
+        t = (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
+             + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
+             + cramp * min(num_seqs, self.ramp_knot))
+        return t + ctouched * self.experts.touched(num_seqs) if self.experts is not None else t
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
@@ -142,11 +181,12 @@ class FittedCostModel:
         if factor == 1.0:
             return self
         return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor},
-                               self.knot, self.ramp_knot)
+                               self.knot, self.ramp_knot, self.experts)
 
     @classmethod
     def from_profile(cls, prof: ProfileFile) -> "FittedCostModel":
-        return cls(dict(prof.coefs), prof.data, prof.knot, prof.ramp_knot)
+        """The profile's fit, with the routing of the model it measured."""
+        return cls(dict(prof.coefs), prof.data, prof.knot, prof.ramp_knot, routed_experts(prof.data.get("model")))
 
     @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
@@ -158,23 +198,25 @@ def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> Fit
     return FittedCostModel.from_profile(read_profile(path, model, key_path))
 
 
-def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5) -> dict:
+def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5,
+        experts: RoutedExperts | None = None) -> dict:
     """Fit the coefficients (non-negative, relative-error least squares) on all but every
     `holdout_every`-th sample, for each pair of candidate knots (few_tokens, ramp_tokens), keeping the pair with
-    the least training error; report MAPE and R² on the held-out samples and on everything."""
+    the least training error; report MAPE and R² on the held-out samples and on everything. `experts`: the
+    routing of the mixture of experts measured (its experts_touched term)."""
     from scipy.optimize import nnls
 
     y = np.asarray(times, float)
     held = np.zeros(len(y), bool)
     held[::holdout_every] = True
     train = ~held if held.sum() < len(y) else held
-    x = np.array([features(s) for s in shapes], float)
+    x = np.array([features(s, experts=experts) for s in shapes], float)
     tokens = x[:, FEATURES.index("new_tokens")]
     best = None
     for knot, ramp_knot in itertools.product(KNOTS, RAMP_KNOTS):
         x = x.copy()
-        x[:, -2] = np.maximum(0, knot - tokens)  # features(shape, knot, ramp_knot)'s last two columns
-        x[:, -1] = np.minimum(tokens, ramp_knot)
+        x[:, FEW] = np.maximum(0, knot - tokens)  # features(shape, knot, ramp_knot)'s columns
+        x[:, RAMP] = np.minimum(tokens, ramp_knot)
         scale = x[train].max(axis=0)
         scale[scale == 0] = 1.0
         a = x[train] / scale / y[train, None]  # rows divided by y: minimise relative error
