@@ -59,3 +59,15 @@ def test_a_one_device_profile_does_not_price_a_parallel_mixture_of_experts(measu
     with pytest.raises(ConfigError) as e:
         load_scenario(priced(tmp_path, path))
     assert e.value.key_path == "parallel.tensor_parallel_size" and "through their layout" in e.value.message
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_profile_s_expert_parallel_flag_is_true_or_false(measured, tmp_path, value):
+    bad = json.loads(measured.read_text())
+    bad["parallel"]["enable_expert_parallel"] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError) as e:
+        load_scenario(priced(tmp_path, path))
+    assert e.value.key_path == "parallel.enable_expert_parallel" and "true or false" in e.value.message
+    assert e.value.file == str(path)
