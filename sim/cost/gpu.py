@@ -83,6 +83,8 @@ class KernelCostModel(PricesStages):
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
         self._decode_base: dict[int, float] = {}
+        self._fixed_parts: dict[tuple[int, ...], tuple] = {}
+        self._send: dict[tuple[int, int], tuple[float, float]] = {}
         self._staged_shape: BatchShape | None = None  # the last pipelined shape priced, and its stages
         self._staged: tuple | None = None
 
@@ -156,35 +158,40 @@ class KernelCostModel(PricesStages):
         if self.pp == 1:
             return self.step_cost_one_device(shape)
         c = self.step_cost_one_device(shape)
-        stages, send, back = self.pipeline_stages(shape)
+        stages, send, back, total = self._staged_parts(shape)
         c.communication_s += (self.pp - 1) * send + back
-        c.total_s = sum(stages) + (self.pp - 1) * send + back
+        c.total_s = total
         return c
 
     def step_cost_one_device(self, shape: BatchShape) -> StepCost:
         """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
-        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
-        return StepCost(self._sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv), linear,
-                        attention_fixed + decode_ctx * per_kv, comm, head, overhead, 0.0, swap)
-
-    def _terms(self, shape: BatchShape) -> tuple:
-        """(linear, LM head, communication, overhead, swap, attention but the decode rows' KV reads, decode rows'
-        context, seconds per KV token they read) of the step on one device of the TP group."""
-        tokens, sampled, seqs, prefill = shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill
+        base, floor, per_kv, linear, head, comm, overhead, swap = self._fixed(shape)
         decode_ctx = shape.sum_context - shape.prefill_context
-        # prompt chunks (and verify rows' extra queries) at their FLOPs; chunks also a floor each and a cost per key
-        attention_fixed = (self.s_decode_floor if seqs > prefill else 0.0) + \
-            (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
-             + (prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key))
-        per_kv = self.s_per_kv_token_one_wave if seqs - prefill <= self.one_wave_rows else self.s_per_kv_token
-        return (self.linear_s(tokens), self.lm_head_s(tokens, sampled), self.communication_s(tokens, sampled),
-                self.overhead_s(seqs, prefill > 0), shape.swap_blocks * self.s_per_swap_block, attention_fixed,
-                decode_ctx, per_kv)
+        attention_fixed = self._attention_fixed(shape, floor, decode_ctx)
+        return StepCost((base + attention_fixed) + decode_ctx * per_kv, linear, attention_fixed + decode_ctx * per_kv,
+                        comm, head, overhead, 0.0, swap)
 
-    @staticmethod
-    def _sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv) -> float:
-        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        return ((((linear + head) + comm) + overhead) + swap) + attention_fixed + decode_ctx * per_kv
+    def _fixed(self, shape: BatchShape) -> tuple:
+        """(linear + LM head + communication + overhead + swap, in that order of sums; the decode attention's floor,
+        seconds per KV token the decode rows read; linear, LM head, communication, overhead, swap) of the step on one
+        device of the TP group: what its few integers but the contexts decide, cached by them."""
+        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
+        f = self._fixed_parts.get(key)
+        if f is None:
+            tokens, sampled, seqs, prefill, swap_blocks = key
+            linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
+                self.communication_s(tokens, sampled)
+            overhead, swap = self.overhead_s(seqs, prefill > 0), swap_blocks * self.s_per_swap_block
+            floor = self.s_decode_floor if seqs > prefill else 0.0
+            f = self._fixed_parts[key] = ((((linear + head) + comm) + overhead) + swap, floor,
+                                          self.per_kv_token_s(seqs - prefill), linear, head, comm, overhead, swap)
+        return f
+
+    def _attention_fixed(self, shape: BatchShape, floor: float, decode_ctx: int) -> float:
+        """Attention but the decode rows' KV reads: the decode floor; prompt chunks (and verify rows' extra queries)
+        at their FLOPs, chunks also a floor each and a cost per key."""
+        return floor + (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
+                        + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key))
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
@@ -192,29 +199,59 @@ class KernelCostModel(PricesStages):
 
     def step_time(self, shape: BatchShape) -> float:
         if self.pp > 1:
-            stages, send, back = self.pipeline_stages(shape)
-            return sum(stages) + (self.pp - 1) * send + back
-        return self._sum(*self._terms(shape))  # step_cost's total without building it: the simulator's hot path
+            return self._staged_parts(shape)[3]
+        # step_cost's total without building it: the simulator's hot path
+        base, floor, per_kv = self._fixed(shape)[:3]
+        decode_ctx = shape.sum_context - shape.prefill_context
+        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
+        return (base + self._attention_fixed(shape, floor, decode_ctx)) + decode_ctx * per_kv
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
-        # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
-        if shape is not self._staged_shape:
-            self._staged_shape, self._staged = shape, self._stage_parts(shape)
-        stages, send, back = self._staged
+        stages, send, back, total = self._staged_parts(shape)
         stages = list(stages)
         if step_s is not None:
-            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
+            stages[0] += max(0.0, step_s - total)
         return stages, send, back
 
-    def _stage_parts(self, shape: BatchShape) -> tuple[tuple[float, ...], float, float]:
-        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
+    def _staged_parts(self, shape: BatchShape) -> tuple[tuple[float, ...], float, float, float]:
+        """(the stages' times, the send between stages, the return to stage 0, the step's time)."""
+        # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
+        if shape is not self._staged_shape:
+            f = self._fixed(shape)
+            decode_ctx = shape.sum_context - shape.prefill_context
+            self._staged_shape = shape
+            self._staged = self._stages_of(f, self._attention_fixed(shape, f[1], decode_ctx), decode_ctx,
+                                           shape.num_new_tokens, shape.num_sampled)
+        return self._staged
+
+    def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int, tokens: int, sampled: int) -> tuple:
+        """_staged_parts of a step from its _fixed parts, its attention but the decode rows' KV reads and their
+        context."""
+        per_kv, linear, head, comm, overhead, swap = fixed[2:]
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
         stages = [share * layered for share in self.layer_share]
         stages[0] += overhead + swap
         stages[-1] += head
-        send = self.collectives.send_s(shape.num_new_tokens * self.model.hidden_size * self.act_bytes)
-        back = self.collectives.send_s(shape.num_sampled * 8) if shape.num_sampled else 0.0
-        return tuple(stages), send, back
+        send, back = self._sends(tokens, sampled)
+        return stages, send, back, sum(stages) + (self.pp - 1) * send + back
+
+    def _sends(self, tokens: int, sampled: int) -> tuple[float, float]:
+        """The step's hidden states between stages and its sampled tokens back to stage 0, cached by the counts."""
+        key = (tokens, sampled)
+        got = self._send.get(key)
+        if got is None:
+            send = self.collectives.send_s(tokens * self.model.hidden_size * self.act_bytes)
+            got = self._send[key] = (send, self.collectives.send_s(sampled * 8) if sampled else 0.0)
+        return got
+
+    def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
+        """pipeline_stages of a step of decodes alone, without building its shape."""
+        f = self._fixed_parts.get((num_seqs, num_seqs, num_seqs, 0, 0))
+        if f is None:
+            f = self._fixed(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+        # _attention_fixed of such a step is its floor: the prompt chunks' terms add 0.0
+        stages, send, back, _ = self._stages_of(f, f[1], sum_context, num_seqs, num_seqs)
+        return stages, send, back
 
     def _base(self, num_seqs: int) -> float:
         """A decode step of `num_seqs` rows without its context term."""

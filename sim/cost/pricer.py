@@ -67,7 +67,7 @@ class StepPricer:
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """The stages of a step of decodes alone (decode_time's)."""
         if self._staged is not None:
-            return self._staged.pipeline_stages(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+            return self._staged.decode_stages(num_seqs, sum_context)
         return equal_stages(self.cost.decode_time(num_seqs, sum_context), num_seqs, self.num_stages,
                             self.send_s_per_token, self.send_latency_s)
 
