@@ -84,7 +84,6 @@ class KernelCostModel(PricesStages):
         self._comm: dict[tuple[int, int], float] = {}
         self._decode_base: dict[int, float] = {}
         self._fixed_parts: dict[tuple[int, ...], tuple] = {}
-        self._send: dict[tuple[int, int], tuple[float, float]] = {}
         self._staged_shape: BatchShape | None = None  # the last pipelined shape priced, and its stages
         self._staged: tuple | None = None
 
@@ -165,33 +164,41 @@ class KernelCostModel(PricesStages):
 
     def step_cost_one_device(self, shape: BatchShape) -> StepCost:
         """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
-        base, floor, per_kv, linear, head, comm, overhead, swap = self._fixed(shape)
-        decode_ctx = shape.sum_context - shape.prefill_context
-        attention_fixed = self._attention_fixed(shape, floor, decode_ctx)
+        f, attention_fixed, decode_ctx = self._parts(shape)
+        base, _, per_kv, linear, head, comm, overhead, swap = f[:8]
         return StepCost((base + attention_fixed) + decode_ctx * per_kv, linear, attention_fixed + decode_ctx * per_kv,
                         comm, head, overhead, 0.0, swap)
 
-    def _fixed(self, shape: BatchShape) -> tuple:
-        """(linear + LM head + communication + overhead + swap, in that order of sums; the decode attention's floor,
-        seconds per KV token the decode rows read; linear, LM head, communication, overhead, swap) of the step on one
-        device of the TP group: what its few integers but the contexts decide, cached by them."""
-        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
-        f = self._fixed_parts.get(key)
-        if f is None:
-            tokens, sampled, seqs, prefill, swap_blocks = key
-            linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
-                self.communication_s(tokens, sampled)
-            overhead, swap = self.overhead_s(seqs, prefill > 0), swap_blocks * self.s_per_swap_block
-            floor = self.s_decode_floor if seqs > prefill else 0.0
-            f = self._fixed_parts[key] = ((((linear + head) + comm) + overhead) + swap, floor,
-                                          self.per_kv_token_s(seqs - prefill), linear, head, comm, overhead, swap)
-        return f
+    def _parts(self, shape: BatchShape) -> tuple[tuple, float, int]:
+        """(_fixed's parts, attention but the decode rows' KV reads, the decode rows' context) of the step on one
+        device of the TP group. Attention but the KV reads: the decode floor; prompt chunks (and verify rows' extra
+        queries) at their FLOPs, chunks also a floor each and a cost per key."""
+        f = self._fixed_parts.get((shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill,
+                                   shape.swap_blocks)) or self._fixed(shape)
+        decode_ctx = shape.sum_context - shape.prefill_context
+        return f, f[1] + (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
+                          + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key)
+                          ), decode_ctx
 
-    def _attention_fixed(self, shape: BatchShape, floor: float, decode_ctx: int) -> float:
-        """Attention but the decode rows' KV reads: the decode floor; prompt chunks (and verify rows' extra queries)
-        at their FLOPs, chunks also a floor each and a cost per key."""
-        return floor + (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
-                        + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key))
+    def _fixed(self, shape: BatchShape) -> tuple:
+        """What the step's few integers but its contexts decide, cached by them: (linear + LM head + communication +
+        overhead + swap, in that order of sums; the decode attention's floor, seconds per KV token the decode rows
+        read; linear, LM head, communication, overhead, swap; on a pipeline overhead + swap, the send between stages,
+        the return to stage 0 and the sends' total, (stages − 1) x send)."""
+        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
+        tokens, sampled, seqs, prefill, swap_blocks = key
+        linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
+            self.communication_s(tokens, sampled)
+        overhead, swap = self.overhead_s(seqs, prefill > 0), swap_blocks * self.s_per_swap_block
+        floor = self.s_decode_floor if seqs > prefill else 0.0
+        send = back = 0.0
+        if self.pp > 1:
+            send = self.collectives.send_s(tokens * self.model.hidden_size * self.act_bytes)
+            back = self.collectives.send_s(sampled * 8) if sampled else 0.0
+        f = self._fixed_parts[key] = ((((linear + head) + comm) + overhead) + swap, floor,
+                                      self.per_kv_token_s(seqs - prefill), linear, head, comm, overhead, swap,
+                                      overhead + swap, send, back, (self.pp - 1) * send)
+        return f
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
@@ -201,10 +208,9 @@ class KernelCostModel(PricesStages):
         if self.pp > 1:
             return self._staged_parts(shape)[3]
         # step_cost's total without building it: the simulator's hot path
-        base, floor, per_kv = self._fixed(shape)[:3]
-        decode_ctx = shape.sum_context - shape.prefill_context
+        f, attention_fixed, decode_ctx = self._parts(shape)
         # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        return (base + self._attention_fixed(shape, floor, decode_ctx)) + decode_ctx * per_kv
+        return (f[0] + attention_fixed) + decode_ctx * f[2]
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
         stages, send, back, total = self._staged_parts(shape)
@@ -213,44 +219,30 @@ class KernelCostModel(PricesStages):
             stages[0] += max(0.0, step_s - total)
         return stages, send, back
 
-    def _staged_parts(self, shape: BatchShape) -> tuple[tuple[float, ...], float, float, float]:
+    def _staged_parts(self, shape: BatchShape) -> tuple[list[float], float, float, float]:
         """(the stages' times, the send between stages, the return to stage 0, the step's time)."""
         # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
         if shape is not self._staged_shape:
-            f = self._fixed(shape)
-            decode_ctx = shape.sum_context - shape.prefill_context
             self._staged_shape = shape
-            self._staged = self._stages_of(f, self._attention_fixed(shape, f[1], decode_ctx), decode_ctx,
-                                           shape.num_new_tokens, shape.num_sampled)
+            self._staged = self._stages_of(*self._parts(shape))
         return self._staged
 
-    def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int, tokens: int, sampled: int) -> tuple:
-        """_staged_parts of a step from its _fixed parts, its attention but the decode rows' KV reads and their
-        context."""
-        per_kv, linear, head, comm, overhead, swap = fixed[2:]
+    def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int) -> tuple:
+        """_staged_parts of a step from its _parts."""
+        per_kv, linear, head, comm = fixed[2:6]
+        overhead_swap, send, back, hops = fixed[8:]
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
-        stages = [share * layered for share in self.layer_share]
-        stages[0] += overhead + swap
+        stages = list(map(layered.__mul__, self.layer_share))  # share x layered: the same product
+        stages[0] += overhead_swap
         stages[-1] += head
-        send, back = self._sends(tokens, sampled)
-        return stages, send, back, sum(stages) + (self.pp - 1) * send + back
-
-    def _sends(self, tokens: int, sampled: int) -> tuple[float, float]:
-        """The step's hidden states between stages and its sampled tokens back to stage 0, cached by the counts."""
-        key = (tokens, sampled)
-        got = self._send.get(key)
-        if got is None:
-            send = self.collectives.send_s(tokens * self.model.hidden_size * self.act_bytes)
-            got = self._send[key] = (send, self.collectives.send_s(sampled * 8) if sampled else 0.0)
-        return got
+        return stages, send, back, sum(stages) + hops + back
 
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """pipeline_stages of a step of decodes alone, without building its shape."""
-        f = self._fixed_parts.get((num_seqs, num_seqs, num_seqs, 0, 0))
-        if f is None:
-            f = self._fixed(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
-        # _attention_fixed of such a step is its floor: the prompt chunks' terms add 0.0
-        stages, send, back, _ = self._stages_of(f, f[1], sum_context, num_seqs, num_seqs)
+        f = self._fixed_parts.get((num_seqs, num_seqs, num_seqs, 0, 0)) or \
+            self._fixed(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+        # the attention of such a step but its KV reads is the floor: the prompt chunks' terms add 0.0
+        stages, send, back, _ = self._stages_of(f, f[1], sum_context)
         return stages, send, back
 
     def _base(self, num_seqs: int) -> float:

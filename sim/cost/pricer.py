@@ -42,12 +42,20 @@ class StepPricer:
 
     def step_s(self, shape: BatchShape, draft_s: float = 0.0) -> float:
         """Seconds of one step over this batch shape, the drafter's `draft_s` before it."""
-        return draft_s + self._forward(shape, self.cost.step_time(shape))
+        t = self.cost.step_time(shape)
+        return draft_s + (t * self.verify_cost_ratio if shape.num_verify else t)  # _forward, inline: the hot path
 
     def step_cost(self, shape: BatchShape, draft_s: float = 0.0) -> StepCost:
         """The same step by part; its total_s equals step_s(shape, draft_s) exactly."""
         c = self.cost.step_cost(shape)
         return (c.scaled(self.verify_cost_ratio) if shape.num_verify else c).with_draft(draft_s)
+
+    def step_stages(self, shape: BatchShape, draft_s: float = 0.0) -> Stages:
+        """stages(shape, step_s(shape, draft_s)): a pipelined step's stages, drafting and a verify step's extra
+        forward time on stage 0."""
+        if self._staged is not None and not draft_s and not shape.num_verify:
+            return self._staged.pipeline_stages(shape)  # the step's time is its stages' own: nothing to add
+        return self.stages(shape, self.step_s(shape, draft_s))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         """StepCostModel.decode_time: a step of decodes alone (no drafts, nothing verified)."""

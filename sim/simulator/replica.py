@@ -192,11 +192,10 @@ class Replica:
     def _step_end(self, batch, draft_s: float) -> float:
         """When one step from the engine's clock ends: after its price, or on a pipelined replica when it leaves the
         last stage (the stages may be busy with other engines' steps)."""
-        step_s = self.pricer.step_s(batch.shape, draft_s)
         if self.pipeline is None:
-            return self.clock + step_s
+            return self.clock + self.pricer.step_s(batch.shape, draft_s)
         # from the engine's clock, as a bulk run's steps are: env.now may differ from it in the last bit
-        return self.pipeline.passage(self.pricer.stages(batch.shape, step_s), self.clock)
+        return self.pipeline.passage(self.pricer.step_stages(batch.shape, draft_s), self.clock)
 
     def _complete(self, batch, step: int, clock: float) -> list[Request]:
         """The scheduler's side of a step that ended at `clock`: drafts accepted, first tokens, hand-offs. Returns
