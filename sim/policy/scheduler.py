@@ -77,8 +77,8 @@ class Scheduler(BaseScheduler):
         that preempted)."""
         if preempted:
             return [], []
-        swapped_in = self._swap_in(budget)
-        return swapped_in, self._join_received(budget - len(swapped_in))
+        swapped_in = self._swap_in(budget) if self.swapped else []
+        return swapped_in, self._join_received(budget - len(swapped_in)) if self.handoff.ready else []
 
     @property
     def drafting(self) -> bool:
@@ -203,6 +203,8 @@ class Scheduler(BaseScheduler):
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
+        if not self.waiting:
+            return []
         picks = self._admissible(budget, chunked)
         if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
             for r, _ in picks:
@@ -254,7 +256,7 @@ class Scheduler(BaseScheduler):
         return num_admissible >= int(len(self.running) * ratio)
 
     def _batch(self, prefill, decodes, preempted, swapped_in, received=()) -> ScheduledBatch:
-        tokens, ctx, pairs, sampled = prefill_shape(prefill)
+        tokens, ctx, pairs, sampled = prefill_shape(prefill) if prefill else (0, 0, 0, 0)
         b = len(self.decoding) if decodes else 0
         verify = 0
         if decodes and self.speculative:
@@ -262,8 +264,8 @@ class Scheduler(BaseScheduler):
         else:  # one token each, attending to its whole context
             d_tokens = d_sampled = b
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
-        swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
-        swap_in = [p for r in swapped_in for p in r.swap_pairs]
+        swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs] if preempted else []
+        swap_in = [p for r in swapped_in for p in r.swap_pairs] if swapped_in else []
         if received:
             swapped_in = swapped_in + received
         shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
