@@ -79,6 +79,12 @@ class KernelCostModel(PricesStages):
         self.one_wave_rows = att["sms"] // self.sharding.kv_heads
         self.collectives = collectives
         self.layer_share = [n / self.layers for n in stage_layers(self.layers, self.pp)]
+        # one decoder layer's GEMMs (N, K) and elementwise passes (fit, bytes a token): the same for every step
+        shape = (model.hidden_size, model.num_heads, model.num_kv_heads, model.head_size, model.intermediate_size,
+                 tensor_parallel_size, 1)
+        self._layer_gemms = [(n, k) for _, _, n, k in layer_gemms(*shape)]
+        self._layer_passes = [(kernels.passes[op], b)
+                              for op, b in layer_passes(*shape, act_bytes=self.act_bytes).items()]
         self._linear: dict[int, float] = {}
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
@@ -109,12 +115,10 @@ class KernelCostModel(PricesStages):
         """The decoder layers' GEMMs and elementwise passes over `tokens` new tokens."""
         t = self._linear.get(tokens)
         if t is None:
-            m = self.model
-            args = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size, m.intermediate_size, self.tp, tokens)
-            per_layer = sum(self.gemm.time(mm, n, k, self.weight_bytes, self.act_bytes, self.compute_scale)
-                            for _, mm, n, k in layer_gemms(*args))
-            per_layer += sum(pass_time(self.kernels.passes[op], b)
-                             for op, b in layer_passes(*args, act_bytes=self.act_bytes).items())
+            gemm, wb, ab, scale = self.gemm, self.weight_bytes, self.act_bytes, self.compute_scale
+            per_layer = sum(gemm.time(tokens, n, k, wb, ab, scale) for n, k in self._layer_gemms)
+            # integer bytes: per token x tokens is the same count the layer's passes move
+            per_layer += sum(pass_time(fit, per_token * tokens) for fit, per_token in self._layer_passes)
             t = self._linear[tokens] = self.refinement.linear * self.layers * per_layer if tokens else 0.0
         return t
 
