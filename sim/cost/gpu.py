@@ -90,8 +90,6 @@ class KernelCostModel(PricesStages):
         self._comm: dict[tuple[int, int], float] = {}
         self._decode_base: dict[int, float] = {}
         self._fixed_parts: dict[tuple[int, ...], tuple] = {}
-        self._staged_shape: BatchShape | None = None  # the last pipelined shape priced, and its stages
-        self._staged: tuple | None = None
 
     @staticmethod
     def _linear_kernel(model: ModelSpec, kernels: DeviceKernels, hw) -> tuple[GemmFit, float, float]:
@@ -161,7 +159,7 @@ class KernelCostModel(PricesStages):
         if self.pp == 1:
             return self.step_cost_one_device(shape)
         c = self.step_cost_one_device(shape)
-        stages, send, back, total = self._staged_parts(shape)
+        stages, send, back, total = self._stages_of(*self._parts(shape))
         c.communication_s += (self.pp - 1) * send + back
         c.total_s = total
         return c
@@ -210,29 +208,21 @@ class KernelCostModel(PricesStages):
 
     def step_time(self, shape: BatchShape) -> float:
         if self.pp > 1:
-            return self._staged_parts(shape)[3]
+            return self._stages_of(*self._parts(shape))[3]
         # step_cost's total without building it: the simulator's hot path
         f, attention_fixed, decode_ctx = self._parts(shape)
         # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
         return (f[0] + attention_fixed) + decode_ctx * f[2]
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
-        stages, send, back, total = self._staged_parts(shape)
-        stages = list(stages)
+        stages, send, back, total = self._stages_of(*self._parts(shape))
         if step_s is not None:
             stages[0] += max(0.0, step_s - total)
         return stages, send, back
 
-    def _staged_parts(self, shape: BatchShape) -> tuple[list[float], float, float, float]:
-        """(the stages' times, the send between stages, the return to stage 0, the step's time)."""
-        # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
-        if shape is not self._staged_shape:
-            self._staged_shape = shape
-            self._staged = self._stages_of(*self._parts(shape))
-        return self._staged
-
     def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int) -> tuple:
-        """_staged_parts of a step from its _parts."""
+        """(the stages' times, the send between stages, the return to stage 0, the step's time) of a step from its
+        _parts."""
         per_kv, linear, head, comm = fixed[2:6]
         overhead_swap, send, back, hops = fixed[8:]
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm

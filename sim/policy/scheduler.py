@@ -99,7 +99,7 @@ class Scheduler(BaseScheduler):
     def _decode_tokens(self) -> int:
         """Tokens the decode rows compute this step."""
         if not self.speculative:
-            return len(self.decoding)
+            return len(self.decoding.members)
         return self.spec.decode_tokens(self.decoding.members)
 
     def _grow_decodes(self, budget: int) -> list[Request]:
@@ -257,7 +257,7 @@ class Scheduler(BaseScheduler):
 
     def _batch(self, prefill, decodes, preempted, swapped_in, received=()) -> ScheduledBatch:
         tokens, ctx, pairs, sampled = prefill_shape(prefill) if prefill else (0, 0, 0, 0)
-        b = len(self.decoding) if decodes else 0
+        b = len(self.decoding.members) if decodes else 0
         verify = 0
         if decodes and self.speculative:
             d_tokens, d_ctx, d_pairs, d_sampled, verify = verify_shape(self.decoding.members)

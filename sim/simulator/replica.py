@@ -150,7 +150,8 @@ class Replica:
                 self.step_end.append(clock)
                 self.step_decodes_all.append(batch.decodes)
                 self.busy_s += clock - self.clock
-                self._end_runs(batch.preempted, step - 1)
+                if batch.preempted:
+                    self._end_runs(batch.preempted, step - 1)
                 yield env.timeout(max(0.0, clock - env.now))
                 finished = self._complete(batch, step, clock)
             self.clock = clock
