@@ -223,10 +223,9 @@ class KernelCostModel(PricesStages):
     def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int) -> tuple:
         """(the stages' times, the send between stages, the return to stage 0, the step's time) of a step from its
         _parts."""
-        per_kv, linear, head, comm = fixed[2:6]
-        overhead_swap, send, back, hops = fixed[8:]
+        _, _, per_kv, linear, head, comm, _, _, overhead_swap, send, back, hops = fixed
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
-        stages = list(map(layered.__mul__, self.layer_share))  # share x layered: the same product
+        stages = [layered * share for share in self.layer_share]  # share x layered: the same product
         stages[0] += overhead_swap
         stages[-1] += head
         return stages, send, back, sum(stages) + hops + back

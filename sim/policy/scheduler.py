@@ -275,7 +275,7 @@ class Scheduler(BaseScheduler):
         # the simulator never reads plain decode rows: skip the O(batch) copy there
         rows = list(self.decoding.members) if decodes and (self.eager or self.speculative) else []
         return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, list(received),
-                              swap_out=swap_out, swap_in=swap_in)
+                              swap_out, swap_in)
 
     # -- after the step -------------------------------------------------------------------------
     def _advance_verified(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,

@@ -60,7 +60,8 @@ class Pipeline:
         t = self.env.now if start is None else start
         free_at, busy_s, last = self.free_at, self.busy_s, self.num_stages - 1
         for i, stage_s in enumerate(stage_times):
-            t = max(t, free_at[i]) + stage_s
+            free = free_at[i]
+            t = (free if free > t else t) + stage_s  # max(t, free), without the call
             free_at[i] = t
             busy_s[i] += stage_s
             if i < last:

@@ -163,7 +163,8 @@ class Replica:
                 if self.on_finish:
                     self.on_finish(r, clock)
             kv = sched.kv
-            self.samples.extend((clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+            # fromlist: half the time of extend's generic path, once per event
+            self.samples.fromlist([clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)])
 
     def _decode_run(self, batch, step: int, timeouts: bool):
         """SimPy process body: a run of identical decode steps from step `step`, up to the next arrival (or queue
