@@ -55,8 +55,9 @@ class Scheduler(BaseScheduler):
         if self.cfg.enable_chunked_prefill:
             preempted = self._grow_decodes(budget)
             budget -= self._decode_tokens()
-            prefill = self._continue_prefills(budget, preempted)
-            budget -= sum(n for _, n in prefill)
+            prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
+            if prefill:
+                budget -= sum(n for _, n in prefill)
             swapped_in, received = self._resume(budget, preempted)
             budget -= len(swapped_in) + len(received)
             admitted = [] if preempted or self.swapped else self._admit(budget, chunked=True)
