@@ -178,7 +178,8 @@ class KernelCostModel(PricesStages):
         f = self._fixed_parts.get((shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill,
                                    shape.swap_blocks)) or self._fixed(shape)
         decode_ctx = shape.sum_context - shape.prefill_context
-        return f, f[1] + (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
+        extra_pairs = shape.attn_pairs - decode_ctx  # max(0, ...) below, without the call
+        return f, f[1] + ((extra_pairs if extra_pairs > 0 else 0) * self.s_per_prefill_pair
                           + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key)
                           ), decode_ctx
 

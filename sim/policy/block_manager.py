@@ -37,7 +37,9 @@ class BlockAllocator:
         return self.num_blocks - len(self.free_blocks)
 
     def note_peak(self) -> None:
-        self.peak_used = max(self.peak_used, self.num_blocks - len(self.free_blocks))
+        used = self.num_blocks - len(self.free_blocks)
+        if used > self.peak_used:  # max() without the call: asked at every step
+            self.peak_used = used
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

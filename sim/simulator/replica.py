@@ -153,7 +153,8 @@ class Replica:
                 self.busy_s += clock - self.clock
                 if batch.preempted:
                     self._end_runs(batch.preempted, step - 1)
-                yield env.timeout(max(0.0, clock - env.now))
+                wait = clock - env.now
+                yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
                 finished = self._complete(batch, step, clock)
             self.clock = clock
             last = step + k - 1
