@@ -159,7 +159,7 @@ class KernelCostModel(PricesStages):
         if self.pp == 1:
             return self.step_cost_one_device(shape)
         c = self.step_cost_one_device(shape)
-        stages, send, back, total = self._stages_of(*self._parts(shape))
+        _, send, back, total = self._stages_of(*self._parts(shape))
         c.communication_s += (self.pp - 1) * send + back
         c.total_s = total
         return c
