@@ -79,12 +79,17 @@ class KernelCostModel(PricesStages):
         self.one_wave_rows = att["sms"] // self.sharding.kv_heads
         self.collectives = collectives
         self.layer_share = [n / self.layers for n in stage_layers(self.layers, self.pp)]
+        # one decoder layer's GEMMs (N, K) and elementwise passes (fit, bytes a token): the same for every step
+        shape = (model.hidden_size, model.num_heads, model.num_kv_heads, model.head_size, model.intermediate_size,
+                 tensor_parallel_size, 1)
+        self._layer_gemms = [(n, k) for _, _, n, k in layer_gemms(*shape)]
+        self._layer_passes = [(kernels.passes[op], b)
+                              for op, b in layer_passes(*shape, act_bytes=self.act_bytes).items()]
         self._linear: dict[int, float] = {}
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
         self._decode_base: dict[int, float] = {}
-        self._staged_shape: BatchShape | None = None  # the last pipelined shape priced, and its stages
-        self._staged: tuple | None = None
+        self._fixed_parts: dict[tuple[int, ...], tuple] = {}
 
     @staticmethod
     def _linear_kernel(model: ModelSpec, kernels: DeviceKernels, hw) -> tuple[GemmFit, float, float]:
@@ -108,12 +113,10 @@ class KernelCostModel(PricesStages):
         """The decoder layers' GEMMs and elementwise passes over `tokens` new tokens."""
         t = self._linear.get(tokens)
         if t is None:
-            m = self.model
-            args = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size, m.intermediate_size, self.tp, tokens)
-            per_layer = sum(self.gemm.time(mm, n, k, self.weight_bytes, self.act_bytes, self.compute_scale)
-                            for _, mm, n, k in layer_gemms(*args))
-            per_layer += sum(pass_time(self.kernels.passes[op], b)
-                             for op, b in layer_passes(*args, act_bytes=self.act_bytes).items())
+            gemm, wb, ab, scale = self.gemm, self.weight_bytes, self.act_bytes, self.compute_scale
+            per_layer = sum(gemm.time(tokens, n, k, wb, ab, scale) for n, k in self._layer_gemms)
+            # integer bytes: per token x tokens is the same count the layer's passes move
+            per_layer += sum(pass_time(fit, per_token * tokens) for fit, per_token in self._layer_passes)
             t = self._linear[tokens] = self.refinement.linear * self.layers * per_layer if tokens else 0.0
         return t
 
@@ -156,35 +159,49 @@ class KernelCostModel(PricesStages):
         if self.pp == 1:
             return self.step_cost_one_device(shape)
         c = self.step_cost_one_device(shape)
-        stages, send, back = self.pipeline_stages(shape)
+        _, send, back, total = self._stages_of(*self._parts(shape))
         c.communication_s += (self.pp - 1) * send + back
-        c.total_s = sum(stages) + (self.pp - 1) * send + back
+        c.total_s = total
         return c
 
     def step_cost_one_device(self, shape: BatchShape) -> StepCost:
         """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
-        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
-        return StepCost(self._sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv), linear,
-                        attention_fixed + decode_ctx * per_kv, comm, head, overhead, 0.0, swap)
+        f, attention_fixed, decode_ctx = self._parts(shape)
+        base, _, per_kv, linear, head, comm, overhead, swap = f[:8]
+        return StepCost((base + attention_fixed) + decode_ctx * per_kv, linear, attention_fixed + decode_ctx * per_kv,
+                        comm, head, overhead, 0.0, swap)
 
-    def _terms(self, shape: BatchShape) -> tuple:
-        """(linear, LM head, communication, overhead, swap, attention but the decode rows' KV reads, decode rows'
-        context, seconds per KV token they read) of the step on one device of the TP group."""
-        tokens, sampled, seqs, prefill = shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill
+    def _parts(self, shape: BatchShape) -> tuple[tuple, float, int]:
+        """(_fixed's parts, attention but the decode rows' KV reads, the decode rows' context) of the step on one
+        device of the TP group. Attention but the KV reads: the decode floor; prompt chunks (and verify rows' extra
+        queries) at their FLOPs, chunks also a floor each and a cost per key."""
+        f = self._fixed_parts.get((shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill,
+                                   shape.swap_blocks)) or self._fixed(shape)
         decode_ctx = shape.sum_context - shape.prefill_context
-        # prompt chunks (and verify rows' extra queries) at their FLOPs; chunks also a floor each and a cost per key
-        attention_fixed = (self.s_decode_floor if seqs > prefill else 0.0) + \
-            (max(0, shape.attn_pairs - decode_ctx) * self.s_per_prefill_pair
-             + (prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key))
-        per_kv = self.s_per_kv_token_one_wave if seqs - prefill <= self.one_wave_rows else self.s_per_kv_token
-        return (self.linear_s(tokens), self.lm_head_s(tokens, sampled), self.communication_s(tokens, sampled),
-                self.overhead_s(seqs, prefill > 0), shape.swap_blocks * self.s_per_swap_block, attention_fixed,
-                decode_ctx, per_kv)
+        extra_pairs = shape.attn_pairs - decode_ctx  # max(0, ...) below, without the call
+        return f, f[1] + ((extra_pairs if extra_pairs > 0 else 0) * self.s_per_prefill_pair
+                          + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key)
+                          ), decode_ctx
 
-    @staticmethod
-    def _sum(linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv) -> float:
-        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        return ((((linear + head) + comm) + overhead) + swap) + attention_fixed + decode_ctx * per_kv
+    def _fixed(self, shape: BatchShape) -> tuple:
+        """What the step's few integers but its contexts decide, cached by them: (linear + LM head + communication +
+        overhead + swap, in that order of sums; the decode attention's floor, seconds per KV token the decode rows
+        read; linear, LM head, communication, overhead, swap; on a pipeline overhead + swap, the send between stages,
+        the return to stage 0 and the sends' total, (stages − 1) x send)."""
+        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
+        tokens, sampled, seqs, prefill, swap_blocks = key
+        linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
+            self.communication_s(tokens, sampled)
+        overhead, swap = self.overhead_s(seqs, prefill > 0), swap_blocks * self.s_per_swap_block
+        floor = self.s_decode_floor if seqs > prefill else 0.0
+        send = back = 0.0
+        if self.pp > 1:
+            send = self.collectives.send_s(tokens * self.model.hidden_size * self.act_bytes)
+            back = self.collectives.send_s(sampled * 8) if sampled else 0.0
+        f = self._fixed_parts[key] = ((((linear + head) + comm) + overhead) + swap, floor,
+                                      self.per_kv_token_s(seqs - prefill), linear, head, comm, overhead, swap,
+                                      overhead + swap, send, back, (self.pp - 1) * send)
+        return f
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
@@ -192,29 +209,35 @@ class KernelCostModel(PricesStages):
 
     def step_time(self, shape: BatchShape) -> float:
         if self.pp > 1:
-            stages, send, back = self.pipeline_stages(shape)
-            return sum(stages) + (self.pp - 1) * send + back
-        return self._sum(*self._terms(shape))  # step_cost's total without building it: the simulator's hot path
+            return self._stages_of(*self._parts(shape))[3]
+        # step_cost's total without building it: the simulator's hot path
+        f, attention_fixed, decode_ctx = self._parts(shape)
+        # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
+        return (f[0] + attention_fixed) + decode_ctx * f[2]
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
-        # the pricer asks for a step's time, then its stages: the same shape object twice (shapes are never mutated)
-        if shape is not self._staged_shape:
-            self._staged_shape, self._staged = shape, self._stage_parts(shape)
-        stages, send, back = self._staged
-        stages = list(stages)
+        stages, send, back, total = self._stages_of(*self._parts(shape))
         if step_s is not None:
-            stages[0] += max(0.0, step_s - (sum(stages) + (self.pp - 1) * send + back))
+            stages[0] += max(0.0, step_s - total)
         return stages, send, back
 
-    def _stage_parts(self, shape: BatchShape) -> tuple[tuple[float, ...], float, float]:
-        linear, head, comm, overhead, swap, attention_fixed, decode_ctx, per_kv = self._terms(shape)
+    def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int) -> tuple:
+        """(the stages' times, the send between stages, the return to stage 0, the step's time) of a step from its
+        _parts."""
+        _, _, per_kv, linear, head, comm, _, _, overhead_swap, send, back, hops = fixed
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
-        stages = [share * layered for share in self.layer_share]
-        stages[0] += overhead + swap
+        stages = [layered * share for share in self.layer_share]  # share x layered: the same product
+        stages[0] += overhead_swap
         stages[-1] += head
-        send = self.collectives.send_s(shape.num_new_tokens * self.model.hidden_size * self.act_bytes)
-        back = self.collectives.send_s(shape.num_sampled * 8) if shape.num_sampled else 0.0
-        return tuple(stages), send, back
+        return stages, send, back, sum(stages) + hops + back
+
+    def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
+        """pipeline_stages of a step of decodes alone, without building its shape."""
+        f = self._fixed_parts.get((num_seqs, num_seqs, num_seqs, 0, 0)) or \
+            self._fixed(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+        # the attention of such a step but its KV reads is the floor: the prompt chunks' terms add 0.0
+        stages, send, back, _ = self._stages_of(f, f[1], sum_context)
+        return stages, send, back
 
     def _base(self, num_seqs: int) -> float:
         """A decode step of `num_seqs` rows without its context term."""

@@ -42,12 +42,20 @@ class StepPricer:
 
     def step_s(self, shape: BatchShape, draft_s: float = 0.0) -> float:
         """Seconds of one step over this batch shape, the drafter's `draft_s` before it."""
-        return draft_s + self._forward(shape, self.cost.step_time(shape))
+        t = self.cost.step_time(shape)
+        return draft_s + (t * self.verify_cost_ratio if shape.num_verify else t)  # _forward, inline: the hot path
 
     def step_cost(self, shape: BatchShape, draft_s: float = 0.0) -> StepCost:
         """The same step by part; its total_s equals step_s(shape, draft_s) exactly."""
         c = self.cost.step_cost(shape)
         return (c.scaled(self.verify_cost_ratio) if shape.num_verify else c).with_draft(draft_s)
+
+    def step_stages(self, shape: BatchShape, draft_s: float = 0.0) -> Stages:
+        """stages(shape, step_s(shape, draft_s)): a pipelined step's stages, drafting and a verify step's extra
+        forward time on stage 0."""
+        if self._staged is not None and not draft_s and not shape.num_verify:
+            return self._staged.pipeline_stages(shape)  # the step's time is its stages' own: nothing to add
+        return self.stages(shape, self.step_s(shape, draft_s))
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         """StepCostModel.decode_time: a step of decodes alone (no drafts, nothing verified)."""
@@ -67,7 +75,7 @@ class StepPricer:
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """The stages of a step of decodes alone (decode_time's)."""
         if self._staged is not None:
-            return self._staged.pipeline_stages(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+            return self._staged.decode_stages(num_seqs, sum_context)
         return equal_stages(self.cost.decode_time(num_seqs, sum_context), num_seqs, self.num_stages,
                             self.send_s_per_token, self.send_latency_s)
 

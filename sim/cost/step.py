@@ -108,3 +108,7 @@ class PricesStages(ABC):
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
         """The step's stages. `step_s`: the replica's time for the step, if more than step_time (drafting, verify
         cost): the difference goes to stage 0."""
+
+    def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
+        """The stages of a step of decodes alone (decode_time's shape)."""
+        return self.pipeline_stages(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))

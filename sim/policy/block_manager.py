@@ -6,8 +6,16 @@ max_model_len slot at admission, and the reserved-but-unused part is the waste p
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 
 from sim.policy.request import Request
+
+
+@lru_cache(maxsize=2)
+def _descending_ids(num_blocks: int) -> tuple[int, ...]:
+    """Block ids from the last down to 0, shared by the allocators of one size: a capacity search builds allocators
+    of the same size for every probe, and copying the ids takes a tenth of the time of making them."""
+    return tuple(range(num_blocks - 1, -1, -1))
 
 
 class BlockAllocator:
@@ -23,7 +31,7 @@ class BlockAllocator:
         self.block_size = block_size
         self.contiguous = contiguous
         self.watermark_blocks = int(watermark * num_blocks)
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.free_blocks: list[int] = list(_descending_ids(num_blocks))  # pop() hands out block 0 first
         self.num_swap_blocks = num_swap_blocks
         self.free_host_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.peak_used = 0
@@ -37,7 +45,9 @@ class BlockAllocator:
         return self.num_blocks - len(self.free_blocks)
 
     def note_peak(self) -> None:
-        self.peak_used = max(self.peak_used, self.num_blocks - len(self.free_blocks))
+        used = self.num_blocks - len(self.free_blocks)
+        if used > self.peak_used:  # max() without the call: asked at every step
+            self.peak_used = used
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

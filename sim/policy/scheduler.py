@@ -55,8 +55,9 @@ class Scheduler(BaseScheduler):
         if self.cfg.enable_chunked_prefill:
             preempted = self._grow_decodes(budget)
             budget -= self._decode_tokens()
-            prefill = self._continue_prefills(budget, preempted)
-            budget -= sum(n for _, n in prefill)
+            prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
+            if prefill:
+                budget -= sum(n for _, n in prefill)
             swapped_in, received = self._resume(budget, preempted)
             budget -= len(swapped_in) + len(received)
             admitted = [] if preempted or self.swapped else self._admit(budget, chunked=True)
@@ -77,8 +78,8 @@ class Scheduler(BaseScheduler):
         that preempted)."""
         if preempted:
             return [], []
-        swapped_in = self._swap_in(budget)
-        return swapped_in, self._join_received(budget - len(swapped_in))
+        swapped_in = self._swap_in(budget) if self.swapped else []
+        return swapped_in, self._join_received(budget - len(swapped_in)) if self.handoff.ready else []
 
     @property
     def drafting(self) -> bool:
@@ -99,7 +100,7 @@ class Scheduler(BaseScheduler):
     def _decode_tokens(self) -> int:
         """Tokens the decode rows compute this step."""
         if not self.speculative:
-            return len(self.decoding)
+            return len(self.decoding.members)
         return self.spec.decode_tokens(self.decoding.members)
 
     def _grow_decodes(self, budget: int) -> list[Request]:
@@ -203,6 +204,8 @@ class Scheduler(BaseScheduler):
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
+        if not self.waiting:
+            return []
         picks = self._admissible(budget, chunked)
         if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
             for r, _ in picks:
@@ -254,16 +257,16 @@ class Scheduler(BaseScheduler):
         return num_admissible >= int(len(self.running) * ratio)
 
     def _batch(self, prefill, decodes, preempted, swapped_in, received=()) -> ScheduledBatch:
-        tokens, ctx, pairs, sampled = prefill_shape(prefill)
-        b = len(self.decoding) if decodes else 0
+        tokens, ctx, pairs, sampled = prefill_shape(prefill) if prefill else (0, 0, 0, 0)
+        b = len(self.decoding.members) if decodes else 0
         verify = 0
         if decodes and self.speculative:
             d_tokens, d_ctx, d_pairs, d_sampled, verify = verify_shape(self.decoding.members)
         else:  # one token each, attending to its whole context
             d_tokens = d_sampled = b
             d_ctx = d_pairs = self.decoding.sum_computed + b if decodes else 0
-        swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs]
-        swap_in = [p for r in swapped_in for p in r.swap_pairs]
+        swap_out = [p for r in preempted if r.status is Status.SWAPPED for p in r.swap_pairs] if preempted else []
+        swap_in = [p for r in swapped_in for p in r.swap_pairs] if swapped_in else []
         if received:
             swapped_in = swapped_in + received
         shape = BatchShape(b + len(prefill), d_tokens + tokens, d_ctx + ctx, d_pairs + pairs, d_sampled + sampled,
@@ -273,7 +276,7 @@ class Scheduler(BaseScheduler):
         # the simulator never reads plain decode rows: skip the O(batch) copy there
         rows = list(self.decoding.members) if decodes and (self.eager or self.speculative) else []
         return ScheduledBatch(shape, rows, prefill, decodes, decode_only, preempted, swapped_in, list(received),
-                              swap_out=swap_out, swap_in=swap_in)
+                              swap_out, swap_in)
 
     # -- after the step -------------------------------------------------------------------------
     def _advance_verified(self, batch: ScheduledBatch, accepted: dict[Request, int] | None,

@@ -35,8 +35,10 @@ class Pipeline:
 
     def alone(self, engine) -> bool:
         """No step in flight and no other virtual engine with work: `engine`'s steps pass without waiting."""
-        return max(self.free_at) <= self.env.now and \
-            not any(e is not engine and e.scheduler.has_work() for e in self.engines)
+        for e in self.engines:  # another engine with work: the likelier no, asked first
+            if e is not engine and e.scheduler.has_work():
+                return False
+        return max(self.free_at) <= self.env.now
 
     def decode_run(self, pricer: StepPricer, num_seqs: int, sum_context: int, clock: float, k_max: int,
                    until: float, step_end) -> tuple[int, float]:
@@ -56,11 +58,13 @@ class Pipeline:
         0 at `start` (default now): when it leaves the last stage."""
         stage_times, send_s, back_s = stages
         t = self.env.now if start is None else start
+        free_at, busy_s, last = self.free_at, self.busy_s, self.num_stages - 1
         for i, stage_s in enumerate(stage_times):
-            t = max(t, self.free_at[i]) + stage_s
-            self.free_at[i] = t
-            self.busy_s[i] += stage_s
-            if i < self.num_stages - 1:
+            free = free_at[i]
+            t = (free if free > t else t) + stage_s  # max(t, free), without the call
+            free_at[i] = t
+            busy_s[i] += stage_s
+            if i < last:
                 t += send_s
         return t + back_s
 
