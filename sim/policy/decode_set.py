@@ -12,6 +12,8 @@ import heapq
 import itertools
 import math
 
+import numpy as np
+
 from sim.policy.request import Request
 
 
@@ -117,19 +119,14 @@ class DecodeSet:
         bs = self.block_size
         if num_free >= len(self.members) * ((k - 1) // bs + 1):
             return k
-        firsts = []
-        for r in self.members:
-            self.sync(r)
-            firsts.append(len(r.block_table) * bs - r.num_computed)  # steps from now to its next need
-
-        def needed(kk: int) -> int:
-            last = kk - 1
-            return sum((last - f) // bs + 1 for f in firsts if f <= last)
-
+        steps = self.steps
+        # steps from now to each member's next need, its counters read as sync would bring them up to date
+        firsts = np.fromiter((len(r.block_table) * bs - r.num_computed - (steps - r.sync_step) for r in self.members),
+                             np.int64, len(self.members))
         lo, hi = 1, k
-        while lo < hi:
+        while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
             mid = (lo + hi + 1) // 2
-            if needed(mid) <= num_free:
+            if int(np.maximum((mid - 1 - firsts) // bs + 1, 0).sum()) <= num_free:
                 lo = mid
             else:
                 hi = mid - 1
