@@ -30,19 +30,20 @@ def stepwise_horizon(members: list[Request], steps: int, bs: int, k: int, num_fr
 def test_block_horizon_matches_a_step_by_step_count(seed):
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
-    ds = DecodeSet(bs)
+    ds, free = DecodeSet(bs), list(range(100_000))
     members = []
     for i in range(rng.randint(1, 40)):
-        ds.advance(rng.randint(0, 5))
+        k = rng.randint(1, 6)  # a decode run as advance_decode takes it: the run's blocks first
+        assert ds.grant_blocks(ds.steps + k - 1, free) is None
+        ds.advance(k)
+        for r in ds.pop_finished():
+            members.remove(r)
         computed = rng.randint(1, 300)
-        r = Request(i, 0.0, computed, 10_000)
+        r = Request(i, 0.0, computed, rng.randint(2, 400))
         r.num_computed = computed
         r.block_table = list(range(-(-computed // bs) + rng.randint(0, 1)))  # full, or a block spare
-        ds.join(r, None)
+        ds.join(r, len(r.block_table) * bs)
         members.append(r)
-    ds.advance(rng.randint(0, 3 * bs))
-    for r in members:  # as grant_blocks keeps them: every member holds the blocks its tokens so far need
-        need = -(-(r.num_computed + ds.steps - r.sync_step) // bs)
-        r.block_table += [0] * max(0, need - len(r.block_table))
     k, num_free = rng.randint(1, 200), rng.randint(0, 60)
+    k = min(k, ds.next_finish() - ds.steps) if members else k
     assert ds.block_horizon(k, num_free) == stepwise_horizon(members, ds.steps, bs, k, num_free)

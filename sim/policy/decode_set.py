@@ -120,9 +120,9 @@ class DecodeSet:
         if num_free >= len(self.members) * ((k - 1) // bs + 1):
             return k
         steps = self.steps
-        # steps from now to each member's next need, its counters read as sync would bring them up to date
-        firsts = np.fromiter((len(r.block_table) * bs - r.num_computed - (steps - r.sync_step) for r in self.members),
-                             np.int64, len(self.members))
+        # steps from now to each member's next need: its one live entry in the calendar
+        firsts = np.array([s for s, bucket in self._due.items() for tag, r in bucket if r.decode_tag == tag],
+                          np.int64) - steps
         lo, hi = 1, k
         while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
             mid = (lo + hi + 1) // 2
