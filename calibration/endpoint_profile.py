@@ -11,11 +11,11 @@ stream gives it.
   records the most streams it ever ran together (`endpoint.max_concurrent_streams`).
 - Gaps are pooled per (batch, window of tokens): the sample is their median.
 - A server may deliver a stream's tokens in bursts (an event loop that got the CPU late, vLLM's `stream_interval`):
-  a gap far shorter than the load's mean one is a token that came with the one before, whose own wait the gap
+  a gap far shorter than the sweep's mean one is a token that came with the one before, whose own wait the gap
   before it holds. Such a run of gaps is one span of as many steps, each step priced at the span's mean; a stream
   that came whole in one burst shows no step. (Tiny gaps taken as steps gave samples of 20 µs among steps of 1 ms,
-  and the relative-error fit broke on them: held-out MAPE 40-93% on a tiny model served over HTTP, whose event
-  loop sent some streams' last six tokens at once.)
+  and the relative-error fit broke on them: held-out MAPE 40-93% on a tiny model served over HTTP from a
+  thread of the client's process, which sent some streams' last six tokens at once.)
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from sim.config.workload import RequestSpec
 from sim.cost.fitted import fit, routed_experts, shape_of
 
 WINDOW = 4  # consecutive decode gaps of a stream pooled into one sample
-BURST = 0.2  # a gap under this fraction of the load's mean gap came in a burst with the token before it
+BURST = 0.2  # a gap under this fraction of the sweep's mean gap came in a burst with the token before it
 
 
 def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tuple[int, int, float]]]]:
