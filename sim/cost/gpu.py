@@ -175,20 +175,20 @@ class KernelCostModel(PricesStages):
         """(_fixed's parts, attention but the decode rows' KV reads, the decode rows' context) of the step on one
         device of the TP group. Attention but the KV reads: the decode floor; prompt chunks (and verify rows' extra
         queries) at their FLOPs, chunks also a floor each and a cost per key."""
-        f = self._fixed_parts.get((shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill,
-                                   shape.swap_blocks)) or self._fixed(shape)
+        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
+        f = self._fixed_parts.get(key) or self._fixed(key)
         decode_ctx = shape.sum_context - shape.prefill_context
         extra_pairs = shape.attn_pairs - decode_ctx  # max(0, ...) below, without the call
         return f, f[1] + ((extra_pairs if extra_pairs > 0 else 0) * self.s_per_prefill_pair
                           + (shape.num_prefill * self.s_per_prefill_seq + shape.prefill_context * self.s_per_prefill_key)
                           ), decode_ctx
 
-    def _fixed(self, shape: BatchShape) -> tuple:
-        """What the step's few integers but its contexts decide, cached by them: (linear + LM head + communication +
-        overhead + swap, in that order of sums; the decode attention's floor, seconds per KV token the decode rows
-        read; linear, LM head, communication, overhead, swap; on a pipeline overhead + swap, the send between stages,
-        the return to stage 0 and the sends' total, (stages − 1) x send)."""
-        key = (shape.num_new_tokens, shape.num_sampled, shape.num_seqs, shape.num_prefill, shape.swap_blocks)
+    def _fixed(self, key: tuple[int, int, int, int, int]) -> tuple:
+        """What a step's counts `key` (new tokens, sampled rows, sequences, prompt rows, swap blocks) decide, cached
+        by them: (linear + LM head + communication + overhead + swap, in that order of sums; the decode attention's
+        floor, seconds per KV token the decode rows read; linear, LM head, communication, overhead, swap; on a
+        pipeline overhead + swap, the send between stages, the return to stage 0 and the sends' total, (stages − 1) x
+        send)."""
         tokens, sampled, seqs, prefill, swap_blocks = key
         linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
             self.communication_s(tokens, sampled)
@@ -233,8 +233,8 @@ class KernelCostModel(PricesStages):
 
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """pipeline_stages of a step of decodes alone, without building its shape."""
-        f = self._fixed_parts.get((num_seqs, num_seqs, num_seqs, 0, 0)) or \
-            self._fixed(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+        key = (num_seqs, num_seqs, num_seqs, 0, 0)
+        f = self._fixed_parts.get(key) or self._fixed(key)
         # the attention of such a step but its KV reads is the floor: the prompt chunks' terms add 0.0
         stages, send, back, _ = self._stages_of(f, f[1], sum_context)
         return stages, send, back

@@ -204,8 +204,6 @@ class Scheduler(BaseScheduler):
 
     def _admit(self, budget: int, chunked: bool) -> list[tuple[Request, int]]:
         """New requests from the head of the queue (FCFS) that fit the seq limit, budget and free blocks."""
-        if not self.waiting:
-            return []
         picks = self._admissible(budget, chunked)
         if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
             for r, _ in picks:
