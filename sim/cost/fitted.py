@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.models import ModelSpec
-from sim.config.moe import distinct_experts, is_sparse, moe_layers
+from sim.config.moe import distinct_experts, moe_layers
 from sim.config.profile import FEATURES, ProfileFile, read_profile
 from sim.cost.step import StepCost, decode_run
 from sim.policy.batch import BatchShape
@@ -82,7 +82,7 @@ def routed_experts(model: ModelSpec | dict | None) -> RoutedExperts | None:
     """The routing of a model (its spec, or a profile's record of it); None for a dense model."""
     if isinstance(model, dict):
         model = ModelSpec.model_validate(model) if model.get("num_experts") else None
-    if model is None or not is_sparse(model) or not model.num_experts:
+    if model is None or not model.num_experts:
         return None
     return RoutedExperts(model.num_experts, model.num_experts_per_tok, moe_layers(model))
 
