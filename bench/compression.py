@@ -28,13 +28,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from executor.build import make_engine  # noqa: E402
-from executor.engine import SamplingParams  # noqa: E402
-from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
-from executor.quality import agreement, heldout_ids, perplexity  # noqa: E402
-from executor.quantize import quantize_weights, weight_bytes  # noqa: E402
-from executor.sparsity import prune_model_2_4, sparsity  # noqa: E402
-from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
+from executor.core.build import make_engine  # noqa: E402
+from executor.core.engine import SamplingParams  # noqa: E402
+from executor.core.prompts import corpus_ids, prompt_ids  # noqa: E402
+from executor.model.quality import agreement, heldout_ids, perplexity  # noqa: E402
+from executor.model.quantize import quantize_weights, weight_bytes  # noqa: E402
+from executor.model.sparsity import prune_model_2_4, sparsity  # noqa: E402
+from executor.model.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
 from sim.policy.block_manager import BlockAllocator  # noqa: E402
 from sim.policy.request import Request  # noqa: E402

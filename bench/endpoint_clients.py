@@ -145,7 +145,7 @@ def save_tokenizer(folder: Path) -> Path:
     """The SmolLM2 tokenizer, out of the GGUF, as a folder guidellm's transformers loads."""
     from transformers import AutoTokenizer
 
-    from executor.weights import smollm2_gguf_path
+    from executor.model.weights import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)

@@ -30,9 +30,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor.build import make_engine, run_offline  # noqa: E402
-from executor.engine import Engine, SamplingParams  # noqa: E402
-from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
+from executor.core.build import make_engine, run_offline  # noqa: E402
+from executor.core.engine import Engine, SamplingParams  # noqa: E402
+from executor.core.prompts import corpus_ids, prompt_ids  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
 from sim.config.traces import load_trace  # noqa: E402
 from sim.policy.block_manager import BlockAllocator  # noqa: E402
@@ -235,8 +235,8 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(THREADS)
-    from executor.malloc_tuning import keep_freed_memory
-    from executor.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
+    from executor.core.malloc_tuning import keep_freed_memory
+    from executor.model.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
 
     # infersim's engine sets this; set here first so all three engines and the rate probes run alike
     heap = keep_freed_memory()

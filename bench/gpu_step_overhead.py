@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from calibration.profile import profile_engine
-from executor.prompts import prompt_ids
-from executor.tiny import tiny_config, tiny_model
+from executor.core.prompts import prompt_ids
+from executor.model.tiny import tiny_config, tiny_model
 from sim.config.models import catalog_model
 from sim.policy.request import Request
 

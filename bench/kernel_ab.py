@@ -1,6 +1,6 @@
-"""Two builds of executor/kernels.cpp side by side: the A/B behind every kernel change in bench/RESULTS.md.
+"""Two builds of executor/model/kernels.cpp side by side: the A/B behind every kernel change in bench/RESULTS.md.
 
-Builds each source with the flags executor/native.py uses, loads both through ctypes into one process, and
+Builds each source with the flags executor/model/native.py uses, loads both through ctypes into one process, and
 times their paged decode attention, prompt attention and small-batch projections on the same inputs,
 alternating A and B call by call (median of --reps), so the machine's drift falls on both alike. Also reports
 the largest difference between their outputs (0 where a change keeps the arithmetic order).
@@ -8,7 +8,7 @@ SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, 30 layers' projec
 two layers of the 0.5B llama's projections at 8-32 rows; K/V blocks scattered over a pool far larger than the
 caches, 2 threads.
 
-Usage: python bench/kernel_ab.py A.cpp B.cpp [--reps 9]   (e.g. A = `git show HEAD~1:executor/kernels.cpp`)
+Usage: python bench/kernel_ab.py A.cpp B.cpp [--reps 9]   (e.g. A = `git show HEAD~1:executor/model/kernels.cpp`)
 Ends with `name: value` lines, B's time over A's per case.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from executor import native
+from executor.model import native
 
 H, KVH, D, BS, NUM_BLOCKS = 9, 3, 64, 16, 8192
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]

@@ -1,5 +1,5 @@
 """What one KV transfer of the disaggregated executor costs on this machine, as the simulator prices a link
-(seconds = bytes / bandwidth + latency): executor.kv_transfer.copy_kv between two SmolLM2-135M-shaped caches (fp32,
+(seconds = bytes / bandwidth + latency): executor.serving.kv_transfer.copy_kv between two SmolLM2-135M-shaped caches (fp32,
 30 layers, 3 KV heads of 64), prompts of 16-1024 tokens, one torch thread (as a serve's decode process copies), the
 sizes interleaved round after round. `--beside-prefill`: meanwhile another process runs prompt-sized fp32 matmuls on
 one thread, as the prefill process computes beside the decode process's copies during a serve.
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from executor.kv_transfer import copy_kv
-from executor.malloc_tuning import keep_freed_memory
+from executor.core.malloc_tuning import keep_freed_memory
+from executor.serving.kv_transfer import copy_kv
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 TOKENS = (16, 32, 64, 128, 256, 512, 1024)

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from calibration.profile import profile_engine, run_workload
-from executor.prompts import corpus_ids
-from executor.weights import load_hf_model, smollm2_gguf_path
+from executor.core.prompts import corpus_ids
+from executor.model.weights import load_hf_model, smollm2_gguf_path
 
 
 def one_round(net, corpus) -> dict:

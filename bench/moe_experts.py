@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from executor import moe
+from executor.model import moe
 
 
 def time_ms(fn, repeats: int) -> list[float]:

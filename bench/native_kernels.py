@@ -1,8 +1,8 @@
-"""The native decode kernels (executor/native.py) against the torch paths they replace, side by side.
+"""The native decode kernels (executor/model/native.py) against the torch paths they replace, side by side.
 
 1. Projections of M rows through all 30 layers of SmolLM2-135M's shapes (random weights, 425 MB: never
    cache-resident): oneDNN's prepacked GEMM against the native panel kernel, M = 1..128.
-   (A served model measures its own crossover per weight shape: executor.layers.tune_native_rows.)
+   (A served model measures its own crossover per weight shape: executor.model.layers.tune_native_rows.)
 2. Decode attention of B rows (block size 16, blocks scattered over the pool, contexts around C tokens,
    SmolLM2's 9 query / 3 kv heads of 64): gathered K/V + SDPA (the sdpa backend's torch path) against the
    native paged kernel, which reads the pool through the block tables.
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from executor import attention, native
-from executor.attention import AttentionMetadata, sdpa_attention
+from executor.model import attention, native
+from executor.model.attention import AttentionMetadata, sdpa_attention
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down (out, in)
 
@@ -130,7 +130,7 @@ def elementwise(reps: int) -> dict[tuple[str, int], float]:
     """torch ms / native ms of a layer's fused elementwise kernels at a few and at thousands of rows."""
     import torch.nn.functional as F
 
-    from executor.layers import apply_rope_into
+    from executor.model.layers import apply_rope_into
 
     g = torch.Generator().manual_seed(0)
     h, kvh, d, hidden, inter = 9, 3, 64, 576, 1536
@@ -183,7 +183,7 @@ def main() -> None:
             break
         crossover = m
     print(f"native linear faster up to {crossover} rows over SmolLM2's shapes together (a runner measures each "
-          f"shape: executor.layers.tune_native_rows; untuned default {native.linear_max_rows()})")
+          f"shape: executor.model.layers.tune_native_rows; untuned default {native.linear_max_rows()})")
     for m in (1, 3, 11, 16, 32, 64):
         print(f"linear_speedup_{m}_rows: {lin[m]:.2f}")
     for (rows, ctx), r in att.items():

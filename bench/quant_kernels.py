@@ -1,5 +1,5 @@
 """Weight-only quantized projections and the int8 KV cache, side by side with fp32 (the decisions behind
-executor/quantize.py and the int8 paths of executor/kernels.cpp).
+executor/model/quantize.py and the int8 paths of executor/model/kernels.cpp).
 
 1. kernels: every projection of SmolLM2-135M's 30 layers plus its LM head (random weights, 538 MB in fp32: never
    cache-resident) at M rows, interleaved: fp32 through oneDNN's prepacked GEMM and the native panel kernel; int8
@@ -7,7 +7,7 @@ executor/quantize.py and the int8 paths of executor/kernels.cpp).
    (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and by dequantizing and multiplying with MKL.
 2. --model: SmolLM2-135M itself, engine steps (decode at batch 1 and 16 with 128 tokens of context, a 512-token
    prompt step) for fp32, int8, int4 and int8 / int4 + int8 KV, interleaved rounds, medians; then perplexity on
-   the held-out text (executor/quality.py) per configuration (group sizes, the LM head's dtype, outlier columns,
+   the held-out text (executor/model/quality.py) per configuration (group sizes, the LM head's dtype, outlier columns,
    and int8 activations as a VNNI kernel would round them: per row or per 32 features), and the int8 KV scale
    schemes compared on the model's real keys and values.
 
@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from executor import native, quantize  # noqa: E402
-from executor.malloc_tuning import keep_freed_memory  # noqa: E402
-from executor.quantize import QuantizedWeight  # noqa: E402
+from executor.core.malloc_tuning import keep_freed_memory  # noqa: E402
+from executor.model import native, quantize  # noqa: E402
+from executor.model.quantize import QuantizedWeight  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # qkv, o, gate, up, down (out, in)
 HEAD = (49152, 576)
@@ -137,7 +137,7 @@ def engine_steps(base, corpus: list[int], rounds: int) -> dict[str, float]:
 
 def quality(base, tokenizer) -> dict[str, float]:
     """Perplexity on the held-out text per configuration."""
-    from executor.quality import heldout_ids, perplexity
+    from executor.model.quality import heldout_ids, perplexity
 
     ids = heldout_ids(tokenizer)
     out = {"fp32": perplexity(base, ids)}
@@ -178,9 +178,9 @@ def kv_schemes(base, tokenizer) -> dict[str, float]:
     text, every layer): a scale per (token, head) — what the cache does —, per (16-token block, head) from the
     block's largest value (as if requantized whenever a larger value arrives), and per (block, head) fixed from the
     block's first token with 2x headroom (values beyond it clamp)."""
-    from executor.attention import AttentionMetadata
-    from executor.cache_engine import KVCache, dequantize_kv, quantize_kv
-    from executor.quality import heldout_ids
+    from executor.model.attention import AttentionMetadata
+    from executor.model.cache_engine import KVCache, dequantize_kv, quantize_kv
+    from executor.model.quality import heldout_ids
 
     ids = heldout_ids(tokenizer)[:256]
     c = base.config
@@ -241,8 +241,8 @@ def main() -> None:
         res["int4_kernel_speedup_rows1"] = k["fp32_native@1"] / k["int4_g128_native@1"]
         res["int8_stream_GBps_rows1"] = k["fp32_bytes"] / 4 / k["int8_native@1"] / 1e6
     if args.model:
-        from executor.prompts import corpus_ids
-        from executor.weights import load_hf_model, smollm2_gguf_path
+        from executor.core.prompts import corpus_ids
+        from executor.model.weights import load_hf_model, smollm2_gguf_path
 
         base, _, tokenizer = load_hf_model(smollm2_gguf_path())
         base.eval()

@@ -41,18 +41,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor.build import make_engine, run_offline  # noqa: E402
-from executor.engine import SamplingParams  # noqa: E402
-from executor.malloc_tuning import keep_freed_memory  # noqa: E402
-from executor.prompts import paragraphs, plain_paragraphs  # noqa: E402
-from executor.speculative.draft_model import DraftModelDrafter, load_draft  # noqa: E402
-from executor.speculative.medusa import MedusaDrafter, load_medusa  # noqa: E402
+from executor.core.build import make_engine, run_offline  # noqa: E402
+from executor.core.engine import SamplingParams  # noqa: E402
+from executor.core.malloc_tuning import keep_freed_memory  # noqa: E402
+from executor.core.prompts import paragraphs, plain_paragraphs  # noqa: E402
+from executor.model.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
+from executor.speculative.draft_model import DraftModelDrafter, default_draft_dir, load_draft  # noqa: E402
+from executor.speculative.medusa import MedusaDrafter, default_medusa_dir, load_medusa  # noqa: E402
 from executor.speculative.ngram import PromptLookup  # noqa: E402
-from executor.speculative.training import (
-    default_draft_dir,  # noqa: E402
-    default_medusa_dir,  # noqa: E402
-)
-from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
 from sim.policy.block_manager import BlockAllocator  # noqa: E402
 from sim.policy.scheduler import make_scheduler  # noqa: E402
@@ -210,7 +206,7 @@ def main() -> None:
         drafters = {k: v for k, v in drafters.items() if k in args.only}
     hf = None
     if "prompt_lookup" in drafters and not args.no_hf:
-        from executor.weights import load_transformers_model
+        from executor.model.weights import load_transformers_model
 
         path = smollm2_gguf_path()
         hf, _ = load_transformers_model(str(path.parent), path.name)

@@ -40,8 +40,8 @@ except ImportError:
 import torch  # noqa: E402
 from compression import CONTEXT, PROMPT, build, decode_step_s, prompt_step_s  # noqa: E402
 
-from executor.prompts import corpus_ids, prompt_ids  # noqa: E402
-from executor.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
+from executor.core.prompts import corpus_ids, prompt_ids  # noqa: E402
+from executor.model.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
 
 OURS = ("fp32", "int8", "int4")
 # llama.cpp file type -> its quantizer's ftype; Q4_1 is the shipped file itself

@@ -25,7 +25,7 @@ from sim.policy.arrivals import ArrivalBook
 from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Request, Status
 
-CORPUS = "declaration_of_independence.txt"  # the text the executor's prompts are cut from (executor/prompts.py)
+CORPUS = "declaration_of_independence.txt"  # the text the executor's prompts are cut from (executor/core/prompts.py)
 CONNECT_TIMEOUT_S = 10.0
 ADJUST_TRIES = 8  # rounds of cutting or growing a prompt's text to its token count
 

@@ -8,7 +8,7 @@ capacity against the simulator's (a rate search of real serves); everything into
 
 Writes OUT/<model>/cuda.json (the profile), OUT/<model>/<scenario>/validation.json with a CDF plot,
 OUT/llama-3-8b/capacity/capacity.json and OUT/summary.md (the tables). Decode, prompt and verify steps replay CUDA
-graphs (executor/cuda_graph.py) unless `--eager`. `--device cpu` is the dry run: the same stages on this machine
+graphs (executor/model/cuda_graph.py) unless `--eager`. `--device cpu` is the dry run: the same stages on this machine
 with every model cut to a tiny one of the same family and every workload to a few requests (checks the command,
 not the numbers); the CPU path of the project never needs CUDA.
 """
@@ -25,7 +25,7 @@ import yaml
 from calibration.capacity import validate_capacity
 from calibration.profile import profile_command
 from calibration.validate import METRICS, markdown_table, model_loader, summarize, validate_many
-from executor.serve import check_device
+from executor.serving.serve import check_device
 from sim.config.errors import ConfigError
 from sim.config.plan import load_scenario, replan
 

@@ -23,11 +23,11 @@ import torch
 from rich.console import Console
 
 from calibration.kernel_refine import refine_profile
-from executor.build import make_engine, run_offline
-from executor.cpu_load import CpuLoad
-from executor.engine import Engine
-from executor.prompts import prompt_ids
-from executor.serve import check_device
+from executor.core.build import make_engine, run_offline
+from executor.core.cpu_load import CpuLoad
+from executor.core.engine import Engine
+from executor.core.prompts import prompt_ids
+from executor.serving.serve import check_device
 from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
@@ -70,7 +70,7 @@ def device_info(device: str, cuda_graphs: bool = True) -> dict:
     except (OSError, StopIteration):
         pass
     if device == "cuda":
-        from executor import engine
+        from executor.core import engine
 
         info["gpu"] = torch.cuda.get_device_name()
         # steps replayed from graphs: the fit's step costs depend on it
@@ -406,14 +406,14 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     """`infersim profile`: load the model, sweep, fit, write and summarize the profile. `scenario`: profile the
     executor as that scenario runs it (its model and weights, its tensor- or pipeline-parallel layout, its threads,
     its executor.cuda_graphs unless `cuda_graphs` says otherwise)."""
-    from executor.prompts import corpus_ids
-    from executor.weights import load_hf_model, smollm2_gguf_path
+    from executor.core.prompts import corpus_ids
+    from executor.model.weights import load_hf_model, smollm2_gguf_path
     from sim.config.models import catalog_model, load_hf_config
 
     check_device(device)
     parallel = None
     if scenario is not None:
-        from executor.serve import load_model
+        from executor.serving.serve import load_model
         from sim.config.plan import load_scenario
 
         _, plan = load_scenario(scenario)

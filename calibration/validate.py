@@ -98,8 +98,8 @@ def latency_quantiles(real: RequestRecords, sim: RequestRecords) -> dict:
 def run_real(plan: Plan, specs, device: str, threads: int | None, loaded, out: Path | None = None):
     """One executor run of the plan's workload: (report-ready records, its step records as dicts); with
     `out`, also its step and request traces (steps.jsonl, requests.jsonl) there."""
-    from executor.disaggregated import serve_pools
-    from executor.serve import serve, write_traces
+    from executor.serving.disaggregated import serve_pools
+    from executor.serving.serve import serve, write_traces
 
     run = serve if plan.pools is None else serve_pools  # disaggregated: a process per instance
     records, _, engine, requests, _, load = run(plan, specs, device, threads, loaded=loaded)
@@ -386,14 +386,14 @@ def validate(plan: Plan, profile: Path, device: str = "cpu", threads: int | None
              out: Path | None = None, loaded=None) -> dict:
     """One scenario: run the executor `runs` times (two or more also measure its run-to-run noise) and the
     simulator; returns validation.json's content.
-    `loaded`: the model already in memory (executor.serve.Loaded), to validate many scenarios on one load."""
+    `loaded`: the model already in memory (executor.serving.serve.Loaded), to validate many scenarios on one load."""
     return validate_many([(plan, out)], profile, device, threads, runs, (lambda _: loaded) if loaded else None)[0]
 
 
 def model_loader(device: str):
     """load(plan) -> the executor's model for the plan, loaded once per distinct model: scenarios (and
     their runs) on the same weights share one load."""
-    from executor.serve import load_model
+    from executor.serving.serve import load_model
 
     models: dict = {}
 
@@ -410,7 +410,7 @@ def check_graphs(plans: list, profile: Path | None, device: str) -> None:
     `executor.cuda_graphs: false`, and a profile measured one way prices the other wrong (an eager step cost the
     H200 ~4x a graph replay): a one-line error where they differ. `profile` None: one about to be measured
     (with the executor's default)."""
-    from executor import engine
+    from executor.core import engine
 
     if device != "cuda":
         return
@@ -441,7 +441,7 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     after the last (`quick_sweep`: the short sweep) — write that profile there and predict with it instead of
     `profile`: a profile is a snapshot of the machine's speed while it was measured, and this one is measured
     in the same minutes as the runs."""
-    from executor.serve import set_threads
+    from executor.serving.serve import set_threads
 
     if alongside is not None and real_from:
         raise ConfigError("--profile-alongside measures a profile while the executor runs: not with --real-from",
@@ -519,7 +519,7 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     sweep runs through its layout (composed from one device, its steps came out 1.2-1.6x too fast: 60 barriers a
     step, docs/cost-model.md); a pipelined one's is of one device, its stages priced by composition."""
     from calibration.profile import Sweep, layout_of
-    from executor.prompts import corpus_ids
+    from executor.core.prompts import corpus_ids
 
     first = plans[0]
     def shape(p):  # what one profile prices: the model, its compression, the layout

@@ -161,9 +161,9 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     import torch
 
     from calibration.speculative import draft_cost, write_speculative_yaml
-    from executor.disaggregated import serve_pools
     from executor.distributed.launch import WorkerError
-    from executor.serve import check_device, serve, write_traces
+    from executor.serving.disaggregated import serve_pools
+    from executor.serving.serve import check_device, serve, write_traces
     from sim.cost.build import make_cost_model
     from sim.cost.fitted import load_profile
     from sim.report.metrics import records_from_requests, request_rates
@@ -247,13 +247,13 @@ def require_executor(what: str) -> None:
 
 def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,
                 keep_trace: bool = False):
-    """(plan, the OpenAI-compatible server of a scenario's model on the executor: executor.http_server.OpenAIServer,
+    """(plan, the OpenAI-compatible server of a scenario's model on the executor: executor.api_server.server.OpenAIServer,
     its engine loaded and warmed up, not yet listening). The scenario's scheduler, KV cache and limits serve whatever
     clients send; its workload is not replayed. `keep_trace`: every step and request kept for a report."""
     require_executor("serve")
-    from executor.http_server import OpenAIServer, Served
-    from executor.prompts import corpus_ids
-    from executor.serve import build_engine, check_device, load_model, set_threads, warm_up
+    from executor.api_server.server import OpenAIServer, Served
+    from executor.core.prompts import corpus_ids
+    from executor.serving.serve import build_engine, check_device, load_model, set_threads, warm_up
 
     check_device(device)
     plan = load_plan(path)
@@ -288,8 +288,8 @@ def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: st
     require_executor("serve")
     import uvicorn
 
-    from executor.http_server import bind
-    from executor.serve import trace_of, write_traces
+    from executor.api_server.server import bind
+    from executor.serving.serve import trace_of, write_traces
     from sim.report.metrics import records_from_requests
 
     prepare_out(out)
@@ -384,7 +384,7 @@ def validate(scenarios: list[Path], out: Path | None = None, device: str = "cpu"
     """Run scenarios on the executor and in the simulator: (each scenario's validation.json content, the profile
     predicted with, the summary over scenarios or None for one). Writes summary.json and table.md under `out`."""
     from calibration.validate import markdown_table, model_loader, summarize, validate_many
-    from executor.serve import check_device
+    from executor.serving.serve import check_device
 
     check_device(device, present=real_from is None)  # re-scoring recorded runs needs no device
     paths = scenario_files(scenarios)
@@ -517,7 +517,7 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     from calibration.capacity import validate_capacity as measure
     from calibration.profile import write_profile
     from calibration.validate import alongside_sweep, check_graphs, model_loader
-    from executor.serve import check_device, set_threads
+    from executor.serving.serve import check_device, set_threads
     from sim.report.capacity import STEADY_ROUNDS, check_has_slo, check_scalable
 
     check_device(device)
@@ -685,7 +685,7 @@ def _check_replaces_a_profile(out: Path) -> None:
 def distill(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,
             threads: int | None) -> None:
     """Distill SmolLM2-135M into a small draft model (speculative method draft_model)."""
-    from executor.speculative.training import distill_command
+    from executor.training.speculative import distill_command
 
     try:
         distill_command(out, layers, vocab_size, minutes, max_new, threads)
@@ -697,7 +697,7 @@ def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: flo
                  threads: int | None, profile: Path | None, retree: bool = False) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's generations and pick their tree (`retree`: only pick the tree)."""
     from calibration.validate import PROFILES
-    from executor.speculative.training import retree_command, train_medusa_command
+    from executor.training.speculative import retree_command, train_medusa_command
 
     profile = profile or PROFILES / "cpu.json"
     if retree:

@@ -47,7 +47,7 @@ def run(data: dict, bulk: bool = True):
 
 def tiny_checkpoint(folder, seed: int, max_position_embeddings: int = 512):
     """A tiny random-weight llama saved as a HF checkpoint folder (for `model: {hf_config: folder}`)."""
-    from executor.tiny import tiny_model, to_transformers
+    from executor.model.tiny import tiny_model, to_transformers
 
     to_transformers(tiny_model(seed=seed, num_kv_heads=2, vocab_size=1000,
                                max_position_embeddings=max_position_embeddings)).save_pretrained(folder)

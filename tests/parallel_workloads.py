@@ -2,7 +2,7 @@
 output on any engine."""
 from __future__ import annotations
 
-from executor.tiny import tiny_model
+from executor.model.tiny import tiny_model
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request

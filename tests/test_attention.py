@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from executor.attention import BACKENDS, AttentionMetadata, get_backend
-from executor.cache_engine import KVCache
-from executor.tiny import tiny_config
+from executor.model.attention import BACKENDS, AttentionMetadata, get_backend
+from executor.model.cache_engine import KVCache
+from executor.model.tiny import tiny_config
 
 TOL = 1e-5
 
@@ -161,7 +161,7 @@ def test_kv_cache_write_read_and_layouts():
 @pytest.mark.parametrize("overhead", [0, 10**9])
 def test_sdpa_decode_buckets_match_reference(monkeypatch, overhead):
     """Decodes of very different context lengths, attended in several padded buckets (overhead 0) or one."""
-    from executor import attention
+    from executor.model import attention
 
     monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
     query_lens, context_lens = [1] * 7 + [5], [3, 70, 9, 33, 1, 70, 17, 5]
@@ -173,7 +173,7 @@ def test_sdpa_decode_buckets_match_reference(monkeypatch, overhead):
 
 
 def test_buckets_minimise_padded_keys():
-    from executor.attention import BUCKET_OVERHEAD_TOKENS, _buckets
+    from executor.model.attention import BUCKET_OVERHEAD_TOKENS, _buckets
 
     assert _buckets([], 16) == []
     assert _buckets([40, 39, 38], 16) == [(0, 3)]  # same width: one call
@@ -200,7 +200,7 @@ def test_sdpa_decode_reads_a_contiguous_reservation_only_up_to_the_context():
 def test_sdpa_batches_speculative_verify_rows(monkeypatch, overhead, num_heads, num_kv_heads):
     """Short multi-token rows (a last token and its drafts) of two query lengths, mixed with decodes and a
     long prefill, contexts far apart (several buckets with overhead 0): batched, they match the reference."""
-    from executor import attention
+    from executor.model import attention
 
     monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
     query_lens = [1, 1, 5, 5, 5, 3, 3, 20]
@@ -219,7 +219,7 @@ def test_sdpa_attends_a_steps_decodes_and_verify_rows_in_one_padded_call(monkeyp
     keeps its own group; the result matches the reference."""
     import dataclasses
 
-    from executor import attention
+    from executor.model import attention
 
     monkeypatch.setattr(attention, "BUCKET_OVERHEAD_TOKENS", overhead)
     query_lens = [1, 5, 1, 3, 5, 1, 4, 20]

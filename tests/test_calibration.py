@@ -275,7 +275,7 @@ def test_a_sweep_run_in_slices_divides_out_each_slices_speed():
     between them: a slice that ran 1.5x slow is read off its own steps, and the samples are priced at the mean
     speed instead of at whichever slices their repeats fell in."""
     from calibration.profile import Sweep
-    from executor.tiny import tiny_model
+    from executor.model.tiny import tiny_model
 
     sweep = Sweep(tiny_model(vocab_size=64), list(range(3, 60)), "cpu", quick=True, repeats=2)
     for f in (0.25, 0.5, 0.75, 1.0):
@@ -297,7 +297,7 @@ def test_a_sweep_run_in_slices_divides_out_each_slices_speed():
 
 def test_a_sweep_run_at_once_keeps_its_medians():
     from calibration.profile import Sweep
-    from executor.tiny import tiny_model
+    from executor.model.tiny import tiny_model
 
     sweep = Sweep(tiny_model(vocab_size=64), list(range(3, 60)), "cpu", quick=True, repeats=2)
     sweep.run_until(1.0)
@@ -311,8 +311,8 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     simulator's capacity sits between a rate the executor meets the SLOs at and one it misses them at."""
     from calibration.capacity import predicted_capacity, probe_grid
     from calibration.validate import run_real, slo_metrics
-    from executor.cpu_load import CpuLoad
-    from executor.serve import load_model
+    from executor.core.cpu_load import CpuLoad
+    from executor.serving.serve import load_model
     from sim.config.generator import generate_requests
     from sim.config.plan import load_scenario
     from sim.report.capacity import passes, probe_rows, scaled

@@ -249,7 +249,7 @@ def checkpoint(tmp_path_factory):
 def serve_users(tmp_path, checkpoint, name: str, **sections):
     """A tiny-model closed loop (the workload's arrival dropped) served on the executor: (plan, specs, engine,
     requests)."""
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     path = write_tiny_scenario(tmp_path, checkpoint, name=name, kv_cache={"num_blocks": 128}, **sections)
     data = yaml.safe_load(path.read_text())

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from executor.quality import agreement, perplexity
-from executor.sparsity import decoder_linears, prune_2_4_, prune_model_2_4, sparsity
-from executor.tiny import tiny_model, to_transformers
+from executor.model.quality import agreement, perplexity
+from executor.model.sparsity import decoder_linears, prune_2_4_, prune_model_2_4, sparsity
+from executor.model.tiny import tiny_model, to_transformers
 from sim.config.errors import ConfigError
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 

@@ -204,7 +204,7 @@ def test_the_executor_sends_each_answer_back_and_reuses_its_blocks(tmp_path, che
     """A tiny model serves conversations with and without prefix caching: each later turn's prompt is the turn before
     it (its prompt and generated tokens) and new tokens; with caching it computes fewer prompt tokens, yet generates
     exactly what it generates from scratch (the answer's cached K/V is the answer's)."""
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     outputs, computed, traces = {}, {}, {}
     for caching in (False, True):

@@ -1,4 +1,4 @@
-"""The serve's reading of other processes' CPU (executor/cpu_load.py): a worker process's CPU is the serve's own,
+"""The serve's reading of other processes' CPU (executor/core/cpu_load.py): a worker process's CPU is the serve's own,
 also after the worker has exited, so a multi-process serve does not report its own workers as a busy machine."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from executor.cpu_load import BUSY_CORES, CpuLoad
+from executor.core.cpu_load import BUSY_CORES, CpuLoad
 
 
 def test_an_exited_worker_s_cpu_does_not_become_other_processes():

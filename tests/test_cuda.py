@@ -10,14 +10,14 @@ import copy
 import pytest
 import torch
 
-from executor.engine import SamplingParams
-from executor.quality import perplexity
-from executor.quantize import QuantizedWeight, quantize_weights
-from executor.sparsity import decoder_linears, prune_model_2_4, sparsity
+from executor.core.engine import SamplingParams
+from executor.model.quality import perplexity
+from executor.model.quantize import QuantizedWeight, quantize_weights
+from executor.model.sparsity import decoder_linears, prune_model_2_4, sparsity
+from executor.model.tiny import tiny_model
 from executor.speculative.draft_model import DraftModelDrafter, make_student
 from executor.speculative.medusa import MedusaDrafter, MedusaHeads
 from executor.speculative.ngram import PromptLookup
-from executor.tiny import tiny_model
 from sim.policy.request import Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
 from tests.test_medusa import TREE, OracleTree

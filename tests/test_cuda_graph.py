@@ -1,4 +1,4 @@
-"""The static-shape steps that CUDA graphs replay (executor/cuda_graph.py), run eagerly on the CPU: they give the
+"""The static-shape steps that CUDA graphs replay (executor/model/cuda_graph.py), run eagerly on the CPU: they give the
 engine's own greedy output under every policy, padding rows and padding prompt tokens change nothing in the cache,
 and their attention equals the sdpa backend's."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.attention import AttentionMetadata, sdpa_attention
-from executor.cache_engine import KVCache
-from executor.cuda_graph import (
+from executor.model.attention import AttentionMetadata, sdpa_attention
+from executor.model.cache_engine import KVCache
+from executor.model.cuda_graph import (
     DecodeGraphs,
     GraphMeta,
     PromptGraphs,
@@ -17,7 +17,7 @@ from executor.cuda_graph import (
     graph_prompt_attention,
     graph_verify_attention,
 )
-from executor.tiny import tiny_model
+from executor.model.tiny import tiny_model
 from sim.policy.request import Request, Status
 from tests.test_engine import POLICIES, make_engine, prompts, serve_all
 
@@ -88,7 +88,7 @@ def test_packed_prompts_attend_only_within_their_own_prompt():
     """Three whole prompts packed, padded with copies of the last token that are no one's key: each token's output
     equals SDPA's for its own prompt (keys read back from the slots the step wrote), the padding's the last
     token's."""
-    from executor.cuda_graph import graph_packed_prompt_attention
+    from executor.model.cuda_graph import graph_packed_prompt_attention
 
     k_cache, v_cache, g = paged_cache(3)
     lens, tables = [5, 3, 6], [[2, 7], [4], [9, 1]]
@@ -205,7 +205,7 @@ def test_graph_sets_are_shared_by_the_limits_that_shape_them(model):
 def test_gemm_row_attention_gives_the_sdpa_output(model, monkeypatch):
     """Decode and verify rows attended through batched GEMMs (the GPU's path) give the engine's greedy output
     under every policy and with prompt-lookup drafts; masked_attention equals SDPA under a mask."""
-    from executor import attention
+    from executor.model import attention
     from executor.speculative.ngram import PromptLookup
 
     g = torch.Generator().manual_seed(1)
@@ -240,7 +240,7 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
     import gc
     import weakref
 
-    from executor.cuda_graph import GraphSet, step_graphs
+    from executor.model.cuda_graph import GraphSet, step_graphs
     from sim.config.plan import scheduler_config
 
     monkeypatch.setattr(GraphSet, "capture", lambda self, scratch_slot=0: self)
@@ -260,7 +260,7 @@ def test_cached_sets_are_shared_and_do_not_keep_a_cache_alive(monkeypatch):
 def test_a_failed_capture_is_one_line_with_the_way_out(monkeypatch):
     """Out of GPU memory (or an op that cannot be captured) while capturing: a one-line error on the scenario key
     that turns the graphs off, not a traceback."""
-    from executor.cuda_graph import GraphSet, step_graphs
+    from executor.model.cuda_graph import GraphSet, step_graphs
     from sim.config.errors import ConfigError
     from sim.config.plan import scheduler_config
 

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode serving on the executor (executor/disaggregated.py): a prefill process and a decode
+"""Disaggregated prefill/decode serving on the executor (executor/serving/disaggregated.py): a prefill process and a decode
 process on a tiny checkpoint give the colocated engine's greedy output, every request ends, each KV transfer moves
 the KV formula's bytes, `infersim serve` writes the pools and kv_transfer sections, and a decode process killed
 mid-run ends the serve with one line and a partial report instead of a hang."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import executor.disaggregated
-from executor.build import run_offline
-from executor.disaggregated import STOPPED, check_pools
-from executor.prompts import corpus_ids, prompt_ids
-from executor.serve import build_engine, load_model
+import executor.serving.disaggregated
+from executor.core.build import run_offline
+from executor.core.prompts import corpus_ids, prompt_ids
+from executor.serving.disaggregated import STOPPED, check_pools
+from executor.serving.serve import build_engine, load_model
 from infersim.cli import app
 from sim.config import environment
 from sim.config.errors import ConfigError
@@ -74,7 +74,7 @@ def served(checkpoint, tmp_path_factory):
     path = write_tiny_scenario(tmp, checkpoint, name="tiny-pools", kv_cache={"num_blocks": 160},  # no preemption
                                pools={**POOLS, "decode": {"replicas": 1, "serving": {"max_num_seqs": 2}}})
     _, plan = load_scenario(path)
-    returned, real_serve = [], executor.disaggregated.serve_pools
+    returned, real_serve = [], executor.serving.disaggregated.serve_pools
 
     def serve_and_keep(*args, **kwargs):
         returned.append(real_serve(*args, **kwargs))
@@ -82,7 +82,7 @@ def served(checkpoint, tmp_path_factory):
 
     out = tmp / "out"
     with deadline(120), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(executor.disaggregated, "serve_pools", serve_and_keep)
+        mp.setattr(executor.serving.disaggregated, "serve_pools", serve_and_keep)
         r = CliRunner().invoke(app, ["serve", str(path), "--out", str(out), "-q", "--no-plots"])
     assert r.exit_code == 0, r.output
     return plan, generate_requests(plan.workload, plan.base_dir), returned[0], out
@@ -175,7 +175,7 @@ def test_a_turn_the_decode_pool_cannot_hold_ends_its_conversation_as_simulated(c
     _, plan = load_scenario(path)
     specs = generate_requests(plan.workload, plan.base_dir)
     with deadline(120):
-        _, _, _, requests, _, _ = executor.disaggregated.serve_pools(plan, specs)
+        _, _, _, requests, _, _ = executor.serving.disaggregated.serve_pools(plan, specs)
     assert len(requests) == len(specs) and all(r.is_done for r in requests)
     rejected = {r.id: r.reject_reason for r in requests if r.status.value == "rejected"}
     assert CONVERSATION_ENDED in rejected.values() and any("decode instance" in w for w in rejected.values())
@@ -200,8 +200,8 @@ def test_a_decode_worker_killed_mid_run_ends_the_serve_with_one_line_and_a_parti
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-dies", pools=POOLS,
                                workload={"arrival": {"process": "poisson", "rate": 10.0}, "num_requests": 60,
                                          "output_len": {"dist": "uniform", "min": 20, "max": 60}})
-    real_serve = executor.disaggregated.serve_pools
-    monkeypatch.setattr(executor.disaggregated, "serve_pools", lambda *args, **kwargs: real_serve(
+    real_serve = executor.serving.disaggregated.serve_pools
+    monkeypatch.setattr(executor.serving.disaggregated, "serve_pools", lambda *args, **kwargs: real_serve(
         *args, **{**kwargs, "progress": kill_decode_worker_after(2)}))
     out = tmp_path / "out"
     with deadline(90):
@@ -222,7 +222,7 @@ def test_a_worker_that_dies_starting_up_is_one_line(checkpoint, tmp_path, monkey
     def dies(*args, **kwargs):
         raise WorkerError("rank 1 died (exited with code 1)", 1)
 
-    monkeypatch.setattr(executor.disaggregated, "serve_pools", dies)
+    monkeypatch.setattr(executor.serving.disaggregated, "serve_pools", dies)
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-dead", pools=POOLS)
     r = CliRunner().invoke(app, ["serve", str(path), "--out", str(tmp_path / "out"), "-q", "--no-plots"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
@@ -234,7 +234,7 @@ def test_conversations_through_the_pools_are_the_colocated_serve_s_turns(checkpo
     """Conversations on a prefill and a decode process: each later turn is sent after the turn before it ended on the
     decode instance, its prompt that turn's prompt and answer, so every turn generates what a colocated serve of
     the same conversations generates; with prefix caching the prefill instance finds the earlier turns' prompts."""
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     workload = {"num_requests": 5, "arrival": {"process": "poisson", "rate": 40.0},
                 "prompt_len": {"dist": "uniform", "min": 10, "max": 30},
@@ -249,7 +249,7 @@ def test_conversations_through_the_pools_are_the_colocated_serve_s_turns(checkpo
     specs = generate_requests(pooled.workload, pooled.base_dir)
     assert any(s.after >= 0 for s in specs) and any(s.output_len == 1 for s in specs)
     with deadline(120):
-        records, traces, run, requests, _, _ = executor.disaggregated.serve_pools(pooled, specs)
+        records, traces, run, requests, _, _ = executor.serving.disaggregated.serve_pools(pooled, specs)
     assert len(requests) == len(specs) and all(r.status.value == "finished" for r in requests)
     conv = compute_metrics(records)["conversations"]
     assert conv["conversations"] == conv["answered"] == 5 and conv["turns_mean"] == len(specs) / 5
@@ -291,6 +291,6 @@ def test_smollm2_greedy_output_is_the_colocated_engines(tmp_path):
     _, plan = load_scenario(path)
     specs = generate_requests(plan.workload, plan.base_dir)
     with deadline(300):
-        _, _, run, requests, _, _ = executor.disaggregated.serve_pools(plan, specs)
+        _, _, run, requests, _, _ = executor.serving.disaggregated.serve_pools(plan, specs)
     assert all(r.status.value == "finished" for r in requests)
     assert run.outputs == colocated_outputs(plan, specs)

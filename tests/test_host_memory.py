@@ -4,7 +4,7 @@ import resource
 
 import pytest
 
-from executor.malloc_tuning import keep_freed_memory
+from executor.core.malloc_tuning import keep_freed_memory
 
 
 def _fault_count_of_one_cycle(libc, n: int) -> int:

@@ -22,7 +22,7 @@ def checkpoint(tmp_path_factory):
 
 
 def start(tmp_path, checkpoint, **sections):
-    from executor.http_server import Running
+    from executor.api_server.server import Running
     from infersim.api import http_server
 
     _, server = http_server(write_tiny_scenario(tmp_path, checkpoint, name="http", **sections), "cpu", 1,
@@ -239,7 +239,7 @@ def test_accepted_connections_turn_nagle_off():
     import asyncio
     import socket
 
-    from executor.http_server import bind
+    from executor.api_server.server import bind
 
     listener = bind("127.0.0.1", 0)
     client = socket.create_connection(listener.getsockname())

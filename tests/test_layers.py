@@ -1,6 +1,7 @@
 """The layering: each layer imports only the layers below it, nothing imports upward, no import cycles, and
 the shared layers never pull in SimPy or torch (so the executor never imports SimPy, and the simulator's
-policy, config, cost and report code never imports torch)."""
+policy, config, cost and report code never imports torch). Inside the executor its sub-packages keep the same rules
+(EXECUTOR_LAYERS)."""
 from __future__ import annotations
 
 import ast
@@ -28,13 +29,28 @@ LAYERS = [
     ("cli", 7, ("infersim.cli", "dashboard")),
 ]
 
+# inside the executor, the same rules one level down, bottom to top: what runs on the device (the model, its layers and
+# kernels, KV tensors, CUDA graphs, sampling), speculative decoding's drafters and verification, the engine core (the
+# step, the model runner, building an engine), the parallel ranks, then what drives it: training drafters, and serving
+# (the replay, the online loop, disaggregated instances) beneath the HTTP API server. Training and serving share a
+# rank: neither imports the other.
+EXECUTOR_LAYERS = [
+    ("model", 0, ("executor.model",)),
+    ("speculative", 1, ("executor.speculative",)),
+    ("core", 2, ("executor.core",)),
+    ("distributed", 3, ("executor.distributed",)),
+    ("training", 4, ("executor.training",)),
+    ("serving", 4, ("executor.serving",)),
+    ("api_server", 5, ("executor.api_server",)),
+]
 
-def layer_of(module: str) -> tuple[str, int] | None:
+
+def layer_of(module: str, layers=LAYERS) -> tuple[str, int] | None:
     """The layer a module belongs to (the longest matching prefix), or None if it is not the project's."""
     if module == "sim":  # the bare package: an empty __init__ beneath every sim layer
         return ("config", 0)
     best = None
-    for name, rank, prefixes in LAYERS:
+    for name, rank, prefixes in layers:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[2]):
                 best = (name, rank, len(p))
@@ -92,6 +108,32 @@ def test_no_upward_or_sideways_imports():
     assert bad == []
 
 
+def executor_layer_of(module: str) -> tuple[str, int] | None:
+    """An executor module's sub-layer (None outside the executor, or in no sub-package)."""
+    if module == "executor":  # the bare package: a docstring beneath every sub-layer
+        return EXECUTOR_LAYERS[0][:2]
+    return layer_of(module, EXECUTOR_LAYERS) if module.startswith("executor.") else None
+
+
+def test_every_executor_module_has_a_sublayer():
+    assert [m for m in project_modules() if m.startswith("executor") and executor_layer_of(m) is None] == []
+
+
+def test_no_upward_or_sideways_imports_inside_the_executor():
+    bad = []
+    for mod, deps in graph().items():
+        if executor_layer_of(mod) is None:
+            continue
+        name, rank = executor_layer_of(mod)
+        for dep in deps:
+            if executor_layer_of(dep) is None:
+                continue
+            dep_name, dep_rank = executor_layer_of(dep)
+            if dep_rank > rank or (dep_rank == rank and dep_name != name):
+                bad.append(f"{mod} ({name}) imports {dep} ({dep_name})")
+    assert bad == []
+
+
 def test_no_import_cycles():
     g = graph()
     state: dict[str, int] = {}
@@ -119,8 +161,13 @@ def test_the_layering_test_catches_an_upward_import():
     name, rank = layer_of("sim.policy.scheduler")
     dep_name, dep_rank = layer_of("sim.simulator.cluster")
     assert dep_rank > rank
-    dep_name, dep_rank = layer_of("executor.engine")
+    dep_name, dep_rank = layer_of("executor.core.engine")
     assert (dep_rank, dep_name) == (4, "executor") and layer_of("sim.simulator.replica") == ("simulator", 4)
+    # one level down: the engine core importing the serving loop is flagged, as training importing serving is
+    assert executor_layer_of("executor.core.engine") == ("core", 2)
+    assert executor_layer_of("executor.serving.serve")[1] > 2 and executor_layer_of("executor") == ("model", 0)
+    assert executor_layer_of("executor.training.speculative")[1] == executor_layer_of("executor.serving.serve")[1]
+    assert executor_layer_of("sim.policy.scheduler") is None and layer_of("executor") == ("executor", 4)
 
 
 _PROBE = """

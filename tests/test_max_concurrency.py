@@ -97,7 +97,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_the_executor_keeps_the_limit_and_loses_nothing(tmp_path, checkpoint):
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-gate",
                                workload={"arrival": {"process": "poisson", "rate": 2000.0}, "num_requests": 20,

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from executor.attention import AttentionMetadata, get_backend
-from executor.sampling import SamplingParams, target_probs
+from executor.model.attention import AttentionMetadata, get_backend
+from executor.model.sampling import SamplingParams, target_probs
+from executor.model.tiny import tiny_model
 from executor.speculative.drafter import Drafter
 from executor.speculative.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from executor.speculative.verify import tree_depths, tree_mask, verify_tree
-from executor.tiny import tiny_model
 from sim.cost.speculation import best_tree, tree_expected_tokens
 from sim.policy.request import Status
 from tests.test_engine import make_engine, prompts, serve_all
@@ -160,7 +160,7 @@ def test_tree_expectation_and_construction():
 
 
 def test_training_medusa_heads_lowers_their_held_out_kl_and_picks_a_tree():
-    from executor.speculative.training import choose_tree, teacher_targets, train_medusa
+    from executor.training.speculative import choose_tree, teacher_targets, train_medusa
 
     teacher = tiny_model(seed=5, num_kv_heads=2, num_layers=2, vocab_size=256, tie_word_embeddings=True)
     g = torch.Generator().manual_seed(0)
@@ -181,7 +181,7 @@ def test_retree_picks_the_tree_again_for_a_profile(tmp_path):
     """`train-medusa --retree` rewrites only the saved tree: free verify rows (no profile) take the biggest one."""
     import json
 
-    from executor.speculative.training import retree_command
+    from executor.training.speculative import retree_command
 
     probs = [[0.5, 0.2, 0.1], [0.3, 0.2, 0.1]]
     (tmp_path / "medusa.json").write_text(json.dumps({"heldout_rank_probs": probs, "tree": [[0]], "vocab": [1]}))

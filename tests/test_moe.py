@@ -1,4 +1,4 @@
-"""The executor's mixture-of-experts block (executor/moe.py): tiny random-weight Mixtral-, Qwen2-MoE- and
+"""The executor's mixture-of-experts block (executor/model/moe.py): tiny random-weight Mixtral-, Qwen2-MoE- and
 Qwen3-MoE-style models give transformers' own logits and greedy tokens through the engine's paged prefill and
 decode, load what transformers holds in memory (fused 3-D experts) and what it writes to disk (one module per
 expert), and count the tokens each expert computed."""
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from executor import moe
-from executor.build import make_engine, run_offline
-from executor.model import LlamaConfig, LlamaModel
-from executor.sampling import SamplingParams
-from executor.tiny import tiny_model, to_transformers
+from executor.core.build import make_engine, run_offline
+from executor.model import moe
+from executor.model.llama import LlamaConfig, LlamaModel
+from executor.model.sampling import SamplingParams
+from executor.model.tiny import tiny_model, to_transformers
 from sim.config.moe import is_moe_layer
 from tests.parallel_workloads import policy
 from tests.test_executor_model import full_forward, hf_greedy, random_prompts, rel_err
@@ -85,7 +85,7 @@ def test_loads_transformers_weights_in_memory_and_on_disk(tmp_path, name):
     block_sparse_moe.experts.N.w1/w3/w2, Qwen's mlp.experts.N.gate_proj/...): both load to the same model."""
     from safetensors.torch import load_file
 
-    from executor.weights import load_hf_model
+    from executor.model.weights import load_hf_model
 
     source = moe_model(name, seed=9)
     hf = to_transformers(source, family=MODELS[name][0])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.build import make_engine
+from executor.core.build import make_engine
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
 from infersim.api import serve_scenario
 from sim.config.errors import ConfigError

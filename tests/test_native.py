@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor import attention, layers, native
-from executor.attention import AttentionMetadata, naive_attention, sdpa_attention
-from executor.layers import apply_rope
-from executor.tiny import tiny_model
+from executor.model import attention, layers, native
+from executor.model.attention import AttentionMetadata, naive_attention, sdpa_attention
+from executor.model.layers import apply_rope
+from executor.model.tiny import tiny_model
 from tests.test_attention import dense_reference, make_batch, rel_err
 from tests.test_executor_model import Sequences, random_prompts
 
@@ -203,8 +203,8 @@ def test_tuning_hands_over_where_the_native_kernel_stops_winning(monkeypatch):
 
 def test_a_runner_tunes_its_model_once():
     """Building a runner tunes the model's projections (and drops a decode plan made with the old limits)."""
-    from executor.cache_engine import KVCache
-    from executor.model_runner import ModelRunner
+    from executor.core.model_runner import ModelRunner
+    from executor.model.cache_engine import KVCache
 
     model = tiny_model()
     assert all(m.native_max_rows is None for m in model.modules() if isinstance(m, layers.Linear))

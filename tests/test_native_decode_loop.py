@@ -1,14 +1,14 @@
-"""The native decode loop (executor/model.py, native.decode_layers: every decoder layer of a step of one-token rows in
+"""The native decode loop (executor/model/llama.py, native.decode_layers: every decoder layer of a step of one-token rows in
 one native call) computes what the layer-by-layer native path computes, and steps it does not cover take that path."""
 import pytest
 import torch
 
-from executor import model as model_module
-from executor import native
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
-from executor.quantize import quantize_weights
-from executor.tiny import tiny_model
+from executor.model import llama as model_module
+from executor.model import native
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
+from executor.model.quantize import quantize_weights
+from executor.model.tiny import tiny_model
 from tests.test_attention import rel_err
 from tests.test_executor_model import random_prompts
 

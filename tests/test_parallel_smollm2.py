@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.build import make_engine
+from executor.core.build import make_engine
+from executor.core.prompts import corpus_ids, prompt_ids
 from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import tensor_parallel
-from executor.prompts import corpus_ids, prompt_ids
 from tests.parallel_workloads import outputs, policy
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ LENGTHS = [(40, 6), (150, 3), (9, 10), (90, 5), (230, 2), (61, 8)]  # (prompt, o
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from executor.weights import load_hf_model, smollm2_gguf_path
+    from executor.model.weights import load_hf_model, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()

@@ -189,7 +189,7 @@ def checkpoint(tmp_path_factory):
 def test_the_executor_reuses_cached_blocks_and_generates_the_same_tokens(tmp_path, checkpoint):
     """A tiny model served twice on prompts that share 4 prefixes: with prefix caching fewer prompt tokens are
     computed, yet every request's greedy output is the one computed from scratch."""
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     outputs, prompt_tokens, reports = {}, {}, {}
     for caching in (False, True):
@@ -254,7 +254,7 @@ def test_mooncake_hash_ids_that_are_not_block_ids(tmp_path, hash_ids):
 
 
 def test_prompt_ids_follow_the_shared_content():
-    from executor.prompts import prompt_ids
+    from executor.core.prompts import prompt_ids
 
     corpus = list(range(3, 1000))
     a = prompt_ids(corpus, 1200, 0, (11, 12, 13), 512)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor import attention, native, quantize
-from executor.attention import AttentionMetadata, get_backend
-from executor.build import make_engine
-from executor.cache_engine import KVCache, dequantize_kv, quantize_kv
-from executor.engine import SamplingParams
-from executor.kv_transfer import copy_kv
-from executor.layers import Linear, apply_rope
-from executor.model_runner import ModelRunner
-from executor.quantize import QuantizedLinear, QuantizedWeight, quantize_weights, weight_bytes
-from executor.tiny import tiny_model
+from executor.core.build import make_engine
+from executor.core.engine import SamplingParams
+from executor.core.model_runner import ModelRunner
+from executor.model import attention, native, quantize
+from executor.model.attention import AttentionMetadata, get_backend
+from executor.model.cache_engine import KVCache, dequantize_kv, quantize_kv
+from executor.model.layers import Linear, apply_rope
+from executor.model.quantize import QuantizedLinear, QuantizedWeight, quantize_weights, weight_bytes
+from executor.model.tiny import tiny_model
+from executor.serving.kv_transfer import copy_kv
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status

@@ -58,8 +58,8 @@ def test_serve_refuses_a_model_without_weights(tmp_path):
 def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, checkpoint):
     """method: draft_model serves through a draft saved like `infersim distill` saves one; the report has
     α and the measured drafting cost the simulator takes (draft_s_per_step, draft_s_per_seq)."""
+    from executor.model.weights import load_hf_model
     from executor.speculative.draft_model import make_student
-    from executor.weights import load_hf_model
 
     target, _, _ = load_hf_model(checkpoint)
     make_student(target, [1], list(range(0, 1000, 2))).save(tmp_path / "draft", {"teacher": "tiny"})
@@ -96,8 +96,8 @@ def test_serve_with_a_draft_model_reports_speculation_and_its_cost(tmp_path, che
 def test_serve_with_medusa_heads_reports_their_rank_probabilities(tmp_path, checkpoint):
     """method: medusa serves with tree verification through heads saved like `infersim train-medusa` saves
     them; the report has the measured rank probabilities the simulator takes (medusa_rank_probs)."""
+    from executor.model.weights import load_hf_model
     from executor.speculative.medusa import MedusaHeads
-    from executor.weights import load_hf_model
 
     target, _, _ = load_hf_model(checkpoint)
     MedusaHeads(target, 2, list(range(1000))).save(tmp_path / "heads", {})
@@ -122,7 +122,7 @@ def test_draft_cost_fits_the_drafter_and_the_verify_steps_ratio_to_the_profile()
     """The drafter's time is fitted from what the executor measured of it (no profile needed), and the verify
     forwards' time over the fitted model's prediction is their ratio, whatever their size."""
     from calibration.speculative import draft_cost
-    from executor.engine import StepRecord
+    from executor.core.engine import StepRecord
     from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
@@ -148,7 +148,7 @@ def test_draft_cost_counts_the_drafter_s_steps_that_found_no_drafts():
     nothing drafted) are in the fit, so draft_s_per_step is the search and draft_s_per_seq what a drafting
     request adds; steps the drafter was not asked for (draft_s 0) are not."""
     from calibration.speculative import draft_cost
-    from executor.engine import StepRecord
+    from executor.core.engine import StepRecord
 
     records = []
     for i, n in enumerate([0, 0, 1, 2, 0, 3] * 3):
@@ -165,7 +165,7 @@ def test_draft_cost_fits_a_draft_model_s_catch_up_on_prompts():
     """A draft model reads a new request's prompt at its first draft (draft_fed_tokens): the fit gives that
     time per token apart from the per-step and per-request parts; drafters with no model report none."""
     from calibration.speculative import draft_cost
-    from executor.engine import StepRecord
+    from executor.core.engine import StepRecord
 
     records = []
     for i, (n, fed) in enumerate([(1, 1), (2, 160), (2, 2), (3, 3), (3, 203), (1, 1), (2, 3), (3, 90)] * 2):
@@ -184,7 +184,7 @@ def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     """A serve whose plain decode steps all ran 1.2x the profile: the verify steps' share of that slowness is
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""
     from calibration.speculative import MIN_PLAIN_STEPS, draft_cost
-    from executor.engine import StepRecord
+    from executor.core.engine import StepRecord
     from sim.cost.fitted import FittedCostModel, shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
@@ -229,8 +229,8 @@ class _Load:
 
 @pytest.mark.parametrize("busy", [False, True])
 def test_keep_warm_polls_idle_gaps_only_on_a_quiet_machine(monkeypatch, busy):
-    from executor import serve as serve_mod
-    from executor.tiny import tiny_model
+    from executor.model.tiny import tiny_model
+    from executor.serving import serve as serve_mod
     from sim.config.workload import RequestSpec
     from tests.test_engine import make_engine
 

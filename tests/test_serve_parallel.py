@@ -43,7 +43,7 @@ def test_a_parallel_serve_accounts_for_every_request(tmp_path, checkpoint, paral
 
 
 def test_a_worker_killed_mid_serve_ends_it_with_its_rank_and_the_completed_requests(tmp_path, checkpoint):
-    from executor.serve import serve
+    from executor.serving.serve import serve
 
     path = write_tiny_scenario(tmp_path, checkpoint, parallel={"tensor_parallel_size": 2},
                                workload={"num_requests": 40, "arrival": {"process": "poisson", "rate": 15.0}})

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.cache_engine import KVCache
-from executor.engine import Engine, SamplingParams
-from executor.prompts import corpus_ids, prompt_ids
+from executor.core.engine import Engine, SamplingParams
+from executor.core.prompts import corpus_ids, prompt_ids
+from executor.model.cache_engine import KVCache
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.request import Request, Status
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from executor.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
+    from executor.model.weights import load_hf_model, load_transformers_model, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()

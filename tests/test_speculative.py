@@ -244,7 +244,7 @@ def test_simulated_speculation_under_a_small_kv_cache_keeps_every_request():
 def test_bench_paragraphs_ship_with_the_package():
     """bench/spec_decode.py's input-grounded prompts, read from the installed package: the Declaration's passages
     and the plain notices (whole paragraphs), 40-90 words each."""
-    from executor.prompts import paragraphs, plain_paragraphs
+    from executor.core.prompts import paragraphs, plain_paragraphs
 
     for source in (paragraphs, plain_paragraphs):
         texts = source(6)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-from executor.sampling import SamplingParams, target_probs
+from executor.model.sampling import SamplingParams, target_probs
+from executor.model.tiny import tiny_model, to_transformers
 from executor.speculative.draft_model import DraftModelDrafter, load_draft, make_student
 from executor.speculative.drafter import Drafter, RandomDrafter
 from executor.speculative.ngram import PromptLookup
 from executor.speculative.verify import verify
-from executor.tiny import tiny_model, to_transformers
 from sim.policy.request import Request, Status
 from tests.test_engine import make_engine, prompts, serve_all
 

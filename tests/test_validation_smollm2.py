@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from executor.cpu_load import BUSY_CORES, BUSY_SHARE
+from executor.core.cpu_load import BUSY_CORES, BUSY_SHARE
 from infersim.cli import app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
@@ -46,7 +46,7 @@ SCENARIO = {
 
 
 def test_small_validation_within_bound(tmp_path):
-    from executor.weights import smollm2_gguf_path
+    from executor.model.weights import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()

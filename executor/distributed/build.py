@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import check_tensor_parallel, tensor_parallel
-from executor.model import LlamaModel
-from executor.sampling import SamplingParams
+from executor.model.llama import LlamaModel
+from executor.model.sampling import SamplingParams
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.policy.build import make_policy

@@ -1,4 +1,4 @@
-"""What the driver tells its workers — a step's inputs (executor.model_runner.StepInput, its requests left out), a
+"""What the driver tells its workers — a step's inputs (executor.core.model_runner.StepInput, its requests left out), a
 new KV cache, stop — and how a message travels over torch.distributed: a broadcast to every rank or a send to one.
 
 A message is pickled into a uint8 tensor and goes in a frame of FRAME bytes (its length first), so a step of up
@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from executor.model_runner import StepInput
+from executor.core.model_runner import StepInput
 
 FRAME = 8192  # bytes of a message's first trip, its 8-byte length included
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from executor.model import LlamaConfig, moe_block
-from executor.moe import SparseMoeBlock, grouped_swiglu, sort_by_expert
+from executor.model.llama import LlamaConfig, moe_block
+from executor.model.moe import SparseMoeBlock, grouped_swiglu, sort_by_expert
 
 
 def check_moe_parallel(config: LlamaConfig, tp: int) -> None:

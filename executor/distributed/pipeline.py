@@ -23,15 +23,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from executor.build import make_engine
-from executor.cache_engine import KVCache
+from executor.core.build import make_engine
+from executor.core.engine import Engine, PendingStep, StepRecord
+from executor.core.malloc_tuning import keep_freed_memory
+from executor.core.model_runner import ModelRunner, StepInput
 from executor.distributed import messages
 from executor.distributed.launch import Group, collective, launch
-from executor.engine import Engine, PendingStep, StepRecord
-from executor.malloc_tuning import keep_freed_memory
-from executor.model import LlamaConfig, LlamaModel
-from executor.model_runner import ModelRunner, StepInput
-from executor.sampling import SamplingParams
+from executor.model.cache_engine import KVCache
+from executor.model.llama import LlamaConfig, LlamaModel
+from executor.model.sampling import SamplingParams
 from sim.cost.parallel import stage_layers
 from sim.policy.router import make_router
 

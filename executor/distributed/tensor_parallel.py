@@ -25,8 +25,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from executor.build import make_engine
-from executor.cache_engine import KVCache
+from executor.core.build import make_engine
+from executor.core.engine import Engine
+from executor.core.malloc_tuning import keep_freed_memory
+from executor.core.model_runner import ModelRunner, StepInput
 from executor.distributed import messages
 from executor.distributed.launch import Group, collective, launch
 from executor.distributed.moe_parallel import (
@@ -37,13 +39,11 @@ from executor.distributed.moe_parallel import (
     swiglu_columns,
 )
 from executor.distributed.shm import ShmCollectives, make_buffers
-from executor.engine import Engine
-from executor.layers import Linear
-from executor.malloc_tuning import keep_freed_memory
-from executor.model import LlamaConfig, LlamaModel
-from executor.model_runner import ModelRunner, StepInput
-from executor.moe import SparseMoeBlock
-from executor.sampling import SamplingParams
+from executor.model.cache_engine import KVCache
+from executor.model.layers import Linear
+from executor.model.llama import LlamaConfig, LlamaModel
+from executor.model.moe import SparseMoeBlock
+from executor.model.sampling import SamplingParams
 from sim.config.sharding import shard, vocab_shard
 
 SHM_CAPACITY = 1 << 20  # floats per rank per shared-memory operation (4 MiB): larger ones go in chunks

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from executor.model import LlamaModel
-from executor.sampling import SamplingParams
+from executor.model.llama import LlamaModel
+from executor.model.sampling import SamplingParams
 from executor.speculative.ngram import PromptLookup
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
@@ -14,7 +14,8 @@ def drafter_dir(plan: Plan, named_only: bool = False) -> Path | None:
     """The folder of a draft_model scenario's draft or a medusa scenario's heads (the scenario's, relative to
     it, or the default); a one-line error if there is none. `named_only`: None unless the scenario names a folder
     that holds them (which is then checked as ever)."""
-    from executor.speculative.training import default_draft_dir, default_medusa_dir
+    from executor.speculative.draft_model import default_draft_dir
+    from executor.speculative.medusa import default_medusa_dir
 
     spec = plan.speculative
     if spec.method == "medusa":

@@ -17,16 +17,22 @@ from pathlib import Path
 
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
-from executor.cuda_graph import DecodeGraphs, capture_or_explain
-from executor.layers import Linear
-from executor.model import LlamaModel
-from executor.sampling import SamplingParams, target_probs
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
+from executor.model.cuda_graph import DecodeGraphs, capture_or_explain
+from executor.model.layers import Linear
+from executor.model.llama import LlamaModel
+from executor.model.sampling import SamplingParams, target_probs
+from executor.model.weights import load_trained, save_trained
 from executor.speculative.drafter import Drafter
-from executor.weights import load_trained, save_trained
+from sim.config import environment
 
 NAME = "draft"  # draft.safetensors, draft.json
+
+
+def default_draft_dir() -> Path:
+    """Where `infersim distill` saves by default: $INFERSIM_CACHE_DIR (default ~/.cache/infersim)/drafts/."""
+    return environment.cache_dir() / "drafts" / "smollm2-135m"
 
 
 def make_student(teacher: LlamaModel, layers: list[int], vocab: list[int]) -> "DraftModel":

@@ -17,13 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.model import LlamaModel
+from executor.model.llama import LlamaModel
+from executor.model.weights import load_trained, save_trained
 from executor.speculative.drafter import Drafter
-from executor.weights import load_trained, save_trained
 from sim.config.scenario import MEDUSA_TOPK as TOPK  # candidates kept per head: the widest a tree may branch
 from sim.config.scenario import check_tree
 
 NAME = "medusa"  # medusa.safetensors, medusa.json
+
+
+def default_medusa_dir() -> Path:
+    """The Medusa heads shipped for SmolLM2-135M (`infersim train-medusa` writes them by default)."""
+    return Path(__file__).resolve().parents[1] / "data" / "medusa-smollm2-135m"
 
 
 class MedusaHeads(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.sampling import SamplingParams, greedy, target_probs
+from executor.model.sampling import SamplingParams, greedy, target_probs
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,

@@ -3,7 +3,7 @@
 A workload describes shared content (RequestSpec.prefix: content ids, each naming `prefix_unit` tokens of the prompt's
 beginning: workload.shared_prefix gives one id per prompt, a Mooncake trace its hash_ids); the hash of a full block
 names the prompt's content up to and including it, so two requests' blocks of one hash hold the same K/V. The simulator and the executor take a request's hashes from here alike (the executor builds the prompt's
-token ids to match: executor/prompts.py), so both see the same hits.
+token ids to match: executor/core/prompts.py), so both see the same hits.
 
 A conversation's turns (workload.conversation) are one token stream: each turn's prompt is the turn before it, that
 turn's answer and new tokens. Its blocks past any shared prefix are named by (conversation, block index), through its

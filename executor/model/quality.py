@@ -9,8 +9,8 @@ from importlib.resources import files
 
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
 
 HELDOUT = "heldout_prose.txt"  # written for the project, used by nothing else (executor/data/README.md)
 

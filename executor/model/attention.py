@@ -11,7 +11,7 @@ num_kv_heads, D]` (or an int8 KV cache's `[.., num_kv_heads, D + 4]` rows, which
 it reads them). Sequences with a single query (decodes) are attended as one padded
 batch; longer ones (prefills) one at a time, since padding a prompt batch wastes work. The sdpa
 backend also batches short multi-token rows (speculative verify rows: a last token and its drafts), and on
-a CPU attends decode and verify rows through the native paged kernel (executor/native.py).
+a CPU attends decode and verify rows through the native paged kernel (executor/model/native.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from executor import native
-from executor.cache_engine import dequantize_kv
+from executor.model import native
+from executor.model.cache_engine import dequantize_kv
 
 
 @dataclass

@@ -2,13 +2,13 @@
 and the gated MLP, each a module of its own that a model composes.
 
 This is where variants plug in: a tensor-parallel (column/row-parallel), pipeline or quantized (int8/int4,
-executor/quantize.py) layer subclasses or replaces the class here, or a built module (`layer.mlp.down_proj = ...`),
+executor/model/quantize.py) layer subclasses or replaces the class here, or a built module (`layer.mlp.down_proj = ...`),
 and the model and the engine above are unchanged. Every layer is built from plain sizes, never from a model config.
 
 On CPU in fp32 every projection runs oneDNN's GEMM on a weight reordered once into its blocked layout
 (`Linear`): plain `F.linear` hands MKL the [out, in] weight to re-pack on every call, which costs more
 than the multiply itself when few rows decode (2-4x at 1-64 rows) and ~15% at thousands of rows. At a few rows
-a projection is a stream of its weight, and the native kernel (executor/native.py) reads it at a higher rate.
+a projection is a stream of its weight, and the native kernel (executor/model/native.py) reads it at a higher rate.
 Where one hands over to the other depends on the machine and the weight's shape (on an AMD EPYC: ~32-48 rows at
 1024 inputs, ~100-190 at 576), so `tune_native_rows` measures it once per shape when a runner is built; a fixed
 128 left a 0.5B model's 48-128-row prompt steps 1.1-1.3x slower than oneDNN and its step time jumping at 128 rows.
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor import native
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
+from executor.model import native
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
 
 
 def _mkldnn_linear_available() -> bool:

@@ -1,5 +1,5 @@
 """A llama-family decoder in plain torch with a serving-engine forward (nano-vllm style), built from the
-layers of executor/layers.py.
+layers of executor/model/layers.py.
 
 `forward` takes the flat packed tokens of a step (prefill chunks and decodes mixed), writes
 their K/V into the paged cache and attends through it; `compute_logits` runs the LM head only
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from executor import attention, layers, native, quantize
-from executor.attention import AttentionMetadata, get_backend
-from executor.cache_engine import KVCache
-from executor.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
-from executor.moe import SparseMoeBlock
+from executor.model import attention, layers, native, quantize
+from executor.model.attention import AttentionMetadata, get_backend
+from executor.model.cache_engine import KVCache
+from executor.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+from executor.model.moe import SparseMoeBlock
 from sim.config.moe import is_moe_layer
 
 # Switch off to run decode steps layer by layer in Python even where the native decode loop applies (comparisons).
@@ -103,7 +103,7 @@ class LlamaConfig:
         """The equivalent transformers LlamaConfig (for reference comparisons; a dense model's)."""
         if self.num_experts or self.qk_norm:
             raise NotImplementedError("a MoE or Qwen3 model has no transformers LlamaConfig; build the twin from its "
-                                      "own family's config (executor.tiny.moe_config)")
+                                      "own family's config (executor.model.tiny.moe_config)")
         from transformers import LlamaConfig as HFLlamaConfig
 
         return HFLlamaConfig(
@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder + LM head. `attn_backend` is a name from executor.attention ("naive", "sdpa",
+    """Decoder + LM head. `attn_backend` is a name from executor.model.attention ("naive", "sdpa",
     "flash", "paged") or a backend callable; change it any time via the attribute."""
 
     def __init__(self, config: LlamaConfig, attn_backend="sdpa"):

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
-from executor.cuda_graph import step_graphs
-from executor.model import LlamaModel
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
+from executor.model.cuda_graph import step_graphs
+from executor.model.llama import LlamaModel
 from executor.speculative.verify import tree_depths, tree_mask
 from sim.policy.request import Request
 from sim.policy.scheduler import ScheduledBatch

@@ -10,7 +10,7 @@ file): the driver sends `start` (the shared clock's t0 and its KV tensor, in sha
 whose prompt is done, and `None` to stop; a decode instance answers after every loop turn that has news (`News`: its
 steps and KV samples, transfers done, requests ended with their tokens and times). The KV itself does not travel in
 messages: the decode instance reserves blocks (`reserve_transfers`) and a copy thread pulls the tokens' K/V from the
-prefill tensor into them (executor.kv_transfer), one transfer at a time, while its engine keeps stepping; the request
+prefill tensor into them (executor.serving.kv_transfer), one transfer at a time, while its engine keeps stepping; the request
 joins the decode step after the copy ends and the prefill instance frees its blocks when told, as the simulator has
 it (sim/simulator/disaggregated.py).
 """
@@ -29,13 +29,13 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from executor.build import make_engine
-from executor.cpu_load import CpuLoad
+from executor.core.build import make_engine
+from executor.core.cpu_load import CpuLoad
+from executor.core.engine import Engine, StepRecord
+from executor.core.prompts import corpus_ids
 from executor.distributed.launch import Group, WorkerError, launch
-from executor.engine import Engine, StepRecord
-from executor.kv_transfer import Transfer, copy_kv, fit_link
-from executor.prompts import corpus_ids
-from executor.serve import (
+from executor.serving.kv_transfer import Transfer, copy_kv, fit_link
+from executor.serving.serve import (
     LOAD_EVERY_S,
     Arrivals,
     Loaded,
@@ -292,7 +292,7 @@ class PrefillDriver:
 
     def replay(self, load: CpuLoad, progress=None) -> None:
         """Submit each request at its arrival time (a conversation's later turn when the turn before it ends, see
-        executor.serve.Arrivals), step, hand off, absorb the decode instances' news, until every request has ended. A
+        executor.serving.serve.Arrivals), step, hand off, absorb the decode instances' news, until every request has ended. A
         decode instance that dies raises its WorkerError."""
         engine, sched, reqs, arrivals = self.engine, self.engine.scheduler, self.requests, self.arrivals
         next_sample = LOAD_EVERY_S
@@ -421,7 +421,7 @@ def check_pools(plan: Plan) -> None:
 def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
                 loaded: Loaded | None = None, stage=None, progress=None):
     """Serve a disaggregated plan: the driver is the prefill instance, each decode instance a process. Returns what
-    executor.serve.serve does — (records, traces, run (a PoolsRun), requests, wall seconds, CpuLoad) — with the
+    executor.serving.serve.serve does — (records, traces, run (a PoolsRun), requests, wall seconds, CpuLoad) — with the
     traces one per instance, prefill first. A decode instance that fails raises its WorkerError, with `requests`
     (every arrived request ended or rejected) and `engine` (the PoolsRun so far) on it."""
     check_pools(plan)
@@ -458,7 +458,7 @@ def serve_pools(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threa
             driver.start(specs)
             try:
                 driver.replay(load, progress)
-            except WorkerError as e:  # the partial result on the error, as executor.serve has it
+            except WorkerError as e:  # the partial result on the error, as executor.serving.serve has it
                 driver.end_unfinished()
                 e.requests, e.engine = driver.arrived, driver.result(time.perf_counter() - t0)
                 raise

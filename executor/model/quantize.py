@@ -16,7 +16,7 @@ head), in place: `quantize_weights(model, "int8" | "int4" | "fp8")`, and what th
   tensor at run time, torch._scaled_mm.
 
 int8 / int4 weights are stored once, already in the native kernel's panel layout (`[N / width][K][width]` columns,
-executor/kernels.cpp: `linear_quantized`), which the torch path unpacks with plain tensor ops, so results never
+executor/model/kernels.cpp: `linear_quantized`), which the torch path unpacks with plain tensor ops, so results never
 depend on the native library. On the CPU a projection of up to `QUANT_MAX_ROWS_BY_PANEL` rows (decodes, verify rows,
 prompts of up to 2048 tokens) runs the native kernel, which dequantizes in registers as the weight streams past;
 more rows dequantize the weight to fp32 once per call and multiply with MKL, where the FLOPs, not the bytes, decide.
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor import native
-from executor.attention import AttentionMetadata
-from executor.cache_engine import KVCache
+from executor.model import native
+from executor.model.attention import AttentionMetadata
+from executor.model.cache_engine import KVCache
 
 WEIGHT_DTYPES = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -245,7 +245,7 @@ class Fp8Weight(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """A drop-in for executor.layers.Linear (no bias) with a quantized weight; `splits` as Linear's (one quantized
+    """A drop-in for executor.model.layers.Linear (no bias) with a quantized weight; `splits` as Linear's (one quantized
     weight and one output per part). `weight` gives the dequantized weight (for code that reads it: drafters,
     sharding)."""
 

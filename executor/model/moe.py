@@ -11,7 +11,7 @@ added back to its token. Every block counts the tokens each expert computed (`ta
 trace records them.
 
 Not modelled here: DeepSeek's grouped top-k routing (expert groups, a correction bias) and its multi-head latent
-attention; the block is built from the MoE fields of LlamaConfig (executor/model.py).
+attention; the block is built from the MoE fields of LlamaConfig (executor/model/llama.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.layers import MLP, Linear
+from executor.model.layers import MLP, Linear
 
 # Switch off to run the routed experts as a loop over experts (for comparisons).
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")

@@ -30,15 +30,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from executor.build import make_engine, run_offline
-from executor.cpu_load import CpuLoad
-from executor.layers import apply_rope
-from executor.model import LlamaModel
-from executor.prompts import corpus_ids, paragraphs, prompt_ids
-from executor.sampling import SamplingParams
-from executor.speculative.draft_model import DraftModel, check_layers, make_student
-from executor.speculative.medusa import TOPK, MedusaHeads
-from sim.config import environment
+from executor.core.build import make_engine, run_offline
+from executor.core.cpu_load import CpuLoad
+from executor.core.prompts import corpus_ids, paragraphs, prompt_ids
+from executor.model.layers import apply_rope
+from executor.model.llama import LlamaModel
+from executor.model.sampling import SamplingParams
+from executor.speculative.draft_model import DraftModel, check_layers, default_draft_dir, make_student
+from executor.speculative.medusa import TOPK, MedusaHeads, default_medusa_dir
 from sim.config.plan import scheduler_config
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
@@ -396,7 +395,7 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
 
 def _load_smollm2(threads: int | None):
     """SmolLM2-135M for distillation or Medusa training: (model, tokenizer, its EOS token id)."""
-    from executor.weights import load_smollm2
+    from executor.model.weights import load_smollm2
 
     if threads:
         torch.set_num_threads(threads)
@@ -439,11 +438,6 @@ def cached_answers(teacher: LlamaModel, prompts: list[list[int]], eos: int | Non
     return answers
 
 
-def default_draft_dir() -> Path:
-    """Where `infersim distill` saves by default: $INFERSIM_CACHE_DIR (default ~/.cache/infersim)/drafts/."""
-    return environment.cache_dir() / "drafts" / "smollm2-135m"
-
-
 def distill_command(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,
                     threads: int | None) -> dict:
     """`infersim distill`: SmolLM2-135M's draft model, saved to `out` (default: default_draft_dir())."""
@@ -465,11 +459,6 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
     _warn_if_busy(load, "distillation")
     (out / "distill_log.json").write_text(json.dumps(record, indent=1))
     return record
-
-
-def default_medusa_dir() -> Path:
-    """The Medusa heads shipped for SmolLM2-135M (`infersim train-medusa` writes them by default)."""
-    return Path(__file__).resolve().parents[1] / "data" / "medusa-smollm2-135m"
 
 
 def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: int = 15,

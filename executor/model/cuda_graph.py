@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.attention import masked_attention
-from executor.cache_engine import KVCache
+from executor.model.attention import masked_attention
+from executor.model.cache_engine import KVCache
 from sim.config.errors import ConfigError
 
 # Batch sizes captured (nano-vllm's choice), cut at the engine's max_num_seqs, which is always one of them.

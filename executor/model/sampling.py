@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor import native
+from executor.model import native
 
 SAMPLING_EPS = 1e-5  # temperatures below it sample greedily
 

@@ -1,5 +1,5 @@
 """`infersim serve --http`: the executor as an OpenAI-compatible server (Starlette on uvicorn). Every HTTP request
-joins the one continuous batch the engine thread runs (executor.online); tokens stream back as server-sent events,
+joins the one continuous batch the engine thread runs (executor.serving.online); tokens stream back as server-sent events,
 one chunk per engine step. A client that goes away has its request taken out, and its KV freed, at the next step."""
 from __future__ import annotations
 
@@ -18,10 +18,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from executor.detokenize import TextStream
-from executor.engine import Engine
-from executor.online import OnlineEngine, Stream
-from executor.openai_protocol import (
+from executor.api_server.detokenize import TextStream
+from executor.api_server.openai_protocol import (
     CLIENT_GONE,
     Ask,
     BadRequest,
@@ -34,8 +32,10 @@ from executor.openai_protocol import (
     response,
     usage,
 )
-from executor.prometheus import ServerMetrics
-from executor.sampling import RequestSampling, SamplingParams
+from executor.api_server.prometheus import ServerMetrics
+from executor.core.engine import Engine
+from executor.model.sampling import RequestSampling, SamplingParams
+from executor.serving.online import OnlineEngine, Stream
 from sim.policy.request import Request, Status
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.model import LlamaConfig, LlamaModel
+from executor.model.llama import LlamaConfig, LlamaModel
 
 
 def tiny_config(num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 4,

@@ -1,10 +1,10 @@
 """Building an engine over a model and a policy, and running it to completion offline."""
 from __future__ import annotations
 
-from executor.cache_engine import KVCache
-from executor.engine import Engine
-from executor.model import LlamaModel
-from executor.sampling import SamplingParams
+from executor.core.engine import Engine
+from executor.model.cache_engine import KVCache
+from executor.model.llama import LlamaModel
+from executor.model.sampling import SamplingParams
 from sim.policy.request import Request
 from sim.policy.scheduler import Scheduler
 
@@ -17,10 +17,10 @@ def make_engine(model: LlamaModel, policy: Scheduler, sampling: SamplingParams |
     and host swap space for its swap blocks. The one place engines are built: serves, profile sweeps,
     distillation and the benches. `runner_factory`: the runner of a rank's shard or a stage's layers
     (executor.distributed), made as Engine makes its ModelRunner. `kv_dtype` None: the model's own `kv_dtype`
-    attribute if it has one (executor.serve.compress sets it). An int8 KV cache runs eagerly (use_graphs None
+    attribute if it has one (executor.serving.serve.compress sets it). An int8 KV cache runs eagerly (use_graphs None
     means off then; True is an error); so does a mixture-of-experts model."""
     p = next(model.parameters())
-    kv_dtype = kv_dtype or getattr(model, "kv_dtype", None)  # a served model carries its scenario's (executor.serve)
+    kv_dtype = kv_dtype or getattr(model, "kv_dtype", None)  # a served model carries its scenario's (executor.serving.serve)
     dtype = model.embed_tokens.weight.dtype  # the activations' dtype (quantized layers hold int8 buffers)
     kv = policy.kv
     if kv_dtype is not None and use_graphs is None:

@@ -1,7 +1,7 @@
-"""Native CPU kernels (executor/kernels.cpp): small-batch linear layers (fp32, and int8 / int4 weights dequantized in
+"""Native CPU kernels (executor/model/kernels.cpp): small-batch linear layers (fp32, and int8 / int4 weights dequantized in
 registers), paged attention for decode and verify rows (fp32 or int8 KV), and a layer's elementwise work fused into
 single passes (residual add + RMSNorm, RoPE + KV-cache write, SiLU·up); and `decode_layers`, which runs all of a
-decode step's decoder layers through those kernels in one call (executor/model.py's native decode loop).
+decode step's decoder layers through those kernels in one call (executor/model/llama.py's native decode loop).
 
 Built on first use with the system C++ compiler (`c++ -O3 -march=native -fopenmp`, about a second) into a
 per-machine cache and called through ctypes; the OpenMP runtime is the libgomp torch already loaded, so the
@@ -171,7 +171,7 @@ def linear_small(x: torch.Tensor, weight: Panels) -> torch.Tensor:
 
 def linear_quantized(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
                      n: int, split: int | None = None):
-    """x [M, K] (contiguous fp32) @ wᵀ -> [M, n] for a weight quantized into panels (executor/quantize.py's
+    """x [M, K] (contiguous fp32) @ wᵀ -> [M, n] for a weight quantized into panels (executor/model/quantize.py's
     layout: int8 with a scale per column, or int4 with an fp16 (scale, min) per group of K and column),
     dequantized in registers as it streams past. With `split` (a multiple of the panel width): the two contiguous
     outputs [M, split] and [M, n - split] of one call."""
@@ -197,7 +197,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     [num_blocks, block_size, kvh, D] through block_tables [B, max_blocks] (int64); slot i of a row is at
     position context_len - n + i and sees keys up to it, or where `visible` [B, n, n] (uint8) says so among
     the row's last n keys (candidate trees). Slots that see nothing (padding) come out zero. The pools may hold
-    the KV cache's int8 rows (executor/cache_engine.py: [.., kvh, D + 4] int8)."""
+    the KV cache's int8 rows (executor/model/cache_engine.py: [.., kvh, D + 4] int8)."""
     b, n, h, d = q.shape
     out = torch.empty_like(q)
     library().paged_attention(q.data_ptr(), out.data_ptr(), b, n, h, d, k_pool.data_ptr(), v_pool.data_ptr(),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from executor.model import LlamaConfig, LlamaModel
+from executor.model.llama import LlamaConfig, LlamaModel
 from sim.config import environment
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

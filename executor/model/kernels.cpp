@@ -1,5 +1,5 @@
 /* Native CPU kernels for the executor's forward (fp32 activations; fp32, int8 or int4 weights; an fp32 or int8 KV
- * cache), built at first use by executor/native.py. C++ for GCC's vector extensions, whose ?: works on vectors
+ * cache), built at first use by executor/model/native.py. C++ for GCC's vector extensions, whose ?: works on vectors
  * only in C++.
  *
  * Why: at the few rows of a decode step a projection is a weight stream, and oneDNN streams weights at about
@@ -1171,7 +1171,7 @@ extern "C" void argmax_rows(const float *x, int64_t M, int64_t V, int64_t *out) 
   }
 }
 
-/* A decode step's decoder layers in one call (executor/model.py's native decode loop): per layer the same kernels,
+/* A decode step's decoder layers in one call (executor/model/llama.py's native decode loop): per layer the same kernels,
    in the same order, as the layer-by-layer native path, without Python's dispatch between them (~3 ms of a 30-layer
    batch-1 step). Every row is a sequence's one new token.
  *
