@@ -8,14 +8,16 @@ linearization from one simulation per parameter around the kernel model's defaul
 relative errors of TPOT and TTFT), the 16th simulated with them. Medians are over the stages real vLLM kept up with;
 the saturation agreement over all stages. Simulated time only: the figures need no quiet machine.
 
-Usage: python bench/engine_truth.py [--stage-s 180 | --full] [--no-fit]   (~2 min on 2 busy cores; --full ~6 min)
+Usage: python bench/engine_truth.py [--stage-s 180 | --full] [--no-fit] [--family host_overheads|refinement]
+(~2 min on 2 busy cores; --no-fit ~25 s; --full ~15 min). `--family refinement` fits the GPU kernel model's linear,
+attention and communication parts instead (dense models only: 12 experiments; TPOT alone).
 """
 from __future__ import annotations
 
 import argparse
 import time
 
-from calibration.engine_truth import HOST_OVERHEADS, STAGE_S, evaluate, leave_one_out, load_experiments
+from calibration.engine_truth import FAMILIES, STAGE_S, evaluate, headline, leave_one_out, load_experiments
 
 
 def _pct(x) -> str:
@@ -33,8 +35,9 @@ def table(before: list[dict], after: list[dict] | None) -> str:
     head += f" | {'TTFT ms real':>12} {'sim':>8} {'err':>7}" + (f" {'LOO':>8} {'err':>7}" if after else "")
     head += " | kept up real/sim" + ("/LOO" if after else "")
     lines = [head, "-" * len(head)]
-    for i, b in enumerate(before):
-        a = after[i] if after else None
+    by_stage = {(r["experiment"], r["stage"]): r for r in after or []}
+    for b in before:
+        a = by_stage.get((b["experiment"], b["stage"]))
         line = (f"{b['experiment']:28} {b['stage']:>2} {b['rate']:>4g} | {_ms(b['tpot_real']):>12} "
                 f"{_ms(b['tpot_sim']):>6} {_pct(b['tpot_err_pct']):>5}")
         if a:
@@ -43,6 +46,8 @@ def table(before: list[dict], after: list[dict] | None) -> str:
         if a:
             line += f" {_ms(a['ttft_sim']):>8} {_pct(a['ttft_err_pct']):>7}"
         verdicts = [b["keeps_up_real"], b["keeps_up_sim"]] + ([a["keeps_up_sim"]] if a else [])
+        if after and not a:
+            line += "   (not fitted)"
         lines.append(line + " | " + "/".join("yes" if v else "no" for v in verdicts))
     return "\n".join(lines)
 
@@ -51,34 +56,40 @@ def _fmt(x) -> str:
     return "none" if x is None else f"{x:.3g}"
 
 
+def _headlines(prefix: str, h: dict) -> None:
+    for key in ("tpot_abs_err_median_pct", "ttft_abs_err_median_pct", "saturation_agreement"):
+        print(f"{prefix}_{key}: {_fmt(h[key])}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage-s", type=float, default=STAGE_S, help="simulated seconds per stage (steady state)")
     p.add_argument("--full", action="store_true", help="every stage as long as it ran (600-1200 s)")
     p.add_argument("--no-fit", action="store_true", help="only the simulator as it is")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="host_overheads", help="what is fitted end to end: "
+                   "the host overheads (every experiment), or the kernel model's parts (dense models, TPOT only)")
     a = p.parse_args()
     stage_s = None if a.full else a.stage_s
     t0 = time.perf_counter()
     experiments = load_experiments()
     before, b = evaluate(None, experiments, stage_s)
-    after = None
+    family, after = FAMILIES[a.family], None
     if not a.no_fit:
-        after, h, thetas = leave_one_out(HOST_OVERHEADS, experiments, stage_s)
+        after, h, thetas = leave_one_out(family, experiments, stage_s)
     print(table(before, after))
     print(f"\n{len(experiments)} experiments, {b['stages']} stages ({b['stages_served']} real vLLM kept up with); "
           f"stages {'as long as they ran' if stage_s is None else f'cut to {stage_s:g} simulated s'}; "
           f"{time.perf_counter() - t0:.0f} s")
+    _headlines("before", b)
     if after:
-        names = ", ".join(HOST_OVERHEADS.names)
-        for exp, theta in zip(experiments, thetas):
-            print(f"  held out {exp.name}: fitted {names} = " + ", ".join(f"{v * 1e6:.1f} µs" for v in theta))
-    print(f"before_tpot_abs_err_median_pct: {_fmt(b['tpot_abs_err_median_pct'])}")
-    print(f"before_ttft_abs_err_median_pct: {_fmt(b['ttft_abs_err_median_pct'])}")
-    print(f"before_saturation_agreement: {_fmt(b['saturation_agreement'])}")
-    final = h if after else b
-    print(f"e2e_tpot_abs_err_median_pct: {_fmt(final['tpot_abs_err_median_pct'])}")
-    print(f"e2e_ttft_abs_err_median_pct: {_fmt(final['ttft_abs_err_median_pct'])}")
-    print(f"e2e_saturation_agreement: {_fmt(final['saturation_agreement'])}")
+        fitted = [e for e in experiments if family.applies(e.plan)]
+        print(f"fitted leave one out: {a.family} ({', '.join(family.names)}) on {len(fitted)} experiments")
+        for exp, theta in zip(fitted, thetas):
+            print(f"  held out {exp.name}: " + ", ".join(f"{v:.4g}" for v in theta))
+        names = {e.name for e in fitted}
+        if len(fitted) < len(experiments):
+            _headlines("before_same_experiments", headline([r for r in before if r["experiment"] in names]))
+    _headlines("e2e", h if after else b)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from calibration.published import Published, read_published
 from sim.config.generator import generate_requests
+from sim.config.moe import is_sparse
 from sim.config.plan import Plan, load_scenario, replan
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S
 from sim.report.stages import stage_sections
@@ -58,9 +59,14 @@ def shortened(plan: Plan, stage_s: float | None) -> Plan:
     return replan(plan, workload=workload)
 
 
-def simulate_stages(plan: Plan, stage_s: float | None = STAGE_S) -> list[dict]:
-    """The plan's workload simulated (stages cut to `stage_s`): report.json's `stages`."""
-    plan = shortened(plan, stage_s)
+def cut(experiments: list[Experiment], stage_s: float | None) -> list[Experiment]:
+    """The experiments with their stages cut to `stage_s` (before a candidate changes a plan: cutting resolves the
+    scenario again, and would drop a change made to the resolved plan)."""
+    return [Experiment(e.name, shortened(e.plan, stage_s), e.published) for e in experiments]
+
+
+def simulate_stages(plan: Plan) -> list[dict]:
+    """The plan's workload simulated: report.json's `stages`."""
     return stage_sections(plan, sim_records(simulate(plan, generate_requests(plan.workload, plan.base_dir))))
 
 
@@ -102,24 +108,25 @@ def headline(rows: list[dict]) -> dict:
 def evaluate(candidate: Candidate | None = None, experiments: list[Experiment] | None = None,
              stage_s: float | None = STAGE_S) -> tuple[list[dict], dict]:
     """Every experiment simulated with `candidate(plan)` (None: the plan as it is) and scored: (rows, headline)."""
-    experiments = load_experiments() if experiments is None else experiments
     rows = []
-    for exp in experiments:
-        plan = candidate(exp.plan) if candidate is not None else exp.plan
-        rows += stage_rows(exp, simulate_stages(plan, stage_s))
+    for exp in cut(load_experiments() if experiments is None else experiments, stage_s):
+        rows += stage_rows(exp, simulate_stages(candidate(exp.plan) if candidate is not None else exp.plan))
     return rows, headline(rows)
 
 
 @dataclass(frozen=True)
 class Family:
     """A few parameters fitted end to end: their names, starting values, the step each one's finite difference
-    takes, lower bounds, and how a plan takes them."""
+    takes, lower bounds, how a plan takes them, which plans take them, and which errors the fit reduces ("tpot",
+    "ttft")."""
 
     names: tuple[str, ...]
     start: tuple[float, ...]
     step: tuple[float, ...]
     lower: tuple[float, ...]
     apply: Callable[[Plan, tuple[float, ...]], Plan]
+    applies: Callable[[Plan], bool] = lambda plan: True
+    metrics: tuple[str, ...] = ("tpot", "ttft")
 
 
 def _overheads(plan: Plan, theta: tuple[float, ...]) -> Plan:
@@ -133,12 +140,32 @@ HOST_OVERHEADS = Family(("step_overhead_s", "per_seq_overhead_s"), (VLLM_STEP_OV
                         (1e-3, 2e-5), (0.0, 0.0), _overheads)
 
 
-def residuals(rows: list[dict]) -> np.ndarray:
-    """The relative errors a fit reduces: TPOT and TTFT of each stage both sides kept up with (NaN elsewhere)."""
+def _refined(plan: Plan, theta: tuple[float, ...]) -> Plan:
+    """The plan's GPU kernel model with its parts scaled (sim/cost/gpu.py's Refinement, as a profile refines it):
+    set on the resolved plan, no scenario key (a fitting device, not a setting)."""
+    parts = dict(zip(("linear", "attention", "communication"), theta))
+    refinement = {**parts, "step_overhead_s": VLLM_STEP_OVERHEAD_S, "per_seq_overhead_s": VLLM_PER_SEQ_OVERHEAD_S}
+    return replace(plan, cost=replace(plan.cost, refinement=refinement))
+
+
+def _dense_kernels(plan: Plan) -> bool:
+    return plan.cost.source == "kernels" and not is_sparse(plan.model) and plan.data_parallel_size == 1
+
+
+# the kernel model's linear, attention and communication parts each times a factor (dense models: a mixture of
+# experts' cost model takes no refinement), fitted to TPOT alone: TTFT holds the client-server time no engine part
+# prices (docs/published-runs.md)
+REFINEMENT = Family(("linear", "attention", "communication"), (1.0, 1.0, 1.0), (0.1, 0.1, 0.1), (0.0, 0.0, 0.0),
+                    _refined, _dense_kernels, ("tpot",))
+FAMILIES = {"host_overheads": HOST_OVERHEADS, "refinement": REFINEMENT}
+
+
+def residuals(rows: list[dict], metrics: tuple[str, ...] = ("tpot", "ttft")) -> np.ndarray:
+    """The relative errors a fit reduces: `metrics` of each stage both sides kept up with (NaN elsewhere)."""
     out = []
     for r in rows:
         both = r["keeps_up_real"] and r["keeps_up_sim"]
-        out += [r["tpot_err_pct"] / 100 if both else np.nan, r["ttft_err_pct"] / 100 if both else np.nan]
+        out += [r[f"{m}_err_pct"] / 100 if both else np.nan for m in metrics]
     return np.array(out, float)
 
 
@@ -158,18 +185,20 @@ def bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray
     return best
 
 
-def linearized(family: Family, experiments: list[Experiment], stage_s: float | None,
-               at: tuple[float, ...] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per experiment: its residuals at `at` (default: the family's start) and their derivatives in each parameter
-    (finite differences, one simulation per parameter): (r0, J) with r(theta) ~ r0 + J (theta - at)."""
+def linearized(family: Family, experiments: list[Experiment], at: tuple[float, ...] | None = None
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per experiment (stages already cut): its residuals at `at` (default: the family's start) and their derivatives
+    in each parameter (finite differences, one simulation per parameter): (r0, J) with r(theta) ~ r0 + J (theta -
+    at)."""
     at = family.start if at is None else at
     out = []
     for exp in experiments:
-        r0 = residuals(stage_rows(exp, simulate_stages(family.apply(exp.plan, at), stage_s)))
+        r0 = residuals(stage_rows(exp, simulate_stages(family.apply(exp.plan, at))), family.metrics)
         cols = []
         for i, h in enumerate(family.step):
             theta = tuple(v + (h if j == i else 0.0) for j, v in enumerate(at))
-            cols.append((residuals(stage_rows(exp, simulate_stages(family.apply(exp.plan, theta), stage_s))) - r0) / h)
+            rows = stage_rows(exp, simulate_stages(family.apply(exp.plan, theta)))
+            cols.append((residuals(rows, family.metrics) - r0) / h)
         out.append((r0, np.column_stack(cols)))
     return out
 
@@ -182,7 +211,7 @@ def fit(lin: list[tuple[np.ndarray, np.ndarray]], family: Family, at: tuple[floa
     r0 = np.concatenate([r for r, _ in lin])
     jac = np.concatenate([j for _, j in lin])
     keep = ~np.isnan(r0) & ~np.isnan(jac).any(axis=1)
-    if not keep.any():
+    if not keep.any() or not jac[keep].any():  # nothing to fit, or nothing the parameters move
         return at
     # each parameter in units of its step, so the columns are of one size
     scale = np.array(family.step)
@@ -193,18 +222,19 @@ def fit(lin: list[tuple[np.ndarray, np.ndarray]], family: Family, at: tuple[floa
 def leave_one_out(family: Family = HOST_OVERHEADS, experiments: list[Experiment] | None = None,
                   stage_s: float | None = STAGE_S, iterations: int = 1
                   ) -> tuple[list[dict], dict, list[tuple[float, ...]]]:
-    """Fit `family` to all experiments but one and predict that one's stages by simulating it, for each: (rows,
-    headline, the parameters each held-out experiment was predicted with). The first step linearizes every
+    """Fit `family` to all experiments it applies to but one and predict that one's stages by simulating it, for each:
+    (rows, headline, the parameters each held-out experiment was predicted with). The first step linearizes every
     experiment once at the family's start; each further iteration linearizes a fold's own experiments again at its
     last fit (p + 1 simulations per experiment per fold: for the fit of parameters far from the start)."""
-    experiments = load_experiments() if experiments is None else experiments
-    lin = linearized(family, experiments, stage_s)
+    experiments = [e for e in cut(load_experiments() if experiments is None else experiments, stage_s)
+                   if family.applies(e.plan)]
+    lin = linearized(family, experiments)
     rows, thetas = [], []
     for k, exp in enumerate(experiments):
         rest = experiments[:k] + experiments[k + 1:]
         theta = fit(lin[:k] + lin[k + 1:], family)
         for _ in range(iterations - 1):
-            theta = fit(linearized(family, rest, stage_s, theta), family, theta)
+            theta = fit(linearized(family, rest, theta), family, theta)
         thetas.append(theta)
-        rows += stage_rows(exp, simulate_stages(family.apply(exp.plan, theta), stage_s))
+        rows += stage_rows(exp, simulate_stages(family.apply(exp.plan, theta)))
     return rows, headline(rows), thetas

@@ -138,7 +138,7 @@ def _tiny(rate: float, output: int) -> dict:
 
 def _published_by(plan, truth) -> Published:
     """What a 'real' run publishes when it is the simulator at the host overheads `truth`."""
-    (s,) = simulate_stages(HOST_OVERHEADS.apply(plan, truth), None)
+    (s,) = simulate_stages(HOST_OVERHEADS.apply(plan, truth))
     stage = {"stage": 0, "rate": s["rate"], "duration_s": s["duration_s"], "sent": s["sent"],
              "completed": s["requests"]["completed"], "ttft_s": s["ttft_s"], "e2e_s": s["e2e_s"], "tpot_s": s["tpot_s"]}
     return Published.model_validate({"format": "infersim-published-run/1", "name": plan.name, "source": {},
@@ -163,4 +163,4 @@ def test_leave_one_out_recovers_the_overheads_the_runs_were_made_with():
 def _rows_at_start(exp: Experiment) -> list[dict]:
     from calibration.engine_truth import stage_rows
 
-    return stage_rows(exp, simulate_stages(exp.plan, None))
+    return stage_rows(exp, simulate_stages(exp.plan))

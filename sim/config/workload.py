@@ -17,12 +17,11 @@ from typing import Annotated, Literal, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
-from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
+from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_PROMPT_POOL, MAX_REQUESTS
 from sim.config.schema_base import StrictModel
 from sim.config.traces import check_trace_name
 
 MAX_ZIPF_SUPPORT = 10_000_000  # the inverse-CDF table holds one float per support value
-MAX_PROMPT_POOL = 1_000_000  # shared_prefix.prompts_per_prefix: prompts held, each its own lengths
 
 
 class ArrivalConfig(StrictModel):
