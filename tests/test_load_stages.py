@@ -157,3 +157,34 @@ def test_bad_stages_and_pools_are_one_line_errors(tmp_path, name):
         data["workload"] = {**STAGED, "load_stages": {"stages": [{"rate": 1, "duration_s": float("inf")}]}}
     line = run_broken(tmp_path, data, key)
     assert "Traceback" not in line
+
+
+def test_the_executor_holds_a_stage_until_the_one_before_it_ended(tmp_path):
+    """A tiny model served on the executor (the wall clock): stage 1's first request is sent its delay after the last
+    request of stage 0 ended, every request ends, and the pool's prompts come back with their cached blocks."""
+    import yaml
+
+    from executor.serve import serve
+    from sim.config.plan import load_scenario
+    from sim.policy.request import Status
+    from sim.report.outputs import build_report
+    from tests.helpers import tiny_checkpoint, write_tiny_scenario
+
+    checkpoint = tiny_checkpoint(tmp_path / "tiny", seed=5)
+    workload = {"seed": 1, "load_stages": {"stages": [{"rate": 40, "duration_s": 0.3}, {"rate": 60, "duration_s": 0.2}],
+                                           "gap_s": 0.05},
+                "prompt_len": {"dist": "uniform", "min": 20, "max": 40}, "output_len": {"dist": "fixed", "value": 4},
+                "shared_prefix": {"prefix_len": 8, "num_prefixes": 2, "prompts_per_prefix": 2}}
+    path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-stages", kv_cache={"enable_prefix_caching": True})
+    data = yaml.safe_load(path.read_text())
+    data["workload"] = workload
+    path.write_text(yaml.safe_dump(data))
+    plan = load_scenario(path)[1]
+    specs = generate_requests(plan.workload, plan.base_dir)
+    records, traces, _, requests, wall_s, _ = serve(plan, specs, "cpu", threads=1)
+    report = build_report(plan, records, traces, wall_s, engine="executor")
+    assert all(r.status is Status.FINISHED for r in requests) and len(requests) == 24
+    end0 = records.finish_s[records.id < 12].max()
+    first1 = records.arrival_s[records.id >= 12].min()
+    assert end0 + specs[12].stage_delay_s - 1e-6 <= first1 <= end0 + specs[12].stage_delay_s + 0.05
+    assert [s["sent"] for s in report["stages"]] == [12, 12] and report["kv_cache"]["prefix_cache_hit_rate"] > 0.3
