@@ -188,3 +188,12 @@ def test_the_executor_holds_a_stage_until_the_one_before_it_ended(tmp_path):
     first1 = records.arrival_s[records.id >= 12].min()
     assert end0 + specs[12].stage_delay_s - 1e-6 <= first1 <= end0 + specs[12].stage_delay_s + 0.05
     assert [s["sent"] for s in report["stages"]] == [12, 12] and report["kv_cache"]["prefix_cache_hit_rate"] > 0.3
+
+
+def test_a_capacity_search_refuses_load_stages():
+    from sim.config.errors import ConfigError
+    from sim.report.capacity import check_scalable
+
+    with pytest.raises(ConfigError) as e:
+        check_scalable(_specs())
+    assert e.value.key_path == "workload.load_stages"
