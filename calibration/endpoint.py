@@ -21,9 +21,9 @@ import httpx
 
 from sim.config.errors import ConfigError
 from sim.config.workload import RequestSpec
-from sim.policy.arrivals import ArrivalBook
 from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Request, Status
+from sim.policy.stages import arrival_book
 
 CORPUS = "declaration_of_independence.txt"  # the text the executor's prompts are cut from (executor/core/prompts.py)
 CONNECT_TIMEOUT_S = 10.0
@@ -359,7 +359,7 @@ def _error_message(body: str) -> str:
 
 async def _replay(ep: Endpoint, specs: list[RequestSpec], prompts: Prompts, first_texts: dict[int, str],
                   max_concurrency: int | None, chat: bool, timeout_s: float | None, progress) -> list[Outcome]:
-    book = ArrivalBook(specs, max_concurrency)
+    book = arrival_book(specs, max_concurrency)
     by_id = {s.id: s for s in specs}
     outcomes: dict[int, Outcome] = {}
     history: dict[int, str] = {}  # a turn that ended with a later turn waiting: its prompt and answer

@@ -223,7 +223,7 @@ def read_run(folder: Path, specs=None):
         for i, spec in enumerate(specs):
             d = mine[i] if i < len(mine) else None
             if d is None or (d["id"], d["prompt_len"], d["max_tokens"]) != (spec.id, spec.prompt_len, spec.output_len) \
-                    or spec.after < 0 and not spec.users \
+                    or spec.after < 0 and not spec.users and spec.stage <= 0 \
                     and abs(d["arrival_s"] - spec.arrival_s) > 1e-6 * max(1.0, spec.arrival_s):
                 raise ConfigError(f"its {len(recorded)} requests are not the {len(specs)} of this scenario's workload "
                                   f"(they differ at request {i}): a run of another scenario or seed; record it again "

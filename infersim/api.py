@@ -455,6 +455,24 @@ def validate_endpoint(scenario: Path, endpoint: str, served_model: str | None = 
         ep.close()
 
 
+def validate_published(scenario: Path, published: Path, out: Path | None = None) -> dict:
+    """Simulate a scenario and score it, stage by stage, against a real run's published figures (a
+    infersim-published-run/1 file: scenarios/gpu_validation/published/): validation.json's content, written under
+    `out`. Needs no torch."""
+    from calibration.published import validate_published as run
+
+    plan = load_plan(scenario)
+    if plan.pools is not None:
+        raise ConfigError("a published run is one server: a scenario with pools cannot be compared with it; allowed: "
+                          "one replica set", "pools", str(scenario))
+    prepare_out(out)
+    try:
+        check_profile_device(plan)
+        return run(plan, published, out)
+    except ConfigError as e:
+        raise e.with_file(str(scenario)) from None
+
+
 def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, model: str = "SmolLM2-135M",
                      scenario: Path | None = None, quick: bool = False, tokenizer: str | None = None,
                      quiet: bool = False) -> dict:

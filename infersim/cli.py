@@ -245,16 +245,20 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              chat: bool = typer.Option(False, "--chat", help="--endpoint: send /v1/chat/completions (the server's "
                                        "chat template around each prompt) instead of /v1/completions"),
              timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="--endpoint: a request "
-                                                     "not done this many seconds after it was sent ends rejected")
+                                                     "not done this many seconds after it was sent ends rejected"),
+             published: Optional[Path] = typer.Option(None, "--published", parser=_path, help="score the "
+                                                      "simulation per stage against a real run's published figures "
+                                                      "(JSON: scenarios/gpu_validation/published/) instead")
              ) -> None:
     """Run scenarios on the executor (or a server, --endpoint) and in the simulator; print real vs sim and the %
-    error per metric."""
+    error per metric. With --published, score the simulation against a real run's published figures."""
+    runs = [("--real-from", real_from), ("--profile-alongside", alongside), ("--threads", threads),
+            ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None), ("--requests", requests),
+            ("--device", device if device != "cpu" else None)]  # what only runs of the executor take
+    if published is not None:
+        return _validate_published(scenarios, published, out, [*runs, ("--endpoint", endpoint), ("--profile", profile_path)])
     if endpoint is not None:
-        _validate_endpoint(scenarios, endpoint, served_model, profile_path, out, tokenizer, chat, timeout,
-                           [("--real-from", real_from), ("--profile-alongside", alongside), ("--threads", threads),
-                            ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None),
-                            ("--requests", requests), ("--device", device if device != "cpu" else None)])
-        return
+        return _validate_endpoint(scenarios, endpoint, served_model, profile_path, out, tokenizer, chat, timeout, runs)
     try:
         if served_model is not None or tokenizer is not None or chat or timeout is not None:
             raise ConfigError("--served-model, --tokenizer, --chat and --timeout are for an endpoint: only with "
@@ -331,6 +335,33 @@ def _validate_endpoint(scenarios: List[Path], endpoint: str, served_model, profi
                     f"{lengths['prompts_counted_by_server']}, outputs of another length: {lengths['outputs_off']}")
     if out is not None:
         Console().print(f"wrote {out}/validation.json, requests.csv, requests.jsonl, latency_cdf_sim_vs_real.png")
+
+
+def _validate_published(scenarios: List[Path], published: Path, out, others: list) -> None:
+    """`validate --published`: one scenario simulated and scored against a published run, a table per stage."""
+    try:
+        given = [flag for flag, value in others if value is not None]
+        if given:
+            raise ConfigError(f"--published scores a simulation against published figures: not with "
+                              f"{', '.join(given)}", "--published")
+        if len(scenarios) != 1 or scenarios[0].is_dir():
+            raise ConfigError("--published scores one scenario file", "SCENARIO")
+        result = api.validate_published(scenarios[0], published, out)
+    except ConfigError as e:
+        _fail(e)
+    engine = result["engine"]
+    what = f"{engine.get('name', 'the real run')} {engine.get('version') or ''}".strip()
+    for stage in result["stages"]:
+        t = Table("metric", "real", "sim", "error %")
+        for name, row in stage["metrics"].items():
+            t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]))
+        up = stage["keeps_up"]
+        Console().print(f"[bold]{result['scenario']}[/] stage {stage['stage']} at {stage['rate']:g} req/s: {what} "
+                        f"(published) vs simulated; kept up: real {'yes' if up['real'] else 'no'}, sim "
+                        f"{'yes' if up['sim'] else 'no'}", highlight=False)
+        Console().print(t)
+    if out is not None:
+        Console().print(f"wrote {out}/validation.json")
 
 
 def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> None:

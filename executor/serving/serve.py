@@ -24,11 +24,11 @@ from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
-from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
 from sim.policy.conversation import ended_at, reject_unsent
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
+from sim.policy.stages import arrival_book
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
 
@@ -211,7 +211,7 @@ class Arrivals:
     def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int],
                  max_concurrency: int | None = None, sequence=None):
         self.requests, self.specs, self.corpus, self.sequence = requests, specs, corpus, sequence
-        self.book = ArrivalBook(specs, max_concurrency)
+        self.book = arrival_book(specs, max_concurrency)
         self.flight: set[int] = set()  # indices of requests sent that had not ended at the last look
         self.history: dict[int, list[int]] = {}  # a turn that ended with a later turn waiting: its token ids
 

@@ -1,5 +1,6 @@
-"""The requests a workload yields: arrivals (synthetic or a trace's window), prompt and output lengths, bursts,
-shared prefixes, conversations' later turns and closed loops' users, deterministic for a seed."""
+"""The requests a workload yields: arrivals (synthetic, a trace's window or load stages), prompt and output lengths,
+bursts, shared prefixes (or a pool of prompts), conversations' later turns and closed loops' users, deterministic for
+a seed."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,8 @@ import numpy as np
 
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
+from sim.config.prompt_pool import pool_specs
+from sim.config.stages import stage_arrivals, stage_bounds
 from sim.config.traces import MOONCAKE_BLOCK_TOKENS, Traces
 from sim.config.workload import ArrivalConfig, ClosedLoopConfig, ConversationConfig, RequestSpec, WorkloadConfig
 
@@ -102,8 +105,11 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
         else:  # a later turn's answer: one of the kept rows'
             more_outputs = lambda rng, n: kept_output[rng.integers(0, len(kept_output), n)]  # noqa: E731
     else:
+        staged = None
         if cfg.closed_loop is not None:  # the users' think times make the arrivals (_closed_loop)
             arrivals = np.zeros(cfg.num_requests)
+        elif cfg.load_stages is not None:
+            arrivals, *staged = stage_arrivals(cfg.load_stages, rng_arr)
         else:
             arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
             _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate "
@@ -117,7 +123,9 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
     arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
-    specs = _request_specs(cfg, columns, order, chains, rng_prefix)
+    specs = _request_specs(cfg, columns, order, chains, rng_prefix, traces, rng_p)
+    if cfg.load_stages is not None:
+        return _with_stages(specs, *staged)
     if cfg.conversation is not None:
         return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces, cfg.closed_loop, rng_users)
     if cfg.closed_loop is not None:
@@ -126,9 +134,10 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list
 
 
 def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chains: list | None,
-                   rng_prefix) -> list[RequestSpec]:
+                   rng_prefix, traces: Traces, rng_p) -> list[RequestSpec]:
     """The requests of `columns` (arrival, prompt, output, in arrival order; `order` took them there), with what
-    their prompts share: a trace's hash_ids (`chains`, in the rows' first order), or workload.shared_prefix's ids."""
+    their prompts share: a trace's hash_ids (`chains`, in the rows' first order), or workload.shared_prefix's ids
+    (with prompts_per_prefix, its pool's prompts, their lengths drawn from prompt_len)."""
     if chains is not None:
         for key, what in (("conversation", "a conversation's turns would share more"),
                           ("shared_prefix", "a shared prefix would replace them")):
@@ -140,8 +149,26 @@ def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chain
     if cfg.shared_prefix is None:
         return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
     sp = cfg.shared_prefix
+    if sp.prompts_per_prefix is not None:
+        lengths = traces.draw(cfg.prompt_len, rng_p, sp.num_prefixes * sp.prompts_per_prefix, "workload.prompt_len")
+        return pool_specs(list(zip(*columns)), _pool_positions(cfg, len(order)), sp, lengths, rng_prefix)
     prefix = rng_prefix.integers(0, sp.num_prefixes, len(order))[order].tolist()
     return [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+
+
+def _pool_positions(cfg: WorkloadConfig, n: int) -> np.ndarray:
+    """Each request's index among those of its stage (inference-perf counts every stage's requests from 0), or among
+    all of them without stages: which prompt of the pool it takes."""
+    if cfg.load_stages is None:
+        return np.arange(n)
+    return np.concatenate([np.arange(end - first) for first, end in stage_bounds(cfg.load_stages)])
+
+
+def _with_stages(specs: list[RequestSpec], stage: np.ndarray, delay: np.ndarray) -> list[RequestSpec]:
+    """`specs` (in send order) with the stage each is sent in and its delay after the stage before it ended."""
+    _check_span(np.array([s.arrival_s for s in specs[-1:]]), "workload.load_stages",
+                f"{len(specs):,} requests over the stages arrive")
+    return [replace(s, stage=k, stage_delay_s=d) for s, k, d in zip(specs, stage.tolist(), delay.tolist())]
 
 
 def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:

@@ -200,6 +200,7 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
     _spec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, rope_theta=500000.0, weight_dtype="bf16"),
     _spec("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, 8192, rope_theta=500000.0, weight_dtype="bf16"),
     _spec("Mistral-7B", 32, 4096, 32, 8, 14336, 32000, 32768, weight_dtype="bf16"),
+    _spec("CodeLlama-34B", 48, 8192, 64, 8, 22016, 32000, 16384, rope_theta=1e6, weight_dtype="bf16"),
     _spec("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, rope_theta=100000.0,
           tie_word_embeddings=True, weight_dtype="bf16"),
     # smaller models distilled or pruned from a bigger one: plan "the 70B in int4" against "a distilled 8B in fp16"

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
-from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
+from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_PROMPT_POOL, MAX_REQUESTS
 from sim.config.schema_base import StrictModel
 from sim.config.traces import check_trace_name
 
@@ -203,6 +203,18 @@ class SharedPrefixConfig(StrictModel):
 
     prefix_len: int = Field(gt=0, le=10_000_000)
     num_prefixes: int = Field(1, gt=0, le=1_000_000)
+    prompts_per_prefix: Optional[int] = Field(default=None, gt=0, le=MAX_PROMPT_POOL, description=(
+        "a fixed pool of num_prefixes x prompts_per_prefix whole prompts (inference-perf's shared_prefix data: "
+        "num_groups x num_prompts_per_group): each its prefix and a question of its own, its length drawn once "
+        "from prompt_len; the requests take them in one shuffled order, over and over (with load_stages, from its "
+        "start in every stage), so every prompt is sent again and again; null: every request's rest is its own"))
+
+    @model_validator(mode="after")
+    def _small_pool(self):
+        if self.prompts_per_prefix is not None and self.num_prefixes * self.prompts_per_prefix > MAX_PROMPT_POOL:
+            raise ValueError(f"num_prefixes x prompts_per_prefix is {self.num_prefixes * self.prompts_per_prefix:,}; "
+                             f"allowed: at most {MAX_PROMPT_POOL:,} prompts in the pool")
+        return self
 
 
 class ConversationConfig(StrictModel):
@@ -230,6 +242,40 @@ class ClosedLoopConfig(StrictModel):
     think_time_s: float = Field(default=0.0, ge=0, le=MAX_ARRIVAL_S)
 
 
+class LoadStage(StrictModel):
+    """One load stage: requests sent at `rate` per second for `duration_s` seconds."""
+
+    rate: float = Field(gt=0, le=1e6)
+    duration_s: float = Field(gt=0, le=MAX_ARRIVAL_S)
+
+
+class LoadStagesConfig(StrictModel):
+    """Rates one after another in one run, each reported on its own (inference-perf's `load.stages`). A stage sends
+    int(rate x duration_s) requests: `poisson_fixed_count` (inference-perf's `constant` load) draws that many
+    exponential gaps and scales them to end at duration_s, so the last request is sent as the stage ends; `poisson`
+    keeps the gaps as drawn; `constant` spaces them evenly (rate apart, the first at the stage's start). The next
+    stage starts `gap_s` after every request of this one ended (inference-perf waits for them, then its `interval`
+    of 1 s and 1 s more to fill its queue)."""
+
+    stages: list[LoadStage] = Field(min_length=1, max_length=1000)
+    process: Literal["poisson_fixed_count", "poisson", "constant"] = "poisson_fixed_count"
+    gap_s: float = Field(default=2.0, ge=0, le=MAX_ARRIVAL_S)
+
+    @model_validator(mode="after")
+    def _counts(self):
+        for k, stage in enumerate(self.stages):
+            if int(stage.rate * stage.duration_s) < 1:
+                raise ValueError(f"stage {k} sends int(rate x duration_s) = 0 requests; allowed: at least one")
+        total = sum(int(s.rate * s.duration_s) for s in self.stages)
+        if total > MAX_REQUESTS:
+            raise ValueError(f"the stages send {total:,} requests; allowed: at most {MAX_REQUESTS:,} in one run")
+        return self
+
+    def counts(self) -> list[int]:
+        """The requests each stage sends, in order."""
+        return [int(s.rate * s.duration_s) for s in self.stages]
+
+
 class WorkloadConfig(StrictModel):
     """Either `trace`, or synthetic: `arrival`, `prompt_len`, `output_len` and exactly one of
     `num_requests` / `duration_s`.  `bursts` add requests on top of either. With `conversation`, each of those
@@ -251,9 +297,23 @@ class WorkloadConfig(StrictModel):
         "the client's own limit on requests in flight (vLLM's benchmark --max-concurrency): a request whose time "
         "comes while this many are in flight waits, first come first served, and is sent when one ends; its "
         "latencies count from when it was sent"))
+    load_stages: Optional[LoadStagesConfig] = None
+
+    @model_validator(mode="after")
+    def _pool_of_own_prompts(self):
+        sp = self.shared_prefix
+        if sp is not None and sp.prompts_per_prefix is not None:
+            clash = [k for k in ("trace", "conversation") if getattr(self, k) is not None]
+            if clash:
+                raise ValueError(f"shared_prefix.prompts_per_prefix draws a pool of prompts from prompt_len: not "
+                                 f"with {clash}")
+        return self
 
     @model_validator(mode="after")
     def _one_mode(self):
+        if self.load_stages is not None:
+            _check_load_stages(self)
+            return self
         synthetic = {k: getattr(self, k) for k in
                      ("arrival", "prompt_len", "output_len", "num_requests", "duration_s")}
         if self.closed_loop is not None:
@@ -296,6 +356,17 @@ def _check_closed_loop(w: "WorkloadConfig") -> None:
         raise ValueError("with 'closed_loop', drop 'max_concurrency': the users already bound the requests in flight")
 
 
+def _check_load_stages(w: "WorkloadConfig") -> None:
+    """What load stages need and cannot go with, as the validator's one-line reasons: the stages are the arrivals."""
+    clash = [k for k in ("trace", "arrival", "num_requests", "duration_s", "conversation", "closed_loop",
+                         "max_concurrency") if getattr(w, k) is not None] + (["bursts"] if w.bursts else [])
+    if clash:
+        raise ValueError(f"with 'load_stages', drop {clash}: the stages send every request, at their rates")
+    missing = [k for k in ("prompt_len", "output_len") if getattr(w, k) is None]
+    if missing:
+        raise ValueError(f"with 'load_stages', give {missing} too")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
     id: int
@@ -316,3 +387,8 @@ class RequestSpec:
     after: int = -1
     think_s: float = 0.0
     users: int = 0
+    # workload.load_stages: the stage it is sent in (-1: none); a request of a stage after the first is sent
+    # `stage_delay_s` after every request of the stage before it ended (the gap, then its time within its stage), its
+    # arrival_s the earliest that could be (the stages before it answered at once)
+    stage: int = -1
+    stage_delay_s: float = 0.0

@@ -63,6 +63,9 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
                           "measures, not one to scale (a capacity search counts it in users); allowed: an "
                           "arrival process or a trace (with or without conversations)", f"{key_path}.closed_loop")
+    if any(s.stage >= 0 for s in specs):
+        raise ConfigError("load stages send at their own rates, one after another: no one rate to scale; allowed: an "
+                          "arrival process or a trace (a stage's rate as arrival.rate)", f"{key_path}.load_stages")
     arrivals = [s.arrival_s for s in specs if s.after < 0]
     if len(arrivals) < 2:
         raise ConfigError("the workload has fewer than 2 requests: no rate to search", key_path)

@@ -12,6 +12,7 @@ from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
+from sim.report.stages import print_stages, stage_sections
 
 GiB = 2**30
 
@@ -114,6 +115,8 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             "stages": plan.pipeline_parallel_size, "virtual_engines": plan.virtual_engines,
             # share of the stages' time spent computing: 1 - the bubble (and the idle time between requests)
             "stage_utilization": float(np.mean([sum(b) / (len(b) * duration) for b in busy])) if duration else 0.0}
+    if plan.workload.load_stages is not None:
+        report["stages"] = stage_sections(plan, records)
     if extra:
         report.update(extra)
     return report
@@ -247,6 +250,7 @@ def print_summary(report: dict, console=None) -> None:
         v = report[key]
         t.add_row(label, *(_fmt(v[q]) for q in ("mean", "p50", "p90", "p99")))
     console.print(t)
+    print_stages(report, console)
     th = report["throughput"]
     kv = report["kv_cache"]
     slo = report["slo"]

@@ -13,10 +13,10 @@ import simpy
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.cost.build import make_cost_model, make_pricer, speculation_model
-from sim.policy.arrivals import ArrivalBook
 from sim.policy.build import make_policy
 from sim.policy.conversation import ended_at, reject_unsent
 from sim.policy.request import Request, Status
+from sim.policy.stages import arrival_book
 from sim.report.trace import ReplicaTrace
 from sim.simulator.pipeline import Pipeline
 from sim.simulator.replica import Replica
@@ -115,7 +115,7 @@ class Arrivals:
                  make_request: Callable[[RequestSpec], Request], instant: SameInstant,
                  max_concurrency: int | None = None):
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
-        self.book = ArrivalBook(specs, max_concurrency)
+        self.book = arrival_book(specs, max_concurrency)
         self.requests: list[Request] = []
         self.admit: Callable[[Request], bool] | None = None
         self.known = self.book.known  # every arrival time known from the start
