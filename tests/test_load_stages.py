@@ -164,7 +164,7 @@ def test_the_executor_holds_a_stage_until_the_one_before_it_ended(tmp_path):
     request of stage 0 ended, every request ends, and the pool's prompts come back with their cached blocks."""
     import yaml
 
-    from executor.serve import serve
+    from executor.serving.serve import serve
     from sim.config.plan import load_scenario
     from sim.policy.request import Status
     from sim.report.outputs import build_report
