@@ -228,8 +228,9 @@ class Scheduler(BaseScheduler):
         free = self.kv.num_free - self.kv.watermark_blocks
         h = self.handoff  # HandOff.holding, inline: asked at every step with requests waiting
         slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
+        visible = self.visible_until
         for r in self.waiting:
-            if len(picks) >= slots or budget <= 0:
+            if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
             computed, held, revive = r.num_computed, len(r.block_table), 0
             if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived
