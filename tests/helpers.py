@@ -12,9 +12,12 @@ from sim.report.metrics import summarize
 from sim.report.outputs import build_report
 from sim.simulator.cluster import itl_sample, sim_records, simulate
 
+# infersim's engine: the simulator's mechanisms under the project's own defaults (no prefix caching, chunked prefill
+# only past 32k tokens); what the serving engines' defaults change is tests/test_engines.py's
 BASE = {
     "model": "Llama-2-7B",
     "hardware": "A100-80GB",
+    "engine": "infersim",
     "workload": {"seed": 1, "arrival": {"process": "poisson", "rate": 4.0}, "num_requests": 300,
                  "prompt_len": {"dist": "lognormal", "median": 400, "sigma": 0.8, "max": 2000},
                  "output_len": {"dist": "lognormal", "median": 150, "sigma": 0.8, "max": 1000}},

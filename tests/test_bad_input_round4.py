@@ -54,8 +54,11 @@ def test_a_closed_loop_refuses_the_trace_s_time_scale(tmp_path):
 
 def test_cache_aware_routing_needs_a_prefix_cache(tmp_path):
     """W: cache_aware without prefix caching routed as least_outstanding, byte for byte."""
-    path = write(tmp_path / "s.yaml", {**H100, "replicas": 2, "router": "cache_aware"})
+    path = write(tmp_path / "s.yaml", {**H100, "replicas": 2, "router": "cache_aware",
+                                       "kv_cache": {"enable_prefix_caching": False}})
     one_line_error(invoke("run", path, "-q", "--no-plots"), path, "router", "enable_prefix_caching")
+    path = write(tmp_path / "s.yaml", {**H100, "replicas": 2, "router": "cache_aware", "engine": "infersim"})
+    one_line_error(invoke("run", path, "-q", "--no-plots"), path, "router", "enable_prefix_caching")  # its default
     pools = {**H100, "kv_cache": {"enable_prefix_caching": False},
              "pools": {"prefill": {"replicas": 1, "router": "cache_aware"}, "decode": {"replicas": 1}}}
     path = write(tmp_path / "p.yaml", pools)

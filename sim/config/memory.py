@@ -49,16 +49,20 @@ def activation_bytes(model: ModelSpec, step_tokens: int, max_num_seqs: int, tp: 
 
 
 def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout: Layout, step_tokens: int,
-                  max_num_seqs: int, max_model_len: int) -> MemoryBudget:
-    """The budget of one device, or a ConfigError saying what does not fit and what would."""
+                  max_num_seqs: int, max_model_len: int, of_free: bool = False) -> MemoryBudget:
+    """The budget of one device, or a ConfigError saying what does not fit and what would. `of_free`: the KV cache
+    takes gpu_memory_utilization of what weights and activations leave (TensorRT-LLM's free_gpu_memory_fraction),
+    not of the whole device (vLLM's)."""
     tp, pp = layout.sharding.tp, layout.pipeline_parallel_size
     activation = activation_bytes(model, step_tokens, max_num_seqs, tp, layout.sequence_parallel)
-    usable = hw.memory_bytes * kv.gpu_memory_utilization
+    usable = hw.memory_bytes * (1.0 if of_free else kv.gpu_memory_utilization)
     model_bytes = model.weight_bytes_on(hw.sparse_tensor_cores)  # 2:4 weights compressed only where kernels run them
     weight_bytes = layout.expert.weight_bytes(model, hw.sparse_tensor_cores)
     if pp > 1:
         weight_bytes = weight_bytes * layout.stage_layers / model.num_layers
     kv_bytes = usable - weight_bytes - activation
+    if of_free:
+        kv_bytes *= kv.gpu_memory_utilization
     if kv_bytes <= 0:
         if layout.expert.data_parallel_size > 1 and not layout.expert.enable_expert_parallel:
             raise does_not_fit_a_rank(model, layout.expert, weight_bytes, usable)

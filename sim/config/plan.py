@@ -8,6 +8,16 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from sim.config.engines import (
+    INFERSIM_DEFAULTS,
+    INFERSIM_STEP_TOKENS,
+    EngineConfig,
+    EngineProfile,
+    cuda_graph_sizes,
+    default_engine_name,
+    release,
+    serving_defaults,
+)
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
@@ -48,33 +58,39 @@ class SchedulerConfig:
     speculative_disable_by_batch_size: int | None  # vLLM: no drafts while more requests decode
     max_queue_len: int | None  # admission bound: waiting requests past which an arrival is rejected
     max_queue_delay_s: float | None  # admission bound: a request not started this long after arriving is rejected
+    mixed_batches: bool = True  # prompts run in the decodes' steps; False: a step that prefills runs prompts alone
 
 
 # vLLM turns chunked prefill on by default past this context (engine args, V0; V1 always): a step budget of a whole
 # 128k-token prompt reserves ~11 GiB of activations for Llama-3.1-8B
 LONG_CONTEXT = 32768
-# vLLM's step budget with chunked prefill (and the least one without it)
-DEFAULT_STEP_TOKENS = 2048
+DEFAULT_STEP_TOKENS = INFERSIM_STEP_TOKENS
+INFERSIM_MAX_NUM_SEQS = INFERSIM_DEFAULTS["serving"]["max_num_seqs"]
 
 
 def _default(cls, name: str):
     return cls.model_fields[name].default
 
 
-def scheduler_config(max_model_len: int, **knobs: Any) -> SchedulerConfig:
+def scheduler_config(max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS, **knobs: Any) -> SchedulerConfig:
     """The scheduler's knobs resolved: those not given take the scenario schema's defaults (ServingConfig,
-    KVCacheConfig; no speculative decoding), and the step budget and prompt chunk follow the same rules as a
-    scenario's (the one place they are written). For plans and for offline engines (profile sweeps, benches)."""
+    KVCacheConfig; infersim's where the schema leaves them to the engine; no speculative decoding), and the step
+    budget (`step_tokens` with chunked prefill, else at least max_model_len) and prompt chunk follow the same rules as
+    a scenario's (the one place they are written). For plans and for offline engines (profile sweeps, benches)."""
     unknown = set(knobs) - set(SchedulerConfig.__dataclass_fields__)
     if unknown:
         raise TypeError(f"unknown scheduler knobs {sorted(unknown)}")
     k = {name: knobs.get(name, _default(ServingConfig, name)) for name in
          ("batching", "max_num_seqs", "enable_chunked_prefill", "waiting_served_ratio", "max_waiting_tokens",
-          "batch_size", "max_queue_len", "max_queue_delay_s")}
+          "batch_size", "max_queue_len", "max_queue_delay_s", "mixed_batches")}
+    if k["max_num_seqs"] is None:
+        k["max_num_seqs"] = INFERSIM_MAX_NUM_SEQS
     if k["enable_chunked_prefill"] is None:
         k["enable_chunked_prefill"] = k["batching"] == "continuous" and max_model_len > LONG_CONTEXT
+    if k["mixed_batches"] is None:  # infersim, and vLLM V0 before it: a whole prompt runs alone
+        k["mixed_batches"] = k["enable_chunked_prefill"]
     budget = knobs.get("max_num_batched_tokens") or \
-        (DEFAULT_STEP_TOKENS if k["enable_chunked_prefill"] else max(max_model_len, DEFAULT_STEP_TOKENS))
+        (step_tokens if k["enable_chunked_prefill"] else max(max_model_len, step_tokens))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)
     return SchedulerConfig(**k, max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_model_len,
                            preemption=knobs.get("preemption", _default(KVCacheConfig, "preemption")),
@@ -135,6 +151,7 @@ class Plan:
     pools: Pools | None = None
     data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
     enable_expert_parallel: bool = False
+    engine: EngineProfile | None = None  # the serving engine the plan runs on, resolved
 
     @property
     def max_model_len(self) -> int:
@@ -297,11 +314,15 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
         return _make_pools(scenario, base_dir)
     model, checkpoint = resolve_model(scenario.model, base_dir)
     hw = resolve_hardware(scenario.hardware)
-    sv, kv = scenario.serving, scenario.kv_cache
-    scheduler = _scheduler_of(scenario, model)
+    given = _engine_config(scenario, hw)
+    r = release(given.name, given.version)
+    scenario, assumed = _with_engine_defaults(scenario, r, hw)
+    kv = scenario.kv_cache
+    scheduler = _scheduler_of(scenario, model, _step_tokens(scenario, r, hw))
     layout = _layout_of(scenario, model)
-    memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, sv.max_num_seqs,
-                           scheduler.max_model_len)
+    memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+                           scheduler.max_model_len, of_free=r.memory_of_free)
+    engine = _engine_profile(scenario, given, r, hw, scheduler, layout.sharding.tp, assumed)
     cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
     # a replica's data-parallel ranks run as one engine over DP times a rank's batch and blocks
     scheduler, num_blocks, swap_blocks = layout.expert.replica_engine(scheduler, memory.num_blocks,
@@ -317,10 +338,68 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
                 data_parallel_size=layout.expert.data_parallel_size,
-                enable_expert_parallel=layout.expert.enable_expert_parallel)
+                enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine)
 
 
-def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:
+def _engine_config(scenario: Scenario, hw: HardwareSpec) -> EngineConfig:
+    """The engine the scenario names (a name is its newest release), or the default for its device and costs."""
+    e = scenario.engine
+    if e is None:
+        e = default_engine_name(hw.name, scenario.cost_model.profile is not None)
+    return EngineConfig(name=e) if isinstance(e, str) else e
+
+
+def _with_engine_defaults(scenario: Scenario, r, hw: HardwareSpec) -> tuple[Scenario, dict]:
+    """The scenario with the serving and KV-cache keys it left out taken from the engine release, and which those
+    were ({"section.key": value}). Static batching (no engine's policy) keeps infersim's; a contiguous cache shares
+    no blocks."""
+    sv, kv = scenario.serving, scenario.kv_cache
+    defaults = serving_defaults(r, hw.memory_gib, hw.name) if sv.batching == "continuous" else INFERSIM_DEFAULTS
+    skip = {"max_num_batched_tokens"}  # a step budget: the scheduler's rule (_step_tokens)
+    if kv.allocator == "contiguous":
+        skip |= {"enable_prefix_caching", "block_size"}
+    assumed, updates = {}, {}
+    for section, config in (("serving", sv), ("kv_cache", kv)):
+        fill = {k: v for k, v in defaults.get(section, {}).items() if k not in skip and getattr(config, k) is None}
+        if section == "kv_cache":  # infersim's where the engine has none to give (a contiguous cache)
+            fill |= {k: v for k, v in INFERSIM_DEFAULTS["kv_cache"].items() if getattr(config, k) is None and
+                     k not in fill}
+        if section == "serving" and sv.mixed_batches is None and r.engine != "infersim":
+            fill["mixed_batches"] = r.mixed_batches
+        assumed |= {f"{section}.{k}": v for k, v in fill.items()}
+        updates[section] = config.model_copy(update=fill)
+    if scenario.router == "cache_aware" and not updates["kv_cache"].enable_prefix_caching:
+        raise ConfigError("cache_aware routes by what each replica's prefix cache holds, and "
+                          "kv_cache.enable_prefix_caching is off; allowed: turn it on, or another router", "router")
+    return scenario.model_copy(update=updates), assumed
+
+
+def _step_tokens(scenario: Scenario, r, hw: HardwareSpec) -> int:
+    """The step budget the engine takes with chunked prefill when the scenario sets none (without it, at least
+    max_model_len)."""
+    if scenario.serving.batching != "continuous":
+        return INFERSIM_STEP_TOKENS
+    return serving_defaults(r, hw.memory_gib, hw.name).get("serving", {}).get("max_num_batched_tokens",
+                                                                              INFERSIM_STEP_TOKENS)
+
+
+def _engine_profile(scenario: Scenario, given: EngineConfig, r, hw: HardwareSpec, scheduler: SchedulerConfig,
+                    tp: int, assumed: dict) -> EngineProfile:
+    """The engine as the plan runs it: its CUDA graph sizes (none on the CPU, or eager), all-reduce and scheduling."""
+    graphs = given.cuda_graphs if given.cuda_graphs is not None else \
+        (scenario.executor.cuda_graphs if r.engine == "infersim" else True)
+    sizes = cuda_graph_sizes(r, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, tp,
+                             given.max_cuda_graph_batch) if graphs and hw.name != "cpu" else ()
+    budget = scheduler.max_num_batched_tokens
+    if scheduler.batching == "continuous" and "serving.max_num_batched_tokens" not in assumed \
+            and scenario.serving.max_num_batched_tokens is None:
+        assumed = {**assumed, "serving.max_num_batched_tokens": budget}
+    custom = given.custom_all_reduce if given.custom_all_reduce is not None else r.custom_all_reduce_max_bytes > 0
+    asynchronous = given.async_scheduling if given.async_scheduling is not None else r.async_scheduling
+    return EngineProfile(r, sizes, custom, asynchronous, assumed)
+
+
+def _scheduler_of(scenario: Scenario, model: ModelSpec, step_tokens: int = DEFAULT_STEP_TOKENS) -> SchedulerConfig:
     """The scheduler's knobs, checked against the model's positions and each other."""
     sv, spec = scenario.serving, scenario.speculative
     max_model_len = sv.max_model_len or model.max_position_embeddings
@@ -329,7 +408,7 @@ def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:
                           f"({model.max_position_embeddings}); allowed: at most that, or a model spec with more "
                           "positions", "serving.max_model_len")
     scheduler = scheduler_config(
-        max_model_len, **sv.model_dump(exclude={"max_model_len"}), preemption=scenario.kv_cache.preemption,
+        max_model_len, step_tokens, **sv.model_dump(exclude={"max_model_len"}), preemption=scenario.kv_cache.preemption,
         num_speculative_tokens=spec.num_draft_tokens if spec else 0,
         speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
     budget = scheduler.max_num_batched_tokens
@@ -342,8 +421,8 @@ def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:
         raise ConfigError(f"{budget} is smaller than max_model_len ({max_model_len}); without chunked prefill "
                           "a whole prompt must fit one step: raise it or set enable_chunked_prefill: true",
                           "serving.max_num_batched_tokens")
-    if sv.batching == "continuous" and budget < sv.max_num_seqs and scheduler.enable_chunked_prefill:
-        raise ConfigError(f"{budget} is smaller than max_num_seqs ({sv.max_num_seqs}); every running "
+    if sv.batching == "continuous" and budget < scheduler.max_num_seqs and scheduler.enable_chunked_prefill:
+        raise ConfigError(f"{budget} is smaller than max_num_seqs ({scheduler.max_num_seqs}); every running "
                           "sequence must be able to decode in one step", "serving.max_num_batched_tokens")
     return scheduler
 

@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from sim.config.engines import EngineConfig, EngineName
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_REPLICAS
 from sim.config.schema_base import StrictModel
@@ -28,12 +29,20 @@ class ServingConfig(StrictModel):
 
     batching: Literal["continuous", "static"] = "continuous"
     batch_size: PositiveInt = Field(8, description="static batching: requests per batch")
-    max_num_seqs: PositiveInt = 256
+    max_num_seqs: PositiveInt | None = Field(None, description="most sequences running at once; default: the "
+                                             "engine's (vLLM: 1024 on a GPU of 70 GiB or more but an A100, else 256; "
+                                             "SGLang 1024; TensorRT-LLM 2048; infersim 256)")
     max_num_batched_tokens: PositiveInt | None = Field(
-        None, description="token budget of one step; default 2048 with chunked prefill, else max(max_model_len, 2048)")
+        None, description="token budget of one step; default: the engine's (vLLM 8192 on a GPU of 70 GiB or more but "
+        "an A100, else 2048; SGLang's chunked_prefill_size; TensorRT-LLM 8192; infersim 2048), at least "
+        "max_model_len without chunked prefill")
     enable_chunked_prefill: bool | None = Field(
-        None, description="split prompts across steps; default: on under continuous batching when max_model_len is "
-        "over 32,768 (vLLM's rule: one step of a whole 128k prompt reserves GiBs of activations), else off")
+        None, description="split prompts across steps; default: the engine's (vLLM and SGLang on, TensorRT-LLM off; "
+        "infersim: on under continuous batching when max_model_len is over 32,768, else off)")
+    mixed_batches: bool | None = Field(
+        None, description="prompts (or their chunks) run in the same step as the decodes; false: a step that prefills "
+        "runs prompts alone and the decodes wait (SGLang, vLLM V0). Default: the engine's (vLLM and TensorRT-LLM "
+        "on, SGLang off; infersim: on with chunked prefill)")
     prefill_chunk_size: PositiveInt | None = Field(
         None, description="most prompt tokens of one request per step (default: the step budget)")
     waiting_served_ratio: NonNegativeFloat | None = Field(
@@ -54,15 +63,20 @@ class KVCacheConfig(StrictModel):
     """KV cache allocator and its memory budget, named as vLLM names them."""
 
     allocator: Literal["paged", "contiguous"] = "paged"
-    block_size: PositiveInt = 16
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    block_size: PositiveInt | None = Field(None, description="tokens a KV block holds; default: the engine's "
+                                          "(vLLM 16, SGLang 1, TensorRT-LLM 32, infersim 16)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of the device's memory the "
+                                                 "engine may use (TensorRT-LLM: of what weights and activations "
+                                                 "leave); default: the engine's (vLLM 0.9, 0.92 from 0.22; SGLang "
+                                                 "0.88; TensorRT-LLM 0.9; infersim 0.9)")
     watermark: float = Field(0.01, ge=0, lt=1, description="fraction of blocks kept free at admission")
     preemption: Literal["recompute", "swap"] = "recompute"
     swap_space_gib: NonNegativeFloat = Field(4.0, le=1e6)  # past it the swap block count overflows to NaN
     num_blocks: PositiveInt | None = Field(None, description="override the computed block count")
-    enable_prefix_caching: bool = Field(False, description="vLLM's automatic prefix caching: full prompt blocks stay "
-                                        "in the cache, and a prompt that begins alike reuses them instead of computing "
-                                        "them (paged blocks, continuous batching)")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM's automatic prefix caching: full prompt "
+                                               "blocks stay in the cache, and a prompt that begins alike reuses them "
+                                               "instead of computing them (paged blocks, continuous batching); "
+                                               "default: the engine's (vLLM, SGLang, TensorRT-LLM on; infersim off)")
 
 
 class SLOConfig(StrictModel):
@@ -297,6 +311,11 @@ class Scenario(StrictModel):
                                                     "overrides, or {hf_config: path}")
     hardware: str | dict[str, Any] = Field(description="catalog name, explicit spec, or {base: NAME, ...}")
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS)
+    engine: EngineName | EngineConfig | None = Field(
+        None, description="the serving engine: vllm, sglang, trtllm or infersim (the project's executor), or "
+        "{name, version, cuda_graphs, max_cuda_graph_batch, custom_all_reduce, async_scheduling}; the serving and "
+        "kv_cache keys left out take its defaults. Default: infersim where a profile prices the steps or on the "
+        "cpu, else vllm")
     router: RouterName = Field(
         "round_robin", description="which replica an arrival goes to: in turn, the least loaded, cache_aware "
         "(the replica caching the longest prefix of its prompt; SGLang's and vLLM's router's policy), or session "
@@ -334,7 +353,7 @@ class Scenario(StrictModel):
             (f"pools.{n}.router", getattr(self.pools, n).router or self.router, self.pools_kv(n))
             for n in (("prefill", "decode") if self.pools else ())]
         for where, router, kv in routers:
-            if router == "cache_aware" and not kv.enable_prefix_caching:
+            if router == "cache_aware" and kv.enable_prefix_caching is False:  # unset: the engine's (make_plan)
                 raise ValueError(f"{where}: cache_aware routes by what each replica's prefix cache holds, and "
                                  "kv_cache.enable_prefix_caching is off; allowed: turn it on, or another router")
         if self.serving.batching == "static" and self.kv_cache.enable_prefix_caching:

@@ -6,9 +6,10 @@ from sim.config.hardware import LINK_FIELDS, as_in_catalog
 from sim.config.moe import is_sparse
 from sim.config.plan import Plan
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
+from sim.cost.engine import EngineCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
-from sim.cost.kernels import load_accuracy, load_kernels
+from sim.cost.kernels import custom_all_reduce, load_accuracy, load_kernels
 from sim.cost.moe import MoECostModel
 from sim.cost.moe_kernels import KernelParts, RooflineParts
 from sim.cost.nccl import NcclCollectives
@@ -57,11 +58,18 @@ def _given(value: float | None, default: float) -> float:
 
 
 def _collectives(plan: Plan, kernels) -> Collectives:
-    """The NCCL collectives measured on the device's system where its links are the catalog's, else the link's."""
+    """The NCCL collectives measured on the device's system where its links are the catalog's, else the link's; with
+    the engine's custom all-reduce below its message limit where it runs one (NVLink) and its timings were
+    measured."""
     link = Interconnect.of(plan.hardware)
     _, collective_fits = load_kernels()
-    return NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
+    nccl = NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
         if kernels.collectives in collective_fits and as_in_catalog(plan.hardware, LINK_FIELDS) else link
+    e = plan.engine
+    custom = custom_all_reduce(kernels, e) if e is not None and e.custom_all_reduce else None
+    if custom is None or plan.hardware.interconnect_topology != "switch":
+        return nccl
+    return EngineCollectives(nccl, custom, e.release.custom_all_reduce_max_bytes)
 
 
 def moe_cost_model(plan: Plan) -> MoECostModel:
@@ -83,7 +91,8 @@ def moe_cost_model(plan: Plan) -> MoECostModel:
                             plan.enable_expert_parallel)
         return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
                             step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
-                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
+                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S),
+                            engine=plan.engine)
     parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
                           plan.sequence_parallel, plan.enable_expert_parallel)
     return MoECostModel(m, parts, Interconnect.of(hw), **layout,
@@ -101,12 +110,19 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
     return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
-                           plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token)
+                           plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token,
+                           plan.engine)
 
 
 def describe_cost(plan: Plan) -> dict:
-    """What priced the plan's steps, for the report: the source and its error where it was measured (a profile's
-    held-out error; the kernel model's on what its fit left out; the roofline's on the GPUs that were measured)."""
+    """What priced the plan's steps, for the report: the engine it runs on (and the defaults it supplied), the source
+    and its error where it was measured (a profile's held-out error; the kernel model's on what its fit left out; the
+    roofline's on the GPUs that were measured)."""
+    described = _describe_source(plan)
+    return described if plan.engine is None else {**described, "engine": plan.engine.to_json()}
+
+
+def _describe_source(plan: Plan) -> dict:
     c = plan.cost
     if c.source == "profile":
         fit = c.profile.data.get("fit", {}).get("heldout", {})

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.config.engines import EngineProfile
 from sim.config.models import ModelSpec
 from sim.config.sharding import shard, vocab_shard
 from sim.cost.comm import Collectives
+from sim.cost.engine import HostCost, launch_floor_s, padded_tokens, with_launches
 from sim.cost.kernels import DeviceKernels, GemmFit, layer_gemms, layer_passes, pass_time
 from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
@@ -56,8 +58,11 @@ class KernelCostModel(PricesStages):
 
     def __init__(self, model: ModelSpec, kernels: DeviceKernels, hw, collectives: Collectives,
                  kv_bytes_per_token_layer: float, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 refinement: Refinement = Refinement(), block_bytes: float = 0.0):
-        self.model, self.kernels, self.refinement = model, kernels, refinement
+                 refinement: Refinement = Refinement(), block_bytes: float = 0.0,
+                 engine: EngineProfile | None = None):
+        self.model, self.kernels, self.refinement, self.engine = model, kernels, refinement, engine
+        self.host = HostCost(refinement.step_overhead_s, refinement.per_seq_overhead_s, refinement.prefill_overhead_s,
+                             engine is not None and engine.async_scheduling)
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         self.layers = model.num_layers
         self.gemm, self.weight_bytes, self.compute_scale = self._linear_kernel(model, kernels, hw)
@@ -83,8 +88,15 @@ class KernelCostModel(PricesStages):
         shape = (model.hidden_size, model.num_heads, model.num_kv_heads, model.head_size, model.intermediate_size,
                  tensor_parallel_size, 1)
         self._layer_gemms = [(n, k) for _, _, n, k in layer_gemms(*shape)]
-        self._layer_passes = [(kernels.passes[op], b)
-                              for op, b in layer_passes(*shape, act_bytes=self.act_bytes).items()]
+        passes = layer_passes(*shape, act_bytes=self.act_bytes)
+        if engine is not None and engine.release.fused_add_norm:  # the residual add inside each norm's kernel
+            add = passes.pop("add")
+            passes["input_norm"] += add // 3 * 2
+            passes["post_norm"] += add // 3 * 2
+        self._layer_passes = [(kernels.passes[op], b) for op, b in passes.items()]
+        # kernels a step launches: per layer its GEMMs, passes, attention and all-reduces; the embedding, final norm,
+        # LM head and sampling
+        self.kernels_per_step = self.layers * (len(self._layer_gemms) + len(passes) + 1 + (2 if self.tp > 1 else 0)) + 4
         self._linear: dict[int, float] = {}
         self._head: dict[tuple[int, int], float] = {}
         self._comm: dict[tuple[int, int], float] = {}
@@ -150,9 +162,10 @@ class KernelCostModel(PricesStages):
             t = self._comm[key] = self.refinement.communication * t
         return t
 
-    def overhead_s(self, seqs: int, prefill: bool = False) -> float:
-        r = self.refinement
-        return r.step_overhead_s + seqs * r.per_seq_overhead_s + (r.prefill_overhead_s if prefill else 0.0)
+    def overhead_s(self, seqs: int, prefill: bool = False, device_s: float = 0.0) -> float:
+        """The host's scheduling and sampling the step's time shows beside `device_s` of the device's work (async
+        scheduling hides it under that: sim/cost/engine.py)."""
+        return self.host.visible_s(seqs, prefill, device_s)
 
     # -- a step -----------------------------------------------------------------------------------------------------
     def step_cost(self, shape: BatchShape) -> StepCost:
@@ -168,8 +181,11 @@ class KernelCostModel(PricesStages):
         """The step as if one tensor-parallel group ran every layer (a pipeline splits it into stages)."""
         f, attention_fixed, decode_ctx = self._parts(shape)
         base, _, per_kv, linear, head, comm, overhead, swap = f[:8]
-        return StepCost((base + attention_fixed) + decode_ctx * per_kv, linear, attention_fixed + decode_ctx * per_kv,
-                        comm, head, overhead, 0.0, swap)
+        total = (base + attention_fixed) + decode_ctx * per_kv
+        if f[12]:  # an eager step: its launches may outlast the device's work (shown with the host's)
+            waited = with_launches(total, f[12], f[8])
+            overhead, total = overhead + (waited - total), waited
+        return StepCost(total, linear, attention_fixed + decode_ctx * per_kv, comm, head, overhead, 0.0, swap)
 
     def _parts(self, shape: BatchShape) -> tuple[tuple, float, int]:
         """(_fixed's parts, attention but the decode rows' KV reads, the decode rows' context) of the step on one
@@ -190,9 +206,11 @@ class KernelCostModel(PricesStages):
         pipeline overhead + swap, the send between stages, the return to stage 0 and the sends' total, (stages − 1) x
         send)."""
         tokens, sampled, seqs, prefill, swap_blocks = key
-        linear, head, comm = self.linear_s(tokens), self.lm_head_s(tokens, sampled), \
-            self.communication_s(tokens, sampled)
-        overhead, swap = self.overhead_s(seqs, prefill > 0), swap_blocks * self.s_per_swap_block
+        graphed = padded_tokens(self.engine, tokens, prefill == 0)
+        linear, head, comm = self.linear_s(graphed), self.lm_head_s(tokens, sampled), \
+            self.communication_s(graphed, sampled)
+        overhead = self.overhead_s(seqs, prefill > 0, (linear + head) + comm)
+        swap = swap_blocks * self.s_per_swap_block
         floor = self.s_decode_floor if seqs > prefill else 0.0
         send = back = 0.0
         if self.pp > 1:
@@ -200,7 +218,8 @@ class KernelCostModel(PricesStages):
             back = self.collectives.send_s(sampled * 8) if sampled else 0.0
         f = self._fixed_parts[key] = ((((linear + head) + comm) + overhead) + swap, floor,
                                       self.per_kv_token_s(seqs - prefill), linear, head, comm, overhead, swap,
-                                      overhead + swap, send, back, (self.pp - 1) * send)
+                                      overhead + swap, send, back, (self.pp - 1) * send,
+                                      launch_floor_s(self.engine, tokens, prefill == 0, self.kernels_per_step))
         return f
 
     def per_kv_token_s(self, decode_rows: int) -> float:
@@ -213,7 +232,8 @@ class KernelCostModel(PricesStages):
         # step_cost's total without building it: the simulator's hot path
         f, attention_fixed, decode_ctx = self._parts(shape)
         # the context term last: a decode step is base(batch) + context x per-token cost, as decode_run takes it
-        return (f[0] + attention_fixed) + decode_ctx * f[2]
+        t = (f[0] + attention_fixed) + decode_ctx * f[2]
+        return with_launches(t, f[12], f[8]) if f[12] else t
 
     def pipeline_stages(self, shape: BatchShape, step_s: float | None = None) -> Stages:
         stages, send, back, total = self._stages_of(*self._parts(shape))
@@ -224,7 +244,7 @@ class KernelCostModel(PricesStages):
     def _stages_of(self, fixed: tuple, attention_fixed: float, decode_ctx: int) -> tuple:
         """(the stages' times, the send between stages, the return to stage 0, the step's time) of a step from its
         _parts."""
-        _, _, per_kv, linear, head, comm, _, _, overhead_swap, send, back, hops = fixed
+        _, _, per_kv, linear, head, comm, _, _, overhead_swap, send, back, hops, _ = fixed
         layered = linear + (attention_fixed + decode_ctx * per_kv) + comm
         stages = [layered * share for share in self.layer_share]  # share x layered: the same product
         stages[0] += overhead_swap
@@ -242,19 +262,25 @@ class KernelCostModel(PricesStages):
     def _base(self, num_seqs: int) -> float:
         """A decode step of `num_seqs` rows without its context term."""
         t = self._decode_base.get(num_seqs)
-        if t is None:
-            t = self._decode_base[num_seqs] = ((((self.linear_s(num_seqs) + self.lm_head_s(num_seqs, num_seqs))
-                                                 + self.communication_s(num_seqs, num_seqs))
-                                                + self.overhead_s(num_seqs)) + 0.0) + self.s_decode_floor
+        if t is None:  # _fixed's sums for a step of decodes alone, in the same order: decode_time == step_time
+            graphed = padded_tokens(self.engine, num_seqs, True)
+            device = (self.linear_s(graphed) + self.lm_head_s(num_seqs, num_seqs)) + \
+                self.communication_s(graphed, num_seqs)
+            t = self._decode_base[num_seqs] = ((device + self.overhead_s(num_seqs, False, device)) + 0.0) \
+                + self.s_decode_floor
         return t
 
+    def _eager_decode(self, num_seqs: int) -> bool:
+        """Whether a step of `num_seqs` decodes runs eagerly (its launches may set its time: no affine run)."""
+        return self.engine is not None and not self.engine.in_graph(num_seqs, True)
+
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        if self.pp > 1:
+        if self.pp > 1 or self._eager_decode(num_seqs):
             return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
         return self._base(num_seqs) + sum_context * self.per_kv_token_s(num_seqs)
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
-        if self.pp > 1:
+        if self.pp > 1 or self._eager_decode(num_seqs):
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
         return affine_decode_run(self._base(num_seqs), self.per_kv_token_s(num_seqs), num_seqs, sum_context, clock,
                                  k_max, until, step_end)

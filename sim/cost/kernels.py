@@ -125,3 +125,9 @@ def load_kernels(path: Path = KERNELS_PATH) -> tuple[dict[str, DeviceKernels], d
 def load_accuracy(path: Path = KERNELS_PATH) -> dict:
     """The fits' error on what they left out, by device, and the roofline's on the same measurements."""
     return json.loads(Path(path).read_text()).get("accuracy", {})
+
+
+def custom_all_reduce(kernels: DeviceKernels, engine):
+    """The engine's custom all-reduce on this device as `f(nbytes, devices) -> seconds | None`, or None where its
+    timings were not measured (then NCCL prices every all-reduce)."""
+    return None

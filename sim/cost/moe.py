@@ -23,8 +23,10 @@ A decode step is base(batch) + context × cost per KV token, so runs of decode s
 from __future__ import annotations
 
 from sim.config import moe
+from sim.config.engines import EngineProfile
 from sim.config.models import ModelSpec
 from sim.cost.comm import Collectives
+from sim.cost.engine import HostCost, padded_tokens
 from sim.cost.step import StepCost, affine_decode_run
 from sim.policy.scheduler import BatchShape
 
@@ -37,13 +39,13 @@ class MoECostModel:
     def __init__(self, model: ModelSpec, parts, collectives: Collectives, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, expert_parallel: bool = False, load_imbalance: float = 1.0,
                  step_overhead_s: float = 0.0, per_seq_overhead_s: float = 0.0, prefill_overhead_s: float = 0.0,
-                 block_bytes: float = 0.0, host_bandwidth: float = 1.0):
-        self.model, self.parts, self.collectives = model, parts, collectives
+                 block_bytes: float = 0.0, host_bandwidth: float = 1.0, engine: EngineProfile | None = None):
+        self.model, self.parts, self.collectives, self.engine = model, parts, collectives, engine
         self.tp, self.dp, self.expert_parallel = tensor_parallel_size, data_parallel_size, expert_parallel
         self.ep = tensor_parallel_size * data_parallel_size if expert_parallel else 1
         self.imbalance = load_imbalance
-        self.step_overhead_s, self.per_seq_overhead_s = step_overhead_s, per_seq_overhead_s
-        self.prefill_overhead_s = prefill_overhead_s
+        self.host = HostCost(step_overhead_s, per_seq_overhead_s, prefill_overhead_s,
+                             engine is not None and engine.async_scheduling)
         self.s_per_swap_block = block_bytes / host_bandwidth
         self.n_moe = moe.moe_layers(model)
         self.token_bytes = model.hidden_size * model.act_bytes
@@ -93,11 +95,10 @@ class MoECostModel:
                prefill_context: int) -> tuple:
         """(linear, LM head, experts, attention but the decode rows' KV, communication, overhead) of a step."""
         dp = self.dp
-        linear, head, experts, comm = self._by_tokens(tokens, sampled)
+        linear, head, experts, comm = self._by_tokens(padded_tokens(self.engine, tokens, prefill == 0), sampled)
         attention = self.parts.attention_fixed_s(prefill / dp, prefill_pairs / dp, prefill_context / dp,
                                                  seqs > prefill)
-        overhead = self.step_overhead_s + seqs / dp * self.per_seq_overhead_s + \
-            (self.prefill_overhead_s if prefill else 0.0)
+        overhead = self.host.visible_s(seqs / dp, prefill > 0, ((linear + head) + experts) + comm)
         return linear, head, experts, attention, comm, overhead
 
     @staticmethod

@@ -39,6 +39,9 @@ class BaseScheduler:
         self.steps_since_admission = 0
         self.num_preemptions = 0
         self.prefix_caching = kv.prefix_caching
+        # requests that arrived after this are not seen yet: an async engine (vLLM's async scheduling, SGLang's and
+        # TRT-LLM's overlap schedulers) fixes a step's batch while the step before it runs
+        self.visible_until = float("inf")
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:

@@ -51,8 +51,8 @@ class Scheduler(BaseScheduler):
 
     # -- one step -------------------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch:
-        budget = self.cfg.max_num_batched_tokens
-        if self.cfg.enable_chunked_prefill:
+        budget, chunked = self.cfg.max_num_batched_tokens, self.cfg.enable_chunked_prefill
+        if self.cfg.mixed_batches:  # the decodes first, prompts (or their chunks) in what is left of the budget
             preempted = self._grow_decodes(budget)
             budget -= self._decode_tokens()
             prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
@@ -60,15 +60,17 @@ class Scheduler(BaseScheduler):
                 budget -= sum(n for _, n in prefill)
             swapped_in, received = self._resume(budget, preempted)
             budget -= len(swapped_in) + len(received)
-            admitted = [] if preempted or self.swapped else self._admit(budget, chunked=True)
+            admitted = [] if preempted or self.swapped else self._admit(budget, chunked=chunked)
             self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
             return self._batch(prefill + admitted, True, preempted, swapped_in, received)
-        if not self.swapped:
-            admitted = self._admit(budget, chunked=False)
-            if admitted:
-                self.steps_since_admission = 0
-                return self._batch(admitted, False, [], [])
-        preempted = self._grow_decodes(budget)
+        preempted: list[Request] = []
+        if not self.swapped:  # a step that prefills runs prompts alone (SGLang; vLLM V0 without chunked prefill)
+            prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
+            admitted = self._admit(budget - sum(n for _, n in prefill), chunked=chunked) if not preempted else []
+            if prefill or admitted:
+                self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
+                return self._batch(prefill + admitted, False, preempted, [])
+        preempted += self._grow_decodes(budget)
         swapped_in, received = self._resume(budget - self._decode_tokens(), preempted)
         self.steps_since_admission += 1
         return self._batch([], True, preempted, swapped_in, received)
@@ -89,8 +91,8 @@ class Scheduler(BaseScheduler):
         and drafts made for it would be thrown away. Drafters ask before proposing; the scheduler cuts drafts
         when it is False."""
         cfg = self.cfg
-        return self._may_draft() and (cfg.enable_chunked_prefill or bool(self.swapped)
-                                      or not self._admissible(cfg.max_num_batched_tokens, chunked=False))
+        return self._may_draft() and (cfg.mixed_batches or bool(self.swapped) or (
+            not self.prefilling and not self._admissible(cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)))
 
     def _may_draft(self) -> bool:
         """Speculative decoding is on and the batch is not above speculative_disable_by_batch_size (within a
@@ -226,8 +228,9 @@ class Scheduler(BaseScheduler):
         free = self.kv.num_free - self.kv.watermark_blocks
         h = self.handoff  # HandOff.holding, inline: asked at every step with requests waiting
         slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
+        visible = self.visible_until
         for r in self.waiting:
-            if len(picks) >= slots or budget <= 0:
+            if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
             computed, held, revive = r.num_computed, len(r.block_table), 0
             if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived

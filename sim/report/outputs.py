@@ -230,6 +230,23 @@ def cost_line(c: dict) -> str:
     return f"datasheet roofline, no measured kernels for this device{off.replace('held out: ', '')}"
 
 
+def _print_cost_model(priced: dict | None, console) -> None:
+    """What priced the steps (per pool for disaggregated runs) and the engine they ran on."""
+    if not priced:
+        return
+    sources = priced.values() if "source" not in priced else [priced]
+    console.print("priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)))
+    engines = [c["engine"] for c in sources if "engine" in c]
+    if engines:
+        console.print("engine: " + "; ".join(dict.fromkeys(engine_line(e) for e in engines)))
+
+
+def engine_line(e: dict) -> str:
+    """The serving engine a plan runs on and the defaults it supplied, for the summary."""
+    assumed = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in e["assumed"].items())
+    return f"{e['name']} {e['version']}" + (f" (its defaults: {assumed})" if assumed else "")
+
+
 def print_summary(report: dict, console=None) -> None:
     """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
     from rich.console import Console
@@ -303,10 +320,7 @@ def print_summary(report: dict, console=None) -> None:
                          if "draft_s_per_token" in spec else "")
                       + (f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile" if "verify_cost_ratio" in spec
                          else ""))
-    priced = report.get("cost_model")
-    if priced:
-        sources = priced.values() if "source" not in priced else [priced]
-        console.print("priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)))
+    _print_cost_model(report.get("cost_model"), console)
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")

@@ -86,7 +86,7 @@ def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], 
     replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off=hand_off),
                         pricer, next_arrival, bulk=bulk, on_finish=on_finish,
                         speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
-                        **hooks)
+                        async_scheduling=plan.engine is not None and plan.engine.async_scheduling, **hooks)
                 for i in range(plan.replicas * engines)]
     for i, pipeline in enumerate(pipelines):
         if pipeline is not None:

@@ -35,7 +35,8 @@ class Replica:
                  next_arrival: Callable[[], float], bulk: bool = True,
                  on_finish: Callable[[Request, float], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
-                 on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True):
+                 on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True,
+                 async_scheduling: bool = False):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -55,6 +56,8 @@ class Replica:
         # ends): a run is then cut short by an arrival before its horizon, and a pipelined engine, whose stages are
         # booked for the whole run, does not run in bulk
         self.arrivals_known = arrivals_known
+        # the engine schedules a step while the one before it runs: an arrival joins the step after next
+        self.async_scheduling = async_scheduling
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -124,6 +127,8 @@ class Replica:
                         self.on_finish(r, self.clock)
             if handoff.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
+            if self.async_scheduling:  # what arrived once the step that just ended was under way waits a step more
+                sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
@@ -179,6 +184,8 @@ class Replica:
         steps = (horizon - self.clock) / pricer.decode_time(b, s)
         k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
         k_max = sched.decode_horizon(max(k_max, 1))
+        if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
+            k_max = 1
         run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
         k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
         self.step_decodes_all.extend(bytes([1]) * k)
