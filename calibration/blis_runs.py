@@ -29,6 +29,8 @@ SHORT = {"Llama-2-7B": "llama2_7b", "Llama-2-70B": "llama2_70b", "Mixtral-8x7B":
          "CodeLlama-34B": "codellama_34b"}
 CLIENT = ("inference-perf, main between 2025-10-15 (request_timeout, circuit_breakers) and 2025-11-14 (load.trace): "
           "results/config.yaml has the first and not the second, nor shared_prefix.enable_multi_turn_chat")
+# the release current when the runs were made (0.14.0: 2026-01-17; the version itself is not recorded)
+VLLM_RELEASE = "0.14.0"
 ENGINE = {"name": "vllm", "version": None,
           "note": "not recorded in the source; an instrumented build (journey tracing, OTEL step spans) of vLLM's V1 "
                   "engine, run 2026-02-17/18; dtype auto (the checkpoint's), gpu_memory_utilization 0.9, block 16"}
@@ -131,6 +133,7 @@ def scenario_of(exp: dict, ran: dict, stages: list[dict], stem: str, folder: str
     prefix = 1 + round(sp["system_prompt_len"] * (prompt - 1) / (sp["system_prompt_len"] + sp["question_len"]))
     return {
         "name": f"blis-{stem.replace('_', '-')}", "model": MODELS[exp["model"]], "hardware": "H100-SXM",
+        "engine": {"name": "vllm", "version": VLLM_RELEASE},
         "parallel": {"tensor_parallel_size": exp["tensor_parallelism"]},
         "serving": {"max_num_seqs": exp["max_num_seqs"], "max_num_batched_tokens": exp["max_num_batched_tokens"],
                     "max_model_len": exp["max_model_len"], "enable_chunked_prefill": True},
@@ -150,7 +153,7 @@ def header(folder: str, commit: str, exp: dict, sp: dict, stem: str) -> str:
     """The comment that heads a scenario file: its source and what it reproduces."""
     pool = sp["num_groups"] * sp["num_prompts_per_group"]
     text = (f"Source: {REPO} @ {commit[:7]}, default_args/{folder}: vLLM (V1 engine, version not recorded; "
-            f"engine: vllm at merge) serving {exp['model']} on {exp['tensor_parallelism']}x H100-SXM, driven by "
+            f"planned as {VLLM_RELEASE}, the release current in February 2026) serving {exp['model']} on {exp['tensor_parallelism']}x H100-SXM, driven by "
             "inference-perf at constant-rate stages. vLLM's settings from exp-config.yaml (chunked prefill and "
             "prefix caching: its V1 defaults); the workload is what inference-perf ran (results/config.yaml): "
             f"{sp['num_groups']} system prompts of {sp['system_prompt_len']} tokens x {sp['num_prompts_per_group']} "
