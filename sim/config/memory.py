@@ -9,7 +9,7 @@ from sim.config.expert_parallel import ExpertLayout, does_not_fit_a_rank
 from sim.config.hardware import HardwareSpec
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec
-from sim.config.moe import is_mla
+from sim.config.moe import uses_mla
 from sim.config.scenario import KVCacheConfig
 from sim.config.sharding import Sharding
 
@@ -71,7 +71,7 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
     # MLA's latent serves every head: each tensor-parallel rank keeps all of it, as vLLM does
-    per_device = model.kv_bytes_per_token if is_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
+    per_device = model.kv_bytes_per_token if uses_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
     kv_bytes_per_token = per_device * layout.stage_layers / model.num_layers
     num_blocks, swap_blocks = kv_blocks(kv, layout, kv_bytes, block_size * kv_bytes_per_token, block_size,
                                         max_model_len)

@@ -11,8 +11,9 @@ from pydantic import ValidationError
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
+from sim.config.hf_config import load_hf_config
 from sim.config.memory import Layout, memory_budget
-from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
+from sim.config.models import ModelSpec, WeightDtype, catalog_model
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
     CostModelConfig,
