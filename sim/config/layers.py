@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from sim.config.moe import expert_width, is_moe_layer, uses_mla
+
 ModelSpec = Any  # sim.config.models.ModelSpec, which reads its layers from here
 
 # config.json's layer_types -> attention kinds
@@ -57,8 +59,6 @@ class LayerSpec:
 
 def layer_specs(m: ModelSpec) -> tuple[LayerSpec, ...]:
     """The model's layers, first to last (equal layers are one shared object)."""
-    from sim.config.moe import expert_width, is_moe_layer, uses_mla
-
     flags = {"sinks": m.attention_sinks, "qk_norm": m.qk_norm, "output_gate": m.attn_output_gate}
     made: dict[tuple, LayerSpec] = {}
     out = []
@@ -186,31 +186,3 @@ def priced_as_full_attention(m: ModelSpec) -> list[str]:
     ModelSpec.kv_bytes_per_token: sliding-window and chunked layers as full attention (every token of the context
     read), linear-attention layers as attention with no cache (their state read and written nowhere)."""
     return sorted(kind for kind in kind_counts(m) if kind in (*WINDOWED, "linear"))
-
-
-# -- parameters ---------------------------------------------------------------------------------------------------------
-def attention_layer_params(m: ModelSpec, attention: Attention) -> int:
-    """One layer's attention parameters: projections, biases, sinks, q/k norms; Gated DeltaNet's for linear layers
-    (Hugging Face's Qwen3NextGatedDeltaNet), the latent projections for MLA (sim/config/moe.py)."""
-    from sim.config.moe import attention_params
-
-    if attention.kind == "mla":
-        return attention_params(m)
-    if attention.kind == "linear":
-        return gated_delta_net_params(m)
-    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size
-    params = attention_params(m) + (h * heads * d if attention.output_gate else 0)
-    if m.attention_bias or m.qkv_bias:  # q, k and v biases; Llama's and gpt-oss's attention_bias also o's
-        params += (heads + 2 * kv) * d + (h if m.attention_bias else 0)
-    return params + (heads if attention.sinks else 0) + (2 * d if attention.qk_norm else 0)
-
-
-def gated_delta_net_params(m: ModelSpec) -> int:
-    """A Gated DeltaNet layer: in_proj_qkvz, in_proj_ba (per value head: beta and the decay), the depthwise causal
-    convolution over q, k and v, dt_bias and A_log per value head, the gated RMSNorm, out_proj."""
-    h = m.hidden_size
-    key_dim = m.linear_num_key_heads * m.linear_key_head_dim
-    value_dim = m.linear_num_value_heads * m.linear_value_head_dim
-    heads = m.linear_num_value_heads
-    return h * (2 * key_dim + 2 * value_dim) + h * 2 * heads + (2 * key_dim + value_dim) * m.linear_conv_kernel_dim \
-        + 2 * heads + m.linear_value_head_dim + value_dim * h

@@ -284,6 +284,33 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
           num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
           first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
           v_head_dim=128),
+    # what fleets serve in 2026 (each config.json on huggingface.co: Qwen/Qwen3-8B, Qwen/Qwen3-32B,
+    # openai/gpt-oss-120b, openai/gpt-oss-20b, Qwen/Qwen3-Next-80B-A3B-Instruct, meta-llama/Llama-4-Scout-17B-16E,
+    # meta-llama/Llama-4-Maverick-17B-128E (their text_config), moonshotai/Kimi-K2-Instruct; sim/config/layers.py)
+    _spec("Qwen3-8B", 36, 4096, 32, 8, 12288, 151936, 40960, head_dim=128, rope_theta=1e6, weight_dtype="bf16",
+          qk_norm=True),
+    _spec("Qwen3-32B", 64, 5120, 64, 8, 25600, 151936, 40960, head_dim=128, rope_theta=1e6, weight_dtype="bf16",
+          qk_norm=True),
+    *[_spec(f"gpt-oss-{size}", layers, 2880, 64, 8, 2880, 201088, 131072, head_dim=64, rope_theta=150000.0,
+            weight_dtype="bf16", expert_weight_dtype="mxfp4", num_experts=experts, num_experts_per_tok=4,
+            moe_intermediate_size=2880, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            sliding_window=128, attention_sinks=True, attention_bias=True, mlp_bias=True)
+      for size, layers, experts in (("120b", 36, 128), ("20b", 24, 32))],
+    _spec("Qwen3-Next-80B-A3B", 48, 2048, 16, 2, 5120, 151936, 262144, head_dim=256, rope_theta=1e7,
+          weight_dtype="bf16", num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+          shared_expert_intermediate_size=512, shared_expert_gate=True,
+          layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+          linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+          linear_conv_kernel_dim=4, qk_norm=True, attn_output_gate=True),
+    *[_spec(name, 48, 5120, 40, 8, 16384, 202048, max_pos, head_dim=128, rope_theta=500000.0, weight_dtype="bf16",
+            num_experts=experts, num_experts_per_tok=1, moe_intermediate_size=8192, num_shared_experts=1,
+            norm_topk_prob=False, decoder_sparse_step=step, attention_chunk_size=8192,
+            layer_types=(["chunked_attention"] * 3 + ["full_attention"]) * 12)
+      for name, experts, step, max_pos in (("Llama-4-Scout", 16, 1, 10485760), ("Llama-4-Maverick", 128, 2, 1048576))],
+    _spec("Kimi-K2", 61, 7168, 64, 64, 18432, 163840, 131072, head_dim=192, rope_theta=50000.0, weight_dtype="fp8",
+          num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
+          first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+          v_head_dim=128),
 ]}
 
 

@@ -1,6 +1,6 @@
-"""Mixture-of-experts and multi-head latent attention (MLA) sizes of a model spec: which layers are MoE, the
-parameters of each part (in all and per token), the KV cache of a latent, and how a step's tokens spread over the
-experts. A dense llama-family spec (no experts, no latent) keeps its own formulas in sim/config/models.py.
+"""The sizes of a model spec's parts: which layers are MoE, the parameters of each part of a decoder layer (attention
+of each kind, MLPs, routed and shared experts, router, norms) summed over its typed blocks (sim/config/layers.py), in
+all and per token, the KV cache of a multi-head latent (MLA), and how a step's tokens spread over the experts.
 
 Parameters of one decoder layer, as Hugging Face's modelling code holds them:
 - attention: q, k, v, o (GQA); MLA (DeepSeek-V2/V3): q_a (hidden → q_lora_rank) and its norm then q_b (→ heads ×
@@ -9,11 +9,13 @@ Parameters of one decoder layer, as Hugging Face's modelling code holds them:
 - a dense layer's SwiGLU MLP (3 × hidden × intermediate_size), or a MoE layer's routed experts (each 3 × hidden ×
   moe_intermediate_size), shared experts (3 × hidden × their width, plus Qwen2-MoE's one-output gate) and the
   router (hidden × experts);
-- two RMSNorms.
+- a Gated DeltaNet (linear attention) layer's projections, convolution and gated norm (Qwen3-Next);
+- two RMSNorms (Gemma: four).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from sim.config.sharding import shard
@@ -137,6 +139,31 @@ def router_params(m: ModelSpec) -> int:
     return m.hidden_size * m.num_experts + (m.num_experts if m.mlp_bias else 0)
 
 
+def attention_layer_params(m: ModelSpec, attention) -> int:
+    """One layer's attention parameters: projections, biases, sinks, q/k norms; Gated DeltaNet's for linear layers
+    (Hugging Face's Qwen3NextGatedDeltaNet), the latent projections for MLA (sim/config/moe.py)."""
+    if attention.kind == "mla":
+        return attention_params(m)
+    if attention.kind == "linear":
+        return gated_delta_net_params(m)
+    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size
+    params = attention_params(m) + (h * heads * d if attention.output_gate else 0)
+    if m.attention_bias or m.qkv_bias:  # q, k and v biases; Llama's and gpt-oss's attention_bias also o's
+        params += (heads + 2 * kv) * d + (h if m.attention_bias else 0)
+    return params + (heads if attention.sinks else 0) + (2 * d if attention.qk_norm else 0)
+
+
+def gated_delta_net_params(m: ModelSpec) -> int:
+    """A Gated DeltaNet layer: in_proj_qkvz, in_proj_ba (per value head: beta and the decay), the depthwise causal
+    convolution over q, k and v, dt_bias and A_log per value head, the gated RMSNorm, out_proj."""
+    h = m.hidden_size
+    key_dim = m.linear_num_key_heads * m.linear_key_head_dim
+    value_dim = m.linear_num_value_heads * m.linear_value_head_dim
+    heads = m.linear_num_value_heads
+    return h * (2 * key_dim + 2 * value_dim) + h * 2 * heads + (2 * key_dim + value_dim) * m.linear_conv_kernel_dim \
+        + 2 * heads + m.linear_value_head_dim + value_dim * h
+
+
 @dataclass(frozen=True)
 class DecoderParams:
     """A spec's decoder parameters summed over its layers, by part."""
@@ -166,9 +193,7 @@ class DecoderParams:
 
 def decoder_params(m: ModelSpec) -> DecoderParams:
     """The decoder layers' parameters by part, summed over the layers' blocks (sim/config/layers.py)."""
-    from sim.config.layers import attention_layer_params, layer_runs
-
-    runs = layer_runs(m.layers)
+    runs = [(layer, len(list(same))) for layer, same in groupby(m.layers)]
     n_moe = sum(n for layer, n in runs if layer.ffn.kind == "moe")
     return DecoderParams(attention=sum(n * attention_layer_params(m, layer.attention) for layer, n in runs),
                          dense_mlp=sum(n * mlp_params(m, layer.ffn.width) for layer, n in runs

@@ -12,6 +12,7 @@ from sim.config.errors import ConfigError
 from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
 from sim.config.hf_config import load_hf_config
+from sim.config.kv_groups import KVGroups
 from sim.config.memory import Layout, memory_budget
 from sim.config.models import ModelSpec, WeightDtype, catalog_model
 from sim.config.profile import ProfileFile, read_profile
@@ -136,6 +137,8 @@ class Plan:
     pools: Pools | None = None
     data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
     enable_expert_parallel: bool = False
+    # a hybrid model's KV cache groups by attention kind (sim/config/kv_groups.py); None: one group of every layer
+    kv_groups: KVGroups | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -157,6 +160,11 @@ class Plan:
     def largest_stage_layers(self) -> int:
         """The largest pipeline stage's share of the layers (the one `kv_bytes_per_token` covers)."""
         return largest_stage(self.model.num_layers, self.pipeline_parallel_size)
+
+    @property
+    def block_bytes(self) -> float:
+        """One KV block on one device: block_size tokens of its layers' K/V, or a hybrid model's group of pages."""
+        return self.kv_groups.block_bytes if self.kv_groups is not None else self.block_size * self.kv_bytes_per_token
 
     @property
     def kv_bytes_per_token_layer(self) -> float:
@@ -303,6 +311,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     layout = _layout_of(scenario, model)
     memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, sv.max_num_seqs,
                            scheduler.max_model_len)
+    if memory.kv_groups is not None:
+        _check_hybrid(scenario, model, memory.kv_groups)
     cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
     # a replica's data-parallel ranks run as one engine over DP times a rank's batch and blocks
     scheduler, num_blocks, swap_blocks = layout.expert.replica_engine(scheduler, memory.num_blocks,
@@ -318,7 +328,27 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
                 data_parallel_size=layout.expert.data_parallel_size,
-                enable_expert_parallel=layout.expert.enable_expert_parallel)
+                enable_expert_parallel=layout.expert.enable_expert_parallel, kv_groups=memory.kv_groups)
+
+
+def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups) -> None:
+    """What a hybrid model's groups are not simulated with: static batching (each row reserves its whole length in
+    every group, which no window frees), and with linear-attention layers prefix caching (vLLM's experimental mamba
+    "align" mode keeps a state per block boundary) and speculative decoding (its states per draft)."""
+    kinds = ", ".join(k.kind for k in groups.kinds if k.kind != "full")
+    if scenario.serving.batching == "static":
+        raise ConfigError(f"{model.name} has {kinds} layers, whose KV groups (vLLM's hybrid KV cache manager) free "
+                          "blocks as windows move, which static batching's whole-length reservations do not; "
+                          "allowed: continuous", "serving.batching")
+    if not any(k.kind == "linear" for k in groups.kinds):
+        return
+    if scenario.kv_cache.enable_prefix_caching:
+        raise ConfigError(f"{model.name}'s linear-attention state is reused only at block boundaries vLLM saved it "
+                          "at (its experimental mamba 'align' mode), not modelled; allowed: false",
+                          "kv_cache.enable_prefix_caching")
+    if scenario.speculative is not None:
+        raise ConfigError(f"{model.name}'s linear-attention state per draft token is not modelled; allowed: no "
+                          "speculative section", "speculative")
 
 
 def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:

@@ -136,7 +136,10 @@ class BaseScheduler:
 
     @property
     def num_kv_tokens(self) -> int:
-        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once)."""
+        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once); a hybrid model's
+        token slots holding K/V over all its groups."""
+        if self.kv.hybrid:
+            return self.kv.filled_tokens(self.running, self.decoding)
         tokens = self.decoding.sum_computed
         if self.prefilling:
             tokens += sum(r.num_computed for r in self.prefilling)

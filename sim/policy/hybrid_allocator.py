@@ -1,0 +1,406 @@
+"""KV blocks of a hybrid model as vLLM's hybrid KV cache manager keeps them (v1 `KVCacheManager` over a
+`HybridKVCacheCoordinator`): one pool of blocks, drawn by groups of layers of one attention kind each
+(sim/config/kv_groups.py), each group its own block table per request.
+
+- A full-attention group holds a block per block_size tokens of the sequence (FullAttentionManager).
+- A sliding-window group frees the blocks that fell out of the window before each allocation (SlidingWindowManager:
+  tokens before num_computed - W + 1 are skipped), so a long prompt in chunks holds its window and a chunk, and a
+  decoding sequence its window.
+- A chunked-local group frees the chunks before the one the next token is in (ChunkedLocalAttentionManager).
+- A linear-attention group holds one block per sequence, its state (MambaManager; without prefix caching its block
+  spans max_model_len).
+
+Groups of one kind are alike (same tables, same frees), so a request keeps, per kind, one table of bundles: a tuple of
+one block per group of that kind, or None where the blocks were freed (vLLM's null block). `r.group_tables[k]` is
+kind k's table and `r.group_dropped[k]` how many of its first entries are None.
+
+Prefix caching is per group: a full group reuses the blocks of the longest cached prefix, a sliding-window group only
+needs (and can only reuse) the blocks inside the window at the reuse point, a chunked group those of the current
+chunk; the hit is the length every kind agrees on (HybridKVCacheCoordinator.find_longest_cache_hit).
+"""
+from __future__ import annotations
+
+from sim.config.kv_groups import KVGroups, cdiv
+from sim.policy.block_manager import BlockAllocator, FreeBlockQueue
+from sim.policy.decode_set import HybridDecodeSet
+from sim.policy.request import Request
+
+WINDOWED = ("sliding_window", "chunked_local")
+
+
+class HybridBlockAllocator(BlockAllocator):
+    """One pool of blocks over a hybrid model's KV cache groups; `step_tokens`: the most tokens of one sequence a step
+    computes (a whole prompt, or a prefill chunk), which sizes what a sliding window holds at its peak."""
+
+    hybrid = True
+
+    def __init__(self, groups: KVGroups, num_blocks: int, watermark: float = 0.0, num_swap_blocks: int = 0,
+                 step_tokens: int = 1, prefix_caching: bool = False):
+        super().__init__(num_blocks, groups.block_size, watermark, num_swap_blocks)
+        self.groups = groups
+        self.step_tokens = step_tokens
+        self.kinds = [(k.kind, k.window, k.groups) for k in groups.kinds]
+        self.n_growing = sum(n for kind, _, n in self.kinds if kind != "linear")  # blocks a boundary takes
+        self.n_full = sum(n for kind, _, n in self.kinds if kind == "full")
+        self.grow_kind = next(k for k, (kind, _, _) in enumerate(self.kinds) if kind != "linear")  # a table per token
+        # where each kind's groups start in the flat group numbering (prefix caching registers per group)
+        self.first_group = [sum(n for _, _, n in self.kinds[:k]) for k in range(len(self.kinds))]
+        self.prefix_caching = prefix_caching
+        self.window_frees = 0  # times blocks left a window (a request waiting for blocks could start after one)
+        self.kind_of = [0] * num_blocks  # the kind whose group holds each block in use
+        self.used = [0] * len(self.kinds)  # blocks in use by kind, and the most at once
+        self.peak = [0] * len(self.kinds)
+        if prefix_caching:
+            self.ref = [0] * num_blocks
+            self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block
+            self.hash_of: dict[int, tuple[int, int]] = {}
+            self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)))
+
+    # -- what one request needs -------------------------------------------------------------------------------------
+    def skipped(self, kind: str, window: int, computed: int) -> int:
+        """Leading blocks of a kind's table no longer attended once `computed` tokens are computed."""
+        if kind == "sliding_window":
+            return max(0, computed - window + 1) // self.block_size
+        if kind == "chunked_local":
+            return computed // window * window // self.block_size
+        return 0
+
+    def table_len(self, kind: str, num_tokens: int) -> int:
+        """Entries a kind's table has for `num_tokens` tokens (a linear group: one, its state)."""
+        if kind == "linear":
+            return 1 if num_tokens else 0
+        return -(-num_tokens // self.block_size)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once (vLLM's max_memory_usage of each group)."""
+        return self.groups.peak_blocks(num_tokens, self.step_tokens)
+
+    def _tables(self, r: Request) -> tuple[list, list]:
+        if not r.group_tables:
+            r.group_tables = [[] for _ in self.kinds]
+            r.group_dropped = [0] * len(self.kinds)
+        return r.group_tables, r.group_dropped
+
+    def new_blocks(self, r: Request, computed: int, num_tokens: int) -> int:
+        """Blocks `allocate` takes to give r `num_tokens` slots with `computed` tokens computed: each kind's new
+        entries, past those the window skips."""
+        tables = r.group_tables
+        need = 0
+        for k, (kind, window, n) in enumerate(self.kinds):
+            have = len(tables[k]) if tables else 0
+            want = self.table_len(kind, num_tokens)
+            if want > have:
+                need += n * (want - max(have, self.skipped(kind, window, computed)))
+        return need
+
+    def extra_blocks(self, r: Request, num_tokens: int) -> int:
+        """Blocks r still needs for `num_tokens` of its tokens, after freeing what fell out of its windows (vLLM's
+        allocate_slots frees them first)."""
+        self.drop(r, r.num_computed)
+        return self.new_blocks(r, r.num_computed, num_tokens)
+
+    def can_allocate(self, r: Request, num_tokens: int, watermark: bool = False) -> bool:
+        need = self.extra_blocks(r, num_tokens)  # first: it frees what left r's windows
+        return len(self.free_blocks) - need >= (self.watermark_blocks if watermark else 0)
+
+    def allocate(self, r: Request, num_tokens: int) -> None:
+        """Free what r's windows skip, then give each kind's table the entries `num_tokens` need (the caller checked
+        can_allocate)."""
+        self.grow(r, r.num_computed, num_tokens)
+
+    def grow(self, r: Request, computed: int, num_tokens: int) -> bool:
+        """allocate at `computed` tokens (a lazily counted decode row's), or False, having only freed, where the free
+        blocks are too few."""
+        self.drop(r, computed)
+        need = self.new_blocks(r, computed, num_tokens)
+        if need > len(self.free_blocks):
+            return False
+        if not need:
+            return True
+        tables, dropped = self._tables(r)
+        fresh = self._take(need)
+        at = 0
+        for k, (kind, window, n) in enumerate(self.kinds):
+            table, want = tables[k], self.table_len(kind, num_tokens)
+            if want <= len(table):
+                continue
+            start = max(len(table), self.skipped(kind, window, computed))
+            if start > len(table):  # entries a fresh table begins past (a swap-in, a hand-off): out of the window
+                dropped[k] = start
+                table.extend([None] * (start - len(table)))
+            for _ in range(want - start):
+                table.append(tuple(fresh[at:at + n]))
+                at += n
+            self._hold(k, fresh[at - n * (want - start):at])
+        return True
+
+    def _hold(self, k: int, blocks) -> None:
+        """Blocks taken into use by kind k's groups."""
+        kind_of = self.kind_of
+        for b in blocks:
+            kind_of[b] = k
+        self.used[k] += len(blocks)
+
+    def note_peak(self) -> None:
+        super().note_peak()
+        for k, n in enumerate(self.used):
+            if n > self.peak[k]:
+                self.peak[k] = n
+
+    @property
+    def peak_by_kind(self) -> dict[str, int]:
+        return {kind: peak for (kind, _, _), peak in zip(self.kinds, self.peak)}
+
+    def _take(self, n: int) -> list[int]:
+        if self.prefix_caching:
+            return self.free_blocks.take(n)
+        free = self.free_blocks
+        out = free[-n:][::-1]
+        del free[-n:]
+        return out
+
+    def drop(self, r: Request, computed: int) -> None:
+        """vLLM's remove_skipped_blocks: free the blocks of r's windowed kinds that no query attends any more."""
+        tables, dropped = r.group_tables, r.group_dropped
+        if not tables:
+            return
+        for k, (kind, window, _) in enumerate(self.kinds):
+            if kind not in WINDOWED:
+                continue
+            table = tables[k]
+            upto = min(self.skipped(kind, window, computed), len(table))
+            if upto > dropped[k]:
+                freed = [b for bundle in table[dropped[k]:upto] if bundle is not None for b in bundle]
+                table[dropped[k]:upto] = [None] * (upto - dropped[k])
+                dropped[k] = upto
+                self.release(freed[::-1])
+                self.window_frees += 1
+
+    # -- a decoding row, step by step (HybridDecodeSet) ----------------------------------------------------------------
+    def make_decode_set(self) -> HybridDecodeSet:
+        return HybridDecodeSet(self)
+
+    def next_event(self, r: Request, computed: int) -> int:
+        """The next count of computed tokens at which r's blocks change: a new block (every kind's table full) or a
+        window's first block skipped."""
+        tables = r.group_tables
+        filled = len(tables[self.grow_kind]) * self.block_size  # the step computing it needs a new block
+        return min(filled, self.next_drop(r, computed))
+
+    def next_drop(self, r: Request, computed: int) -> int:
+        """The next count of computed tokens at which a window of r's skips a block (a huge number if none)."""
+        nxt = 1 << 62
+        for kind, window, _ in self.kinds:
+            if kind == "sliding_window":
+                nxt = min(nxt, (max(0, computed - window + 1) // self.block_size + 1) * self.block_size + window - 1)
+            elif kind == "chunked_local":
+                nxt = min(nxt, (computed // window + 1) * window)
+        return nxt
+
+    def changes_now(self, r: Request, computed: int) -> bool:
+        """Whether the step computing token `computed` frees or needs blocks of r's."""
+        tables, dropped = r.group_tables, r.group_dropped
+        for k, (kind, window, _) in enumerate(self.kinds):
+            if kind == "linear":
+                continue
+            if len(tables[k]) * self.block_size <= computed:
+                return True
+            if kind in WINDOWED and min(self.skipped(kind, window, computed), len(tables[k])) > dropped[k]:
+                return True
+        return False
+
+    def live(self, r: Request) -> list[int]:
+        """Entries (bundles) each kind's table holds now."""
+        return [len(t) - d for t, d in zip(r.group_tables, r.group_dropped)]
+
+    def most_live(self, kind: str, window: int) -> int:
+        """The most entries a decoding row's table of a windowed kind holds: the window's blocks and the next."""
+        return cdiv(max(window - 1, 1), self.block_size) + 1
+
+    # -- giving blocks back ------------------------------------------------------------------------------------------
+    def blocks_of(self, r: Request) -> list[int]:
+        """Every block r holds, each kind's table in order."""
+        return [b for table in r.group_tables for bundle in table if bundle is not None for b in bundle]
+
+    def free(self, r: Request) -> None:
+        # the last blocks first, as vLLM frees a request's blocks
+        self.release([b for table in r.group_tables for bundle in reversed(table) if bundle is not None
+                      for b in bundle])
+        r.group_tables, r.group_dropped = (), ()
+        r.block_table = []
+        r.num_registered = 0
+
+    def detach(self, r: Request) -> list[int]:
+        """A handed-off request's blocks, kept for sending while r holds none."""
+        blocks = self.blocks_of(r)
+        r.group_tables, r.group_dropped = (), ()
+        return blocks
+
+    def release(self, block_table: list[int]) -> None:
+        if self.prefix_caching:
+            ref, freed = self.ref, []
+            for block in block_table:
+                left = ref[block] = ref[block] - 1
+                if left:
+                    self.shared_refs -= 1
+                else:
+                    freed.append(block)
+            block_table = freed
+        used, kind_of = self.used, self.kind_of
+        for block in block_table:
+            used[kind_of[block]] -= 1
+        self.free_blocks.extend(block_table)
+
+    def trim(self, r: Request, num_tokens: int) -> None:
+        """Return the entries past those `num_tokens` tokens need (speculative slots of rejected drafts)."""
+        freed = []
+        for k, (kind, _, _) in enumerate(self.kinds):
+            table, keep = r.group_tables[k], self.table_len(kind, num_tokens)
+            if kind != "linear" and len(table) > keep:
+                freed += [b for bundle in reversed(table[keep:]) if bundle is not None for b in bundle]
+                del table[keep:]
+                r.group_dropped[k] = min(r.group_dropped[k], keep)
+        if freed:
+            self.release(freed)
+
+    def append_block(self, r: Request) -> None:
+        self.grow(r, r.num_computed, r.num_computed + 1)
+
+    # -- swap (host blocks: the blocks r holds, copied out and back) --------------------------------------------------
+    def can_swap_out(self, r: Request) -> bool:
+        return len(self.blocks_of(r)) <= len(self.free_host_blocks)
+
+    def swap_out(self, r: Request) -> list[tuple[int, int]]:
+        blocks = self.blocks_of(r)
+        n = len(blocks)
+        host = self.free_host_blocks[-n:][::-1] if n else []
+        del self.free_host_blocks[len(self.free_host_blocks) - n:]
+        r.host_block_table = host
+        self.free(r)
+        return list(zip(blocks, host))
+
+    def swap_in(self, r: Request, num_tokens: int) -> list[tuple[int, int]]:
+        self.allocate(r, num_tokens)
+        pairs = list(zip(r.host_block_table, self.blocks_of(r)))
+        self.free_host_blocks.extend(reversed(r.host_block_table))
+        r.host_block_table = ()
+        return pairs
+
+    # -- prefix caching per group ---------------------------------------------------------------------------------------
+    def admit_blocks(self, computed: int, num_tokens: int, held: int) -> int:
+        """Blocks a waiting request with `held` blocks of cached prefix in each attention kind (and `computed` tokens)
+        takes for `num_tokens` slots."""
+        need = 0
+        for kind, window, n in self.kinds:
+            have = 0 if kind == "linear" else max(held, self.skipped(kind, window, computed))
+            need += n * max(0, self.table_len(kind, num_tokens) - have)
+        return need
+
+    def cached_bundle(self, k: int, h: int) -> tuple[int, ...] | None:
+        """The blocks of kind k's groups cached under block hash `h`, or None unless every group has one."""
+        first, n = self.first_group[k], self.kinds[k][2]
+        out = []
+        for g in range(first, first + n):
+            block = self.cached.get((g, h))
+            if block is None:
+                return None
+            out.append(block)
+        return tuple(out)
+
+    def kind_hit(self, k: int, hashes: tuple, most: int) -> int:
+        """Blocks of prefix kind k finds cached within the first `most` (vLLM's find_longest_cache_hit of its
+        manager): a full group the longest run from the start; a sliding window a run of the window's blocks ending
+        at the hit (scanning from the right), or the run from the start; a chunked group the current chunk's run."""
+        kind, window, _ = self.kinds[k]
+        if kind == "sliding_window":
+            contiguous, run = cdiv(window - 1, self.block_size), 0
+            for i in range(most - 1, -1, -1):
+                if self.cached_bundle(k, hashes[i]) is None:
+                    run = 0
+                    continue
+                run += 1
+                if run >= contiguous:
+                    return i + run
+            return run
+        start = most * self.block_size // window * window // self.block_size if kind == "chunked_local" else 0
+        j = start
+        while j < most and self.cached_bundle(k, hashes[j]) is not None:
+            j += 1
+        return j
+
+    def cached_prefix(self, r: Request) -> tuple[int, int]:
+        """(blocks of r's prompt found cached in every kind, how many of the blocks taking them touches are free);
+        at least the prompt's last token is left to compute. The hit is the length all kinds agree on, each kind's
+        searched within the others' (HybridKVCacheCoordinator)."""
+        hashes = r.block_hashes
+        hit = min(len(hashes), (r.num_tokens - 1) // self.block_size)
+        while hit:
+            agreed = min(self.kind_hit(k, hashes, hit) for k in range(len(self.kinds)))
+            if agreed == hit:
+                break
+            hit = agreed
+        free = sum(self.ref[b] == 0 for bundle in self._hit_bundles(hashes, hit) for b in bundle)
+        return hit, free
+
+    def _hit_bundles(self, hashes: tuple, hit: int):
+        """(kind, entry, bundle) of the cached blocks a hit of `hit` blocks takes: every kind's from the first its
+        window still attends."""
+        for k, (kind, window, _) in enumerate(self.kinds):
+            for j in range(self.skipped(kind, window, hit * self.block_size), hit):
+                yield self.cached_bundle(k, hashes[j])
+
+    def take_prefix(self, r: Request, hits: int) -> None:
+        """Give a request with no blocks the cached blocks of its first `hits` prompt blocks that its windows still
+        attend (the rest are None entries)."""
+        self.queried_tokens += r.num_tokens
+        self.hit_tokens += hits * self.block_size
+        tables, dropped = self._tables(r)
+        computed = hits * self.block_size
+        ref = self.ref
+        for k, (kind, window, _) in enumerate(self.kinds):
+            skip = self.skipped(kind, window, computed)
+            tables[k].extend([None] * skip)
+            dropped[k] = skip
+            for j in range(skip, hits):
+                bundle = self.cached_bundle(k, r.block_hashes[j])
+                for b in bundle:
+                    if ref[b] == 0:
+                        self.free_blocks.revive(b)
+                        self._hold(k, (b,))
+                    else:
+                        self.shared_refs += 1
+                    ref[b] += 1
+                tables[k].append(bundle)
+        r.num_computed = computed
+
+    def register(self, r: Request, num_computed: int | None = None) -> None:
+        """Make the full blocks r has computed (or its first `num_computed` tokens) findable, each group's under its
+        own key (a prefix computed twice at once keeps the block registered first)."""
+        computed = r.num_computed if num_computed is None else num_computed
+        upto = min(len(r.block_hashes), computed // self.block_size)
+        cached, hash_of = self.cached, self.hash_of
+        for k in range(len(self.kinds)):
+            table, first = r.group_tables[k] if r.group_tables else (), self.first_group[k]
+            for j in range(r.num_registered, min(upto, len(table))):
+                bundle = table[j]
+                if bundle is None:
+                    continue
+                for i, block in enumerate(bundle):
+                    key = (first + i, r.block_hashes[j])
+                    if key not in cached and block not in hash_of:
+                        cached[key] = block
+                        hash_of[block] = key
+        r.num_registered = max(r.num_registered, upto)
+
+    def filled_tokens(self, running, decoding) -> int:
+        """Token slots of the blocks the running requests hold that hold K/V (a linear group's block counted full),
+        a block shared by several counted once."""
+        bs, total = self.block_size, 0
+        steps = decoding.steps
+        for r in running:
+            if not r.group_tables:
+                continue
+            c = r.num_computed + (steps - r.sync_step if r in decoding else 0)
+            for (kind, _, n), d in zip(self.kinds, r.group_dropped):
+                total += n * (bs if kind == "linear" else max(0, c - d * bs))
+        return total - self.shared_refs * bs if self.prefix_caching else total
