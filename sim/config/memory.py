@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.config import layers
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout, does_not_fit_a_rank
 from sim.config.hardware import HardwareSpec
@@ -88,16 +87,10 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
 
 
 def hybrid_groups(model: ModelSpec, kv: KVCacheConfig, layout: Layout, max_model_len: int) -> KVGroups | None:
-    """A hybrid model's KV cache groups on one device (None for a model of full attention, or one served with
-    disable_hybrid_kv_cache_manager), or the ConfigError of what vLLM's hybrid manager does not serve."""
+    """A hybrid model's KV cache groups on one device (None for a model of full attention), or the ConfigError of
+    what vLLM's hybrid KV cache manager does not serve."""
     if not model.hybrid:
         return None
-    linear = layers.kind_counts(model)["linear"]
-    if kv.disable_hybrid_kv_cache_manager and not linear:
-        return None
-    if kv.disable_hybrid_kv_cache_manager:
-        raise ConfigError(f"{model.name} has {linear} linear-attention layers, whose state only the hybrid KV cache "
-                          "manager keeps; allowed: false", "kv_cache.disable_hybrid_kv_cache_manager")
     if kv.allocator == "contiguous":
         raise ConfigError(f"{model.name}'s sliding-window, chunked or linear-attention layers need paged blocks in "
                           "groups by kind (vLLM's hybrid KV cache manager); allowed: paged", "kv_cache.allocator")

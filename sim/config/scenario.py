@@ -63,10 +63,7 @@ class KVCacheConfig(StrictModel):
     enable_prefix_caching: bool = Field(False, description="vLLM's automatic prefix caching: full prompt blocks stay "
                                         "in the cache, and a prompt that begins alike reuses them instead of computing "
                                         "them (paged blocks, continuous batching)")
-    disable_hybrid_kv_cache_manager: bool = Field(False, description="vLLM's --disable-hybrid-kv-cache-manager: "
-                                                  "sliding-window and chunked layers keep every token's K/V as full "
-                                                  "attention does, in one group (a model with linear-attention "
-                                                  "layers needs the hybrid manager)")
+
 
 
 class SLOConfig(StrictModel):
