@@ -245,11 +245,14 @@ def _family_fields(config: dict, family: Family) -> dict:
     fields = {f: _hf_value(config, k) for k, f in family.keys.items() if config.get(k) is not None}
     if "layer_types" not in fields and family.layer_types is not None:
         fields["layer_types"] = family.layer_types(config)
-    types = set(fields.get("layer_types") or ())
-    if "sliding_window" in fields and fields.get("layer_types") is not None and "sliding_attention" not in types:
-        del fields["sliding_window"]  # Qwen's sliding_window beside use_sliding_window false: unused
-    if "attention_chunk_size" in fields and "chunked_attention" not in types:
-        del fields["attention_chunk_size"]
+    if fields.get("layer_types") is not None:  # a window no layer has is unused (Qwen's, beside use_sliding_window
+        types = set(fields["layer_types"])     # false); every layer full is the spec's default
+        if "sliding_attention" not in types:
+            fields.pop("sliding_window", None)
+        if "chunked_attention" not in types:
+            fields.pop("attention_chunk_size", None)
+        if types == {"full_attention"}:
+            del fields["layer_types"]
     fields.update(family.fixed)
     if family.fields is not None:
         fields.update(family.fields(config))
