@@ -4,6 +4,7 @@ computed by hand, every block owned once and counted under preemption, swap, spe
 horizon safe, and bulk decode steps equal to stepping one by one."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -34,6 +35,11 @@ SLIDING_ONLY = groups(("sliding_window", 6, 1))
 ALL = {"gpt-oss": GPT_OSS, "llama4": LLAMA4, "qwen3-next": QWEN3_NEXT, "sliding-only": SLIDING_ONLY}
 
 
+def caching(g: KVGroups, prefix: bool) -> KVGroups:
+    """The groups as kv_groups makes them with prefix caching: a linear group's blocks span block_size tokens."""
+    return dataclasses.replace(g, linear_block_tokens=g.block_size) if prefix else g
+
+
 def held(kv: HybridBlockAllocator, r: Request) -> list[int]:
     return kv.blocks_of(r) if r.group_tables else []
 
@@ -57,8 +63,12 @@ def check_hybrid(kv: HybridBlockAllocator, holders: list[Request]) -> None:
         by_kind[kv.kind_of[b]] += 1
     assert by_kind == kv.used, (by_kind, kv.used)
     for r in holders:
-        for (kind, _, n), table, dropped in zip(kv.kinds, r.group_tables, r.group_dropped):
-            assert all(e is None for e in table[:dropped]) and all(len(e) == n for e in table[dropped:])
+        for (mode, _, n), table, dropped in zip(kv.kinds, r.group_tables, r.group_dropped):
+            assert all(e is None for e in table[:dropped])
+            live = [e for e in table[dropped:] if e is not None]
+            assert all(len(e) == n for e in live)
+            # a window's entries past the freed ones are held; a linear group's a state, and one a step past a boundary
+            assert len(live) == len(table) - dropped if not mode.startswith("state") else len(live) <= 2
     host = [b for r in holders for b in r.host_block_table]
     assert sorted(host + kv.free_host_blocks) == list(range(kv.num_swap_blocks)), "host blocks leaked"
 
@@ -106,6 +116,33 @@ def test_a_linear_attention_group_holds_one_state_block_a_sequence():
     assert kv.used == [3, 19]  # the states stay one block each, flat in the context
 
 
+def test_prefix_caching_keeps_a_linear_state_at_each_chunks_boundary():
+    """vLLM's mamba "align" mode, by hand (4-token blocks, 3 linear groups and 1 full): a 10-token prompt's first
+    chunk stops at the block boundary 8, where its state block is kept and registered; a prompt that begins with the
+    same 8 tokens takes the full group's 2 blocks and that state, and computes from token 8."""
+    kv = HybridBlockAllocator(caching(QWEN3_NEXT, True), 40, prefix_caching=True)
+    a = Request(0, 0.0, 10, 4)
+    a.block_hashes = (11, 12)
+    assert kv.align_chunk(a, 0, 16) == 8  # the chunk across the last boundary (8) stops there
+    kv.allocate(a, 8)
+    assert kv.used == [3, 2] and [e is None for e in a.group_tables[0]] == [True, False]
+    a.num_computed = 8
+    kv.register(a)
+    assert kv.align_chunk(a, 8, 2) == 2  # the tail after it runs whole
+    kv.allocate(a, 10)
+    assert kv.used == [6, 3]  # the state at 8 is kept for this step, the new one beside it
+    a.num_computed = 10
+    kv.allocate(a, 11)  # the next step frees the state at 8 (it stays cached, free)
+    assert kv.used == [3, 3]
+    b = Request(1, 0.0, 12, 4)
+    b.block_hashes = (11, 12, 13)
+    hit, free = kv.cached_prefix(b)
+    assert (hit, free) == (2, 3)  # 2 blocks: the full group's (held by a) and the 3 state blocks, free but cached
+    kv.take_prefix(b, hit)
+    assert b.num_computed == 8 and kv.used == [6, 3] and b.group_tables[0][0] is None
+    assert kv.align_chunk(b, 0, 6) == 4 and kv.align_chunk(b, 8, 16) == 4  # 6 of 12 stops at 4; from 8 to 12
+
+
 # -- invariants under any sequence of steps ---------------------------------------------------------------------------
 class HybridSchedulerMachine(RuleBasedStateMachine):
     """The scheduler over a hybrid allocator, as an engine drives it under KV pressure (recompute or swap preemption,
@@ -118,10 +155,11 @@ class HybridSchedulerMachine(RuleBasedStateMachine):
     def setup(self, model, num_blocks, chunked, preemption, gamma, prefix, eager):
         g = ALL[model]
         linear = any(k.kind == "linear" for k in g.kinds)
-        gamma, prefix = (0, False) if linear else (gamma, prefix)
+        gamma, chunked = (0, chunked or prefix) if linear else (gamma, chunked)  # vLLM: align mode needs chunks
         cfg = scheduler_config(64, max_num_seqs=4, max_num_batched_tokens=16 if chunked else 64,
                                enable_chunked_prefill=chunked, preemption=preemption, num_speculative_tokens=gamma)
-        self.kv = HybridBlockAllocator(g, num_blocks, num_swap_blocks=num_blocks if preemption == "swap" else 0,
+        self.kv = HybridBlockAllocator(caching(g, prefix), num_blocks,
+                                       num_swap_blocks=num_blocks if preemption == "swap" else 0,
                                        step_tokens=cfg.prefill_chunk_size, prefix_caching=prefix)
         self.sched = make_scheduler(cfg, self.kv, eager=eager)
         self.reqs: list[Request] = []
@@ -189,11 +227,12 @@ def test_random_walks_end_with_every_block_back(seed):
     linear = any(k.kind == "linear" for k in g.kinds)
     chunked, preemption = rng.random() < 0.5, rng.choice(["recompute", "swap"])
     gamma = 0 if linear else rng.choice([0, 0, 3])
-    prefix = not linear and rng.random() < 0.5
+    prefix = rng.random() < 0.5
+    chunked = chunked or (linear and prefix)
     cfg = scheduler_config(64, max_num_seqs=4, max_num_batched_tokens=16 if chunked else 64,
                            enable_chunked_prefill=chunked, preemption=preemption, num_speculative_tokens=gamma)
     blocks = rng.randint(12, 60)
-    kv = HybridBlockAllocator(g, blocks, num_swap_blocks=blocks if preemption == "swap" else 0,
+    kv = HybridBlockAllocator(caching(g, prefix), blocks, num_swap_blocks=blocks if preemption == "swap" else 0,
                               step_tokens=cfg.prefill_chunk_size, prefix_caching=prefix)
     sched, reqs = make_scheduler(cfg, kv, eager=rng.random() < 0.5), []
     for _ in range(60):
@@ -255,17 +294,25 @@ HYBRIDS = {
     "gpt-oss-tight-swap": ("gpt-oss-20b", {"kv_cache": {"num_blocks": 900, "preemption": "swap", "swap_space_gib": 1}}),
     "gpt-oss-chunked-prefix": ("gpt-oss-20b", {"kv_cache": {"num_blocks": 900, "enable_prefix_caching": True},
                                                "serving": {"enable_chunked_prefill": True,
-                                                           "max_num_batched_tokens": 512}}),
+                                                           "max_num_batched_tokens": 512},
+                                               "workload": {**MIXED, "shared_prefix": {"prefix_len": 600,
+                                                                                       "num_prefixes": 3}}}),
     "llama4-tight": ("Llama-4-Scout", {"kv_cache": {"num_blocks": 2000}, "parallel": {"tensor_parallel_size": 4}}),
     "qwen3-next-tight": ("Qwen3-Next-80B-A3B", {"kv_cache": {"num_blocks": 120},
                                                 "parallel": {"tensor_parallel_size": 2}}),
+    "qwen3-next-prefix": ("Qwen3-Next-80B-A3B", {"kv_cache": {"num_blocks": 200, "enable_prefix_caching": True},
+                                                 "serving": {"enable_chunked_prefill": True,
+                                                             "max_num_batched_tokens": 2048},
+                                                 "parallel": {"tensor_parallel_size": 2},
+                                                 "workload": {**MIXED, "shared_prefix": {"prefix_len": 1200,
+                                                                                         "num_prefixes": 2}}}),
 }
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
 def test_bulk_decode_steps_equal_stepping_one_by_one(name):
     model, extra = HYBRIDS[name]
-    data = scenario(model=model, hardware="H200", workload=MIXED, **{"serving": {"max_model_len": 8192}, **extra})
+    data = scenario(model=model, hardware="H200", **{"workload": MIXED, "serving": {"max_model_len": 8192}, **extra})
     m_bulk, res_bulk, rec_bulk = run(data, bulk=True)
     m_step, res_step, rec_step = run(data, bulk=False)
     check_conservation(m_bulk, res_bulk, rec_bulk)
@@ -276,3 +323,5 @@ def test_bulk_decode_steps_equal_stepping_one_by_one(name):
         assert m_bulk["kv_cache"].pop(key) == pytest.approx(m_step["kv_cache"].pop(key), rel=0.05, abs=0.01)
     assert m_bulk == m_step
     assert m_step["kv_cache"]["preemptions"] > 0 or "prefix" in name
+    if "prefix" in name:
+        assert m_step["kv_cache"]["prefix_cache_hit_rate"] > 0.2

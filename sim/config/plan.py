@@ -312,7 +312,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, sv.max_num_seqs,
                            scheduler.max_model_len)
     if memory.kv_groups is not None:
-        _check_hybrid(scenario, model, memory.kv_groups)
+        _check_hybrid(scenario, model, memory.kv_groups, scheduler)
     cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
     # a replica's data-parallel ranks run as one engine over DP times a rank's batch and blocks
     scheduler, num_blocks, swap_blocks = layout.expert.replica_engine(scheduler, memory.num_blocks,
@@ -331,10 +331,11 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 enable_expert_parallel=layout.expert.enable_expert_parallel, kv_groups=memory.kv_groups)
 
 
-def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups) -> None:
+def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups, scheduler: SchedulerConfig) -> None:
     """What a hybrid model's groups are not simulated with: static batching (each row reserves its whole length in
-    every group, which no window frees), and with linear-attention layers prefix caching (vLLM's experimental mamba
-    "align" mode keeps a state per block boundary) and speculative decoding (its states per draft)."""
+    every group, which no window frees), and with linear-attention layers speculative decoding (its states per
+    draft); and what vLLM's prefix caching of linear-attention states needs (its mamba "align" mode: chunked
+    prefill, chunks of at least a block)."""
     kinds = ", ".join(k.kind for k in groups.kinds if k.kind != "full")
     if scenario.serving.batching == "static":
         raise ConfigError(f"{model.name} has {kinds} layers, whose KV groups (vLLM's hybrid KV cache manager) free "
@@ -342,13 +343,17 @@ def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups) -> Non
                           "allowed: continuous", "serving.batching")
     if not any(k.kind == "linear" for k in groups.kinds):
         return
-    if scenario.kv_cache.enable_prefix_caching:
-        raise ConfigError(f"{model.name}'s linear-attention state is reused only at block boundaries vLLM saved it "
-                          "at (its experimental mamba 'align' mode), not modelled; allowed: false",
-                          "kv_cache.enable_prefix_caching")
     if scenario.speculative is not None:
         raise ConfigError(f"{model.name}'s linear-attention state per draft token is not modelled; allowed: no "
                           "speculative section", "speculative")
+    if scenario.kv_cache.enable_prefix_caching and not scheduler.enable_chunked_prefill:
+        raise ConfigError(f"prefix caching of {model.name}'s linear-attention states cuts prompt chunks at block "
+                          "boundaries (vLLM's mamba 'align' mode requires chunked prefill); allowed: true",
+                          "serving.enable_chunked_prefill")
+    if scenario.kv_cache.enable_prefix_caching and scheduler.prefill_chunk_size < groups.block_size:
+        raise ConfigError(f"{scheduler.prefill_chunk_size} tokens is less than a block of {groups.block_size} (raised "
+                          f"to hold {model.name}'s linear-attention state): prefix caching cuts prompt chunks to whole "
+                          "blocks; allowed: at least that", "serving.prefill_chunk_size")
 
 
 def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:

@@ -68,6 +68,10 @@ class BlockAllocator:
         """Blocks a waiting request holding `held` blocks (of a cached prefix) takes for `num_tokens` slots."""
         return max(0, self.blocks_for(num_tokens) - held)
 
+    def align_chunk(self, req: Request, computed: int, n: int) -> int:
+        """A prompt chunk of `n` tokens as this allocator needs it cut (unchanged here)."""
+        return n
+
     def make_decode_set(self) -> DecodeSet:
         """The decode set whose block calendar hands this allocator's blocks to decoding rows."""
         return DecodeSet(self.block_size)

@@ -161,7 +161,8 @@ class HybridDecodeSet(DecodeSet):
         heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
-        self._due.setdefault(self.steps + later, []).append((tag, r))
+        # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already
+        self._due.setdefault(max(self.steps + later, self._cursor), []).append((tag, r))
 
     def regrant(self, r: Request, kv) -> bool:
         self.sync(r)
@@ -205,19 +206,19 @@ class HybridDecodeSet(DecodeSet):
 
     def block_horizon(self, k: int, num_free: int) -> int:
         """Largest k' ≤ k such that the blocks members may need during steps 2..k' fit in `num_free`: at each of a
-        member's block boundaries one block per full group and one per windowed group, a windowed kind at most what
-        its window holds more than now (frees not counted: a safe bound)."""
+        member's block boundaries one block per group that grows, a kind whose old blocks are freed (windows, a
+        linear state with prefix caching) at most what it holds at most more than now (frees not counted: a safe
+        bound)."""
         kv, bs = self.kv, self.block_size
         if num_free >= len(self.members) * kv.n_growing * ((k - 1) // bs + 1):
             return k
         steps, grow = self.steps, kv.grow_kind
-        windowed = [(i, n, kv.most_live(kind, window)) for i, (kind, window, n) in enumerate(kv.kinds)
-                    if kind in ("sliding_window", "chunked_local")]
+        windowed = [(i, n, kv.most_live(mode, window)) for i, (mode, window, n) in enumerate(kv.kinds)
+                    if mode in ("sliding_window", "chunked_local", "state_align")]
         firsts, caps = [], []
         for r in self.members:
-            tables, dropped = r.group_tables, r.group_dropped
-            firsts.append(len(tables[grow]) * bs - r.num_computed - steps + r.sync_step)
-            caps.append([most - len(tables[i]) + dropped[i] + 1 for i, _, most in windowed])
+            firsts.append(len(r.group_tables[grow]) * bs - r.num_computed - steps + r.sync_step)
+            caps.append([most - kv.live(r, i) + 1 for i, _, most in windowed])
         f = np.array(firsts, np.int64)
         cap = np.array(caps, np.int64).reshape(len(firsts), len(windowed))
         weights = np.array([n for _, n, _ in windowed], np.int64)

@@ -7,16 +7,20 @@
   tokens before num_computed - W + 1 are skipped), so a long prompt in chunks holds its window and a chunk, and a
   decoding sequence its window.
 - A chunked-local group frees the chunks before the one the next token is in (ChunkedLocalAttentionManager).
-- A linear-attention group holds one block per sequence, its state (MambaManager; without prefix caching its block
-  spans max_model_len).
+- A linear-attention group holds one block per sequence, its state (MambaManager; its block spans max_model_len). With
+  prefix caching (vLLM's mamba "align" mode) its blocks span block_size tokens: prompt chunks end at block boundaries,
+  each boundary's state is a new block, and the one before it is freed a step later (cached, for a prompt that
+  begins alike to start from).
 
 Groups of one kind are alike (same tables, same frees), so a request keeps, per kind, one table of bundles: a tuple of
-one block per group of that kind, or None where the blocks were freed (vLLM's null block). `r.group_tables[k]` is
-kind k's table and `r.group_dropped[k]` how many of its first entries are None.
+one block per group of that kind, or None where the blocks were freed or never taken (vLLM's null block).
+`r.group_tables[k]` is kind k's table and `r.group_dropped[k]` how many of its first entries are None; past them a
+window's entries are all held, a linear group's at most two.
 
 Prefix caching is per group: a full group reuses the blocks of the longest cached prefix, a sliding-window group only
 needs (and can only reuse) the blocks inside the window at the reuse point, a chunked group those of the current
-chunk; the hit is the length every kind agrees on (HybridKVCacheCoordinator.find_longest_cache_hit).
+chunk, a linear group the last state kept within it; the hit is the length every kind agrees on
+(HybridKVCacheCoordinator.find_longest_cache_hit).
 """
 from __future__ import annotations
 
@@ -25,7 +29,10 @@ from sim.policy.block_manager import BlockAllocator, FreeBlockQueue
 from sim.policy.decode_set import HybridDecodeSet
 from sim.policy.request import Request
 
-WINDOWED = ("sliding_window", "chunked_local")
+# how a kind's table moves: windows free their first entries as the sequence grows; a linear group holds one state
+# block ("state"), or with prefix caching (vLLM's mamba "align" mode) a block per block_size tokens of which only the
+# last state and, for one step after a boundary, the one before it are kept ("state_align")
+MOVING = ("sliding_window", "chunked_local", "state_align")
 
 
 class HybridBlockAllocator(BlockAllocator):
@@ -39,10 +46,15 @@ class HybridBlockAllocator(BlockAllocator):
         super().__init__(num_blocks, groups.block_size, watermark, num_swap_blocks)
         self.groups = groups
         self.step_tokens = step_tokens
-        self.kinds = [(k.kind, k.window, k.groups) for k in groups.kinds]
-        self.n_growing = sum(n for kind, _, n in self.kinds if kind != "linear")  # blocks a boundary takes
-        self.n_full = sum(n for kind, _, n in self.kinds if kind == "full")
-        self.grow_kind = next(k for k, (kind, _, _) in enumerate(self.kinds) if kind != "linear")  # a table per token
+        # a linear group's blocks span block_size tokens where prefix caching keeps its states (kv_groups.py)
+        self.align = any(k.kind == "linear" for k in groups.kinds) and groups.linear_block_tokens <= groups.block_size
+        # (mode, window, groups) by kind: the mode is the kind, a linear one's "state" or "state_align"
+        self.kinds = [(("state_align" if self.align else "state") if k.kind == "linear" else k.kind, k.window,
+                       k.groups) for k in groups.kinds]
+        self.kind_names = [k.kind for k in groups.kinds]
+        self.n_growing = sum(n for mode, _, n in self.kinds if mode != "state")  # blocks a boundary takes
+        self.n_full = sum(n for mode, _, n in self.kinds if mode == "full")
+        self.grow_kind = next(k for k, (mode, _, _) in enumerate(self.kinds) if not mode.startswith("state"))
         # where each kind's groups start in the flat group numbering (prefix caching registers per group)
         self.first_group = [sum(n for _, _, n in self.kinds[:k]) for k in range(len(self.kinds))]
         self.prefix_caching = prefix_caching
@@ -57,17 +69,21 @@ class HybridBlockAllocator(BlockAllocator):
             self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)))
 
     # -- what one request needs -------------------------------------------------------------------------------------
-    def skipped(self, kind: str, window: int, computed: int) -> int:
-        """Leading blocks of a kind's table no longer attended once `computed` tokens are computed."""
-        if kind == "sliding_window":
+    def skipped(self, mode: str, window: int, computed: int) -> int:
+        """Leading blocks of a kind's table no longer needed once `computed` tokens are computed (vLLM's
+        get_num_skipped_tokens: a window's, the chunks before the current one, all states but the last)."""
+        if mode == "sliding_window":
             return max(0, computed - window + 1) // self.block_size
-        if kind == "chunked_local":
+        if mode == "chunked_local":
             return computed // window * window // self.block_size
+        if mode == "state_align":
+            return max(0, computed - 1) // self.block_size
         return 0
 
-    def table_len(self, kind: str, num_tokens: int) -> int:
-        """Entries a kind's table has for `num_tokens` tokens (a linear group: one, its state)."""
-        if kind == "linear":
+    def table_len(self, mode: str, num_tokens: int) -> int:
+        """Entries a kind's table has for `num_tokens` tokens (a linear group without prefix caching: one, its
+        state)."""
+        if mode == "state":
             return 1 if num_tokens else 0
         return -(-num_tokens // self.block_size)
 
@@ -86,11 +102,11 @@ class HybridBlockAllocator(BlockAllocator):
         entries, past those the window skips."""
         tables = r.group_tables
         need = 0
-        for k, (kind, window, n) in enumerate(self.kinds):
+        for k, (mode, window, n) in enumerate(self.kinds):
             have = len(tables[k]) if tables else 0
-            want = self.table_len(kind, num_tokens)
-            if want > have:
-                need += n * (want - max(have, self.skipped(kind, window, computed)))
+            want = self.table_len(mode, num_tokens)
+            if want > have:  # a linear group takes one block: its state (the blocks before it, None)
+                need += n if mode.startswith("state") else n * (want - max(have, self.skipped(mode, window, computed)))
         return need
 
     def extra_blocks(self, r: Request, num_tokens: int) -> int:
@@ -120,13 +136,14 @@ class HybridBlockAllocator(BlockAllocator):
         tables, dropped = self._tables(r)
         fresh = self._take(need)
         at = 0
-        for k, (kind, window, n) in enumerate(self.kinds):
-            table, want = tables[k], self.table_len(kind, num_tokens)
+        for k, (mode, window, n) in enumerate(self.kinds):
+            table, want = tables[k], self.table_len(mode, num_tokens)
             if want <= len(table):
                 continue
-            start = max(len(table), self.skipped(kind, window, computed))
-            if start > len(table):  # entries a fresh table begins past (a swap-in, a hand-off): out of the window
-                dropped[k] = start
+            start = want - 1 if mode.startswith("state") else max(len(table), self.skipped(mode, window, computed))
+            if start > len(table):  # entries a table begins past (a swap-in, a hand-off), or states not kept
+                if not table or not mode.startswith("state"):
+                    dropped[k] = start
                 table.extend([None] * (start - len(table)))
             for _ in range(want - start):
                 table.append(tuple(fresh[at:at + n]))
@@ -149,7 +166,7 @@ class HybridBlockAllocator(BlockAllocator):
 
     @property
     def peak_by_kind(self) -> dict[str, int]:
-        return {kind: peak for (kind, _, _), peak in zip(self.kinds, self.peak)}
+        return dict(zip(self.kind_names, self.peak))
 
     def _take(self, n: int) -> list[int]:
         if self.prefix_caching:
@@ -164,17 +181,29 @@ class HybridBlockAllocator(BlockAllocator):
         tables, dropped = r.group_tables, r.group_dropped
         if not tables:
             return
-        for k, (kind, window, _) in enumerate(self.kinds):
-            if kind not in WINDOWED:
+        for k, (mode, window, _) in enumerate(self.kinds):
+            if mode not in MOVING:
                 continue
             table = tables[k]
-            upto = min(self.skipped(kind, window, computed), len(table))
+            upto = min(self.skipped(mode, window, computed), len(table))
             if upto > dropped[k]:
                 freed = [b for bundle in table[dropped[k]:upto] if bundle is not None for b in bundle]
                 table[dropped[k]:upto] = [None] * (upto - dropped[k])
                 dropped[k] = upto
                 self.release(freed[::-1])
                 self.window_frees += 1
+
+    def align_chunk(self, r: Request, computed: int, n: int) -> int:
+        """With prefix caching of linear-attention states (vLLM's mamba "align" mode), a prefill chunk ends at a
+        block boundary, where its state is kept (Scheduler._mamba_block_aligned_split): a chunk short of the last
+        boundary is cut to whole blocks (possibly none: not this step), one across it stops there, the tail after it
+        runs whole."""
+        if not self.align or computed >= max(r.prompt_len, r.num_tokens - 1):
+            return n
+        last = r.num_tokens - r.num_tokens % self.block_size
+        if computed + n < last:
+            return n // self.block_size * self.block_size
+        return last - computed if computed < last < computed + n else n
 
     # -- a decoding row, step by step (HybridDecodeSet) ----------------------------------------------------------------
     def make_decode_set(self) -> HybridDecodeSet:
@@ -189,33 +218,36 @@ class HybridBlockAllocator(BlockAllocator):
 
     def next_drop(self, r: Request, computed: int) -> int:
         """The next count of computed tokens at which a window of r's skips a block (a huge number if none)."""
-        nxt = 1 << 62
-        for kind, window, _ in self.kinds:
-            if kind == "sliding_window":
-                nxt = min(nxt, (max(0, computed - window + 1) // self.block_size + 1) * self.block_size + window - 1)
-            elif kind == "chunked_local":
+        nxt, bs = 1 << 62, self.block_size
+        for mode, window, _ in self.kinds:
+            if mode == "sliding_window":
+                nxt = min(nxt, (max(0, computed - window + 1) // bs + 1) * bs + window - 1)
+            elif mode == "chunked_local":
                 nxt = min(nxt, (computed // window + 1) * window)
+            elif mode == "state_align":
+                nxt = min(nxt, (max(0, computed - 1) // bs + 1) * bs + 1)
         return nxt
 
     def changes_now(self, r: Request, computed: int) -> bool:
         """Whether the step computing token `computed` frees or needs blocks of r's."""
         tables, dropped = r.group_tables, r.group_dropped
-        for k, (kind, window, _) in enumerate(self.kinds):
-            if kind == "linear":
+        for k, (mode, window, _) in enumerate(self.kinds):
+            if mode == "state":
                 continue
             if len(tables[k]) * self.block_size <= computed:
                 return True
-            if kind in WINDOWED and min(self.skipped(kind, window, computed), len(tables[k])) > dropped[k]:
+            if mode in MOVING and min(self.skipped(mode, window, computed), len(tables[k])) > dropped[k]:
                 return True
         return False
 
-    def live(self, r: Request) -> list[int]:
-        """Entries (bundles) each kind's table holds now."""
-        return [len(t) - d for t, d in zip(r.group_tables, r.group_dropped)]
+    def live(self, r: Request, k: int) -> int:
+        """Entries (bundles) kind k's table of r's holds now."""
+        return sum(e is not None for e in r.group_tables[k][r.group_dropped[k]:])
 
-    def most_live(self, kind: str, window: int) -> int:
-        """The most entries a decoding row's table of a windowed kind holds: the window's blocks and the next."""
-        return cdiv(max(window - 1, 1), self.block_size) + 1
+    def most_live(self, mode: str, window: int) -> int:
+        """The most entries a decoding row's table of a moving kind holds: a window's blocks and the next; a state
+        and, for a step past a boundary, the one before it."""
+        return 2 if mode == "state_align" else cdiv(max(window - 1, 1), self.block_size) + 1
 
     # -- giving blocks back ------------------------------------------------------------------------------------------
     def blocks_of(self, r: Request) -> list[int]:
@@ -254,9 +286,9 @@ class HybridBlockAllocator(BlockAllocator):
     def trim(self, r: Request, num_tokens: int) -> None:
         """Return the entries past those `num_tokens` tokens need (speculative slots of rejected drafts)."""
         freed = []
-        for k, (kind, _, _) in enumerate(self.kinds):
-            table, keep = r.group_tables[k], self.table_len(kind, num_tokens)
-            if kind != "linear" and len(table) > keep:
+        for k, (mode, _, _) in enumerate(self.kinds):
+            table, keep = r.group_tables[k], self.table_len(mode, num_tokens)
+            if not mode.startswith("state") and len(table) > keep:
                 freed += [b for bundle in reversed(table[keep:]) if bundle is not None for b in bundle]
                 del table[keep:]
                 r.group_dropped[k] = min(r.group_dropped[k], keep)
@@ -291,9 +323,11 @@ class HybridBlockAllocator(BlockAllocator):
         """Blocks a waiting request with `held` blocks of cached prefix in each attention kind (and `computed` tokens)
         takes for `num_tokens` slots."""
         need = 0
-        for kind, window, n in self.kinds:
-            have = 0 if kind == "linear" else max(held, self.skipped(kind, window, computed))
-            need += n * max(0, self.table_len(kind, num_tokens) - have)
+        for mode, window, n in self.kinds:
+            if mode.startswith("state"):  # a state block, or with prefix caching one past the hit's
+                need += n * (self.table_len(mode, num_tokens) > (held if mode == "state_align" else 0))
+            else:
+                need += n * max(0, self.table_len(mode, num_tokens) - max(held, self.skipped(mode, window, computed)))
         return need
 
     def cached_bundle(self, k: int, h: int) -> tuple[int, ...] | None:
@@ -311,8 +345,10 @@ class HybridBlockAllocator(BlockAllocator):
         """Blocks of prefix kind k finds cached within the first `most` (vLLM's find_longest_cache_hit of its
         manager): a full group the longest run from the start; a sliding window a run of the window's blocks ending
         at the hit (scanning from the right), or the run from the start; a chunked group the current chunk's run."""
-        kind, window, _ = self.kinds[k]
-        if kind == "sliding_window":
+        mode, window, _ = self.kinds[k]
+        if mode == "state_align":  # the last state kept at a block boundary
+            return next((i + 1 for i in range(most - 1, -1, -1) if self.cached_bundle(k, hashes[i]) is not None), 0)
+        if mode == "sliding_window":
             contiguous, run = cdiv(window - 1, self.block_size), 0
             for i in range(most - 1, -1, -1):
                 if self.cached_bundle(k, hashes[i]) is None:
@@ -322,7 +358,7 @@ class HybridBlockAllocator(BlockAllocator):
                 if run >= contiguous:
                     return i + run
             return run
-        start = most * self.block_size // window * window // self.block_size if kind == "chunked_local" else 0
+        start = most * self.block_size // window * window // self.block_size if mode == "chunked_local" else 0
         j = start
         while j < most and self.cached_bundle(k, hashes[j]) is not None:
             j += 1
@@ -345,8 +381,8 @@ class HybridBlockAllocator(BlockAllocator):
     def _hit_bundles(self, hashes: tuple, hit: int):
         """(kind, entry, bundle) of the cached blocks a hit of `hit` blocks takes: every kind's from the first its
         window still attends."""
-        for k, (kind, window, _) in enumerate(self.kinds):
-            for j in range(self.skipped(kind, window, hit * self.block_size), hit):
+        for k, (mode, window, _) in enumerate(self.kinds):
+            for j in range(self.skipped(mode, window, hit * self.block_size), hit):
                 yield self.cached_bundle(k, hashes[j])
 
     def take_prefix(self, r: Request, hits: int) -> None:
@@ -357,8 +393,8 @@ class HybridBlockAllocator(BlockAllocator):
         tables, dropped = self._tables(r)
         computed = hits * self.block_size
         ref = self.ref
-        for k, (kind, window, _) in enumerate(self.kinds):
-            skip = self.skipped(kind, window, computed)
+        for k, (mode, window, _) in enumerate(self.kinds):
+            skip = self.skipped(mode, window, computed)
             tables[k].extend([None] * skip)
             dropped[k] = skip
             for j in range(skip, hits):
@@ -401,6 +437,6 @@ class HybridBlockAllocator(BlockAllocator):
             if not r.group_tables:
                 continue
             c = r.num_computed + (steps - r.sync_step if r in decoding else 0)
-            for (kind, _, n), d in zip(self.kinds, r.group_dropped):
-                total += n * (bs if kind == "linear" else max(0, c - d * bs))
+            for k, (mode, _, n) in enumerate(self.kinds):
+                total += n * (bs * self.live(r, k) if mode.startswith("state") else max(0, c - r.group_dropped[k] * bs))
         return total - self.shared_refs * bs if self.prefix_caching else total

@@ -151,7 +151,8 @@ class Scheduler(BaseScheduler):
             n = min(r.num_uncomputed, self.cfg.prefill_chunk_size, budget)
             if n <= 0:
                 break
-            if self._make_room(r, r.num_computed + n, self.prefilling, preempted):
+            n = self.kv.align_chunk(r, r.num_computed, n)
+            if n and self._make_room(r, r.num_computed + n, self.prefilling, preempted):
                 out.append((r, n))
                 budget -= n
         return out
@@ -232,8 +233,9 @@ class Scheduler(BaseScheduler):
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
             n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
+            n = self.kv.align_chunk(r, computed, n)
             need = revive + self.kv.admit_blocks(computed, computed + n, held)
-            if n > budget or need > free:
+            if n > budget or need > free or not n:
                 break
             free -= need
             budget -= n
