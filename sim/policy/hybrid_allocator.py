@@ -122,7 +122,9 @@ class HybridBlockAllocator(BlockAllocator):
     def allocate(self, r: Request, num_tokens: int) -> None:
         """Free what r's windows skip, then give each kind's table the entries `num_tokens` need (the caller checked
         can_allocate)."""
-        self.grow(r, r.num_computed, num_tokens)
+        if not self.grow(r, r.num_computed, num_tokens):
+            raise RuntimeError(f"request {r.id}: needs {self.new_blocks(r, r.num_computed, num_tokens)} blocks, "
+                               f"{len(self.free_blocks)} free")
 
     def grow(self, r: Request, computed: int, num_tokens: int) -> bool:
         """allocate at `computed` tokens (a lazily counted decode row's), or False, having only freed, where the free
