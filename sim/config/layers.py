@@ -99,6 +99,15 @@ def kind_counts(m: ModelSpec) -> Counter:
     return Counter(layer.attention.kind for layer in m.layers)
 
 
+def describe(m: ModelSpec) -> str:
+    """The layers' attention kinds in a few words: "36", or "18 sliding 128 + 18 full"."""
+    counts = kind_counts(m)
+    if set(counts) == {"full"}:
+        return str(m.num_layers)
+    names = {"sliding_window": f"sliding {m.sliding_window}", "chunked_local": f"chunked {m.attention_chunk_size}"}
+    return " + ".join(f"{n} {names.get(kind, kind)}" for kind, n in counts.items())
+
+
 def check(m: ModelSpec) -> None:
     """ValueError naming the key of an inconsistent per-layer attention spec (called by ModelSpec's validation)."""
     types = m.layer_types
