@@ -73,6 +73,17 @@ def check_hybrid(kv: HybridBlockAllocator, holders: list[Request]) -> None:
     assert sorted(host + kv.free_host_blocks) == list(range(kv.num_swap_blocks)), "host blocks leaked"
 
 
+def filled(kv: HybridBlockAllocator, holders: list[Request]) -> int:
+    """Token slots holding K/V, request by request (what filled_tokens keeps as sums)."""
+    total = 0
+    for r in holders:
+        for k, (mode, _, n) in enumerate(kv.kinds):
+            if r.group_tables:
+                total += n * (kv.block_size * kv.live(r, k) if mode.startswith("state") else
+                              r.num_computed - r.group_dropped[k] * kv.block_size)
+    return total - kv.shared_refs * kv.block_size if kv.prefix_caching else total
+
+
 # -- block counts by hand ---------------------------------------------------------------------------------------------
 def test_a_prompt_in_one_step_holds_every_block_then_the_window_alone():
     kv = HybridBlockAllocator(groups(("sliding_window", 128, 1), ("full", 0, 1), block_size=16), 1000)
@@ -195,7 +206,7 @@ class HybridSchedulerMachine(RuleBasedStateMachine):
         if hasattr(self, "sched"):
             self.sched.sync_all()
             check_hybrid(self.kv, self.reqs)
-            assert self.sched.num_kv_tokens <= self.kv.num_used * self.kv.block_size
+            assert self.sched.num_kv_tokens == filled(self.kv, self.reqs) <= self.kv.num_used * self.kv.block_size
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -257,6 +268,7 @@ def test_random_walks_end_with_every_block_back(seed):
                                             if r.num_draft})
         sched.sync_all()
         check_hybrid(kv, reqs)
+        assert sched.num_kv_tokens == filled(kv, reqs)
     for _ in range(2_000):
         if not sched.has_work():
             break

@@ -186,11 +186,12 @@ class HybridDecodeSet(DecodeSet):
                     if r.decode_tag != tag:
                         continue
                     c = r.num_computed + step - r.sync_step
-                    if not kv.grow(r, c, c + 1):
+                    nxt = kv.decode_step(r, c)
+                    if nxt < 0:
                         if i + 1 < len(bucket):
                             due[step] = bucket[i + 1:]
                         return r
-                    due.setdefault(step + kv.next_event(r, c) - c, []).append((tag, r))
+                    due.setdefault(step + nxt - c, []).append((tag, r))
                 kv.note_peak()  # blocks come and go within a run of steps: its peak is a step's, as one by one
             self._cursor += 1
         return None

@@ -55,6 +55,12 @@ class HybridBlockAllocator(BlockAllocator):
         self.n_growing = sum(n for mode, _, n in self.kinds if mode != "state")  # blocks a boundary takes
         self.n_full = sum(n for mode, _, n in self.kinds if mode == "full")
         self.grow_kind = next(k for k, (mode, _, _) in enumerate(self.kinds) if not mode.startswith("state"))
+        self.moving = [(k, mode, window) for k, (mode, window, _) in enumerate(self.kinds) if mode in MOVING]
+        self.growing = [(k, n) for k, (mode, _, n) in enumerate(self.kinds) if mode != "state"]
+        # over the requests holding blocks: entries freed out of each kind's tables, and state entries held (the
+        # tokens their blocks hold, filled_tokens, without a pass over them)
+        self.dropped_sum = [0] * len(self.kinds)
+        self.state_live = [0] * len(self.kinds)
         # where each kind's groups start in the flat group numbering (prefix caching registers per group)
         self.first_group = [sum(n for _, _, n in self.kinds[:k]) for k in range(len(self.kinds))]
         self.prefix_caching = prefix_caching
@@ -145,12 +151,15 @@ class HybridBlockAllocator(BlockAllocator):
             start = want - 1 if mode.startswith("state") else max(len(table), self.skipped(mode, window, computed))
             if start > len(table):  # entries a table begins past (a swap-in, a hand-off), or states not kept
                 if not table or not mode.startswith("state"):
+                    self.dropped_sum[k] += start - dropped[k]
                     dropped[k] = start
                 table.extend([None] * (start - len(table)))
-            for _ in range(want - start):
-                table.append(tuple(fresh[at:at + n]))
-                at += n
-            self._hold(k, fresh[at - n * (want - start):at])
+            if mode.startswith("state"):
+                self.state_live[k] += want - start
+            mine = fresh[at:at + n * (want - start)]
+            table.extend(zip(*[iter(mine)] * n))  # bundles of n: one block of each of the kind's groups
+            self._hold(k, mine)
+            at += len(mine)
         return True
 
     def _hold(self, k: int, blocks) -> None:
@@ -189,11 +198,7 @@ class HybridBlockAllocator(BlockAllocator):
             table = tables[k]
             upto = min(self.skipped(mode, window, computed), len(table))
             if upto > dropped[k]:
-                freed = [b for bundle in table[dropped[k]:upto] if bundle is not None for b in bundle]
-                table[dropped[k]:upto] = [None] * (upto - dropped[k])
-                dropped[k] = upto
-                self.release(freed[::-1])
-                self.window_frees += 1
+                self._free_entries(r, k, upto)
 
     def align_chunk(self, r: Request, computed: int, n: int) -> int:
         """With prefix caching of linear-attention states (vLLM's mamba "align" mode), a prefill chunk ends at a
@@ -207,7 +212,53 @@ class HybridBlockAllocator(BlockAllocator):
             return n // self.block_size * self.block_size
         return last - computed if computed < last < computed + n else n
 
+    def _free_entries(self, r: Request, k: int, upto: int) -> None:
+        """Free kind k's entries of r's from the first not yet freed to `upto` (vLLM's null blocks from there)."""
+        table, d = r.group_tables[k], r.group_dropped[k]
+        bundles = [e for e in table[d:upto] if e is not None]
+        table[d:upto] = [None] * (upto - d)
+        r.group_dropped[k] = upto
+        self.dropped_sum[k] += upto - d
+        if self.kinds[k][0].startswith("state"):
+            self.state_live[k] -= len(bundles)
+        if bundles:
+            self._release_kind(k, [b for bundle in reversed(bundles) for b in bundle])
+            self.window_frees += 1
+
     # -- a decoding row, step by step (HybridDecodeSet) ----------------------------------------------------------------
+    def decode_step(self, r: Request, computed: int) -> int:
+        """A decoding row's calendar event, computing token `computed`: free what left its windows, take a block for
+        each growing group at a block boundary. Returns the next count of computed tokens at which its blocks change,
+        or -1 (having freed) when the pool is short."""
+        tables, dropped, bs = r.group_tables, r.group_dropped, self.block_size
+        nxt = 1 << 62
+        for k, mode, window in self.moving:
+            if mode == "sliding_window":
+                skip = max(0, computed - window + 1) // bs
+                nxt = min(nxt, (skip + 1) * bs + window - 1)
+            elif mode == "chunked_local":
+                skip = computed // window * window // bs
+                nxt = min(nxt, (computed // window + 1) * window)
+            else:
+                skip = max(0, computed - 1) // bs
+                nxt = min(nxt, (skip + 1) * bs + 1)
+            upto = min(skip, len(tables[k]))
+            if upto > dropped[k]:
+                self._free_entries(r, k, upto)
+        filled = len(tables[self.grow_kind]) * bs
+        if filled > computed:
+            return min(nxt, filled)
+        if self.n_growing > len(self.free_blocks):
+            return -1
+        fresh, at = self._take(self.n_growing), 0
+        for k, n in self.growing:
+            tables[k].append(tuple(fresh[at:at + n]))
+            self._hold(k, fresh[at:at + n])
+            at += n
+            if self.kinds[k][0] == "state_align":
+                self.state_live[k] += 1
+        return min(nxt, filled + bs)
+
     def make_decode_set(self) -> HybridDecodeSet:
         return HybridDecodeSet(self)
 
@@ -258,17 +309,34 @@ class HybridBlockAllocator(BlockAllocator):
 
     def free(self, r: Request) -> None:
         # the last blocks first, as vLLM frees a request's blocks
-        self.release([b for table in r.group_tables for bundle in reversed(table) if bundle is not None
-                      for b in bundle])
-        r.group_tables, r.group_dropped = (), ()
+        for k, table in enumerate(r.group_tables):
+            self._release_kind(k, [b for bundle in reversed(table) if bundle is not None for b in bundle])
+        self._forget(r)
         r.block_table = []
         r.num_registered = 0
 
     def detach(self, r: Request) -> list[int]:
         """A handed-off request's blocks, kept for sending while r holds none."""
         blocks = self.blocks_of(r)
-        r.group_tables, r.group_dropped = (), ()
+        self._forget(r)
         return blocks
+
+    def _forget(self, r: Request) -> None:
+        """r holds no tables any more."""
+        for k, (mode, _, _) in enumerate(self.kinds):
+            if r.group_tables:
+                self.dropped_sum[k] -= r.group_dropped[k]
+                if mode.startswith("state"):
+                    self.state_live[k] -= self.live(r, k)
+        r.group_tables, r.group_dropped = (), ()
+
+    def _release_kind(self, k: int, blocks: list[int]) -> None:
+        """Give back blocks of kind k's groups (to the free queue where no other request holds them)."""
+        if self.prefix_caching:
+            self.release(blocks)
+            return
+        self.used[k] -= len(blocks)
+        self.free_blocks.extend(blocks)
 
     def release(self, block_table: list[int]) -> None:
         if self.prefix_caching:
@@ -287,15 +355,13 @@ class HybridBlockAllocator(BlockAllocator):
 
     def trim(self, r: Request, num_tokens: int) -> None:
         """Return the entries past those `num_tokens` tokens need (speculative slots of rejected drafts)."""
-        freed = []
         for k, (mode, _, _) in enumerate(self.kinds):
             table, keep = r.group_tables[k], self.table_len(mode, num_tokens)
             if not mode.startswith("state") and len(table) > keep:
-                freed += [b for bundle in reversed(table[keep:]) if bundle is not None for b in bundle]
+                self._release_kind(k, [b for bundle in reversed(table[keep:]) if bundle is not None for b in bundle])
                 del table[keep:]
+                self.dropped_sum[k] -= r.group_dropped[k] - min(r.group_dropped[k], keep)
                 r.group_dropped[k] = min(r.group_dropped[k], keep)
-        if freed:
-            self.release(freed)
 
     def append_block(self, r: Request) -> None:
         self.grow(r, r.num_computed, r.num_computed + 1)
@@ -399,6 +465,9 @@ class HybridBlockAllocator(BlockAllocator):
             skip = self.skipped(mode, window, computed)
             tables[k].extend([None] * skip)
             dropped[k] = skip
+            self.dropped_sum[k] += skip
+            if mode.startswith("state"):
+                self.state_live[k] += hits - skip
             for j in range(skip, hits):
                 bundle = self.cached_bundle(k, r.block_hashes[j])
                 for b in bundle:
@@ -430,15 +499,11 @@ class HybridBlockAllocator(BlockAllocator):
                         hash_of[block] = key
         r.num_registered = max(r.num_registered, upto)
 
-    def filled_tokens(self, running, decoding) -> int:
-        """Token slots of the blocks the running requests hold that hold K/V (a linear group's block counted full),
-        a block shared by several counted once."""
+    def filled_tokens(self, computed: int) -> int:
+        """Token slots holding K/V in the blocks of the requests holding blocks, `computed` their computed tokens in
+        all: each attention kind's groups hold them but those freed out of windows, a linear group's state block
+        counts full; a block shared by several requests counted once."""
         bs, total = self.block_size, 0
-        steps = decoding.steps
-        for r in running:
-            if not r.group_tables:
-                continue
-            c = r.num_computed + (steps - r.sync_step if r in decoding else 0)
-            for k, (mode, _, n) in enumerate(self.kinds):
-                total += n * (bs * self.live(r, k) if mode.startswith("state") else max(0, c - r.group_dropped[k] * bs))
+        for k, (mode, _, n) in enumerate(self.kinds):
+            total += n * (bs * self.state_live[k] if mode.startswith("state") else computed - bs * self.dropped_sum[k])
         return total - self.shared_refs * bs if self.prefix_caching else total
