@@ -408,7 +408,8 @@ def profile_command(device: str, model: str, out: Path, threads: int | None, qui
     its executor.cuda_graphs unless `cuda_graphs` says otherwise)."""
     from executor.core.prompts import corpus_ids
     from executor.model.weights import load_hf_model, smollm2_gguf_path
-    from sim.config.models import catalog_model, load_hf_config
+    from sim.config.hf_config import load_hf_config
+    from sim.config.models import catalog_model
 
     check_device(device)
     parallel = None

@@ -481,7 +481,8 @@ def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, 
     local config). Needs no torch."""
     from calibration.endpoint import connect
     from calibration.endpoint_profile import profile_endpoint as run
-    from sim.config.models import catalog_model, load_hf_config
+    from sim.config.hf_config import load_hf_config
+    from sim.config.models import catalog_model
     from sim.config.profile import check_profile
 
     _check_replaces_a_profile(out)

@@ -563,15 +563,19 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
 
 @app.command()
 def models() -> None:
-    """List the model catalog."""
+    """List the model catalog (layers: their attention kinds; KV/token: every layer that caches per token)."""
+    from sim.config.layers import describe
+
     t = Table("params", "active", "experts", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
               "vocab", "max_len", "dtype", "KV/token")
     t.columns.insert(0, Column("name", no_wrap=True))
     for m in api.model_catalog().values():
         experts = f"{m.num_experts_per_tok}/{m.num_experts}" if m.num_experts else "-"
-        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", f"{m.active_params / 1e9:.2f}B", experts, str(m.num_layers), str(m.hidden_size), str(m.num_heads),
-                  str(m.num_kv_heads), str(m.head_size), str(m.intermediate_size), str(m.vocab_size),
-                  str(m.max_position_embeddings), m.weight_dtype, f"{m.kv_bytes_per_token / 1024:.0f} KiB")
+        dtype = m.weight_dtype + (f" ({m.expert_weight_dtype} experts)" if m.expert_weight_dtype else "")
+        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", f"{m.active_params / 1e9:.2f}B", experts, describe(m),
+                  str(m.hidden_size), str(m.num_heads), str(m.num_kv_heads), str(m.head_size),
+                  str(m.intermediate_size), str(m.vocab_size), str(m.max_position_embeddings), dtype,
+                  f"{m.kv_bytes_per_token / 1024:.0f} KiB")
     _wide_console().print(t)
 
 

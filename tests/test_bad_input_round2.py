@@ -91,14 +91,14 @@ def test_hf_config_a_list(tmp_path):
 
 def test_hf_config_rope_theta_of_transformers_5_is_read():
     """W: transformers >= 5 writes rope_theta under rope_parameters; it was read as the default 10000."""
-    from sim.config.models import model_from_hf_config
+    from sim.config.hf_config import model_from_hf_config
 
     config = {**TINY_CONFIG, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
     assert model_from_hf_config(config).rope_theta == 100000.0
 
 
 def test_hf_config_dtype_the_scenario_sets_or_the_file_names():
-    from sim.config.models import model_from_hf_config
+    from sim.config.hf_config import model_from_hf_config
 
     config = {k: v for k, v in TINY_CONFIG.items() if k != "dtype"}
     assert model_from_hf_config({**config, "torch_dtype": "float8_e4m3fn"}).weight_dtype == "fp8"

@@ -23,7 +23,7 @@ def test_each_engine_supplies_its_defaults_and_the_report_names_them():
     assert (a100.scheduler.max_num_batched_tokens, a100.scheduler.max_num_seqs) == (2048, 256)
     sglang = plan_of(scenario(**H100, engine="sglang"))
     assert sglang.scheduler.enable_chunked_prefill and not sglang.scheduler.mixed_batches
-    assert sglang.block_size == 1 and sglang.scheduler.max_num_batched_tokens == 8192
+    assert sglang.block_size == 16 and sglang.scheduler.max_num_batched_tokens == 8192
     trt = plan_of(scenario(**H100, engine="trtllm"))
     assert not trt.scheduler.enable_chunked_prefill and trt.scheduler.mixed_batches and trt.block_size == 32
     assert trt.scheduler.max_num_batched_tokens == 8192  # Llama-3-8B's 8192 positions fit one step

@@ -20,6 +20,7 @@ from executor.distributed.launch import STOPPED, WorkerError
 from executor.model.cache_engine import KVCache
 from executor.model.llama import LlamaConfig, LlamaModel
 from executor.speculative.build import make_drafter
+from sim.config import layers
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
@@ -50,6 +51,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
     `executor.random_weights`, the scenario's architecture with seeded random weights."""
     from executor.model.weights import load_hf_model, smollm2_gguf_path
 
+    check_executable(plan.model)
     dtype = base_dtype(plan, device)
     if plan.executor.random_weights:
         model = random_model(plan, device, dtype)
@@ -70,6 +72,29 @@ def load_model(plan: Plan, device: str) -> Loaded:
     model = compress(plan, model.to(device=device, dtype=dtype))
     eos = getattr(hf_config, "eos_token_id", None)
     return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
+
+
+# what the executor's layers compute: full attention (GQA) with dense or MoE MLPs, in these weight dtypes
+EXECUTED_KINDS = ("full",)
+EXECUTED_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+
+
+def check_executable(m: ModelSpec) -> None:
+    """A one-line ConfigError for a model whose layers the executor cannot run (its KV tensors for sliding windows,
+    chunked local and linear attention, MLA, sinks and FP4 weights come later); the simulator plans them."""
+    kinds = sorted(set(layers.kind_counts(m)) - set(EXECUTED_KINDS))
+    if kinds:
+        counts = layers.kind_counts(m)
+        what = ", ".join(f"{counts[k]} {k}" for k in kinds)
+        raise ConfigError(f"the executor runs full-attention layers only; {m.name} has {what} layers; allowed: "
+                          "`infersim run` (the simulator plans them), or a model of full-attention layers", "model")
+    extras = [k for k in ("attention_sinks", "attn_output_gate", "attention_bias", "qkv_bias", "mlp_bias")
+              if getattr(m, k)] + (["4-norm layers (Gemma)"] if m.layer_norms != 2 else [])
+    dtypes = {m.weight_dtype, m.expert_weight_dtype or m.weight_dtype} - set(EXECUTED_DTYPES)
+    if extras or dtypes:
+        what = extras[0] if extras else f"{sorted(dtypes)[0]} weights"
+        raise ConfigError(f"the executor's layers have no {what} ({m.name}); allowed: `infersim run` (the simulator "
+                          "plans it), or a model without it", "model")
 
 
 def base_dtype(plan: Plan, device: str) -> torch.dtype:
@@ -126,9 +151,6 @@ def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = No
     from executor.model.tiny import tiny_model
 
     m = plan.model
-    if m.kv_lora_rank is not None:
-        raise ConfigError("the executor has no multi-head latent attention (DeepSeek); allowed: leave kv_lora_rank "
-                          "out", "model.kv_lora_rank")
     shared = m.shared_expert_intermediate_size or m.num_shared_experts * (m.moe_intermediate_size or
                                                                           m.intermediate_size)
     config = LlamaConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
@@ -138,7 +160,8 @@ def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = No
                          num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
                          shared_expert_intermediate_size=shared, shared_expert_gate=m.shared_expert_gate,
                          norm_topk_prob=m.norm_topk_prob, first_k_dense_replace=m.first_k_dense_replace,
-                         decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers))
+                         decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=tuple(m.mlp_only_layers),
+                         qk_norm=m.qk_norm)
     try:
         return tiny_model(seed=plan.executor.seed, config=config, device=device, dtype=dtype)
     except ValueError as e:  # a MoE block's shapes

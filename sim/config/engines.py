@@ -13,7 +13,7 @@ Sources, per engine (read from each project's code at the version named; line re
   (PR #27614); gpu_memory_utilization 0.9, 0.92 from 0.22.
 - SGLang (`python/sglang/srt/server_args.py`): chunked_prefill_size 8192 below 160 GiB of GPU memory, 16384 above, 2048
   below 35 GiB; cuda_graph_max_bs 256 (TP < 4) or 512; prefill batches run apart from decode batches
-  (enable_mixed_chunk off); the overlap scheduler hides the host's work; page size 1; radix cache on; its custom
+  (enable_mixed_chunk off); the overlap scheduler hides the host's work; page size 1 (simulated in blocks of 16); radix cache on; its custom
   all-reduce; mem_fraction_static ~0.88.
 - TensorRT-LLM (PyTorch backend, `tensorrt_llm/llmapi/llm_args.py`): max_num_tokens 8192, max_batch_size 2048,
   chunked prefill off (a whole prompt joins a step beside the decodes: in-flight batching), tokens_per_block 32, KV
@@ -192,8 +192,10 @@ def serving_defaults(r: Release, memory_gib: float, hardware_name: str) -> dict:
                              "gpu_memory_utilization": r.gpu_memory_utilization}}
     if r.engine == "sglang":
         chunk = 2048 if memory_gib < 35 else 8192 if memory_gib < 160 else 16384
+        # SGLang pages a token at a time; blocks of 16 here: per-token allocations would cost the simulation ~16x,
+        # for at most 15 tokens a sequence of the cache's tail and prefix matches to a block, not a token
         return {"serving": {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk, "max_num_seqs": 1024},
-                "kv_cache": {"enable_prefix_caching": True, "block_size": 1,
+                "kv_cache": {"enable_prefix_caching": True, "block_size": 16,
                              "gpu_memory_utilization": r.gpu_memory_utilization}}
     if r.engine == "trtllm":
         return {"serving": {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "max_num_seqs": 2048},

@@ -43,7 +43,7 @@ class ExpertLayout:
     def weight_bytes(self, model: ModelSpec, sparse_kernels: bool) -> float:
         """Weight bytes on one device (2:4 weights compressed only where `sparse_kernels` run them)."""
         tp = self.tensor_parallel_size
-        if not moe.is_sparse(model):
+        if not (moe.has_experts(model) or moe.uses_mla(model)):
             return model.weight_bytes_on(sparse_kernels) / tp
         p = moe.decoder_params(model)
         latent = model.num_layers * moe.replicated_attention_params(model)
@@ -51,6 +51,9 @@ class ExpertLayout:
         experts = p.routed / self.ep_size if self.enable_expert_parallel else p.routed / tp
         lm_head = 0 if model.tie_word_embeddings else model.embedding_params
         embedding = (model.embedding_params + lm_head) * BYTES_PER_PARAM[model.act_dtype] / tp
+        if model.expert_weight_dtype is not None:  # gpt-oss: MXFP4 experts, bf16 attention and router
+            return (replicated + sharded / tp) * model.bytes_per_linear_param(sparse_kernels) + \
+                experts * model.bytes_per_expert_param(sparse_kernels) + embedding
         return (replicated + sharded / tp + experts) * model.bytes_per_linear_param(sparse_kernels) + embedding
 
 

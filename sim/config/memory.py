@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout, does_not_fit_a_rank
 from sim.config.hardware import HardwareSpec
+from sim.config.kv_groups import KVGroups, kv_groups
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec
-from sim.config.moe import is_mla
+from sim.config.moe import uses_mla
 from sim.config.scenario import KVCacheConfig
 from sim.config.sharding import Sharding
 
@@ -25,6 +26,7 @@ class MemoryBudget:
     block_size: int
     num_blocks: int
     num_swap_blocks: int
+    kv_groups: KVGroups | None = None  # a hybrid model's block groups (None: one group of every layer)
 
 
 @dataclass(frozen=True)
@@ -75,24 +77,48 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
     # MLA's latent serves every head: each tensor-parallel rank keeps all of it, as vLLM does
-    per_device = model.kv_bytes_per_token if is_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
+    per_device = model.kv_bytes_per_token if uses_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
     kv_bytes_per_token = per_device * layout.stage_layers / model.num_layers
+    groups = hybrid_groups(model, kv, layout, max_model_len)
+    if groups is not None:
+        num_blocks, swap_blocks = kv_blocks(kv, layout, kv_bytes, groups.block_bytes, groups.block_size,
+                                            max_model_len, groups.peak_blocks(max_model_len, step_tokens))
+        return MemoryBudget(weight_bytes, activation, kv_bytes, kv_bytes_per_token, groups.block_size, num_blocks,
+                            swap_blocks, groups)
     num_blocks, swap_blocks = kv_blocks(kv, layout, kv_bytes, block_size * kv_bytes_per_token, block_size,
                                         max_model_len)
     return MemoryBudget(weight_bytes, activation, kv_bytes, kv_bytes_per_token, block_size, num_blocks, swap_blocks)
 
 
+def hybrid_groups(model: ModelSpec, kv: KVCacheConfig, layout: Layout, max_model_len: int) -> KVGroups | None:
+    """A hybrid model's KV cache groups on one device (None for a model of full attention), or the ConfigError of
+    what vLLM's hybrid KV cache manager does not serve."""
+    if not model.hybrid:
+        return None
+    if kv.allocator == "contiguous":
+        raise ConfigError(f"{model.name}'s sliding-window, chunked or linear-attention layers need paged blocks in "
+                          "groups by kind (vLLM's hybrid KV cache manager); allowed: paged", "kv_cache.allocator")
+    try:
+        return kv_groups(model, layout.sharding, kv.block_size, max_model_len, kv.enable_prefix_caching,
+                         layout.stage_layers)
+    except ValueError as e:
+        raise ConfigError(str(e), "parallel.tensor_parallel_size" if "tensor_parallel_size" in str(e) else "model") \
+            from None
+
+
 def kv_blocks(kv: KVCacheConfig, layout: Layout, kv_bytes: float, block_bytes: float, block_size: int,
-              max_model_len: int) -> tuple[int, int]:
+              max_model_len: int, seq_blocks: int | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks) per batch in flight that `kv_bytes` hold, checked against the scenario's
-    num_blocks, one sequence of max_model_len, and the simulator's bound on blocks in all."""
+    num_blocks, one sequence of max_model_len (`seq_blocks` of them; default its tokens in blocks), and the
+    simulator's bound on blocks in all."""
     engines = layout.virtual_engines
     num_blocks = kv.num_blocks or int(kv_bytes // block_bytes) // engines
     if num_blocks * engines * block_bytes > kv_bytes:
         raise ConfigError(f"{num_blocks} blocks need {num_blocks * block_bytes / 2**30:.2f} GiB; only "
                           f"{kv_bytes / 2**30:.2f} GiB are left after weights and activations; allowed: at most "
                           f"{int(kv_bytes // block_bytes) // engines}", "kv_cache.num_blocks")
-    if num_blocks == 0 or (kv.num_blocks is None and num_blocks * block_size < max_model_len):
+    short = num_blocks * block_size < max_model_len if seq_blocks is None else num_blocks < seq_blocks
+    if num_blocks == 0 or (kv.num_blocks is None and short):
         raise ConfigError(f"the KV cache ({kv_bytes / 2**30:.2f} GiB) cannot hold one sequence of max_model_len "
                           f"{max_model_len} tokens; allowed: a smaller max_model_len, a bigger device or "
                           "quantized weights", "serving.max_model_len")

@@ -1,6 +1,6 @@
-"""Mixture-of-experts and multi-head latent attention (MLA) sizes of a model spec: which layers are MoE, the
-parameters of each part (in all and per token), the KV cache of a latent, and how a step's tokens spread over the
-experts. A dense llama-family spec (no experts, no latent) keeps its own formulas in sim/config/models.py.
+"""The sizes of a model spec's parts: which layers are MoE, the parameters of each part of a decoder layer (attention
+of each kind, MLPs, routed and shared experts, router, norms) summed over its typed blocks (sim/config/layers.py), in
+all and per token, the KV cache of a multi-head latent (MLA), and how a step's tokens spread over the experts.
 
 Parameters of one decoder layer, as Hugging Face's modelling code holds them:
 - attention: q, k, v, o (GQA); MLA (DeepSeek-V2/V3): q_a (hidden → q_lora_rank) and its norm then q_b (→ heads ×
@@ -9,11 +9,13 @@ Parameters of one decoder layer, as Hugging Face's modelling code holds them:
 - a dense layer's SwiGLU MLP (3 × hidden × intermediate_size), or a MoE layer's routed experts (each 3 × hidden ×
   moe_intermediate_size), shared experts (3 × hidden × their width, plus Qwen2-MoE's one-output gate) and the
   router (hidden × experts);
-- two RMSNorms.
+- a Gated DeltaNet (linear attention) layer's projections, convolution and gated norm (Qwen3-Next);
+- two RMSNorms (Gemma: four).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from sim.config.sharding import shard
@@ -32,14 +34,14 @@ def moe_layers(m: ModelSpec) -> int:
     return sum(is_moe_layer(m, i) for i in range(m.num_layers))
 
 
-def is_mla(m: ModelSpec) -> bool:
+def uses_mla(m: ModelSpec) -> bool:
     """Multi-head latent attention: the cache holds one latent and one rotary key per token and layer."""
     return m.kv_lora_rank is not None
 
 
-def is_sparse(m: ModelSpec) -> bool:
-    """A spec the dense formulas do not price: routed experts or a latent KV cache."""
-    return m.num_experts > 0 or is_mla(m)
+def has_experts(m: ModelSpec) -> bool:
+    """Routed experts in some layer (a mixture of experts)."""
+    return m.num_experts > 0
 
 
 def expert_width(m: ModelSpec) -> int:
@@ -61,8 +63,8 @@ def check(m: ModelSpec) -> None:
     """ValueError naming the key of an inconsistent MoE or MLA spec (called by ModelSpec's validation)."""
     e, k = m.num_experts, m.num_experts_per_tok
     if e == 0:
-        stray = [key for key in ("num_experts_per_tok", "num_shared_experts", "shared_expert_intermediate_size")
-                 if getattr(m, key)]
+        stray = [key for key in ("num_experts_per_tok", "num_shared_experts", "shared_expert_intermediate_size",
+                                 "expert_weight_dtype") if getattr(m, key)]
         if stray:
             raise ValueError(f"{stray[0]} {getattr(m, stray[0])} without routed experts; allowed: with num_experts "
                              "1 or more, or 0 (a dense model)")
@@ -87,17 +89,17 @@ def check(m: ModelSpec) -> None:
 # -- parameters ------------------------------------------------------------------------------------------------------
 def qk_head_dim(m: ModelSpec) -> int:
     """Dimensions a query and a key head meet in (MLA: the no-position part and the rotary part)."""
-    return m.qk_nope_head_dim + m.qk_rope_head_dim if is_mla(m) else m.head_size
+    return m.qk_nope_head_dim + m.qk_rope_head_dim if uses_mla(m) else m.head_size
 
 
 def v_head_dim(m: ModelSpec) -> int:
-    return m.v_head_dim if is_mla(m) else m.head_size
+    return m.v_head_dim if uses_mla(m) else m.head_size
 
 
 def attention_projections(m: ModelSpec) -> dict[str, int]:
     """Each attention projection's parameters (and MLA's two low-rank norms, as `*_norm`)."""
     h, heads = m.hidden_size, m.num_heads
-    if not is_mla(m):
+    if not uses_mla(m):
         d = m.head_size
         return {"q": h * heads * d, "k": h * m.num_kv_heads * d, "v": h * m.num_kv_heads * d, "o": heads * d * h}
     qk, r = qk_head_dim(m), m.kv_lora_rank
@@ -117,9 +119,14 @@ def replicated_attention_params(m: ModelSpec) -> int:
     return sum(p.get(k, 0) for k in ("q_a", "q_a_norm", "kv_a", "kv_a_norm"))
 
 
+def mlp_params(m: ModelSpec, width: int) -> int:
+    """One SwiGLU MLP of `width` (gate, up, down), with their biases where mlp_bias is set."""
+    return 3 * m.hidden_size * width + (2 * width + m.hidden_size if m.mlp_bias else 0)
+
+
 def expert_params(m: ModelSpec) -> int:
     """One routed expert (gate, up, down)."""
-    return 3 * m.hidden_size * expert_width(m)
+    return mlp_params(m, expert_width(m))
 
 
 def shared_expert_params(m: ModelSpec) -> int:
@@ -129,7 +136,32 @@ def shared_expert_params(m: ModelSpec) -> int:
 
 
 def router_params(m: ModelSpec) -> int:
-    return m.hidden_size * m.num_experts
+    return m.hidden_size * m.num_experts + (m.num_experts if m.mlp_bias else 0)
+
+
+def attention_layer_params(m: ModelSpec, attention) -> int:
+    """One layer's attention parameters: projections, biases, sinks, q/k norms; Gated DeltaNet's for linear layers
+    (Hugging Face's Qwen3NextGatedDeltaNet), the latent projections for MLA (sim/config/moe.py)."""
+    if attention.kind == "mla":
+        return attention_params(m)
+    if attention.kind == "linear":
+        return gated_delta_net_params(m)
+    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size
+    params = attention_params(m) + (h * heads * d if attention.output_gate else 0)
+    if m.attention_bias or m.qkv_bias:  # q, k and v biases; Llama's and gpt-oss's attention_bias also o's
+        params += (heads + 2 * kv) * d + (h if m.attention_bias else 0)
+    return params + (heads if attention.sinks else 0) + (2 * d if attention.qk_norm else 0)
+
+
+def gated_delta_net_params(m: ModelSpec) -> int:
+    """A Gated DeltaNet layer: in_proj_qkvz, in_proj_ba (per value head: beta and the decay), the depthwise causal
+    convolution over q, k and v, dt_bias and A_log per value head, the gated RMSNorm, out_proj."""
+    h = m.hidden_size
+    key_dim = m.linear_num_key_heads * m.linear_key_head_dim
+    value_dim = m.linear_num_value_heads * m.linear_value_head_dim
+    heads = m.linear_num_value_heads
+    return h * (2 * key_dim + 2 * value_dim) + h * 2 * heads + (2 * key_dim + value_dim) * m.linear_conv_kernel_dim \
+        + 2 * heads + m.linear_value_head_dim + value_dim * h
 
 
 @dataclass(frozen=True)
@@ -160,14 +192,16 @@ class DecoderParams:
 
 
 def decoder_params(m: ModelSpec) -> DecoderParams:
-    """The decoder layers' parameters by part."""
-    n_moe = moe_layers(m)
-    n_dense = m.num_layers - n_moe
-    return DecoderParams(attention=m.num_layers * attention_params(m), dense_mlp=n_dense * 3 * m.hidden_size *
-                         m.intermediate_size, routed=n_moe * m.num_experts * expert_params(m),
+    """The decoder layers' parameters by part, summed over the layers' blocks (sim/config/layers.py)."""
+    runs = [(layer, len(list(same))) for layer, same in groupby(m.layers)]
+    n_moe = sum(n for layer, n in runs if layer.ffn.kind == "moe")
+    return DecoderParams(attention=sum(n * attention_layer_params(m, layer.attention) for layer, n in runs),
+                         dense_mlp=sum(n * mlp_params(m, layer.ffn.width) for layer, n in runs
+                                       if layer.ffn.kind == "dense"),
+                         routed=n_moe * m.num_experts * expert_params(m),
                          routed_active=n_moe * m.num_experts_per_tok * expert_params(m),
                          shared=n_moe * shared_expert_params(m), router=n_moe * router_params(m),
-                         norms=m.num_layers * 2 * m.hidden_size)
+                         norms=m.num_layers * m.layer_norms * m.hidden_size)
 
 
 def active_params(m: ModelSpec) -> int:
@@ -182,17 +216,15 @@ def latent_kv_elements(m: ModelSpec) -> int:
     return m.kv_lora_rank + m.qk_rope_head_dim
 
 
-def kv_bytes_per_token(m: ModelSpec) -> float:
-    """A token's KV bytes on all layers: MLA's latent and rotary key, or 2 (K, V) · kv_heads · head_dim."""
-    if is_mla(m):
-        return m.num_layers * latent_kv_elements(m) * m.kv_bytes_per_element
-    return 2 * m.num_layers * m.num_kv_heads * m.head_size * m.kv_bytes_per_element
+def latent_kv_bytes_per_token(m: ModelSpec) -> float:
+    """An MLA model's KV bytes a token on all layers: the latent and the rotary key of each."""
+    return m.num_layers * latent_kv_elements(m) * m.kv_bytes_per_element
 
 
 def kv_bytes_per_device_token(m: ModelSpec, tensor_parallel_size: int) -> float:
     """A token's KV bytes on one tensor-parallel rank: its KV heads' share (a copy of one where there are fewer KV
     heads than ranks), or the whole MLA latent (vLLM keeps all of it on every rank: one latent serves every head)."""
-    if is_mla(m):
+    if uses_mla(m):
         return m.kv_bytes_per_token
     return shard(m, tensor_parallel_size).kv_bytes(m.kv_bytes_per_token)
 

@@ -21,8 +21,10 @@ from sim.config.engines import (
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
+from sim.config.hf_config import load_hf_config
+from sim.config.kv_groups import KVGroups
 from sim.config.memory import Layout, memory_budget
-from sim.config.models import ModelSpec, WeightDtype, catalog_model, load_hf_config
+from sim.config.models import ModelSpec, WeightDtype, catalog_model
 from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
     CostModelConfig,
@@ -152,6 +154,8 @@ class Plan:
     data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
     enable_expert_parallel: bool = False
     engine: EngineProfile | None = None  # the serving engine the plan runs on, resolved
+    # a hybrid model's KV cache groups by attention kind (sim/config/kv_groups.py); None: one group of every layer
+    kv_groups: KVGroups | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -173,6 +177,11 @@ class Plan:
     def largest_stage_layers(self) -> int:
         """The largest pipeline stage's share of the layers (the one `kv_bytes_per_token` covers)."""
         return largest_stage(self.model.num_layers, self.pipeline_parallel_size)
+
+    @property
+    def block_bytes(self) -> float:
+        """One KV block on one device: block_size tokens of its layers' K/V, or a hybrid model's group of pages."""
+        return self.kv_groups.block_bytes if self.kv_groups is not None else self.block_size * self.kv_bytes_per_token
 
     @property
     def kv_bytes_per_token_layer(self) -> float:
@@ -322,6 +331,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     layout = _layout_of(scenario, model)
     memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
                            scheduler.max_model_len, of_free=r.memory_of_free)
+    if memory.kv_groups is not None:
+        _check_hybrid(scenario, model, memory.kv_groups, scheduler)
     engine = _engine_profile(scenario, given, r, hw, scheduler, layout.sharding.tp, assumed)
     cost = _cost_plan(scenario.cost_model, base_dir, model, hw, layout)
     # a replica's data-parallel ranks run as one engine over DP times a rank's batch and blocks
@@ -338,7 +349,33 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
                 data_parallel_size=layout.expert.data_parallel_size,
-                enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine)
+                enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine,
+                kv_groups=memory.kv_groups)
+
+
+def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups, scheduler: SchedulerConfig) -> None:
+    """What a hybrid model's groups are not simulated with: static batching (each row reserves its whole length in
+    every group, which no window frees), and with linear-attention layers speculative decoding (its states per
+    draft); and what vLLM's prefix caching of linear-attention states needs (its mamba "align" mode: chunked
+    prefill, chunks of at least a block)."""
+    kinds = ", ".join(k.kind for k in groups.kinds if k.kind != "full")
+    if scenario.serving.batching == "static":
+        raise ConfigError(f"{model.name} has {kinds} layers, whose KV groups (vLLM's hybrid KV cache manager) free "
+                          "blocks as windows move, which static batching's whole-length reservations do not; "
+                          "allowed: continuous", "serving.batching")
+    if not any(k.kind == "linear" for k in groups.kinds):
+        return
+    if scenario.speculative is not None:
+        raise ConfigError(f"{model.name}'s linear-attention state per draft token is not modelled; allowed: no "
+                          "speculative section", "speculative")
+    if scenario.kv_cache.enable_prefix_caching and not scheduler.enable_chunked_prefill:
+        raise ConfigError(f"prefix caching of {model.name}'s linear-attention states cuts prompt chunks at block "
+                          "boundaries (vLLM's mamba 'align' mode requires chunked prefill); allowed: true",
+                          "serving.enable_chunked_prefill")
+    if scenario.kv_cache.enable_prefix_caching and scheduler.prefill_chunk_size < groups.block_size:
+        raise ConfigError(f"{scheduler.prefill_chunk_size} tokens is less than a block of {groups.block_size} (raised "
+                          f"to hold {model.name}'s linear-attention state): prefix caching cuts prompt chunks to whole "
+                          "blocks; allowed: at least that", "serving.prefill_chunk_size")
 
 
 def _engine_config(scenario: Scenario, hw: HardwareSpec) -> EngineConfig:

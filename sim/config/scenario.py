@@ -64,7 +64,7 @@ class KVCacheConfig(StrictModel):
 
     allocator: Literal["paged", "contiguous"] = "paged"
     block_size: PositiveInt | None = Field(None, description="tokens a KV block holds; default: the engine's "
-                                          "(vLLM 16, SGLang 1, TensorRT-LLM 32, infersim 16)")
+                                          "(vLLM 16, SGLang 16: its pages of one token in blocks, TensorRT-LLM 32, infersim 16)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of the device's memory the "
                                                  "engine may use (TensorRT-LLM: of what weights and activations "
                                                  "leave); default: the engine's (vLLM 0.9, 0.92 from 0.22; SGLang "
@@ -77,6 +77,7 @@ class KVCacheConfig(StrictModel):
                                                "blocks stay in the cache, and a prompt that begins alike reuses them "
                                                "instead of computing them (paged blocks, continuous batching); "
                                                "default: the engine's (vLLM, SGLang, TensorRT-LLM on; infersim off)")
+
 
 
 class SLOConfig(StrictModel):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from sim.config.errors import ConfigError
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
-from sim.config.moe import is_sparse
+from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.engine import EngineCollectives
@@ -28,7 +28,7 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
     else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline."""
     c = plan.cost
-    moe_layout = is_sparse(plan.model) or plan.data_parallel_size > 1
+    moe_layout = has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1
     if moe_layout and c.source != "profile":
         return moe_cost_model(plan)
     if c.source == "kernels":
@@ -135,10 +135,11 @@ def _describe_source(plan: Plan) -> dict:
     if c.source == "kernels":
         k = kernels[plan.hardware.name]
         # a dense model runs no experts: its report keeps the notes of what it runs
-        notes = {part: note for part, note in k.notes.items() if part != "grouped" or is_sparse(plan.model)}
+        sparse = has_experts(plan.model) or uses_mla(plan.model)
+        notes = {part: note for part, note in k.notes.items() if part != "grouped" or sparse}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
-        if is_sparse(plan.model) and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
+        if sparse and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
             out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
             out["refined_by"] = c.profile.path.name

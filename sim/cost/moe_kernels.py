@@ -25,7 +25,7 @@ from sim.cost.roofline import DEQUANT_OVERHEAD
 
 def attention_flops_per_key(m: ModelSpec, decode: bool) -> int:
     """FLOPs of one (query, key) pair on all heads of one layer: QKᵀ and PV."""
-    if moe.is_mla(m) and decode:  # absorbed: queries meet the latent and the rotary key
+    if moe.uses_mla(m) and decode:  # absorbed: queries meet the latent and the rotary key
         return 2 * m.num_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
     return 2 * m.num_heads * (moe.qk_head_dim(m) + moe.v_head_dim(m))
 
@@ -109,13 +109,13 @@ class KernelParts:
         flops_per_key = m.num_layers * attention_flops_per_key(m, True) / n / att["prefill_flops"]
         self.s_per_kv_token = max(kv_bytes / att["decode_bandwidth"], flops_per_key)
         self.s_per_kv_token_one_wave = max(kv_bytes / att["decode_bandwidth_one_wave"], flops_per_key)
-        heads = 1 if moe.is_mla(m) else max(1, m.num_kv_heads // n)  # MLA: one latent serves every head
+        heads = 1 if moe.uses_mla(m) else max(1, m.num_kv_heads // n)  # MLA: one latent serves every head
         self.one_wave_rows = att["sms"] // heads
 
     def _dense_gemms(self) -> list[tuple[int, int, int]]:
         """(layers, N, K) of every GEMM but the routed experts, on one device."""
         m, n = self.model, self.tp
-        if moe.is_mla(m):
+        if moe.uses_mla(m):
             qk, heads = moe.qk_head_dim(m), m.num_heads // n
             q = [(m.q_lora_rank, m.hidden_size), (heads * qk, m.q_lora_rank)] if m.q_lora_rank else \
                 [(heads * qk, m.hidden_size)]

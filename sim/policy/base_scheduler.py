@@ -139,10 +139,14 @@ class BaseScheduler:
 
     @property
     def num_kv_tokens(self) -> int:
-        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once)."""
+        """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once); a hybrid model's
+        token slots holding K/V over all its groups."""
         tokens = self.decoding.sum_computed
         if self.prefilling:
             tokens += sum(r.num_computed for r in self.prefilling)
+        if self.kv.hybrid:  # every request holding blocks: the hand-offs whose blocks are reserved too
+            h = self.handoff
+            return self.kv.filled_tokens(tokens + sum(r.num_computed for q in (h.receiving, h.ready) for r in q))
         if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
             return max(0, tokens - self.kv.shared_refs * self.kv.block_size)
         return tokens

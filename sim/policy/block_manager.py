@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from functools import lru_cache
 
+from sim.policy.decode_set import DecodeSet
 from sim.policy.request import Request
 
 
@@ -24,6 +25,9 @@ class BlockAllocator:
     # prefix caching (PrefixCachingAllocator): off here, so its counters read zero
     prefix_caching = False
     queried_tokens = hit_tokens = shared_refs = 0
+    hybrid = False  # KV cache groups by attention kind (HybridBlockAllocator)
+    window_frees = 0  # its count of blocks freed out of a window
+    peak_by_kind: dict | None = None  # its most blocks held at once, by kind
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, num_swap_blocks: int = 0,
                  contiguous: bool = False):
@@ -59,6 +63,23 @@ class BlockAllocator:
     def can_allocate(self, req: Request, num_tokens: int, watermark: bool = False) -> bool:
         reserve = self.watermark_blocks if watermark else 0
         return len(self.free_blocks) - self.extra_blocks(req, num_tokens) >= reserve
+
+    def admit_blocks(self, computed: int, num_tokens: int, held: int) -> int:
+        """Blocks a waiting request holding `held` blocks (of a cached prefix) takes for `num_tokens` slots."""
+        return max(0, self.blocks_for(num_tokens) - held)
+
+    def align_chunk(self, req: Request, computed: int, n: int) -> int:
+        """A prompt chunk of `n` tokens as this allocator needs it cut (unchanged here)."""
+        return n
+
+    def make_decode_set(self) -> DecodeSet:
+        """The decode set whose block calendar hands this allocator's blocks to decoding rows."""
+        return DecodeSet(self.block_size)
+
+    def detach(self, req: Request) -> list[int]:
+        """A handed-off request's blocks, kept for sending while it holds none."""
+        blocks, req.block_table = req.block_table, []
+        return blocks
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Grow req.block_table to hold `num_tokens` tokens (the caller checked can_allocate)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from sim.config.plan import Plan
 from sim.policy.block_manager import BlockAllocator, PrefixCachingAllocator
+from sim.policy.hybrid_allocator import HybridBlockAllocator
 from sim.policy.router import make_router
 from sim.policy.scheduler import Scheduler, make_scheduler
 
@@ -11,7 +12,10 @@ __all__ = ["make_allocator", "make_policy", "make_router"]
 
 def make_allocator(plan: Plan) -> BlockAllocator:
     """The plan's KV block allocator (paged, with or without prefix caching, or one max-length block per
-    sequence)."""
+    sequence; a hybrid model's groups by attention kind)."""
+    if plan.kv_groups is not None:
+        return HybridBlockAllocator(plan.kv_groups, plan.num_blocks, plan.kv_watermark, plan.num_swap_blocks,
+                                    plan.scheduler.prefill_chunk_size, plan.enable_prefix_caching)
     if plan.enable_prefix_caching:
         return PrefixCachingAllocator(plan.num_blocks, plan.block_size, watermark=plan.kv_watermark,
                                       num_swap_blocks=plan.num_swap_blocks)

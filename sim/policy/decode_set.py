@@ -76,6 +76,16 @@ class DecodeSet:
             heapq.heappop(self._finish)
         return self._finish[0][0] if self._finish else math.inf
 
+    def regrant(self, r: Request, kv) -> bool:
+        """Give a member its block after the calendar ran dry and others were preempted for it; False if still none
+        is free."""
+        if not kv.free_blocks:
+            return False
+        self.sync(r)
+        kv.append_block(r)
+        self.push_block_need(r, len(r.block_table) * kv.block_size)
+        return True
+
     def push_block_need(self, r: Request, block_capacity: int) -> None:
         """Record when a (synced) member next fills its blocks."""
         self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((r.decode_tag, r))
@@ -127,6 +137,101 @@ class DecodeSet:
         while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
             mid = (lo + hi + 1) // 2
             if int(np.maximum((mid - 1 - firsts) // bs + 1, 0).sum()) <= num_free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class HybridDecodeSet(DecodeSet):
+    """The decode set over a hybrid model's allocator (sim/policy/hybrid_allocator.py): a member's calendar entry is
+    the next step at which any of its blocks change, a new block for each group at a block boundary or a window's
+    first block freed, and the allocator makes the change."""
+
+    def __init__(self, kv):
+        super().__init__(kv.block_size)
+        self.kv = kv
+
+    def join(self, r: Request, block_capacity: int | None) -> None:
+        """Add a request whose counters are current (its blocks come from the allocator's tables)."""
+        r.sync_step = self.steps
+        r.decode_tag = tag = next(self._tags)
+        self.members[r] = None
+        self.sum_computed += r.num_computed
+        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        c = r.num_computed
+        later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
+        # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already
+        self._due.setdefault(max(self.steps + later, self._cursor), []).append((tag, r))
+
+    def regrant(self, r: Request, kv) -> bool:
+        self.sync(r)
+        c = r.num_computed
+        if not kv.grow(r, c, c + 1):
+            return False
+        self._due.setdefault(self.steps + kv.next_event(r, c) - c, []).append((r.decode_tag, r))
+        return True
+
+    def grant_blocks(self, upto: int, free_blocks) -> Request | None:
+        """Make each member's block changes due at a step ≤ `upto`, in (step, join) order: free what left its windows,
+        take the blocks a boundary needs. Returns the first member left without them when the pool runs dry."""
+        due, kv = self._due, self.kv
+        while self._cursor <= upto:
+            step = self._cursor
+            bucket = due.pop(step, None)
+            if bucket:
+                if len(bucket) > 1:
+                    bucket.sort()
+                for i, (tag, r) in enumerate(bucket):
+                    if r.decode_tag != tag:
+                        continue
+                    c = r.num_computed + step - r.sync_step
+                    nxt = kv.decode_step(r, c)
+                    if nxt < 0:
+                        if i + 1 < len(bucket):
+                            due[step] = bucket[i + 1:]
+                        return r
+                    due.setdefault(step + nxt - c, []).append((tag, r))
+                kv.note_peak()  # blocks come and go within a run of steps: its peak is a step's, as one by one
+            self._cursor += 1
+        return None
+
+    def until_blocks_free(self, k: int) -> int:
+        """Steps from now, at most k, to the first at which a member frees blocks out of its window: a request
+        waiting for blocks could start there, so a run of identical steps stops before it."""
+        kv, steps = self.kv, self.steps
+        for r in self.members:
+            c = r.num_computed + steps - r.sync_step
+            k = min(k, kv.next_drop(r, c) - c)
+        return max(k, 1)
+
+    def block_horizon(self, k: int, num_free: int) -> int:
+        """Largest k' ≤ k such that the blocks members may need during steps 2..k' fit in `num_free`: at each of a
+        member's block boundaries one block per group that grows, a kind whose old blocks are freed (windows, a
+        linear state with prefix caching) at most what it holds at most more than now (frees not counted: a safe
+        bound)."""
+        kv, bs = self.kv, self.block_size
+        if num_free >= len(self.members) * kv.n_growing * ((k - 1) // bs + 1):
+            return k
+        steps, grow = self.steps, kv.grow_kind
+        windowed = [(i, n, kv.most_live(mode, window)) for i, (mode, window, n) in enumerate(kv.kinds)
+                    if mode in ("sliding_window", "chunked_local", "state_align")]
+        firsts, caps = [], []
+        for r in self.members:
+            firsts.append(len(r.group_tables[grow]) * bs - r.num_computed - steps + r.sync_step)
+            caps.append([most - kv.live(r, i) + 1 for i, _, most in windowed])
+        f = np.array(firsts, np.int64)
+        cap = np.array(caps, np.int64).reshape(len(firsts), len(windowed))
+        weights = np.array([n for _, n, _ in windowed], np.int64)
+
+        def need(kk: int) -> int:
+            a = np.maximum((kk - 1 - f) // bs + 1, 0)
+            return int(kv.n_full * a.sum() + (np.minimum(a[:, None], cap) * weights).sum())
+
+        lo, hi = 1, k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if need(mid) <= num_free:
                 lo = mid
             else:
                 hi = mid - 1

@@ -44,7 +44,7 @@ class HandOff:
     def send(self, r: Request) -> None:
         """A request with its first token goes to a decode instance; its blocks are kept until its KV is sent."""
         r.status = Status.TRANSFERRING
-        self.sending[r], r.block_table = r.block_table, []
+        self.sending[r] = self.kv.detach(r)
         self.outbox.append(r)
 
     def take(self) -> list[Request]:

@@ -43,6 +43,10 @@ class KVBlocks(ClientRequest):
     # prefix caching: one hash per full block of the prompt (its content so far), and how many are registered
     block_hashes: tuple = ()
     num_registered: int = 0
+    # a hybrid model's blocks (sim/policy/hybrid_allocator.py): per attention kind, a table of bundles (one block per
+    # group of that kind, None where freed out of the window), and how many of each table's first entries are None
+    group_tables: list | tuple = ()
+    group_dropped: list | tuple = ()
 
 
 @dataclass(eq=False, slots=True)

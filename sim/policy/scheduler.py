@@ -29,9 +29,10 @@ class Scheduler(BaseScheduler):
     def __init__(self, cfg: SchedulerConfig, kv: BlockAllocator, eager: bool = True, handoff: HandOff | None = None):
         spec = SpeculativeSlots(cfg, kv) if cfg.num_speculative_tokens > 0 else None
         # speculative rows advance by different amounts: no lockstep block calendar, blocks reserved per step
-        super().__init__(cfg, kv, eager, DecodeSet(None if kv.contiguous or spec else kv.block_size), handoff)
+        super().__init__(cfg, kv, eager, DecodeSet(None) if kv.contiguous or spec else kv.make_decode_set(), handoff)
         self.spec = spec
         self.speculative = spec is not None
+        self.window_frees = 0  # the allocator's count of window frees when this step was scheduled
         self.hands_off = self.handoff.decode_pool is not None
 
     # -- disaggregated decode instance ------------------------------------------------------------
@@ -51,6 +52,7 @@ class Scheduler(BaseScheduler):
 
     # -- one step -------------------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch:
+        self.window_frees = self.kv.window_frees
         budget, chunked = self.cfg.max_num_batched_tokens, self.cfg.enable_chunked_prefill
         if self.cfg.mixed_batches:  # the decodes first, prompts (or their chunks) in what is left of the budget
             preempted = self._grow_decodes(budget)
@@ -117,12 +119,7 @@ class Scheduler(BaseScheduler):
                 victim = next(reversed(self.running))
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is r:
-                    break
-                if free:
-                    dec.sync(r)
-                    self.kv.append_block(r)
-                    dec.push_block_need(r, len(r.block_table) * self.kv.block_size)
+                if victim is r or dec.regrant(r, self.kv):
                     break
         return preempted
 
@@ -156,7 +153,8 @@ class Scheduler(BaseScheduler):
             n = min(r.num_uncomputed, self.cfg.prefill_chunk_size, budget)
             if n <= 0:
                 break
-            if self._make_room(r, r.num_computed + n, self.prefilling, preempted):
+            n = self.kv.align_chunk(r, r.num_computed, n)
+            if n and self._make_room(r, r.num_computed + n, self.prefilling, preempted):
                 out.append((r, n))
                 budget -= n
         return out
@@ -238,8 +236,9 @@ class Scheduler(BaseScheduler):
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
             n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
-            need = revive + max(0, self.kv.blocks_for(computed + n) - held)
-            if n > budget or need > free:
+            n = self.kv.align_chunk(r, computed, n)
+            need = revive + self.kv.admit_blocks(computed, computed + n, held)
+            if n > budget or need > free or not n:
                 break
             free -= need
             budget -= n
@@ -310,6 +309,10 @@ class Scheduler(BaseScheduler):
             k = min(k, max_wait - (self.steps_since_admission - 1))
         if k > 1 and dec.block_size:
             k = dec.block_horizon(k, self.kv.num_free)
+        if k > 1 and self.kv.hybrid and (self.waiting or self.swapped or self.handoff.incoming):
+            # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
+            # away), or a later one's
+            k = 1 if self.kv.window_frees != self.window_frees else dec.until_blocks_free(k)
         return max(k, 1)
 
 

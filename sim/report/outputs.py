@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.errors import ConfigError
+from sim.config.layers import priced_as_full_attention
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
@@ -83,11 +84,13 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
             "engines_per_replica": engines,
             "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size * engines,
             **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
+            **(kv_groups_section(plan, replicas) if plan.kv_groups is not None else {}),
         },
         "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
                        # one device's: a replica's data-parallel ranks each hold 1 / DP of its blocks
-                       "kv_cache": plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
-                       / GiB / plan.data_parallel_size,
+                       "kv_cache": (plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
+                                    if plan.kv_groups is None else plan.num_blocks * plan.virtual_engines *
+                                    plan.block_bytes) / GiB / plan.data_parallel_size,
                        "device": plan.hardware.memory_gib},
         "cost": {"usd_per_hour": usd_per_hour,
                  "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
@@ -128,6 +131,22 @@ def prefix_cache_section(replicas: list) -> dict:
     queried = sum(r.prefix_queried_tokens for r in replicas)
     hits = sum(r.prefix_hit_tokens for r in replicas)
     return {"prefix_cache_hit_rate": hits / queried if queried else 0.0, "prefix_cache_hit_tokens": int(hits)}
+
+
+def kv_groups_section(plan: Plan, replicas: list) -> dict:
+    """A hybrid model's KV cache (vLLM's hybrid KV cache manager), one device's: the bytes a token adds over each
+    attention kind's layers, the fixed state a sequence holds over its linear-attention layers, and per kind its
+    groups (`layers_per_group` layers each, a block `block_bytes` in every group) and the most blocks they held."""
+    g = plan.kv_groups
+    peaks = [r.peak_blocks_by_kind or {} for r in replicas]
+    linear = sum(k.layers for k in g.kinds if k.kind == "linear")
+    return {"bytes_per_token_by_layer_type": g.bytes_per_token_by_kind(),
+            # the kinds the step-cost models price as something they are not (sim/config/layers.py)
+            "priced_as_full_attention": priced_as_full_attention(plan.model),
+            "state_bytes_per_sequence": g.state_bytes * linear, "block_bytes": g.block_bytes,
+            "layers_per_group": g.group_size,
+            "groups": {k.kind: {"window": k.window, "layers": k.layers, "groups": k.groups,
+                                "peak_blocks": max(p.get(k.kind, 0) for p in peaks)} for k in g.kinds}}
 
 
 def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:

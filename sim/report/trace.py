@@ -30,3 +30,5 @@ class ReplicaTrace:
     # prefix caching: tokens of the requests admitted (prompt, and outputs so far after a preemption), those found cached
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # a hybrid model's KV groups: the most blocks each attention kind's groups held at once
+    peak_blocks_by_kind: dict | None = None

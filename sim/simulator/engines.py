@@ -101,7 +101,7 @@ def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = No
                         np.frombuffer(r.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
                         r.scheduler.num_preemptions, kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3),
                         pipeline.busy_s if pipeline is not None else None, pool, r.busy_s,
-                        np.frombuffer(r.handoff_gaps, float), kv.queried_tokens, kv.hit_tokens)
+                        np.frombuffer(r.handoff_gaps, float), kv.queried_tokens, kv.hit_tokens, kv.peak_by_kind)
 
 
 class Arrivals:
