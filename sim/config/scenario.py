@@ -64,7 +64,8 @@ class KVCacheConfig(StrictModel):
 
     allocator: Literal["paged", "contiguous"] = "paged"
     block_size: PositiveInt | None = Field(None, description="tokens a KV block holds; default: the engine's "
-                                          "(vLLM 16, SGLang 16: its pages of one token in blocks, TensorRT-LLM 32, infersim 16)")
+                                          "(vLLM 16, SGLang 16: its one-token pages in blocks, TensorRT-LLM 32, "
+                                          "infersim 16)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of the device's memory the "
                                                  "engine may use (TensorRT-LLM: of what weights and activations "
                                                  "leave); default: the engine's (vLLM 0.9, 0.92 from 0.22; SGLang "
