@@ -245,8 +245,8 @@ def plain_of(plan: Plan) -> Plan:
 
 
 def slo_metrics(plan: Plan, records: RequestRecords) -> dict:
-    """compute_metrics under the plan's SLO."""
-    return compute_metrics(records, plan.slo)
+    """compute_metrics under the plan's SLO, its latencies as its client defines them."""
+    return compute_metrics(records, plan.slo, plan.client)
 
 
 # Speculative scenarios are simulated this many times, each with its own acceptance draws, and the metrics

@@ -8,6 +8,7 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from sim.config.client import ResolvedClient, resolve_client
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
@@ -135,6 +136,7 @@ class Plan:
     pools: Pools | None = None
     data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
     enable_expert_parallel: bool = False
+    client: ResolvedClient | None = None  # workload.client, resolved (_client_of)
 
     @property
     def max_model_len(self) -> int:
@@ -317,7 +319,13 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
                 data_parallel_size=layout.expert.data_parallel_size,
-                enable_expert_parallel=layout.expert.enable_expert_parallel)
+                enable_expert_parallel=layout.expert.enable_expert_parallel, client=_client_of(scenario))
+
+
+def _client_of(scenario: Scenario) -> ResolvedClient | None:
+    """Who sends the workload and the time between it and the engine (sim/config/client.py): workload.client, or a
+    closed loop's with no think time (a fixed-concurrency benchmark's), else none."""
+    return resolve_client(scenario.workload)
 
 
 def _scheduler_of(scenario: Scenario, model: ModelSpec) -> SchedulerConfig:

@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
+from sim.config.client import ClientConfig, check_client_fits
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
 from sim.config.schema_base import StrictModel
 from sim.config.traces import check_trace_name
@@ -251,6 +252,9 @@ class WorkloadConfig(StrictModel):
         "the client's own limit on requests in flight (vLLM's benchmark --max-concurrency): a request whose time "
         "comes while this many are in flight waits, first come first served, and is sent when one ends; its "
         "latencies count from when it was sent"))
+    client: Optional[ClientConfig] = Field(None, description=(
+        "the benchmark client that sends the workload and the time between it and the engine (sim/config/client.py); "
+        "left out, none, except that a closed loop with no think time gets the measured transport"))
 
     @model_validator(mode="after")
     def _one_mode(self):
@@ -277,6 +281,11 @@ class WorkloadConfig(StrictModel):
         if expected + sum(b.count for b in self.bursts) > MAX_REQUESTS:
             raise ValueError(f"about {expected + sum(b.count for b in self.bursts):.3g} requests (rate x duration_s, "
                              f"num_requests and bursts); allowed: at most {MAX_REQUESTS:,} in one run")
+        return self
+
+    @model_validator(mode="after")
+    def _client_fits(self) -> "WorkloadConfig":
+        check_client_fits(self)
         return self
 
 
@@ -316,3 +325,12 @@ class RequestSpec:
     after: int = -1
     think_s: float = 0.0
     users: int = 0
+    # workload.client (sim/config/client_requests.py): the request's time from sending to the server, the server's
+    # work on it before the engine sees it (one request at a time per front end), from a token's emission to the
+    # client, and from its last token to the stream's close; a warm-up request is sent before the others start and
+    # left out of the report
+    in_s: float = 0.0
+    front_s: float = 0.0
+    out_s: float = 0.0
+    close_s: float = 0.0
+    warmup: bool = False
