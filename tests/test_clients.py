@@ -200,6 +200,36 @@ def test_overload_loses_nothing_with_a_transport():
     assert report["client"]["warmup_completed"] + report["client"]["warmup_rejected"] == 4
 
 
+def test_the_executor_s_replay_charges_the_same_transport_from_the_same_book(tmp_path):
+    """A tiny model served by 2 users behind a transport: each request reaches the engine through the front end (its
+    way in and the queue behind the other user's), the user goes on after the stream's close, and the report counts
+    from sending: the simulator's rules, kept by the same arrival book, on the wall clock."""
+    import yaml
+
+    from executor.serve import serve
+    from sim.config.plan import load_scenario
+    from tests.helpers import tiny_checkpoint, write_tiny_scenario
+    from tests.test_closed_loop import assert_users_take_the_units_in_order
+
+    transport = {"request_s": 0.004, "frontend_s": 0.006, "token_s": 0.003, "close_s": 0.002, "jitter_cv": 0.5}
+    path = write_tiny_scenario(tmp_path, tiny_checkpoint(tmp_path / "tiny", seed=11), name="tiny-client",
+                               workload={"num_requests": 8, "output_len": {"dist": "fixed", "value": 4},
+                                         "closed_loop": {"users": 2}, "client": {"transport": transport}})
+    data = yaml.safe_load(path.read_text())
+    data["workload"].pop("arrival")
+    path.write_text(yaml.safe_dump(data))
+    _, plan = load_scenario(path)
+    specs = generate_requests(plan.workload, plan.base_dir)
+    records, _, _, requests, _, _ = serve(plan, specs, "cpu", threads=1)
+    assert all(r.status is Status.FINISHED for r in requests) and in_flight(requests) <= 2
+    assert_users_take_the_units_in_order(specs, requests, 2)  # exact: the book computes every time it hands out
+    by_id = {r.id: r for r in requests}
+    for k, i in enumerate(records.id.tolist()):
+        r = by_id[i]
+        assert records.arrival_s[k] == pytest.approx(r.arrival_s - r.client_in_s)
+        assert records.first_token_s[k] == pytest.approx(r.first_token_s + r.client_out_s)
+
+
 # -- definitions -----------------------------------------------------------------------------------------------------
 
 def request(rid: int, sent: float, tokens: list[float], close: float = 0.0, warmup: bool = False) -> Request:
