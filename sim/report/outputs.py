@@ -12,7 +12,7 @@ from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost
 from sim.report.definitions import describe as describe_definitions
-from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
+from sim.report.metrics import RequestRecords, compute_metrics, measured, per_request_latency, summarize
 
 GiB = 2**30
 
@@ -115,13 +115,13 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
         report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
                            for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
-    loop = plan.workload.closed_loop
+    loop, shown = plan.workload.closed_loop, measured(records)  # a client's warm-ups are in no figure
     if loop is not None:
         # the users waiting on the deployment, on average (the rest were thinking)
         report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
-                                 "mean_in_flight": mean_in_flight(records, report["duration_s"])}
+                                 "mean_in_flight": mean_in_flight(shown, report["duration_s"])}
     if plan.workload.max_concurrency is not None:
-        report["max_concurrency"] = client_section(plan.workload.max_concurrency, records, report["duration_s"])
+        report["max_concurrency"] = client_section(plan.workload.max_concurrency, shown, report["duration_s"])
     if plan.client is not None:
         report["client"] = transport_section(plan.client, records)
     if plan.pipeline_parallel_size > 1:
