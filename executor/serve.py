@@ -356,7 +356,15 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
                                 "first_token_s": r.first_token_s, "finish_s": r.finish_s,
                                 "num_drafted": r.num_drafted, "num_accepted": r.num_accepted,
                                 "num_verify_steps": r.num_verify_steps, "num_rejections": r.num_rejections,
-                                "token_times": r.token_times}) + "\n")
+                                "token_times": r.token_times, **_client_fields(r)}) + "\n")
+
+
+def _client_fields(r: Request) -> dict:
+    """A request's time between client and engine (workload.client) for requests.jsonl; none without a client."""
+    if not (r.client_in_s or r.client_out_s or r.client_close_s or r.warmup):
+        return {}
+    return {"client_in_s": r.client_in_s, "client_out_s": r.client_out_s, "client_close_s": r.client_close_s,
+            "warmup": r.warmup}
 
 
 def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
