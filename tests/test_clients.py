@@ -111,6 +111,18 @@ def test_a_closed_loop_s_users_take_their_warm_ups_first():
     assert book.due(2.0) == [Send(2, 2.0), Send(3, 2.0)]
 
 
+def test_the_tools_normal_lengths_round_and_clip():
+    from sim.config.workload import NormalLength
+
+    x = NormalLength(dist="normal", mean=512, stddev=50).sample(np.random.default_rng(1), 20_000, None)
+    assert x.dtype.kind == "i" and x.mean() == pytest.approx(512, rel=0.01) and x.std() == pytest.approx(50, rel=0.05)
+    clipped = NormalLength(dist="normal", mean=5, stddev=20, min=2, max=9).sample(np.random.default_rng(1), 1000, None)
+    assert clipped.min() == 2 and clipped.max() == 9
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(scenario(workload={"prompt_len": {"dist": "normal", "mean": 100, "stddev": -1}}))
+    assert e.value.key_path.startswith("workload.prompt_len")
+
+
 # -- transport -------------------------------------------------------------------------------------------------------
 
 def test_requests_reach_the_engine_through_one_front_end_in_the_order_sent_and_users_go_on_when_streams_close():

@@ -99,6 +99,23 @@ class LognormalLength(_Bounded):
         return np.clip(x, self.min, hi).astype(np.int64)
 
 
+class NormalLength(_Bounded):
+    """Normal(mean, stddev) rounded to integers and clipped to [min, max]: the synthetic lengths of genai-perf's and
+    aiperf's `--synthetic-input-tokens-mean/-stddev`, `--output-tokens-mean/-stddev` and guidellm's `prompt_tokens`
+    / `prompt_tokens_stdev` (genai-perf truncates and floors at 0, aiperf redraws until positive and rounds up:
+    within a token of this)."""
+
+    dist: Literal["normal"]
+    mean: float = Field(gt=0, le=MAX_LENGTH)
+    stddev: float = Field(ge=0, le=MAX_LENGTH)
+    min: int = Field(default=1, ge=1, le=MAX_LENGTH)
+    max: Optional[int] = Field(default=None, ge=1, le=MAX_LENGTH)
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        x = np.rint(rng.normal(self.mean, self.stddev, size=n))
+        return np.clip(x, self.min, self.max if self.max is not None else MAX_LENGTH).astype(np.int64)
+
+
 class ZipfLength(_Bounded):
     """Power law P(k) ∝ k^-a over the integers min..max (inverse-CDF sampling)."""
 
@@ -163,7 +180,7 @@ class EmpiricalLength(StrictModel):
 
 
 LengthDist = Annotated[
-    Union[FixedLength, UniformLength, LognormalLength, ZipfLength, EmpiricalLength],
+    Union[FixedLength, UniformLength, LognormalLength, ZipfLength, EmpiricalLength, NormalLength],
     Field(discriminator="dist"),
 ]
 
