@@ -47,7 +47,7 @@ def serve(port_file: str) -> None:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import StreamingResponse
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     from executor.http_server import SSE_HEADERS, bind
@@ -73,9 +73,12 @@ def serve(port_file: str) -> None:
 
         return StreamingResponse(events(), headers=SSE_HEADERS, media_type="text/event-stream")
 
+    async def cpu(request: Request):
+        return JSONResponse({"cpu": time.process_time()})
+
     sock = bind("127.0.0.1", 0)
     Path(port_file).write_text(str(sock.getsockname()[1]))
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/cpu", cpu)])
     uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)).run(sockets=[sock])
 
 
@@ -115,8 +118,10 @@ async def burst(url: str, prompt: str, size: int, rounds: int) -> list[float]:
     return gaps
 
 
-async def drive(url: str, prompt: str, requests: int, users: int, events: int, gap_s: float) -> list[dict]:
-    """`users` closed-loop workers sending `requests` requests, each the next when one ends."""
+async def drive(url: str, prompt: str, requests: int, users: int, events: int, gap_s: float) -> tuple[list[dict],
+                                                                                                    float, float]:
+    """`users` closed-loop workers sending `requests` requests, each the next when one ends: (the timed requests, the
+    server's and this client's CPU seconds per request)."""
     import httpx
 
     out: list[dict] = []
@@ -124,6 +129,8 @@ async def drive(url: str, prompt: str, requests: int, users: int, events: int, g
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=10.0)) as client:
         await one(client, url, prompt, 2, 0.0)  # the connection, and the first request's imports, not timed
+        cpu_url = url.replace("/v1/completions", "/cpu")
+        server0, client0 = (await client.get(cpu_url)).json()["cpu"], time.process_time()
 
         async def worker():
             nonlocal issued
@@ -132,7 +139,9 @@ async def drive(url: str, prompt: str, requests: int, users: int, events: int, g
                 out.append(await one(client, url, prompt, events, gap_s))
 
         await asyncio.gather(*(worker() for _ in range(users)))
-    return out
+        client1 = time.process_time()
+        server1 = (await client.get(cpu_url)).json()["cpu"]
+    return out, (server1 - server0) / requests, (client1 - client0) / requests
 
 
 def fast_tokenizer():
@@ -171,9 +180,9 @@ def tokenizer_costs(prompt_tokens: int) -> tuple[float, float, str]:
     return statistics.median(encode) / n, statistics.median(decode), text
 
 
-def http_costs(prompt: str, args) -> tuple[dict[int, list[dict]], list[float]]:
-    """Per user count, the timed requests of a closed loop against the timing server; and the gaps between requests
-    of a burst at the server (burst)."""
+def http_costs(prompt: str, args):
+    """Per user count, a closed loop against the timing server (drive); one user's requests of one event each (the
+    CPU a request costs beyond its events); the gaps between requests of a burst at the server (burst)."""
     pin = len(os.sched_getaffinity(0)) >= 2
     port_file = Path(f"/tmp/client_time_port_{os.getpid()}")
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)], cwd=ROOT,
@@ -189,7 +198,8 @@ def http_costs(prompt: str, args) -> tuple[dict[int, list[dict]], list[float]]:
         time.sleep(0.3)
         runs = {users: asyncio.run(drive(url, prompt, args.requests, users, args.events, args.gap_ms / 1e3))
                 for users in args.users}
-        return runs, asyncio.run(burst(url, prompt, args.burst, max(1, args.requests // args.burst)))
+        one_event = asyncio.run(drive(url, prompt, args.requests, 1, 1, 0.0))
+        return runs, one_event, asyncio.run(burst(url, prompt, args.burst, max(1, args.requests // args.burst)))
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -200,6 +210,34 @@ def spread(x: np.ndarray) -> float:
     """A robust coefficient of variation: the interquartile range over 1.349 (a normal's), over the median."""
     q1, q2, q3 = np.percentile(x, [25, 50, 75])
     return float((q3 - q1) / 1.349 / q2) if q2 > 0 else 0.0
+
+
+def wall_figures(users: int, reqs: list[dict]) -> np.ndarray:
+    """Print one closed loop's wall-clock figures; return each request's way in plus its first token's way out."""
+    inn = np.array([r["in_s"] for r in reqs])
+    tok = np.concatenate([r["token_s"] for r in reqs])
+    close = np.array([r["close_s"] for r in reqs])
+    print(f"users {users}: {len(reqs)} requests, {len(tok)} events (wall clock): way in p50 {np.median(inn) * 1e6:.0f} "
+          f"us p90 {np.percentile(inn, 90) * 1e6:.0f}, token delivery p50 {np.median(tok) * 1e6:.0f} us p90 "
+          f"{np.percentile(tok, 90) * 1e6:.0f}, close p50 {np.median(close) * 1e6:.0f} us", flush=True)
+    tag = f"users{users}_"
+    for name, x in (("way_in", inn), ("token_delivery", tok), ("close", close)):
+        print(f"{tag}{name}_p50_us: {np.median(x) * 1e6:.1f}")
+    return inn + np.array([r["token_s"][0] for r in reqs])
+
+
+def transport(runs, one_event, gaps, costs, args) -> dict:
+    """The transport's means from CPU time (what a busy machine inflates least): per request and per event on each
+    side, from the closed loop of one user at `--events` events and at one event."""
+    per_prompt_token, per_output_token = costs
+    _, server_e, client_e = runs[1]
+    _, server_1, client_1 = one_event
+    per_event = ((server_e - server_1) + (client_e - client_1)) / (args.events - 1)
+    tokenize = per_prompt_token * args.prompt
+    front = server_1 - tokenize - per_event  # the server's own work on a request beyond its events and tokenizing
+    return {"request_s": client_1 - per_event / 2, "frontend_s": max(front, 0.0), "prompt_token_s": per_prompt_token,
+            "token_s": per_event + per_output_token, "close_s": per_event,
+            "burst_gap_s": float(np.median(gaps)), "jitter_cv": spread(wall_figures(1, runs[1][0]))}
 
 
 def main() -> None:
@@ -216,32 +254,22 @@ def main() -> None:
         serve(args.serve)
         return
     per_prompt_token, per_output_token, prompt = tokenizer_costs(args.prompt)
-    runs, gaps = http_costs(prompt, args)
-    for users, reqs in runs.items():
-        inn = np.array([r["in_s"] for r in reqs])
-        entry = np.array([r["entry_s"] for r in reqs])
-        tok = np.concatenate([r["token_s"] for r in reqs])
-        first = np.array([r["token_s"][0] for r in reqs])
-        close = np.array([r["close_s"] for r in reqs])
-        both = inn + first
-        print(f"users {users}: {len(reqs)} requests, {len(tok)} events; request path p50 {np.median(inn) * 1e6:.0f} "
-              f"us (to the handler {np.median(entry) * 1e6:.0f}), token delivery p50 {np.median(tok) * 1e6:.0f} us "
-              f"p90 {np.percentile(tok, 90) * 1e6:.0f}, close p50 {np.median(close) * 1e6:.0f} us", flush=True)
-        tag = f"users{users}_"
-        print(f"{tag}request_path_p50_us: {np.median(inn) * 1e6:.1f}")
-        print(f"{tag}request_path_p90_us: {np.percentile(inn, 90) * 1e6:.1f}")
-        print(f"{tag}token_delivery_p50_us: {np.median(tok) * 1e6:.1f}")
-        print(f"{tag}token_delivery_p90_us: {np.percentile(tok, 90) * 1e6:.1f}")
-        print(f"{tag}close_p50_us: {np.median(close) * 1e6:.1f}")
-        print(f"{tag}round_trip_cv: {spread(both):.3f}")
-    gap = float(np.median(gaps))
-    print(f"burst of {args.burst}: the server's serial work per request p50 {gap * 1e6:.0f} us, of which tokenizing "
-          f"{per_prompt_token * args.prompt * 1e6:.0f} us", flush=True)
-    print(f"serial_per_request_p50_us: {gap * 1e6:.1f}")
-    print(f"serial_per_request_less_tokenizing_us: {(gap - per_prompt_token * args.prompt) * 1e6:.1f}")
-    print(f"tokenize_us_per_prompt_token: {per_prompt_token * 1e6:.3f}")
+    args.users = sorted(set(args.users) | {1})
+    runs, one_event, gaps = http_costs(prompt, args)
+    for users, (reqs, server_cpu, client_cpu) in runs.items():
+        if users > 1:
+            wall_figures(users, reqs)
+        print(f"users{users}_cpu_per_request_us: server {server_cpu * 1e6:.1f}, client {client_cpu * 1e6:.1f}")
+    print(f"one_event_cpu_per_request_us: server {one_event[1] * 1e6:.1f}, client {one_event[2] * 1e6:.1f}")
+    t = transport(runs, one_event, gaps, (per_prompt_token, per_output_token), args)
+    print(f"burst of {args.burst} sent at once: {t['burst_gap_s'] * 1e6:.0f} us between their ends of parsing at the "
+          f"server (wall clock: both processes' serial work, and the machine's other load)", flush=True)
+    for name in ("request_s", "frontend_s", "token_s", "close_s"):
+        print(f"{name}_us: {t[name] * 1e6:.1f}")
+    print(f"prompt_token_s_us: {per_prompt_token * 1e6:.3f}")
     print(f"detokenize_us_per_output_token: {per_output_token * 1e6:.3f}")
-    print(f"prompt_tokens: {args.prompt}")
+    print(f"burst_gap_us: {t['burst_gap_s'] * 1e6:.1f}")
+    print(f"jitter_cv: {t['jitter_cv']:.3f}")
     print(f"load_avg_1min: {os.getloadavg()[0]:.2f}")
 
 

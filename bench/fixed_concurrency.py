@@ -14,7 +14,10 @@ requests got their first token from the same engine step, averaged: N when whole
 each prefills alone); and the transport in situ (the client's TTFT p50 less the server's own, which counts from its
 handler: the way in without the server's queue, and the first token's way out).
 
-Usage: python bench/fixed_concurrency.py [--users 1 2 4 8] [--rounds 8] [--shared-cores]
+First, in seconds and with no machine in it, the same sweep simulated for a GPU the way InferenceMAX runs vLLM:
+Llama-3.1-8B on H100-SXM, chunked prefill of 8192 tokens, 1024 / 1024 tokens, 1-128 users.
+
+Usage: python bench/fixed_concurrency.py [--users 1 2 4 8] [--rounds 8] [--shared-cores] [--gpu-only]
 Ends with `name: value` lines.
 """
 from __future__ import annotations
@@ -122,12 +125,42 @@ def point(users: int, rounds: int, pin: bool) -> dict:
             "transport_in_situ_ms": (real["ttft_s"]["p50"] - server_ttft) * 1e3, "load_avg_1min": os.getloadavg()[0]}
 
 
+GPU = {"model": "Llama-3.1-8B", "hardware": "H100-SXM",
+       "serving": {"enable_chunked_prefill": True, "max_num_batched_tokens": 8192, "max_num_seqs": 256},
+       "workload": {"seed": 1, "prompt_len": {"dist": "fixed", "value": 1024},
+                    "output_len": {"dist": "fixed", "value": 1024}}}
+
+
+def gpu_point(users: int, rounds: int) -> dict:
+    """An InferenceMAX-like point simulated both ways: Llama-3.1-8B on H100-SXM, vLLM v1's chunked prefill of 8192
+    tokens, 1024 / 1024 tokens, `users` users back to back; the cohort over the second half of the run."""
+    got = {}
+    for name, transport in (("lockstep", "none"), ("client", "measured")):
+        data = {**GPU, "workload": {**GPU["workload"], "num_requests": users * rounds, "closed_loop": {"users": users},
+                                    "client": {"transport": transport}}}
+        plan = plan_of(data)
+        result = simulate(plan)
+        m = compute_metrics(sim_records(result), plan.slo, plan.client)
+        got[f"ttft_{name}_ms"], got[f"tpot_{name}_ms"] = m["ttft_s"]["p50"] * 1e3, m["tpot_s"]["p50"] * 1e3
+        got[f"cohort_{name}"] = cohort([r.first_token_s for r in result.requests if r.id >= users * rounds // 2])
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=8, help="requests per user")
     ap.add_argument("--shared-cores", action="store_true", help="the server and the client share every core")
+    ap.add_argument("--gpu-only", action="store_true", help="only the simulated InferenceMAX-like sweep (seconds)")
     args = ap.parse_args()
+    for users in (1, 4, 16, 64, 128):
+        got = gpu_point(users, 10)
+        print(f"gpu {users} users: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
+        print(f"gpu_users{users}_ttft_lockstep_over_client: {got['ttft_lockstep_ms'] / got['ttft_client_ms']:.3f}")
+        print(f"gpu_users{users}_cohort_lockstep: {got['cohort_lockstep']:.2f}")
+        print(f"gpu_users{users}_cohort_client: {got['cohort_client']:.2f}")
+    if args.gpu_only:
+        return
     pin = not args.shared_cores and len(os.sched_getaffinity(0)) >= 2
     if pin:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {0})  # this process replays: off the engine's core

@@ -45,11 +45,13 @@ class TransportConfig(StrictModel):
     jitter_cv: float = Field(0.0, ge=0, le=10)
 
 
-# Measured by bench/client_time.py: Starlette on uvicorn (infersim serve --http's stack, and vLLM's API server's) and
-# the project's httpx replay client on one 2-core AMD EPYC VM over loopback, SmolLM2's fast BPE tokenizer
-# (docs/endpoints.md, "Client time"). A client across a network adds its round trip to request_s and token_s.
-MEASURED_TRANSPORT = TransportConfig(request_s=8.8e-4, frontend_s=1.5e-4, prompt_token_s=2.9e-6, token_s=4.3e-4,
-                                     close_s=3.5e-4, jitter_cv=0.7)
+# Measured by bench/client_time.py (2026-12-05, docs/endpoints.md): Starlette on uvicorn (infersim serve --http's
+# stack; vLLM's API server runs FastAPI on it) and the project's httpx replay client, one user, on a 2-core AMD EPYC VM
+# over loopback with the machine's 1-minute load at 8-10; SmolLM2's fast BPE tokenizer (HF tokenizers). request_s,
+# token_s, close_s: wall-clock medians; frontend_s: the server's CPU per request beyond tokenizing and its events. A
+# client across a network adds its round trip to request_s and token_s; a faster host's cores shrink them all.
+MEASURED_TRANSPORT = TransportConfig(request_s=1.0e-3, frontend_s=5.0e-4, prompt_token_s=2.7e-6, token_s=4.5e-4,
+                                     close_s=4.5e-4, jitter_cv=0.65)
 
 
 class RampUpConfig(StrictModel):
