@@ -250,7 +250,7 @@ class Outcome:
         """The outcome as the report's request (latencies from sending)."""
         s = self.spec
         r = Request(s.id, self.sent_s if self.sent_s is not None else self.due_s, s.prompt_len, s.output_len,
-                    conversation=s.conversation, client_wait_s=self.client_wait_s)
+                    conversation=s.conversation, client_wait_s=self.client_wait_s, warmup=s.warmup)
         if self.finished:
             r.status, r.finish_reason = Status.FINISHED, self.finish_reason
             r.token_times = list(self.token_times)
@@ -358,8 +358,9 @@ def _error_message(body: str) -> str:
 
 
 async def _replay(ep: Endpoint, specs: list[RequestSpec], prompts: Prompts, first_texts: dict[int, str],
-                  max_concurrency: int | None, chat: bool, timeout_s: float | None, progress) -> list[Outcome]:
-    book = arrival_book(specs, max_concurrency)
+                  max_concurrency: int | None, chat: bool, timeout_s: float | None, progress,
+                  slide: bool = False) -> list[Outcome]:
+    book = arrival_book(specs, max_concurrency, slide=slide, transport=False)  # the way to the server and back is real
     by_id = {s.id: s for s in specs}
     outcomes: dict[int, Outcome] = {}
     history: dict[int, str] = {}  # a turn that ended with a later turn waiting: its prompt and answer
@@ -410,9 +411,10 @@ async def _replay(ep: Endpoint, specs: list[RequestSpec], prompts: Prompts, firs
 
 
 def replay(ep: Endpoint, specs: list[RequestSpec], max_concurrency: int | None = None, chat: bool = False,
-           timeout_s: float | None = None, progress=None) -> list[Outcome]:
+           timeout_s: float | None = None, progress=None, slide: bool = False) -> list[Outcome]:
     """Send the workload `specs` to the endpoint on their schedule and time every request (see the module
-    docstring). Returns one Outcome per request, in the specs' order."""
+    docstring); `slide`: a request waiting for a slot holds the schedule back (sim.config.client.slides). Returns one
+    Outcome per request, in the specs' order."""
     prompts = Prompts(ep)
     first = {s.id: prompts.text(s.prompt_len, s.id) for s in specs if s.after < 0}
-    return asyncio.run(_replay(ep, specs, prompts, first, max_concurrency, chat, timeout_s, progress))
+    return asyncio.run(_replay(ep, specs, prompts, first, max_concurrency, chat, timeout_s, progress, slide))

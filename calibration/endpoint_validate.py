@@ -8,6 +8,7 @@ from pathlib import Path
 
 from calibration.endpoint import Endpoint, Outcome, replay
 from calibration.validate import compare, latency_quantiles, slo_metrics, with_profile, write_cdf_plot
+from sim.config.client import slides
 from sim.config.generator import generate_requests
 from sim.config.plan import Plan
 from sim.report.metrics import records_from_requests
@@ -52,7 +53,7 @@ def validate_endpoint(plan: Plan, ep: Endpoint, profile: Path | None = None, out
     """Replay the plan's workload against the endpoint, simulate it (with `profile`, else the plan's own cost
     model) and compare; returns validation.json's content (written to `out` with the CDF plot and the requests)."""
     specs = generate_requests(plan.workload, plan.base_dir)
-    outcomes = replay(ep, specs, plan.workload.max_concurrency, chat, timeout_s, progress)
+    outcomes = replay(ep, specs, plan.workload.max_concurrency, chat, timeout_s, progress, slides(plan.client))
     _, real = endpoint_records(outcomes)
     sim_plan = with_profile(plan, profile) if profile is not None else plan
     sim = sim_records(simulate(sim_plan, specs))

@@ -18,7 +18,7 @@ import numpy as np
 
 from calibration.published import Published, read_published
 from sim.config.generator import generate_requests
-from sim.config.moe import is_sparse
+from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan, load_scenario, replan
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S
 from sim.report.stages import stage_sections
@@ -149,7 +149,7 @@ def _refined(plan: Plan, theta: tuple[float, ...]) -> Plan:
 
 
 def _dense_kernels(plan: Plan) -> bool:
-    return plan.cost.source == "kernels" and not is_sparse(plan.model) and plan.data_parallel_size == 1
+    return plan.cost.source == "kernels" and not (has_experts(plan.model) or uses_mla(plan.model)) and plan.data_parallel_size == 1
 
 
 # the kernel model's linear, attention and communication parts each times a factor (dense models: a mixture of

@@ -133,7 +133,8 @@ REQUEST_FIELDS = {"id": _is_count, "arrival_s": _is_num, "prompt_len": _is_count
                   "preemptions": _is_count, "reject_reason": lambda v: v is None or isinstance(v, str),
                   "token_times": lambda v: isinstance(v, list) and all(_is_num(x) for x in v)}
 REQUEST_OPTIONAL = {"num_drafted": _is_count, "num_accepted": _is_count, "num_verify_steps": _is_count,
-                    "num_rejections": _is_count}
+                    "num_rejections": _is_count, "client_in_s": _is_num, "client_out_s": _is_num,
+                    "client_close_s": _is_num, "warmup": lambda v: isinstance(v, bool)}
 STEP_FIELDS = {"start_s": _is_num, "end_s": _is_num, "new_tokens": _is_counts, "context_lens": _is_counts,
                "num_prefill": _is_count, "num_decode": _is_count}
 STEP_OPTIONAL = {"num_sampled": lambda v: v is None or _is_count(v), "draft_s": _is_num, "driver_s": _is_num,
@@ -235,7 +236,9 @@ def read_run(folder: Path, specs=None):
                         num_preemptions=d["preemptions"], reject_reason=d["reject_reason"],
                         token_times=d["token_times"], num_drafted=d.get("num_drafted", 0),
                         num_accepted=d.get("num_accepted", 0), num_verify_steps=d.get("num_verify_steps", 0),
-                        num_rejections=d.get("num_rejections", 0)) for d in recorded]
+                        num_rejections=d.get("num_rejections", 0), client_in_s=d.get("client_in_s", 0.0),
+                        client_out_s=d.get("client_out_s", 0.0), client_close_s=d.get("client_close_s", 0.0),
+                        warmup=d.get("warmup", False)) for d in recorded]
     return records_from_requests(requests), steps
 
 
@@ -245,8 +248,8 @@ def plain_of(plan: Plan) -> Plan:
 
 
 def slo_metrics(plan: Plan, records: RequestRecords) -> dict:
-    """compute_metrics under the plan's SLO."""
-    return compute_metrics(records, plan.slo)
+    """compute_metrics under the plan's SLO, its latencies as its client defines them."""
+    return compute_metrics(records, plan.slo, plan.client)
 
 
 # Speculative scenarios are simulated this many times, each with its own acceptance draws, and the metrics

@@ -304,8 +304,11 @@ def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: st
     if not quiet:
         Console(stderr=True).print(f"{plan.name}: serving {server.served.model_name} at {url}/v1 (OpenAI API; "
                                    "/metrics, /health); Ctrl-C stops", highlight=False)
-    uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on",
-                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on",
+                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn >= 0.29 raises the Ctrl-C it shut down on again: the report is still written
+        pass
     sock.close()
     if out is None:
         return None

@@ -491,7 +491,7 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
     if result.stopped:
         return False, None, "slo"
     records = sim_records(result)
-    metrics = judged_metrics(compute_metrics(records, slo), records, specs, users)
+    metrics = judged_metrics(compute_metrics(records, slo, plan.client), records, specs, users)
     why = why_failed(metrics, records, specs, users)
     return not why, metrics, why
 

@@ -100,12 +100,12 @@ def token_times(result) -> list[np.ndarray]:
 
 def assert_itl_is_the_token_gaps(result, records, times: list[np.ndarray], rel: float = 1e-12, abs: float = 0.0) -> None:
     """The report's inter-token latencies are the gaps between the finished requests' written-out token times
-    (`times`, one array per request): where no request kept its own token times, the simulator's weighted sample is
+    (`times`, one array per request; warm-up requests left out): where no request kept its own token times, the simulator's weighted sample is
     those gaps value for value; the ITL statistics match them (None where there are none)."""
     import pytest
 
-    gaps = np.concatenate([np.diff(t) for t, r in zip(times, result.requests) if r.status.value == "finished"]
-                          + [np.zeros(0)])
+    gaps = np.concatenate([np.diff(t) for t, r in zip(times, result.requests)  # a client's warm-ups: in no figure
+                           if r.status.value == "finished" and not r.warmup] + [np.zeros(0)])
     gaps = gaps[gaps > 0]  # tokens of one step (accepted drafts) arrive as one chunk: one gap
     if not any(r.token_times for r in result.requests):
         values, weights = itl_sample(result)

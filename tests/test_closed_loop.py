@@ -9,6 +9,7 @@ from sim.config.errors import ConfigError
 from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
 from sim.config.scenario import parse_scenario
+from sim.policy.conversation import CONVERSATION_ENDED
 from sim.policy.request import Status
 from sim.report.capacity import check_scalable
 from tests.helpers import in_flight, run, scenario, tiny_checkpoint, write_tiny_scenario
@@ -26,7 +27,9 @@ def users(n: int, think: float = 2.0, **workload) -> dict:
 def assert_users_take_the_units_in_order(specs, requests, users: int, abs: float = 1e-9) -> None:
     """The closed loop's units (a request, or a conversation) go in order to the first user free: the first `users`
     are sent at their think times, unit j after that the j-th end of a unit (in time order) plus its own think time. A
-    unit ends with its last request (finished, or rejected: on arrival, or unsent with its conversation)."""
+    unit ends with its last request (finished, or rejected: on arrival, or unsent with its conversation), when its
+    client knows (the client's transport: the engine's end plus its out_s and close_s), and a request reaches the
+    engine at least its in_s + front_s after it was sent (more while the front end works on others: client_in_s)."""
     reqs = {r.id: r for r in requests}
     units = [s for s in specs if s.users]
     assert units and all(s.users == users and s.after < 0 for s in units)
@@ -35,11 +38,15 @@ def assert_users_take_the_units_in_order(specs, requests, users: int, abs: float
         r = reqs[s.id]
         unit = s.conversation if s.conversation >= 0 else s.id
         end = r.finish_s if r.status is Status.FINISHED else r.arrival_s
+        if r.reject_reason != CONVERSATION_ENDED:  # an unsent turn ends when its client learned of it
+            end += s.out_s + s.close_s
         ends[unit] = max(ends.get(unit, -np.inf), end)
     freed = sorted(ends.values())
     for j, s in enumerate(units):
         expected = s.think_s if j < users else freed[j - users] + s.think_s
-        assert reqs[s.id].arrival_s == pytest.approx(expected, abs=abs), (j, s.id)
+        r = reqs[s.id]
+        assert r.arrival_s - r.client_in_s == pytest.approx(expected, abs=abs), (j, s.id)
+        assert r.client_in_s >= s.in_s + s.front_s - 1e-12
 
 
 def test_a_closed_loop_s_units_are_the_workload_s_requests_each_with_its_think_time():
@@ -315,7 +322,7 @@ def test_a_closed_loop_s_capacity_verdict_leaves_out_its_first_wave():
     from sim.report.metrics import compute_metrics
     from sim.simulator.cluster import sim_records, simulate
 
-    data = users(64, think=0.0, num_requests=600)
+    data = users(64, think=0.0, num_requests=600, client={"transport": "none"})  # the first wave at once
     data["slo"] = {"ttft_s": 0.4, "quantile": 0.9}  # TTFT p90: 0.56 s with the first wave, 0.24 s without
     plan = make_plan(parse_scenario(data))
     specs = generate_requests(plan.workload)

@@ -129,8 +129,9 @@ def test_bounded_lstsq_finds_the_constrained_minimum():
 
 
 def _tiny(rate: float, output: int) -> dict:
+    # synchronous scheduling: the host's overheads show in every step (async scheduling hides them under the GPU's)
     return {"name": f"tiny-{rate}", "model": "Llama-3.2-1B", "hardware": "H100-SXM",
-            "kv_cache": {"enable_prefix_caching": True},
+            "engine": {"name": "vllm", "async_scheduling": False}, "kv_cache": {"enable_prefix_caching": True},
             "workload": {"seed": 1, "load_stages": {"stages": [{"rate": rate, "duration_s": 4}]},
                          "prompt_len": {"dist": "fixed", "value": 200}, "output_len": {"dist": "fixed", "value": output},
                          "shared_prefix": {"prefix_len": 32, "num_prefixes": 2, "prompts_per_prefix": 3}}}

@@ -124,7 +124,26 @@ def workloads(draw, max_len: int, max_requests: int = 40) -> dict:
                             "think_time_s": draw(st.sampled_from([0.0, 0.01, 1.0]))}
     elif draw(st.integers(0, 4)) == 0:  # the client's own bound: requests wait for a slot, sent as others end
         w["max_concurrency"] = draw(st.sampled_from([1, 3, 8]))
+    if draw(st.integers(0, 3)) == 0:
+        w["client"] = draw(clients(w))
     return w
+
+
+TRANSPORTS = ["measured", "none", {"request_s": 0.002, "frontend_s": 0.01, "prompt_token_s": 1e-4, "token_s": 0.005,
+                                   "close_s": 0.001, "jitter_cv": 2.0}]
+
+
+@st.composite
+def clients(draw, w: dict) -> dict:
+    """A benchmark client for workload `w`: a transport (requests reach the engine after their way in, one at a time
+    through a front end; ends reach the users after their way out), a tool where `w` allows one, warm-ups."""
+    client = {"transport": draw(st.sampled_from(TRANSPORTS))}
+    if "bursts" not in w:
+        vllm = ["vllm_bench"] if "duration_s" not in w and "conversation" not in w else []
+        client["tool"] = draw(st.sampled_from(["none", "genai_perf", "aiperf", "guidellm", "inference_perf"] + vllm))
+    if client.get("tool", "none") in ("none", "genai_perf", "aiperf") and "conversation" not in w and draw(st.booleans()):
+        client["warmup_requests"] = draw(st.sampled_from([1, 4]))
+    return client
 
 
 MODELS = ["SmolLM2-135M", "Llama-3.2-1B", "Llama-2-7B",
@@ -365,8 +384,10 @@ def token_times(result) -> list[np.ndarray]:
 def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
     """Counts add up; each request completed with every token in order after its arrival, or rejected with a
     reason; the report's latencies and gaps are those of the tokens. Returns the token times."""
-    rq, n = report["requests"], len(result.requests)
+    rq, n = report["requests"], sum(not r.warmup for r in result.requests)  # a client's warm-ups: in no figure
     assert rq["arrived"] == n == rq["completed"] + rq["rejected"]
+    client = report.get("client", {})
+    assert len(result.requests) - n == client.get("warmup_completed", 0) + client.get("warmup_rejected", 0)
     assert sum(rq["rejected_by_reason"].values()) == rq["rejected"] and "unknown" not in rq["rejected_by_reason"]
     engines_total = sum(p.replicas * p.virtual_engines
                         for p in ((plan.pools.prefill, plan.pools.decode) if plan.pools else (plan,)))
@@ -380,7 +401,9 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
             continue
         assert r.status is Status.FINISHED and r.finish_reason == "length", r
         assert records.output_len[i] == r.num_generated == r.max_tokens == len(t), r
-        assert r.arrival_s < t[0] == records.first_token_s[i] and t[-1] == records.finish_s[i] == r.finish_s, r
+        # the records are the client's: the engine's token times plus the way out (workload.client; else + 0.0)
+        assert r.arrival_s < t[0] and t[0] + r.client_out_s == records.first_token_s[i], r
+        assert t[-1] + r.client_out_s == records.finish_s[i] and t[-1] == r.finish_s, r
         gaps = np.diff(t)
         assert (gaps > 0).all() if strict else (gaps >= 0).all(), r
     assert_itl_is_the_token_gaps(result, records, times, rel=1e-9, abs=1e-15)
@@ -390,8 +413,9 @@ def check_requests(plan, report: dict, result, records) -> list[np.ndarray]:
 def check_followers(plan, result) -> None:
     """A request that follows another (a conversation's turn, a closed loop user's next request or conversation)
     was due its think time after that one's last token; after a rejected one, a conversation's turn was rejected with
-    it and a user's next request or conversation was due its think time after the rejection. It arrived when due, or
-    (workload.max_concurrency) when a slot freed after it waited at the client."""
+    it and a user's next request or conversation was due its think time after the rejection (with a client's
+    transport: after the client knew, the way out and the close later). It was sent when due, or
+    (workload.max_concurrency) when a slot freed after it waited at the client, and reached the engine its way in later."""
     specs = generate_requests(plan.workload, plan.base_dir)
     reqs = {r.id: r for r in result.requests}
     assert sorted(reqs) == [s.id for s in specs]
@@ -399,9 +423,10 @@ def check_followers(plan, result) -> None:
         if s.after < 0:
             continue
         before, r = reqs[s.after], reqs[s.id]
-        due = r.arrival_s - r.client_wait_s
-        if before.status is Status.FINISHED:
-            assert due == pytest.approx(before.finish_s + s.think_s, rel=1e-12, abs=1e-12), (s, r)
+        due = r.arrival_s - r.client_in_s - r.client_wait_s  # when it was due at the client
+        if before.status is Status.FINISHED:  # the client knew its last token its way out and the close later
+            known = before.finish_s + before.client_out_s + before.client_close_s
+            assert due == pytest.approx(known + s.think_s, rel=1e-12, abs=1e-12), (s, r)
         elif s.conversation >= 0 and s.conversation == before.conversation:
             assert r.reject_reason == CONVERSATION_ENDED, r
         else:  # a user's next request, or next conversation
@@ -573,6 +598,7 @@ REGRESSIONS = {
         "serving": {"max_model_len": 256, "max_num_seqs": 1},
         "pools": {"prefill": {}, "decode": {}, "kv_transfer": {"bandwidth": 1e11, "latency_s": 0.05}},
         "workload": {"seed": 2, "num_requests": 13, "closed_loop": {"users": 1, "think_time_s": 0.0},
+                     "client": {"transport": "none"},  # as it was found: the next request at the engine at once
                      "prompt_len": {"dist": "empirical", "values": [65, 1000000]},
                      "output_len": {"dist": "fixed", "value": 118}}},
     # A decode instance's step ended at the very instant a hand-off came (requests sent as others end, at

@@ -46,6 +46,7 @@ from executor.serving.serve import (
     trace_of,
     warm_up,
 )
+from sim.config.client import slides
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
@@ -284,7 +285,7 @@ class PrefillDriver:
         make = request_maker(kv.prefix_caching, kv.block_size, self.engine.scheduler.cfg.max_model_len)
         self.requests = [make(s) for s in specs]
         self.arrivals = Arrivals(self.requests, specs, self.corpus, self.plan.workload.max_concurrency,
-                                self._sequence)
+                                self._sequence, slides(self.plan.client))
         self.by_id = {r.id: r for r in self.requests}
         self.engine.t0 = time.perf_counter()
         for link in self.links:

@@ -21,6 +21,7 @@ from executor.model.cache_engine import KVCache
 from executor.model.llama import LlamaConfig, LlamaModel
 from executor.speculative.build import make_drafter
 from sim.config import layers
+from sim.config.client import slides
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
 from sim.config.plan import Plan
@@ -232,9 +233,9 @@ class Arrivals:
     disaggregated driver."""
 
     def __init__(self, requests: list[Request], specs: list[RequestSpec], corpus: list[int],
-                 max_concurrency: int | None = None, sequence=None):
+                 max_concurrency: int | None = None, sequence=None, slide: bool = False):
         self.requests, self.specs, self.corpus, self.sequence = requests, specs, corpus, sequence
-        self.book = arrival_book(specs, max_concurrency)
+        self.book = arrival_book(specs, max_concurrency, slide=slide)
         self.flight: set[int] = set()  # indices of requests sent that had not ended at the last look
         self.history: dict[int, list[int]] = {}  # a turn that ended with a later turn waiting: its token ids
 
@@ -268,7 +269,7 @@ class Arrivals:
             if send.unsent:
                 reject_unsent(r, send.arrival_s)
                 continue
-            r.arrival_s, r.client_wait_s = send.arrival_s, send.client_wait_s
+            r.arrival_s, r.client_wait_s, r.client_in_s = send.arrival_s, send.client_wait_s, send.in_s
             if s.after >= 0:
                 ids = next_turn_ids(self.corpus, self.history.pop(s.after), r.prompt_len, r.id)
             else:
@@ -281,11 +282,12 @@ class Arrivals:
 
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
            adapt_threads: bool = False, progress=None, keep_warm: bool = False,
-           max_concurrency: int | None = None) -> list[Request]:
+           max_concurrency: int | None = None, slide: bool = False) -> list[Request]:
     """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
     sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
     free. `progress(done, total)` is called as requests end. `max_concurrency`: the client's limit on requests in
-    flight (Arrivals). With `keep_warm`, idle gaps busy-poll instead of
+    flight (Arrivals); `slide`: a request waiting for a slot holds the schedule back (sim.config.client.slides). With
+    `keep_warm`, idle gaps busy-poll instead of
     sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is sent its
     think time after the turn before it ends (Arrivals)."""
     scheduler = getattr(engine, "engines", [engine])[0].scheduler
@@ -293,7 +295,7 @@ def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: Cp
     requests = [make(s) for s in specs]
     engine.t0 = time.perf_counter()
     try:
-        arrivals = Arrivals(requests, specs, corpus, max_concurrency, lambda r: _sequence(engine, r))
+        arrivals = Arrivals(requests, specs, corpus, max_concurrency, lambda r: _sequence(engine, r), slide)
         _replay(engine, arrivals, load, adapt_threads, progress, keep_warm)
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
@@ -377,7 +379,15 @@ def write_traces(out: Path, engine: Engine, requests: list[Request]) -> None:
                                 "first_token_s": r.first_token_s, "finish_s": r.finish_s,
                                 "num_drafted": r.num_drafted, "num_accepted": r.num_accepted,
                                 "num_verify_steps": r.num_verify_steps, "num_rejections": r.num_rejections,
-                                "token_times": r.token_times}) + "\n")
+                                "token_times": r.token_times, **_client_fields(r)}) + "\n")
+
+
+def _client_fields(r: Request) -> dict:
+    """A request's time between client and engine (workload.client) for requests.jsonl; none without a client."""
+    if not (r.client_in_s or r.client_out_s or r.client_close_s or r.warmup):
+        return {}
+    return {"client_in_s": r.client_in_s, "client_out_s": r.client_out_s, "client_close_s": r.client_close_s,
+            "warmup": r.warmup}
 
 
 def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: int | None = None,
@@ -413,7 +423,7 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
             t0 = time.perf_counter()
             requests = replay(engine, specs, corpus, load, adapt_threads=not pinned and device == "cpu",
                               progress=progress, keep_warm=plan.executor.keep_warm and device == "cpu",
-                              max_concurrency=plan.workload.max_concurrency)
+                              max_concurrency=plan.workload.max_concurrency, slide=slides(plan.client))
             wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads_before)  # a busy spell must not leave the next run with fewer threads

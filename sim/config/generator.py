@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.config.client_requests import with_client
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
 from sim.config.prompt_pool import pool_specs
@@ -59,6 +60,12 @@ def _check_span(arrivals: np.ndarray | float, key_path: str, what: str) -> None:
 
 
 def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
+    """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order, as its client sends them
+    (workload.client: sim/config/client_requests.py)."""
+    return with_client(cfg, _workload_requests(cfg, base_dir))
+
+
+def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
     """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order.
 
     `base_dir` is the scenario file's folder, for relative trace paths.  Arrivals, each length

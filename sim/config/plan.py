@@ -8,6 +8,7 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from sim.config.client import ResolvedClient, resolve_client
 from sim.config.engines import (
     INFERSIM_DEFAULTS,
     INFERSIM_STEP_TOKENS,
@@ -156,6 +157,7 @@ class Plan:
     engine: EngineProfile | None = None  # the serving engine the plan runs on, resolved
     # a hybrid model's KV cache groups by attention kind (sim/config/kv_groups.py); None: one group of every layer
     kv_groups: KVGroups | None = None
+    client: ResolvedClient | None = None  # workload.client, resolved (_client_of)
 
     @property
     def max_model_len(self) -> int:
@@ -350,7 +352,15 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
                 data_parallel_size=layout.expert.data_parallel_size,
                 enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine,
-                kv_groups=memory.kv_groups)
+                kv_groups=memory.kv_groups,
+                client=_client_of(scenario))
+
+
+
+def _client_of(scenario: Scenario) -> ResolvedClient | None:
+    """Who sends the workload and the time between it and the engine (sim/config/client.py): workload.client, or a
+    closed loop's with no think time (a fixed-concurrency benchmark's), else none."""
+    return resolve_client(scenario.workload)
 
 
 def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups, scheduler: SchedulerConfig) -> None:

@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
+from sim.config.client import ClientConfig, check_client_fits
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_PROMPT_POOL, MAX_REQUESTS
 from sim.config.schema_base import StrictModel
 from sim.config.traces import check_trace_name
@@ -98,6 +99,23 @@ class LognormalLength(_Bounded):
         return np.clip(x, self.min, hi).astype(np.int64)
 
 
+class NormalLength(_Bounded):
+    """Normal(mean, stddev) rounded to integers and clipped to [min, max]: the synthetic lengths of genai-perf's and
+    aiperf's `--synthetic-input-tokens-mean/-stddev`, `--output-tokens-mean/-stddev` and guidellm's `prompt_tokens`
+    / `prompt_tokens_stdev` (genai-perf truncates and floors at 0, aiperf redraws until positive and rounds up:
+    within a token of this)."""
+
+    dist: Literal["normal"]
+    mean: float = Field(gt=0, le=MAX_LENGTH)
+    stddev: float = Field(ge=0, le=MAX_LENGTH)
+    min: int = Field(default=1, ge=1, le=MAX_LENGTH)
+    max: Optional[int] = Field(default=None, ge=1, le=MAX_LENGTH)
+
+    def sample(self, rng, n, load) -> np.ndarray:
+        x = np.rint(rng.normal(self.mean, self.stddev, size=n))
+        return np.clip(x, self.min, self.max if self.max is not None else MAX_LENGTH).astype(np.int64)
+
+
 class ZipfLength(_Bounded):
     """Power law P(k) ∝ k^-a over the integers min..max (inverse-CDF sampling)."""
 
@@ -162,7 +180,7 @@ class EmpiricalLength(StrictModel):
 
 
 LengthDist = Annotated[
-    Union[FixedLength, UniformLength, LognormalLength, ZipfLength, EmpiricalLength],
+    Union[FixedLength, UniformLength, LognormalLength, ZipfLength, EmpiricalLength, NormalLength],
     Field(discriminator="dist"),
 ]
 
@@ -297,6 +315,9 @@ class WorkloadConfig(StrictModel):
         "the client's own limit on requests in flight (vLLM's benchmark --max-concurrency): a request whose time "
         "comes while this many are in flight waits, first come first served, and is sent when one ends; its "
         "latencies count from when it was sent"))
+    client: Optional[ClientConfig] = Field(None, description=(
+        "the benchmark client that sends the workload and the time between it and the engine (sim/config/client.py); "
+        "left out, none, except that a closed loop with no think time gets the measured transport"))
     load_stages: Optional[LoadStagesConfig] = None
 
     @model_validator(mode="after")
@@ -337,6 +358,11 @@ class WorkloadConfig(StrictModel):
         if expected + sum(b.count for b in self.bursts) > MAX_REQUESTS:
             raise ValueError(f"about {expected + sum(b.count for b in self.bursts):.3g} requests (rate x duration_s, "
                              f"num_requests and bursts); allowed: at most {MAX_REQUESTS:,} in one run")
+        return self
+
+    @model_validator(mode="after")
+    def _client_fits(self) -> "WorkloadConfig":
+        check_client_fits(self)
         return self
 
 
@@ -392,3 +418,12 @@ class RequestSpec:
     # arrival_s the earliest that could be (the stages before it answered at once)
     stage: int = -1
     stage_delay_s: float = 0.0
+    # workload.client (sim/config/client_requests.py): the request's time from sending to the server, the server's
+    # work on it before the engine sees it (one request at a time per front end), from a token's emission to the
+    # client, and from its last token to the stream's close; a warm-up request is sent before the others start and
+    # left out of the report
+    in_s: float = 0.0
+    front_s: float = 0.0
+    out_s: float = 0.0
+    close_s: float = 0.0
+    warmup: bool = False

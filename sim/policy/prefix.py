@@ -59,7 +59,9 @@ def request_maker(enable_prefix_caching: bool, block_size: int, max_model_len: i
     hashes = PrefixHashes(block_size, max_model_len) if enable_prefix_caching else None
 
     def make(spec: RequestSpec) -> Request:
-        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len, conversation=spec.conversation)
+        req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len, conversation=spec.conversation,
+                      client_out_s=spec.out_s, client_close_s=spec.close_s,
+                      warmup=spec.warmup)
         if hashes is not None:
             req.block_hashes = hashes(spec)
         return req

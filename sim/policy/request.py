@@ -30,6 +30,13 @@ class ClientRequest:
     max_tokens: int
     conversation: int = -1  # workload.conversation: which one it is a turn of (the session router's key)
     client_wait_s: float = 0.0  # workload.max_concurrency: how long it waited at the client before it was sent
+    # workload.client: sending to the engine's queue (arrival_s is when it got there; set by the clock that sent it),
+    # a token's emission to the client, its last token to the stream's close; a warm-up request is left out of the
+    # report
+    client_in_s: float = 0.0
+    client_out_s: float = 0.0
+    client_close_s: float = 0.0
+    warmup: bool = False
 
 
 @dataclass(eq=False, slots=True)

@@ -14,32 +14,32 @@ from sim.policy.arrivals import ArrivalBook, Send
 class StagedArrivalBook(ArrivalBook):
     """An arrival book whose requests of stage k >= 1 wait for the end of every request of stage k - 1."""
 
-    def __init__(self, specs: list[RequestSpec], max_concurrency: int | None = None):
-        super().__init__(specs, max_concurrency)
+    def __init__(self, specs: list[RequestSpec], max_concurrency: int | None = None, **book):
+        super().__init__(specs, max_concurrency, **book)
         self.known = False  # a later stage's times come from the ends of the one before it
         self.index = {s.id: i for i, s in enumerate(specs)}
         self.first = [i for i in self.first if specs[i].stage <= 0]
-        self.held: dict[int, list[int]] = {}
+        self.stage_held: dict[int, list[int]] = {}
         for i, s in enumerate(specs):
             if s.stage > 0:
-                self.held.setdefault(s.stage, []).append(i)
+                self.stage_held.setdefault(s.stage, []).append(i)
         self.left = Counter(s.stage for s in specs)  # per stage: its requests not yet ended
 
     def pending(self) -> bool:
-        return super().pending() or bool(self.held)
+        return super().pending() or bool(self.stage_held)
 
     def _end(self, at: float, spec_id: int, finished: bool, out: list[Send]) -> None:
         super()._end(at, spec_id, finished, out)
         stage = self.specs[self.index[spec_id]].stage
         self.left[stage] -= 1
         if self.left[stage] == 0:
-            for i in self.held.pop(stage + 1, ()):  # the next stage starts: each request its delay from now
+            for i in self.stage_held.pop(stage + 1, ()):  # the next stage starts: each request its delay from now
                 heapq.heappush(self.later, (at + self.specs[i].stage_delay_s, self.specs[i].id, i))
 
 
-def arrival_book(specs: list[RequestSpec], max_concurrency: int | None = None) -> ArrivalBook:
-    """The arrival book of a workload's requests: with load stages after the first, one that holds each stage back
-    until the one before it has ended."""
+def arrival_book(specs: list[RequestSpec], max_concurrency: int | None = None, **book) -> ArrivalBook:
+    """The arrival book of a workload's requests (`book`: ArrivalBook's client options): with load stages after the
+    first, one that holds each stage back until the one before it has ended."""
     if any(s.stage > 0 for s in specs):
-        return StagedArrivalBook(specs, max_concurrency)
-    return ArrivalBook(specs, max_concurrency)
+        return StagedArrivalBook(specs, max_concurrency, **book)
+    return ArrivalBook(specs, max_concurrency, **book)

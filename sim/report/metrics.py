@@ -8,12 +8,13 @@ Goodput: completed requests per second that meet every SLO target.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from sim.cost.speculation import estimate_alpha
 from sim.policy.request import Request, Status
+from sim.report.definitions import per_request, run_end, summaries
 
 MAX_CDF_POINTS = 4000  # points kept of the inter-token gaps' CDF, for plots
 
@@ -67,43 +68,70 @@ class RequestRecords:
     conversation: np.ndarray | None = None
     # workload.max_concurrency: how long each request waited at the client before it was sent (its arrival_s)
     client_wait_s: np.ndarray | None = None
+    # workload.client: warm-up requests (left out of the metrics), when each stream closed at the client, and each
+    # request's way in (sending to the engine's queue) and out (a token's emission to the client)
+    warmup: np.ndarray | None = None
+    stream_end_s: np.ndarray | None = None
+    client_in_s: np.ndarray | None = None
+    client_out_s: np.ndarray | None = None
 
 
 def token_gaps(requests: list[Request]) -> list[np.ndarray]:
     """Every gap between consecutive token arrivals of each completed request, from the token times kept on it
     (tokens of one step share its time: a chunk, one gap)."""
-    gaps = [np.diff(r.token_times) for r in requests if r.status is Status.FINISHED and len(r.token_times) > 1]
+    gaps = [np.diff(r.token_times) for r in requests
+            if r.status is Status.FINISHED and len(r.token_times) > 1 and not r.warmup]
     values = np.concatenate(gaps) if gaps else np.zeros(0)
     values = values[values > 0]
     return [values, np.ones(len(values), dtype=np.int64)]
 
 
 def records_from_requests(requests: list[Request], itl: GapSummary | None = None) -> RequestRecords:
-    """Build records; `itl`: the inter-token gaps where the token times are not kept on the requests (the
-    simulator's bulk decode runs)."""
+    """Build records on the client's clock: sent (arrival at the engine less the way in), tokens when the client got
+    them (the engine's times plus the way out; workload.client); `itl`: the inter-token gaps where the token times
+    are not kept on the requests (the simulator's bulk decode runs)."""
     def times(attr: str, k: int) -> np.ndarray:  # token k's time where the request keeps them, else `attr`
         return np.fromiter((r.token_times[k] if r.token_times else np.nan if getattr(r, attr) is None
                             else getattr(r, attr) for r in requests), float, len(requests))
 
+    def client(attr: str) -> np.ndarray:
+        return np.fromiter((getattr(r, attr) for r in requests), float, len(requests))
+
     itl = itl if itl is not None else summarize_gaps(token_gaps(requests))
+    in_s, out_s = client("client_in_s"), client("client_out_s")  # 0 without a transport: x + 0.0 is x, nothing moves
+    finish = times("finish_s", -1) + out_s
     return RequestRecords(
         id=np.array([r.id for r in requests], dtype=np.int64),
         replica=np.array([r.replica for r in requests], dtype=np.int64),
-        arrival_s=np.array([r.arrival_s for r in requests], dtype=float),
+        arrival_s=np.array([r.arrival_s for r in requests], dtype=float) - in_s,
         prompt_len=np.array([r.prompt_len for r in requests], dtype=np.int64),
         output_len=np.array([len(r.token_times) if r.token_times else r.num_generated for r in requests],
                             dtype=np.int64),
         completed=np.array([r.status is Status.FINISHED for r in requests], dtype=bool),
         reject_reason=[r.reject_reason or "" for r in requests],
         num_preemptions=np.array([r.num_preemptions for r in requests], dtype=np.int64),
-        first_token_s=times("first_token_s", 0),
-        finish_s=times("finish_s", -1),
+        first_token_s=times("first_token_s", 0) + out_s,
+        finish_s=finish,
         itl=itl,
         speculation=np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections)
                               for r in requests], dtype=np.int64).reshape(-1, 4),
         conversation=np.array([r.conversation for r in requests], dtype=np.int64),
         client_wait_s=np.array([r.client_wait_s for r in requests], dtype=float),
+        warmup=np.fromiter((r.warmup for r in requests), bool, len(requests)),
+        stream_end_s=finish + client("client_close_s"),
+        client_in_s=in_s,
+        client_out_s=out_s,
     )
+
+
+def measured(rec: RequestRecords) -> RequestRecords:
+    """The records without the warm-up requests (workload.client.warmup_requests), which no report counts."""
+    if rec.warmup is None or not rec.warmup.any():
+        return rec
+    keep = ~rec.warmup
+    cut = {f.name: getattr(rec, f.name)[keep] for f in fields(rec)
+           if isinstance(getattr(rec, f.name), np.ndarray) and len(getattr(rec, f.name)) == len(keep)}
+    return replace(rec, **cut, reject_reason=[r for r, k in zip(rec.reject_reason, keep.tolist()) if k])
 
 
 def summarize(x: np.ndarray, sorted_cumulative: np.ndarray | None = None) -> dict[str, float | None]:
@@ -163,13 +191,15 @@ def slo_mask(lat: dict[str, np.ndarray], slo) -> np.ndarray:
     return ok
 
 
-def compute_metrics(rec: RequestRecords, slo=None) -> dict:
+def compute_metrics(rec: RequestRecords, slo=None, client=None) -> dict:
     """The latency / throughput / SLO sections of report.json. `slo`: the scenario's (an SLOConfig: `ttft_s`,
-    `tpot_s`, `e2e_s` targets on its `quantile`), or None."""
+    `tpot_s`, `e2e_s` targets on its `quantile`), or None; `client`: the plan's (sim.config.client.ResolvedClient),
+    whose tool defines the latencies (sim/report/definitions.py) and whose warm-up requests are left out."""
+    rec = measured(rec)
     n = len(rec.id)
     done = rec.completed
-    lat = per_request_latency(rec)
-    finish = rec.finish_s[done]
+    lat = per_request(rec, client)
+    finish = run_end(rec, client)
     duration = float(finish.max() - rec.arrival_s.min()) if done.any() else 0.0
     out_tokens = int(rec.output_len[done].sum())
     in_tokens = int(rec.prompt_len[done].sum())
@@ -202,10 +232,7 @@ def compute_metrics(rec: RequestRecords, slo=None) -> dict:
         "requests": {"arrived": n, "completed": int(done.sum()), "rejected": int(n - done.sum()),
                      "rejected_by_reason": reasons},
         "duration_s": duration,
-        "ttft_s": summarize(lat["ttft"]),
-        "tpot_s": summarize(lat["tpot"]),
-        "itl_s": dict(rec.itl.stats),
-        "e2e_s": summarize(lat["e2e"]),
+        **summaries(rec, lat, client, summarize),
         "throughput": {"requests_per_s": rate(int(done.sum())), "output_tokens_per_s": rate(out_tokens),
                        "total_tokens_per_s": rate(out_tokens + in_tokens)},
         "goodput_requests_per_s": rate(int(good.sum())),

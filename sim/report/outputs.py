@@ -12,7 +12,8 @@ from sim.config.errors import ConfigError
 from sim.config.layers import priced_as_full_attention
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost
-from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency, summarize
+from sim.report.definitions import describe as describe_definitions
+from sim.report.metrics import RequestRecords, compute_metrics, measured, per_request_latency, summarize
 from sim.report.stages import print_stages, stage_sections
 
 GiB = 2**30
@@ -45,6 +46,19 @@ def client_section(limit: int, records: RequestRecords, duration: float) -> dict
             "mean_in_flight": mean_in_flight(records, duration)}
 
 
+def transport_section(client, records: RequestRecords) -> dict:
+    """report.json's client section: the tool, its transport's means, the warm-up requests (left out of every other
+    figure) and the time each measured request spent between client and engine, in and out (the engine's TTFT is
+    the report's less both)."""
+    measured = ~records.warmup if records.warmup is not None else np.ones(len(records.id), bool)
+    warm = ~measured
+    done = records.completed & measured
+    return {**client.describe(), "warmup_completed": int((records.completed & warm).sum()),
+            "warmup_rejected": int((~records.completed & warm).sum()),
+            "in_s": summarize(records.client_in_s[measured]), "out_s": summarize(records.client_out_s[done]),
+            "close_s": summarize((records.stream_end_s - records.finish_s)[done])}
+
+
 def mean_in_flight(records: RequestRecords, duration: float) -> float:
     """Requests in flight on average (Little's law: the completed requests' E2E times over the run's duration)."""
     e2e = np.where(records.completed, records.finish_s - records.arrival_s, 0.0)
@@ -55,7 +69,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                  extra: dict | None = None) -> dict:
     """Assemble report.json. `replicas`: objects with samples, num_blocks, block_size, peak_blocks,
     num_preemptions and step_end (the simulator's ReplicaTrace; the executor fills the same)."""
-    m = compute_metrics(records, plan.slo)
+    m = compute_metrics(records, plan.slo, plan.client)
     all_replicas = replicas
     if plan.pools is not None:  # the decode pool holds the long-lived KV: the kv_cache section is its
         replicas = [r for r in replicas if r.pool == "decode"]
@@ -72,6 +86,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
                      "kv_allocator": plan.kv_allocator, "config": plan.source},
         "engine": engine,
         **m,
+        "latency_definitions": describe_definitions(plan.client),
         "kv_cache": {
             "peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
             "mean_utilization": float(np.mean([u["mean"] for u in usage])),
@@ -104,13 +119,15 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
         report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
                            for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
-    loop = plan.workload.closed_loop
+    loop, shown = plan.workload.closed_loop, measured(records)  # a client's warm-ups are in no figure
     if loop is not None:
         # the users waiting on the deployment, on average (the rest were thinking)
         report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
-                                 "mean_in_flight": mean_in_flight(records, report["duration_s"])}
+                                 "mean_in_flight": mean_in_flight(shown, report["duration_s"])}
     if plan.workload.max_concurrency is not None:
-        report["max_concurrency"] = client_section(plan.workload.max_concurrency, records, report["duration_s"])
+        report["max_concurrency"] = client_section(plan.workload.max_concurrency, shown, report["duration_s"])
+    if plan.client is not None:
+        report["client"] = transport_section(plan.client, records)
     if plan.pipeline_parallel_size > 1:
         busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
         duration = report["duration_s"]
@@ -170,6 +187,8 @@ def write_requests_csv(path: Path, rec: RequestRecords, extra: dict[str, list] |
     """One row per request; `extra`: more columns, a value per request each (an endpoint replay's ITLs, errors)."""
     lat = per_request_latency(rec)
     extra = extra or {}
+    if rec.warmup is not None and rec.warmup.any():  # workload.client's warm-up requests, in no other figure
+        extra = {**extra, "warmup": rec.warmup.astype(int).tolist()}
     first, finish = rec.first_token_s, rec.finish_s
 
     def num(x: float) -> str:
@@ -266,10 +285,30 @@ def engine_line(e: dict) -> str:
     return f"{e['name']} {e['version']}" + (f" (its defaults: {assumed})" if assumed else "")
 
 
+def client_line(c: dict) -> str:
+    """The client section in one line: the tool, its transport, the warm-ups left out."""
+    tool = "no tool named" if c["tool"] == "none" else c["tool"]
+    way = "no transport time" if c["transport"] is None else (
+        f"transport in p50 {_fmt(c['in_s']['p50'])} ms, out p50 {_fmt(c['out_s']['p50'])} ms"
+        + (" (a closed loop with no think time: assumed)" if c["assumed"] else ""))
+    warm = f"; {c['warmup_requests']} warm-up requests left out" if c["warmup_requests"] else ""
+    return f"client: {tool}, {way}{warm}"
+
+
+def latency_table(report: dict, defined_by: str = ""):
+    """The latency quantiles in ms as a rich Table; `defined_by`: whose definitions, in a word."""
+    from rich.table import Table
+
+    t = Table("latency (ms)" + defined_by, "mean", "p50", "p90", "p99")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        v = report[key]
+        t.add_row(label, *(_fmt(v[q]) for q in ("mean", "p50", "p90", "p99")))
+    return t
+
+
 def print_summary(report: dict, console=None) -> None:
     """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     s = report["scenario"]
@@ -281,11 +320,8 @@ def print_summary(report: dict, console=None) -> None:
                   f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
     console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
                   + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))
-    t = Table("latency (ms)", "mean", "p50", "p90", "p99")
-    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
-        v = report[key]
-        t.add_row(label, *(_fmt(v[q]) for q in ("mean", "p50", "p90", "p99")))
-    console.print(t)
+    client = report.get("client")
+    console.print(latency_table(report, f", {report['latency_definitions']['word']}" if client else ""))
     print_stages(report, console)
     th = report["throughput"]
     kv = report["kv_cache"]
@@ -307,6 +343,8 @@ def print_summary(report: dict, console=None) -> None:
         console.print(f"max concurrency {gate['limit']}: {gate['requests_waited']} requests waited at the client for "
                       f"a slot (mean {w['mean']:.3g} s, p90 {w['p90']:.3g} s), latencies count from sending; "
                       f"{gate['mean_in_flight']:.1f} in flight on average")
+    if client:
+        console.print(client_line(client))
     loop = report.get("closed_loop")
     if loop:
         console.print(f"closed loop: {loop['users']} users, think time {loop['think_time_s']:g} s; "

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim.config.client import slides
 from sim.config.generator import generate_requests
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
@@ -33,7 +34,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     env = simpy.Environment()
     done = Done(env, progress, watch)
     make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)
-    arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency)
+    arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency, slides(plan.client),
+                        plan.replicas)
     replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
                                        arrivals_known=arrivals.known)
     router = make_router(plan.router)
@@ -64,12 +66,14 @@ def itl_sample(result: RunResult) -> list[np.ndarray]:
     step) and, after a preemption, the gap since its request's previous token.
     """
     values, weights = [], []
+    warm = np.fromiter((r.id for r in result.requests if r.warmup), np.int64)  # workload.client's: in no figure
     for trace in result.replicas:  # every logged run is of a request that finished: none is cut short
-        if not len(trace.runs):
+        runs = trace.runs[~np.isin(trace.runs[:, 0], warm)] if len(warm) and len(trace.runs) else trace.runs
+        if not len(runs):
             continue
         ends = np.asarray(trace.step_end, float)
         decode = np.arange(len(ends), dtype=np.int32)[np.asarray(trace.step_decodes_all, bool)]
-        owner, first, last = trace.runs[:, 0], trace.runs[:, 1], trace.runs[:, 2]
+        owner, first, last = runs[:, 0], runs[:, 1], runs[:, 2]
         a = np.searchsorted(decode, first, side="right")  # the run's tokens after its first: decode[a:b]
         b = np.searchsorted(decode, last, side="right")
         has = b > a

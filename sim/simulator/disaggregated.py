@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
+from sim.config.client import slides
 from sim.config.generator import generate_requests
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
@@ -110,7 +111,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     pools = plan.pools
     arrivals = Arrivals(env, specs, done, request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size,
                                                    pools.prefill.max_model_len),
-                        instant, plan.workload.max_concurrency)
+                        instant, plan.workload.max_concurrency, slides(plan.client), pools.prefill.replicas)
     prefill, p_pipes = make_engines(env, pools.prefill, arrivals.next_arrival, bulk, done, hand_off=pools.decode,
                                     on_handoff=link.hand_off, arrivals_known=arrivals.known)
     # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)

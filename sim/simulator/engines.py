@@ -113,9 +113,9 @@ class Arrivals:
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
                  make_request: Callable[[RequestSpec], Request], instant: SameInstant,
-                 max_concurrency: int | None = None):
+                 max_concurrency: int | None = None, slide: bool = False, frontends: int = 1):
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
-        self.book = arrival_book(specs, max_concurrency)
+        self.book = arrival_book(specs, max_concurrency, slide=slide, frontends=frontends)
         self.requests: list[Request] = []
         self.admit: Callable[[Request], bool] | None = None
         self.known = self.book.known  # every arrival time known from the start
@@ -155,7 +155,7 @@ class Arrivals:
         now = self.env.now
         for send in self.book.due(now):
             req = self.make(self.specs[send.index])
-            req.arrival_s, req.client_wait_s = send.arrival_s, send.client_wait_s
+            req.arrival_s, req.client_wait_s, req.client_in_s = send.arrival_s, send.client_wait_s, send.in_s
             self.requests.append(req)
             if send.unsent:
                 reject_unsent(req, send.arrival_s)

@@ -1,0 +1,79 @@
+"""A workload's requests as its client sends them (workload.client, sim/config/client.py): vLLM's rate schedule, warm-up
+requests, and each request's time between client and engine, drawn deterministically for the workload's seed from a
+stream of its own (the other draws do not move)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from sim.config.client import ResolvedClient, TransportConfig, resolve_client
+from sim.config.workload import ArrivalConfig, RequestSpec, WorkloadConfig
+
+CLIENT_STREAM = 8  # the seed's child stream for the client's draws: generate_requests spawns streams 0-7
+
+
+def with_client(cfg: WorkloadConfig, specs: list[RequestSpec]) -> list[RequestSpec]:
+    """`specs` as the workload's client sends them (unchanged where it has none): ids 0..n-1 in arrival order, warm-up
+    requests first."""
+    client = resolve_client(cfg)
+    if client is None:
+        return specs
+    rng_schedule, rng_times = (np.random.default_rng(s) for s in
+                               np.random.SeedSequence(cfg.seed, spawn_key=(CLIENT_STREAM,)).spawn(2))
+    if client.tool == "vllm_bench" and cfg.arrival is not None and cfg.trace is None and specs:
+        times = vllm_schedule(len(specs), cfg.arrival, client, rng_schedule).tolist()
+        specs = [replace(s, arrival_s=t) for s, t in zip(specs, times)]
+    specs = _with_warmups(specs, client.warmup_requests)
+    if client.transport is not None:
+        specs = _with_transport(specs, client.transport, rng_times)
+    return specs
+
+
+def vllm_schedule(n: int, arrival: ArrivalConfig, client: ResolvedClient, rng) -> np.ndarray:
+    """When `vllm bench serve` sends each of n requests (vllm/benchmarks/serve.py, get_request): gaps drawn from a gamma
+    of shape `burstiness` (1: exponential; infinite: constant 1 / rate) at each request's rate, the first one too, so
+    the first request leaves after a gap; without a ramp-up the times are scaled so the last is sent at n / rate."""
+    burstiness = {"poisson": 1.0, "constant": np.inf}.get(arrival.process)
+    if burstiness is None:  # gamma: burstiness is its shape, 1 / cv^2
+        burstiness = 1.0 / arrival.cv ** 2
+    ramp = client.ramp_up
+    if ramp is None:
+        rates = np.full(n, arrival.rate)
+    else:
+        progress = np.arange(n) / max(n - 1, 1)
+        rates = (ramp.start_rps + (ramp.end_rps - ramp.start_rps) * progress if ramp.strategy == "linear"
+                 else ramp.start_rps * (ramp.end_rps / ramp.start_rps) ** progress)
+    gaps = 1.0 / rates if np.isinf(burstiness) else rng.gamma(burstiness, 1.0 / (rates * burstiness))
+    t = np.cumsum(gaps)
+    if ramp is None and t[-1] > 0:
+        t *= (n / arrival.rate) / t[-1]
+    return t
+
+
+def _with_warmups(specs: list[RequestSpec], count: int) -> list[RequestSpec]:
+    """`count` warm-up copies of the first request (vLLM's --num-warmups sends the first prompt again; with fixed
+    lengths aiperf's dataset draws are alike) ahead of the workload, sent at once (a closed loop's users take them
+    first); the workload's ids and the turns they follow move up by `count`."""
+    if not count or not specs:
+        return specs
+    head = specs[0]
+    warm = [replace(head, id=i, arrival_s=0.0, think_s=0.0, conversation=-1, after=-1, warmup=True)
+            for i in range(count)]
+    return warm + [replace(s, id=s.id + count, after=s.after + count if s.after >= 0 else -1) for s in specs]
+
+
+def _with_transport(specs: list[RequestSpec], t: TransportConfig, rng) -> list[RequestSpec]:
+    """Each request's way to the server, the server's work on it (growing with the prompt), its way out and its close:
+    the means times gamma draws of mean 1 and the transport's coefficient of variation."""
+    n = len(specs)
+    if t.jitter_cv > 0:
+        shape = 1.0 / t.jitter_cv ** 2
+        draw = rng.gamma(shape, 1.0 / shape, size=(4, n))
+    else:
+        draw = np.ones((4, n))
+    prompt = np.fromiter((s.prompt_len for s in specs), float, n)
+    ins, fronts = (t.request_s * draw[0]).tolist(), ((t.frontend_s + t.prompt_token_s * prompt) * draw[1]).tolist()
+    outs, closes = (t.token_s * draw[2]).tolist(), (t.close_s * draw[3]).tolist()
+    return [replace(s, in_s=a, front_s=f, out_s=b, close_s=c)
+            for s, a, f, b, c in zip(specs, ins, fronts, outs, closes)]
