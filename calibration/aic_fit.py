@@ -331,7 +331,7 @@ def custom_limit(engine_row: dict, nccl_row: dict | None) -> float | None:
     """The largest message at which the engine's own (CUDA-graph) all-reduce still beats NCCL: the end of the run of
     sizes, from the smallest, at which it takes under 90% of NCCL's time (a size's ratio the median of it and its
     neighbours', one outlier no end). Past it the engine's curve is NCCL's, whether it calls NCCL there or its own
-    kernel no faster."""
+    kernel no faster (vLLM on B200s beats NCCL again at 1-32 MiB, past a stretch where it does not: priced as NCCL)."""
     if nccl_row is None:
         return None
     ref = dict(zip(*comm_curve(nccl_row)))
@@ -340,7 +340,8 @@ def custom_limit(engine_row: dict, nccl_row: dict | None) -> float | None:
     ratios = [r for _, r in pairs]
     limit = None
     for i, (x, _) in enumerate(pairs):
-        if np.median(ratios[max(0, i - 1):i + 2]) >= CUSTOM_AR_GAIN:
+        lo = max(0, min(i - 1, len(ratios) - 3))  # three sizes around this one (at the ends, the three nearest)
+        if np.median(ratios[lo:lo + 3]) >= CUSTOM_AR_GAIN:
             break
         limit = float(x)
     return limit
