@@ -23,6 +23,8 @@ from sim.cost.kernels import (
     engine_kernels,
     engine_versions,
     kernel_accuracy,
+    kernel_report,
+    load_accuracy,
     load_engine_kernels,
     load_kernels,
     version_key,
@@ -212,3 +214,18 @@ def test_the_shipped_engine_fits_are_the_fits_of_the_compact_tables():
     k = engine_kernels("H100-SXM", "vllm")
     refit = fit_engine(t, "H100-SXM", "vllm", k.version, k.passes)
     _close(k.to_json(), {**json.loads(json.dumps(refit.to_json())), "notes": k.notes})
+
+
+def test_the_kernel_report_names_each_familys_source_and_error():
+    report = kernel_report(engine_kernels("H100-SXM", "sglang"), sparse=True, attention_form="fit")
+    assert report["engine"] == "sglang" and report["version"] == engine_versions("H100-SXM", "sglang")[0]
+    fams = report["families"]
+    assert "fa3" in fams["attention"]["source"] and fams["attention"]["error"]["decode"]["median_pct"] < 15
+    assert fams["gemm.fp16"]["error"]["what"].startswith("a decoder layer's four GEMMs")
+    assert fams["moe"]["error"] is not None and "sglang" in fams["all_reduce"]["source"]
+    assert fams["all_reduce"]["error"]["engine"]["median_pct"] < fams["all_reduce"]["error"]["nccl"]["p90_pct"]
+    today = kernel_report(engine_kernels("H100-SXM", "sglang"))["families"]["attention"]["error"]["prefill"]
+    assert today["median_pct"] > fams["attention"]["error"]["prefill"]["median_pct"]
+    default = kernel_report(load_kernels()[0]["H100-SXM"])
+    assert default["engine"] is None and default["error"] == load_accuracy()["H100-SXM"]
+    assert "moe" not in default["families"]

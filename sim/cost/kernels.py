@@ -286,3 +286,26 @@ def engine_kernels(device: str, engine: str, version: str | None = None) -> Devi
 def kernel_accuracy(device: str, engine: str) -> dict:
     """The engine's kernel fits' error on what their fit left out, by op family (bench/gpu_truth.py's measure)."""
     return load_engine_kernels().get("accuracy", {}).get(device, {}).get(engine, {})
+
+
+def kernel_report(k: DeviceKernels, sparse: bool = False, attention_form: str = "today") -> dict:
+    """For a report's cost_model: per op family, where the kernels that price it came from (the engine, version,
+    kernel and source) and their error on what their fit left out — an engine's kernels' own, per family; a default
+    device's, its one entry. `attention_form`: "today" (`attention`, what sim/cost/gpu.py prices with) or "fit"
+    (`attention_fit`); `sparse`: the model routes experts (their grouped GEMMs are reported)."""
+    acc = kernel_accuracy(k.device, k.engine) if k.engine else {}
+    suffix = "_today_form" if attention_form == "today" else ""
+    families = {f"gemm.{d}": {"source": k.notes.get(f"gemm.{d}", k.source), "error": acc.get(f"gemm_layer.{d}")}
+                for d in k.gemm}
+    families["attention"] = {"source": k.notes.get("attention", k.source), "form": attention_form,
+                             "error": {part: acc.get(f"attention.{part}{suffix}") for part in ("prefill", "decode")}
+                             if acc else None}
+    if sparse:
+        families["moe"] = {"source": k.notes.get("grouped", k.source), "error": acc.get("moe")}
+    families["all_reduce"] = {"source": k.notes.get("custom_all_reduce", k.notes.get("collectives", k.collectives)),
+                              "error": {"engine": acc.get("custom_all_reduce"), "nccl": acc.get("nccl_all_reduce")}
+                              if acc else None}
+    out = {"engine": k.engine or None, "version": k.version or None, "families": families}
+    if not k.engine:
+        out["error"] = load_accuracy().get(k.measured_on)
+    return out
