@@ -158,6 +158,9 @@ def test_an_engines_own_all_reduce_beats_nccl_on_small_messages_as_measured():
     assert engine.all_reduce_s(8192, 4) == pytest.approx(mine["b8192"] * 1e-6, rel=0.25)
     eager = engine_collectives(k, fits, link, graph=False)
     assert eager.all_reduce_s(8192, 4) > engine.all_reduce_s(8192, 4)  # eager pays the launch and the copy in
+    trt = engine_kernels("H100-SXM", "trtllm")  # timed under CUDA graphs only: the same kernel either way
+    assert engine_collectives(trt, fits, link, graph=False).all_reduce_s(8192, 4) == \
+        engine_collectives(trt, fits, link).all_reduce_s(8192, 4)
 
 
 def test_nccl_systems_price_gathers_and_all_to_alls_as_measured():

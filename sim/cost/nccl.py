@@ -126,8 +126,10 @@ class CustomAllReduce:
 def engine_collectives(kernels, collective_fits: dict, link: Interconnect, graph: bool = True):
     """The collectives an engine's kernels (`DeviceKernels` of `engine_kernels`) run: the NCCL system they name
     (`collective_fits`: gpu_kernels.json's "collectives", as `load_kernels` returns them), else the link; with the
-    engine's custom all-reduce in CUDA-graph (`graph`) or eager mode where it was measured."""
+    engine's custom all-reduce in CUDA-graph (`graph`) or eager mode where it was measured (an engine timed under
+    CUDA graphs only, TensorRT-LLM, runs that kernel eagerly too: its launch hides behind the GPU's queue)."""
     system = kernels.collectives
     base = NcclCollectives(system, collective_fits[system], link) if system in collective_fits else link
-    custom = (kernels.custom_all_reduce or {}).get("graph" if graph else "eager")
+    fits = kernels.custom_all_reduce or {}
+    custom = fits.get("graph" if graph else "eager") or fits.get("graph")
     return CustomAllReduce(base, custom) if custom else base
