@@ -91,6 +91,8 @@ class AicTables:
 
     def __init__(self, root: Path = AIC):
         self.root = root
+        self._tables: dict[str, list[dict]] = {}
+        self._indexes: dict[str, dict] = {}
 
     @cached_property
     def versions(self) -> list[dict]:
@@ -101,17 +103,19 @@ class AicTables:
         return kept_versions(self.versions)
 
     def table(self, name: str) -> list[dict]:
-        return self.__dict__.setdefault(name, read_table(self.root / f"{name}.csv"))
+        """The rows of `name`.csv."""
+        if name not in self._tables:
+            self._tables[name] = read_table(self.root / f"{name}.csv")
+        return self._tables[name]
 
     def _index(self, name: str) -> dict[tuple[str, str], dict[str, list[dict]]]:
         """{(device, engine or source): {data version: rows}} of one table."""
-        key = f"_index_{name}"
-        if key not in self.__dict__:
+        if name not in self._indexes:
             index: dict = defaultdict(lambda: defaultdict(list))
             for r in self.table(name):
                 index[(r["device"], r.get("engine", r.get("source")))][str(r["version"])].append(r)
-            self.__dict__[key] = index
-        return self.__dict__[key]
+            self._indexes[name] = index
+        return self._indexes[name]
 
     def rows(self, name: str, family: str, table: str, device: str, engine: str, version: str) -> tuple[list, str]:
         """(the rows `version` of `engine` runs from one table, the data version they are) — the newest kept data
