@@ -11,13 +11,23 @@
   every other message size of each configuration, judged on the sizes in between.
 - The roofline is judged on the same rows as it prices them today (compute_efficiency 0.6, memory_efficiency 0.8,
   the catalog's links).
+- NVIDIA AIConfigurator's engine-collected kernels (calibration/data/gpu/aic: vLLM, SGLang, TensorRT-LLM, each at its
+  newest version, on A100, H100, H200, L40S, B200, GB200, B300, GB300, RTX PRO 6000), leave one model out: GEMMs by
+  dtype (the grid shapes nearest one model's projections at TP 1-8 held out; 13 dense models), context and generation
+  attention (one model's query / KV heads per device at TP 1-8 held out; prefill of up to 4 prompts, decode past the L2
+  cache), in the engines' fitted form and in today's (`attention`'s: what sim/cost/gpu.py prices with), MoE layers
+  (one model's expert shape held out), the engine's own all-reduce and NCCL's (every other size held out).
 
-Usage: python bench/gpu_truth.py
+Usage: python bench/gpu_truth.py [--no-aic]   (AIConfigurator's part: ~1-2 minutes on a quiet machine)
 """
 from __future__ import annotations
 
+import sys
+from collections import defaultdict
+
 import numpy as np
 
+from calibration.aic_fit import AicTables, engine_errors, nccl_holdout
 from calibration.kernel_fit import (
     CATALOGUED,
     COLLECTIVES,
@@ -71,6 +81,52 @@ def collective_truth(rows: list[dict]) -> dict:
     return out
 
 
+AIC_COLUMNS = ("gemm.fp16", "gemm_layer.fp16", "gemm.fp8", "gemm.fp8_block", "gemm.fp4", "attention.prefill",
+               "attention.prefill_today_form", "attention.decode", "attention.decode_today_form", "moe",
+               "custom_all_reduce")
+AIC_HEADLINES = {"gemm.fp16": "gemm_bf16", "gemm_layer.fp16": "gemm_layer_bf16", "gemm.fp8": "gemm_fp8",
+                 "gemm_layer.fp8": "gemm_layer_fp8", "gemm.fp8_block": "gemm_fp8_block",
+                 "gemm.fp4": "gemm_fp4", "attention.prefill": "prefill_attention",
+                 "attention.prefill_today_form": "prefill_attention_today_form", "attention.decode": "decode_attention",
+                 "attention.decode_today_form": "decode_attention_today_form", "moe": "moe",
+                 "custom_all_reduce": "custom_allreduce", "nccl_all_reduce": "nccl_allreduce"}
+
+
+def _name(column: str) -> str:
+    """A short column heading: gemm bf16, layer bf16, prefill, prefill now ..."""
+    family, _, part = column.partition(".")
+    part = {"fp16": "bf16"}.get(part, part).replace("_today_form", " now")
+    return {"gemm": f"gemm {part}", "gemm_layer": f"layer {part}"}.get(family, part or family)[:11]
+
+
+def _cell(errs) -> str:
+    return "%5.1f/%5.1f" % stats(errs) if errs else "     -     "
+
+
+def aic_truth() -> dict[str, list[float]]:
+    """AIConfigurator's kernels, leave one model out: a table by device and engine, one by device (the engines
+    pooled); the errors pooled over every device and engine, by op family."""
+    t = AicTables()
+    by_device: dict = defaultdict(lambda: defaultdict(list))
+    print("\nAIConfigurator's engine kernels, each engine's newest version, leave one model out (|error| % median/p90)")
+    print(f"{'device':13} {'engine':7} {'version':10} " + " ".join(f"{_name(c):>11}" for c in AIC_COLUMNS))
+    for (device, engine), versions in sorted(t.kept.items()):
+        errs = engine_errors(t, device, engine, versions[0])
+        print(f"{device:13} {engine:7} {versions[0]:10} " + " ".join(f"{_cell(errs.get(c)):>11}" for c in AIC_COLUMNS),
+              flush=True)
+        for part, e in errs.items():
+            by_device[device][part] += e
+    print("\nBy GPU, the engines pooled (|error| % median/p90; nccl: NCCL's all-reduce)")
+    print(f"{'device':13} " + " ".join(f"{_name(c):>11}" for c in (*AIC_COLUMNS, "nccl")))
+    pooled: dict = defaultdict(list)
+    for device, parts in sorted(by_device.items()):
+        parts["nccl_all_reduce"] = nccl_holdout(t, device)
+        print(f"{device:13} " + " ".join(f"{_cell(parts.get(c)):>11}" for c in (*AIC_COLUMNS, "nccl_all_reduce")))
+        for part, e in parts.items():
+            pooled[part] += e
+    return pooled
+
+
 def main() -> None:
     ops = read_table(LINEAR_OPS)
     lin = linear_truth(ops)
@@ -119,6 +175,13 @@ def main() -> None:
     print(f"moe_abs_err_p90_pct: {stats(moe)[1]:.1f}")
     print(f"roofline_allreduce_real_over_predicted_median: {np.median(ratios):.1f}")
     print(f"roofline_allreduce_real_over_predicted_median_datasheet_links: {np.median(befores):.1f}")
+    if "--no-aic" not in sys.argv:
+        pooled = aic_truth()
+        print()
+        for part, name in AIC_HEADLINES.items():
+            if pooled.get(part):
+                print(f"aic_{name}_abs_err_median_pct: {stats(pooled[part])[0]:.1f}")
+                print(f"aic_{name}_abs_err_p90_pct: {stats(pooled[part])[1]:.1f}")
 
 
 if __name__ == "__main__":

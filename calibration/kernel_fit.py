@@ -6,6 +6,9 @@ fitted to as compact tables (calibration/data/gpu/, sources and licences in its 
                                                           # microsoft/vidur (its data/profiling)
     python -m calibration.kernel_fit --kernels K.json --device NAME   # add a GPU timed by calibration.gpu_kernels
 
+(The devices only NVIDIA's AIConfigurator measured, and the engines' kernels: calibration/aic_fit.py, whose
+additions to sim/data/gpu_kernels.json a refit here keeps.)
+
 Every fit is least squares on log time (relative error: a 5 µs kernel weighs as much as a 5 ms one):
 - a GEMM of M tokens, N outputs, K inputs: floor + (t_mem^p + t_compute^p)^(1/p), t_mem = bytes / bandwidth, t_compute
   = 2·M·N·K / (flops · M / (M + m_half)) — streaming the weights below the knee, a rate that climbs with M above it;
@@ -489,6 +492,19 @@ def derive(devices: dict) -> dict:
     return {name: k.to_json() for name, k in sorted(out.items())}
 
 
+def keep_aic(fitted: dict, path: Path) -> dict:
+    """`fitted` with what calibration.aic_fit added to the file at `path` (the devices only AIConfigurator measured,
+    their accuracy, its NCCL systems), so refitting the measured devices keeps them."""
+    if not path.exists():
+        return fitted
+    old = json.loads(path.read_text())
+    aic = [d for d, k in old["devices"].items() if k["source"] == "aic" and d not in fitted["devices"]]
+    fitted["devices"] = dict(sorted({**fitted["devices"], **{d: old["devices"][d] for d in aic}}.items()))
+    fitted["accuracy"].update({d: v for d, v in old["accuracy"].items() if d in aic})
+    fitted["collectives"].update({k: v for k, v in old["collectives"].items() if k.startswith("aic_")})
+    return fitted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vidur", type=Path, help="a checkout of microsoft/vidur: rebuild its compact tables first")
@@ -508,7 +524,7 @@ def main() -> None:
             path = DATA / f"{name}.csv"
             kept = [r for r in read_table(path) if r["device"] != args.device] if path.exists() else []
             write_table(path, kept + rows)
-    fitted = fit_all()
+    fitted = keep_aic(fit_all(), args.out)
     args.out.write_text(json.dumps(fitted, indent=1) + "\n")
     print(f"wrote {args.out}: {', '.join(fitted['devices'])}; collectives of {', '.join(fitted['collectives'])}")
 

@@ -582,11 +582,13 @@ def models() -> None:
 @app.command()
 def hardware() -> None:
     """List the hardware catalog."""
-    t = Table(Column("name", no_wrap=True), "memory", "bandwidth", "bf16 dense", "int8/fp8", "interconnect", "$/hour")
+    t = Table(Column("name", no_wrap=True), "memory", "bandwidth", "bf16 dense", "fp8 dense", "fp4 dense", "int8",
+              "interconnect", "$/hour")
     for h in api.hardware_catalog().values():
+        rates = [_flops(h.peak_flops[d]) if d in h.peak_flops else "-" for d in ("fp8", "fp4", "int8")]
         t.add_row(h.name, f"{h.memory_gib:.1f} GiB", f"{h.memory_bandwidth / 1e9:,.0f} GB/s",
-                  _flops(h.flops("bf16")), _flops(h.flops("int8")),
-                  f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s", f"{h.price_per_hour:.2f}")
+                  _flops(h.flops("bf16")), *rates, f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s",
+                  f"{h.price_per_hour:.2f}")
     _wide_console().print(t)
 
 

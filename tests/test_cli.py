@@ -145,8 +145,8 @@ BAD = {
         "vocab_size: 100}\nhardware: A100-80GB\n" + WORKLOAD, "model.num_kv_heads", ["num_kv_heads", "num_heads"]),
     "unknown_model": ("model: Llama-9-7B\nhardware: A100-80GB\n" + WORKLOAD, "model",
                       ["Llama-9-7B", "allowed:", "Llama-2-7B", "SmolLM2-135M"]),
-    "unknown_hardware": ("model: Llama-2-7B\nhardware: B300\n" + WORKLOAD, "hardware",
-                         ["B300", "allowed:", "A100-80GB", "H200"]),
+    "unknown_hardware": ("model: Llama-2-7B\nhardware: B900\n" + WORKLOAD, "hardware",
+                         ["B900", "allowed:", "A100-80GB", "H200"]),
     "model_does_not_fit": ("model: Llama-2-70B\nhardware: L4\n" + WORKLOAD, "hardware",
                            ["Llama-2-70B", "does not fit", "L4"]),
     "negative_arrival_rate": (GOOD_HEAD + WORKLOAD.replace("rate: 1.0", "rate: -2.0"), "workload.arrival.rate",
@@ -215,7 +215,8 @@ def test_models_lists_the_catalog():
 def test_hardware_lists_the_catalog():
     result = invoke("hardware")
     assert result.exit_code == 0
-    assert "A100-80GB" in result.stdout and "H200" in result.stdout
+    for name in ("A100-80GB", "H200", "B200", "GB200", "B300", "GB300", "L40S", "RTX-PRO-6000"):
+        assert name in result.stdout
 
 
 def test_a_speculative_scenario_without_an_acceptance_rate_is_one_line_exit_2(tmp_path):

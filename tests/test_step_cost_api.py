@@ -18,7 +18,7 @@ PARTS = ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s"
 
 @pytest.mark.parametrize("over", [{}, {"model": "Llama-3-70B", "hardware": "H100-SXM",
                                        "parallel": {"tensor_parallel_size": 8}},
-                                  {"hardware": "L40S", "model": "Llama-3-8B"},
+                                  {"hardware": "L4", "model": "Llama-3-8B"},
                                   {"model": "Llama-2-13B", "parallel": {"pipeline_parallel_size": 2}}])
 def test_step_time_is_the_simulators_price_by_part(over):
     data = scenario(**over)
@@ -29,7 +29,7 @@ def test_step_time_is_the_simulators_price_by_part(over):
     assert got["linear_s"] > 0 and got["attention_s"] > 0 and got["lm_head_s"] > 0 and got["overhead_s"] > 0
     assert (got["communication_s"] > 0) == (plan_of(data).tensor_parallel_size * plan_of(data).pipeline_parallel_size
                                             > 1)
-    assert got["source"] == ("roofline" if over.get("hardware") == "L40S" else "gpu_kernels")
+    assert got["source"] == ("roofline" if over.get("hardware") == "L4" else "gpu_kernels")
 
 
 def test_a_lone_prompt_s_ttft_is_its_step_time():

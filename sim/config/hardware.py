@@ -18,8 +18,9 @@ class HardwareSpec(StrictModel):
     """One device: dense peak FLOP/s per dtype, memory, and the links around it."""
 
     name: str = "custom"
-    peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4"], Annotated[float, Field(ge=1e6)]] = Field(
-        min_length=1, description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8, int4")
+    peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4", "fp4"],
+                     Annotated[float, Field(ge=1e6)]] = Field(
+        min_length=1, description="dense FLOP/s by dtype: fp32, fp16, bf16, int8, fp8, int4, fp4")
     memory_bandwidth: float = Field(ge=1e6, description="bytes/s")
     # past ~1e6 GiB the byte counts overflow to inf and the block count to NaN
     memory_gib: PositiveFloat = Field(le=1e6)
@@ -45,8 +46,9 @@ class HardwareSpec(StrictModel):
 
 
 def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9, fp8=True,
-         topology="switch"):
-    rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": fp8_int8} | ({"fp8": fp8_int8} if fp8 else {})
+         topology="switch", fp4=None, int8=None):
+    rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": int8 or fp8_int8} | ({"fp8": fp8_int8} if fp8 else {}) \
+        | ({"fp4": fp4} if fp4 else {})
     return HardwareSpec(
         name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
         interconnect_bandwidth=link, interconnect_latency_s=link_latency, interconnect_topology=topology,
@@ -58,6 +60,13 @@ def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6
 # of a DGX A100 (263 GB/s, 14.5 µs) and DGX H100 (355 GB/s, 7.5 µs) through NVSwitch — not the datasheet's
 # bidirectional 600 / 900 GB/s; PCIe boards: the bus bandwidth of an all-reduce of 4 A100s over PCIe Gen4 (22.5 GB/s).
 # Prices: rough 2024-25 on-demand USD per GPU-hour at GPU clouds; they vary by provider, set your own.
+# Blackwell parts (rates as NVIDIA's datasheets give them and AIConfigurator's systems/*.yaml quote them; FP32 from
+# the HGX / GB200 NVL72 datasheets per GPU): memory as nvidia-smi reports it (B200 183359 MiB; the others as
+# AIConfigurator's system files record it); links per direction and achieved, the H100's 355 GB/s / 7.5 µs scaled by
+# NCCL's all-gather between two GPUs (bus bandwidth at 512 MiB, time at 512 B) against the H100's in AIConfigurator's
+# nccl-tests runs; the RTX PRO 6000 (PCIe Gen5) the bus bandwidth of its 4-GPU all-reduce there. Prices, 2026
+# on-demand: B200 Ornn's GPU-rental benchmark (neocloud), B300 the middle of its $5.00-7.25 range, GB200 Spheron's
+# $9.08 a 2-GPU superchip, RTX PRO 6000 RunPod's on-demand rate; GB300: no public per-GPU rate found, the B300's.
 HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
     _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 263e9, 1.29, link_latency=14.5e-6, fp8=False),
     _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 263e9, 1.79, link_latency=14.5e-6, fp8=False),
@@ -68,6 +77,16 @@ HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
          topology="ring"),
     _gpu("L4", 22.5, 300e9, 121e12, 242e12, 30.3e12, 22.5e9, 0.80, link_latency=10e-6, topology="ring"),
     _gpu("L40S", 45.0, 864e9, 362e12, 733e12, 91.6e12, 22.5e9, 1.49, link_latency=10e-6, topology="ring"),
+    _gpu("B200", 179.06, 8.0e12, 2250e12, 4500e12, 75e12, 603e9, 4.50, link_latency=12.5e-6, host_bw=50e9,
+         fp4=9000e12),
+    _gpu("GB200", 185.03, 8.0e12, 2500e12, 5000e12, 80e12, 601e9, 4.54, link_latency=13.2e-6, host_bw=450e9,
+         fp4=10000e12),  # Grace over NVLink-C2C: 450 GB/s each way
+    _gpu("B300", 268.59, 7.75e12, 2250e12, 4500e12, 75e12, 611e9, 6.10, link_latency=11.3e-6, host_bw=50e9,
+         fp4=14000e12, int8=153.5e12),  # Blackwell Ultra trades INT8 tensor cores for FP4
+    _gpu("GB300", 277.55, 8.0e12, 2500e12, 5000e12, 80e12, 616e9, 6.10, link_latency=11.6e-6, host_bw=450e9,
+         fp4=15000e12, int8=165e12),
+    _gpu("RTX-PRO-6000", 95.59, 1.792e12, 467.8e12, 935.6e12, 120e12, 26e9, 1.57, link_latency=10e-6,
+         host_bw=50e9, topology="ring", fp4=1871.2e12),  # Blackwell Server Edition
     # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
     # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
     HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
