@@ -17,7 +17,17 @@ from __future__ import annotations
 import argparse
 import time
 
-from calibration.engine_truth import FAMILIES, STAGE_S, evaluate, headline, leave_one_out, load_experiments
+from calibration.engine_truth import (
+    CALIBRATION_PATH,
+    FAMILIES,
+    STAGE_S,
+    evaluate,
+    headline,
+    leave_one_out,
+    load_experiments,
+    without_front_end,
+    write_calibration,
+)
 
 
 def _pct(x) -> str:
@@ -66,13 +76,16 @@ def main() -> None:
     p.add_argument("--stage-s", type=float, default=STAGE_S, help="simulated seconds per stage (steady state)")
     p.add_argument("--full", action="store_true", help="every stage as long as it ran (600-1200 s)")
     p.add_argument("--no-fit", action="store_true", help="only the simulator as it is")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="host_overheads", help="what is fitted end to end: "
-                   "the host overheads (every experiment), or the kernel model's parts (dense models, TPOT only)")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="front_end", help="what is fitted end to end: the "
+                   "engine's front end (its API server's time a request, TTFT), the host overheads, or the kernel "
+                   "model's parts (dense models, TPOT only)")
+    p.add_argument("--write", action="store_true", help="fit the front end to every experiment and write it with its "
+                   "leave-one-out error to sim/data/engine_calibration.json")
     a = p.parse_args()
     stage_s = None if a.full else a.stage_s
     t0 = time.perf_counter()
     experiments = load_experiments()
-    before, b = evaluate(None, experiments, stage_s)
+    before, b = evaluate(without_front_end, experiments, stage_s)
     family, after = FAMILIES[a.family], None
     if not a.no_fit:
         after, h, thetas = leave_one_out(family, experiments, stage_s)
@@ -90,6 +103,10 @@ def main() -> None:
         if len(fitted) < len(experiments):
             _headlines("before_same_experiments", headline([r for r in before if r["experiment"] in names]))
     _headlines("e2e", h if after else b)
+    if a.write and after and a.family == "front_end":
+        written = write_calibration(family, experiments, stage_s, h)
+        print(f"wrote {CALIBRATION_PATH}: vLLM's front end {written['vllm']['front_end']['frontend_s'] * 1e3:.2f} ms "
+              "a request")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from sim.cost.kernels import layer_gemms, version_key
+from sim.cost.kernels import KERNEL_ENGINES, layer_gemms, version_key
 
 DATA_ROOT = "aic-core/src/aiconfigurator_core/systems/data"
 OUT = Path(__file__).resolve().parent / "data" / "gpu" / "aic"
 # AIConfigurator's systems -> the hardware catalog's names
 DEVICES = {"a100_sxm": "A100-80GB", "h100_sxm": "H100-SXM", "h200_sxm": "H200", "l40s": "L40S", "b200_sxm": "B200",
            "gb200": "GB200", "b300_sxm": "B300", "gb300": "GB300", "rtx_pro_6000_server": "RTX-PRO-6000"}
-ENGINES = ("vllm", "sglang", "trtllm")
+ENGINES = KERNEL_ENGINES
 # per device and engine, the newest versions that measured something themselves; their attention and collectives are
 # kept, GEMMs and MoE layers of the newest only (they change little between versions: the same cuBLAS, CUTLASS and
 # DeepGEMM kernels)

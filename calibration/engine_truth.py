@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from calibration.published import Published, read_published
-from sim.config.generator import generate_requests
+from sim.config.client import MEASURED_TRANSPORT, TransportConfig, resolve_client
+from sim.config.engines import CALIBRATION_PATH
+from sim.config.generator import plan_requests
 from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan, load_scenario, replan
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S
@@ -67,7 +69,7 @@ def cut(experiments: list[Experiment], stage_s: float | None) -> list[Experiment
 
 def simulate_stages(plan: Plan) -> list[dict]:
     """The plan's workload simulated: report.json's `stages`."""
-    return stage_sections(plan, sim_records(simulate(plan, generate_requests(plan.workload, plan.base_dir))))
+    return stage_sections(plan, sim_records(simulate(plan, plan_requests(plan))))
 
 
 def _err(sim: float | None, real: float | None) -> float | None:
@@ -157,7 +159,6 @@ def _dense_kernels(plan: Plan) -> bool:
 # prices (docs/published-runs.md)
 REFINEMENT = Family(("linear", "attention", "communication"), (1.0, 1.0, 1.0), (0.1, 0.1, 0.1), (0.0, 0.0, 0.0),
                     _refined, _dense_kernels, ("tpot",))
-FAMILIES = {"host_overheads": HOST_OVERHEADS, "refinement": REFINEMENT}
 
 
 def residuals(rows: list[dict], metrics: tuple[str, ...] = ("tpot", "ttft")) -> np.ndarray:
@@ -167,6 +168,28 @@ def residuals(rows: list[dict], metrics: tuple[str, ...] = ("tpot", "ttft")) -> 
         both = r["keeps_up_real"] and r["keeps_up_sim"]
         out += [r[f"{m}_err_pct"] / 100 if both else np.nan for m in metrics]
     return np.array(out, float)
+
+
+def without_front_end(plan: Plan) -> Plan:
+    """The plan served straight to the engine: no front end's time between client and engine (nothing fitted)."""
+    return replace(plan, client=resolve_client(plan.workload),
+                   engine=replace(plan.engine, front_end=None) if plan.engine is not None else None)
+
+
+def front_end_transport(frontend_s: float) -> TransportConfig:
+    """vLLM's API server as a transport: the client's and the HTTP server's parts as measured here
+    (bench/client_time.py), and its own work per request before the engine sees it, `frontend_s` (fitted)."""
+    return MEASURED_TRANSPORT.model_copy(update={"frontend_s": frontend_s})
+
+
+def _front_end(plan: Plan, theta: tuple[float, ...]) -> Plan:
+    t = front_end_transport(theta[0])
+    return replace(plan, client=resolve_client(plan.workload, t), engine=replace(plan.engine, front_end=t))
+
+
+# the engine's API server's work per request before the engine sees it: its share of TTFT (the TPOT is the engine's)
+FRONT_END = Family(("frontend_s",), (MEASURED_TRANSPORT.frontend_s,), (2e-3,), (0.0,), _front_end, metrics=("ttft",))
+FAMILIES = {"front_end": FRONT_END, "host_overheads": HOST_OVERHEADS, "refinement": REFINEMENT}
 
 
 def bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray:
@@ -238,3 +261,29 @@ def leave_one_out(family: Family = HOST_OVERHEADS, experiments: list[Experiment]
         thetas.append(theta)
         rows += stage_rows(exp, simulate_stages(family.apply(exp.plan, theta)))
     return rows, headline(rows), thetas
+
+
+def write_calibration(family: Family, experiments: list[Experiment], stage_s: float | None, loo_headline: dict,
+                      path: Path = CALIBRATION_PATH) -> dict:
+    """Fit the front end to every experiment and write it, with the leave-one-out error it was judged by, to the
+    engines' calibration file (sim/data/engine_calibration.json) the plans of vLLM (and, until measured, SGLang's
+    and TensorRT-LLM's) read."""
+    import json
+
+    cut_experiments = cut(experiments, stage_s)
+    (frontend_s,) = fit(linearized(family, cut_experiments), family)
+    figures = front_end_transport(frontend_s).model_dump()
+    stages = "as long as they ran" if stage_s is None else f"cut to {stage_s:g} simulated s"
+    error = {"H100-SXM": {"what": f"BLIS's {len(experiments)} published vLLM runs (inference-sim/training), "
+                                  f"{loo_headline['stages']} load stages {stages}; the front end fitted leave one "
+                                  "experiment out",
+                          **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in loo_headline.items()}}}
+    vllm = {"front_end": figures, "error": error,
+            "front_end_source": f"vLLM's API server: {frontend_s * 1e3:.2f} ms a request fitted to the TTFT of BLIS's "
+                                "published vLLM runs on H100-SXM (calibration/engine_truth.py); the client's and HTTP "
+                                "parts measured here (bench/client_time.py)"}
+    stand_in = {"front_end": figures, "front_end_source": "vLLM's API server (this engine's not measured): "
+                + vllm["front_end_source"]}
+    data = {"vllm": vllm, "sglang": stand_in, "trtllm": stand_in}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data

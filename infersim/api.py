@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sim.config.errors import ConfigError
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import Plan, check_profile_device, load_scenario, plan_of
 from sim.report.metrics import RequestRecords
 from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
@@ -108,7 +108,7 @@ def simulate_data(data: dict, base_dir: Path = Path("."), *,
 
     plan = plan_of(data, base_dir)
     check_profile_device(plan)
-    specs = generate_requests(plan.workload, plan.base_dir)
+    specs = plan_requests(plan)
     n, step = len(specs), max(1, len(specs) // 100)
     result = simulate(plan, specs, progress=progress and (lambda done: done % step == 0 and progress(done, n)))
     records = sim_records(result)
@@ -129,7 +129,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     _check_drafters([(path, plan)], named_only=True)
     prepare_out(out)
     try:
-        specs = generate_requests(plan.workload, plan.base_dir)
+        specs = plan_requests(plan)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
     n, step = len(specs), max(1, len(specs) // 100)
@@ -182,7 +182,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     err = Console(stderr=True)
     stage = (lambda text: None) if quiet else (lambda text: err.print(f"{plan.name}: {text}", highlight=False))
     try:
-        specs = generate_requests(plan.workload, plan.base_dir)
+        specs = plan_requests(plan)
         with progress_bar(err, quiet, "serving", len(specs)) as progress:
             run = serve if plan.pools is None else serve_pools  # disaggregated: a process per instance
             records, traces, engine, requests, wall, load = run(plan, specs, device, threads, stage=stage,
@@ -449,7 +449,7 @@ def validate_endpoint(scenario: Path, endpoint: str, served_model: str | None = 
         err.print(f"{plan.name}: replaying {plan.workload.num_requests or 'the'} requests against {ep.url} "
                   f"({ep.model}, {ep.engine})", highlight=False)
     try:
-        n = len(generate_requests(plan.workload, plan.base_dir))
+        n = len(plan_requests(plan))
         with progress_bar(err, quiet, "replaying", n) as progress:
             return run(plan, ep, profile, out, chat, timeout_s, progress)
     except ConfigError as e:
@@ -550,7 +550,7 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
     for path, plan in plans:
         try:
             check_has_slo(plan.slo)
-            specs = generate_requests(plan.workload, plan.base_dir)
+            specs = plan_requests(plan)
             if plan.workload.closed_loop is None:  # a closed loop's capacity is in users: nothing to scale
                 check_scalable(specs)
             elif len(specs) < STEADY_ROUNDS:

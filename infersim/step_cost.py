@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass
 
 from sim.config.errors import ConfigError
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost, make_pricer
 from sim.cost.fitted import shape_of
@@ -71,7 +71,7 @@ def typical_steps(plan: Plan, decode_batches: list[int] | None = None) -> list[S
     """A prefill of the workload's median prompt (its first chunk, where chunked prefill caps it) and decode steps of
     `decode_batches` rows (default: 1, 8, 32 and max_num_seqs, as far as it allows), each row's context the median
     prompt and half the median output."""
-    specs = generate_requests(plan.workload, plan.base_dir)
+    specs = plan_requests(plan)
     prompt = max(1, int(statistics.median(s.prompt_len for s in specs)))
     output = max(1, int(statistics.median(s.output_len for s in specs)))
     sched = (plan.pools.prefill if plan.pools is not None else plan).scheduler

@@ -16,7 +16,7 @@ from sim.cost.build import describe_cost, make_cost_model
 from sim.cost.comm import Interconnect
 from sim.cost.gpu import KernelCostModel
 from sim.cost.kernels import (
-    ENGINES,
+    KERNEL_ENGINES,
     KERNELS_PATH,
     AttentionFit,
     DeviceKernels,
@@ -40,7 +40,7 @@ def test_every_measured_device_and_engine_resolves_to_its_newest_version():
     data = load_engine_kernels()
     assert sorted(data["devices"]) == sorted(DEVICES.values())
     for device, engines in data["devices"].items():
-        assert set(engines) <= set(ENGINES)
+        assert set(engines) <= set(KERNEL_ENGINES)
         for engine, entry in engines.items():
             k = engine_kernels(device, engine)
             assert k.device == device and k.engine == engine and k.source == "aic"

@@ -69,9 +69,11 @@ class ClientConfig(StrictModel):
     tool: Literal["none", "genai_perf", "aiperf", "vllm_bench", "guidellm", "inference_perf"] = Field(
         "none", description="the benchmark client: how it sends and how it defines the report's latencies (none: "
         "vLLM's serving benchmark's definitions, infersim's own)")
-    transport: Union[Literal["measured", "none"], TransportConfig] = Field(
-        "measured", description="the time between client and engine: measured (bench/client_time.py's figures), none "
-        "(requests reach the engine as sent, tokens the client as emitted), or its own figures")
+    transport: Union[Literal["engine", "measured", "none"], TransportConfig] = Field(
+        "engine", description="the time between client and engine: engine (the serving engine's front end as "
+        "calibrated end to end: vLLM's API server on published runs; else measured), measured (bench/client_time.py's "
+        "figures: infersim serve --http and its client on loopback), none (requests reach the engine as sent, tokens "
+        "the client as emitted), or its own figures")
     warmup_requests: int = Field(0, ge=0, le=MAX_WARMUP_REQUESTS, description=(
         "requests sent before the measured ones and left out of the report, which start once every warm-up request "
         "ended (aiperf's and genai-perf's --warmup-request-count, vLLM's --num-warmups: copies of the first request)"))
@@ -118,16 +120,21 @@ def slides(client: ResolvedClient | None) -> bool:
     return client is not None and client.tool == "aiperf"
 
 
-def resolve_client(workload) -> ResolvedClient | None:
-    """The workload's client (None: none, requests reach the engine as sent, infersim's definitions). A closed loop
-    with no think time and no `client` is a fixed-concurrency benchmark's: the measured transport, no tool."""
+def resolve_client(workload, front_end: TransportConfig | None = None) -> ResolvedClient | None:
+    """The workload's client (None: none, requests reach the engine as sent, infersim's definitions). `front_end`: the
+    serving engine's own time between client and engine, where calibrated (sim/config/engines.py): a workload naming
+    no client is still served through it, and a client's default transport is it. A closed loop with no think time
+    and no `client` is a fixed-concurrency benchmark's: that transport (the measured one where the engine has none),
+    no tool."""
     c: ClientConfig | None = workload.client
+    engine = front_end or MEASURED_TRANSPORT
     if c is None:
         loop = workload.closed_loop
-        if loop is None or loop.think_time_s > 0:
-            return None
-        return ResolvedClient("none", MEASURED_TRANSPORT, assumed=True)
-    transport = MEASURED_TRANSPORT if c.transport == "measured" else None if c.transport == "none" else c.transport
+        if front_end is not None or (loop is not None and loop.think_time_s == 0):
+            return ResolvedClient("none", engine, assumed=True)
+        return None
+    transport = {"engine": engine, "measured": MEASURED_TRANSPORT, "none": None}.get(c.transport, c.transport) \
+        if isinstance(c.transport, str) else c.transport
     return ResolvedClient(c.tool, transport, c.warmup_requests, c.ramp_up, c.sse_events_per_token)
 
 

@@ -7,16 +7,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from sim.config.client import ResolvedClient, TransportConfig, resolve_client
+from sim.config.client import ResolvedClient, TransportConfig
 from sim.config.workload import ArrivalConfig, RequestSpec, WorkloadConfig
 
 CLIENT_STREAM = 8  # the seed's child stream for the client's draws: generate_requests spawns streams 0-7
 
 
-def with_client(cfg: WorkloadConfig, specs: list[RequestSpec]) -> list[RequestSpec]:
-    """`specs` as the workload's client sends them (unchanged where it has none): ids 0..n-1 in arrival order, warm-up
-    requests first."""
-    client = resolve_client(cfg)
+def with_client(cfg: WorkloadConfig, specs: list[RequestSpec], client: ResolvedClient | None) -> list[RequestSpec]:
+    """`specs` as `client` (the plan's: the workload's, with its engine's front end) sends them (unchanged where it
+    has none): ids 0..n-1 in arrival order, warm-up requests first."""
     if client is None:
         return specs
     rng_schedule, rng_times = (np.random.default_rng(s) for s in

@@ -9,7 +9,7 @@ Sources, per engine (read from each project's code at the version named; line re
   prefill and prefix caching always on; a step budget of 8192 tokens and 1024 sequences on a >= 70 GiB GPU other than
   an A100, else 2048 and 256 (the OpenAI server's); CUDA graphs for 1, 2, 4, then every 8 to 256 and every 16 to
   min(2 x max_num_seqs, 512) tokens (full graphs for decode-only steps, piecewise around attention for mixed ones);
-  its custom all-reduce below 8 MiB on NVLink; fused residual-add + RMSNorm; async scheduling by default from 0.14.0
+  its custom all-reduce below a message limit on NVLink; fused residual-add + RMSNorm; async scheduling by default from 0.14.0
   (PR #27614); gpu_memory_utilization 0.9, 0.92 from 0.22.
 - SGLang (`python/sglang/srt/server_args.py`): chunked_prefill_size 8192 below 160 GiB of GPU memory, 16384 above, 2048
   below 35 GiB; cuda_graph_max_bs 256 (TP < 4) or 512; prefill batches run apart from decode batches
@@ -23,18 +23,23 @@ Sources, per engine (read from each project's code at the version named; line re
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, PositiveInt
 
+from sim.config.client import TransportConfig
 from sim.config.errors import ConfigError
 from sim.config.schema_base import StrictModel
+
+CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "engine_calibration.json"
 
 EngineName = Literal["vllm", "sglang", "trtllm", "infersim"]
 ENGINE_NAMES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "infersim")
 GiB = 1024**3
-MiB = 1024**2
 # The decode batch sizes infersim's executor captures as CUDA graphs (nano-vllm's choice), cut at max_num_seqs
 INFERSIM_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -68,7 +73,7 @@ class Release:
     gpu_memory_utilization: float
     memory_of_free: bool = False  # the KV cache takes a fraction of what weights and activations leave (TRT-LLM)
     mixed_batches: bool = True  # prompt chunks ride in decode steps; False: prefill batches run apart (SGLang)
-    custom_all_reduce_max_bytes: float = 8 * MiB
+    custom_all_reduce: bool = True  # its own all-reduce below a message limit (measured: sim/cost/kernels.py)
     fused_add_norm: bool = True  # the residual add fused into the next RMSNorm
     graph_decode_only: bool = False  # CUDA graphs only for steps of decodes alone (SGLang, TRT-LLM), else piecewise
     attention_backend: str = ""
@@ -95,7 +100,7 @@ RELEASES: dict[str, tuple[Release, ...]] = {
              _vllm("0.24.0", True, 0.92)),
     "sglang": (_sglang("0.5.6.post2"), _sglang("0.5.9"), _sglang("0.5.10"), _sglang("0.5.14")),
     "trtllm": (_trtllm("1.2.0rc5"), _trtllm("1.3.0rc10"), _trtllm("1.3.0rc20")),
-    "infersim": (Release("infersim", "main", False, 0.9, custom_all_reduce_max_bytes=0.0, fused_add_norm=False,
+    "infersim": (Release("infersim", "main", False, 0.9, custom_all_reduce=False, fused_add_norm=False,
                          graph_decode_only=True, attention_backend="SDPA"),),
 }
 
@@ -122,6 +127,7 @@ class EngineProfile:
     custom_all_reduce: bool
     async_scheduling: bool
     assumed: dict = field(default_factory=dict)
+    front_end: TransportConfig | None = None  # its API server's time between client and engine, where calibrated
 
     @property
     def name(self) -> str:
@@ -160,9 +166,11 @@ class EngineProfile:
         return {"name": r.engine, "version": r.version, "cuda_graphs": {
                     "max_tokens": self.max_graph_tokens, "sizes": len(self.cuda_graph_sizes),
                     "steps": "decode-only" if r.graph_decode_only else "all up to max_tokens (piecewise)"},
-                "custom_all_reduce": self.custom_all_reduce and r.custom_all_reduce_max_bytes > 0,
+                "custom_all_reduce": self.custom_all_reduce,
                 "async_scheduling": self.async_scheduling, "mixed_batches": r.mixed_batches,
-                "attention_backend": r.attention_backend, "assumed": self.assumed}
+                "attention_backend": r.attention_backend, "assumed": self.assumed,
+                "front_end": calibration(r.engine).get("front_end_source") if self.front_end else None,
+                "end_to_end_error": calibration(r.engine).get("error")}
 
 
 def default_engine_name(hardware_name: str, has_profile: bool) -> str:
@@ -221,3 +229,22 @@ def cuda_graph_sizes(r: Release, max_num_seqs: int, max_num_batched_tokens: int,
         sizes = [s for s in INFERSIM_GRAPH_BATCH_SIZES if s < top] + [top]
     top = min(top, max_num_batched_tokens)
     return tuple(s for s in sizes if s <= top)
+
+
+@lru_cache(maxsize=1)
+def _calibrations() -> dict:
+    return json.loads(CALIBRATION_PATH.read_text()) if CALIBRATION_PATH.is_file() else {}
+
+
+def calibration(engine: str) -> dict:
+    """What was fitted end to end for `engine` against published real runs (sim/data/engine_calibration.json, written
+    by `python -m calibration.engine_truth --write`): its front end's time between client and engine, where it came
+    from, and the error that fit left on the runs it did not see, by GPU class; {} where nothing was."""
+    return _calibrations().get(engine, {})
+
+
+def front_end(engine: str) -> TransportConfig | None:
+    """The engine's API server as a transport (sim/config/client.py), where calibrated: the API servers of vLLM, and
+    until measured the others', stand on vLLM's (its `calibration` names which)."""
+    figures = calibration(engine).get("front_end")
+    return TransportConfig(**figures) if figures else None

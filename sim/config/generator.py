@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.config.client import resolve_client
 from sim.config.client_requests import with_client
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
@@ -59,10 +60,20 @@ def _check_span(arrivals: np.ndarray | float, key_path: str, what: str) -> None:
                           "(the clock's resolution there is still microseconds)", key_path)
 
 
-def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
-    """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order, as its client sends them
-    (workload.client: sim/config/client_requests.py)."""
-    return with_client(cfg, _workload_requests(cfg, base_dir))
+_WORKLOAD_CLIENT = object()  # generate_requests' default: the client the workload names, no engine's front end
+
+
+def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None, client=_WORKLOAD_CLIENT) -> list[RequestSpec]:
+    """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order, as `client` sends them
+    (sim/config/client_requests.py; default: the workload's own, resolve_client; None: none)."""
+    if client is _WORKLOAD_CLIENT:
+        client = resolve_client(cfg)
+    return with_client(cfg, _workload_requests(cfg, base_dir), client)
+
+
+def plan_requests(plan) -> list[RequestSpec]:
+    """A plan's requests as its client sends them: the workload's, through the serving engine's front end."""
+    return generate_requests(plan.workload, plan.base_dir, plan.client)
 
 
 def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:

@@ -16,6 +16,7 @@ from sim.config.engines import (
     EngineProfile,
     cuda_graph_sizes,
     default_engine_name,
+    front_end,
     release,
     serving_defaults,
 )
@@ -353,14 +354,15 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 data_parallel_size=layout.expert.data_parallel_size,
                 enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine,
                 kv_groups=memory.kv_groups,
-                client=_client_of(scenario))
+                client=_client_of(scenario, engine))
 
 
 
-def _client_of(scenario: Scenario) -> ResolvedClient | None:
+def _client_of(scenario: Scenario, engine: EngineProfile) -> ResolvedClient | None:
     """Who sends the workload and the time between it and the engine (sim/config/client.py): workload.client, or a
-    closed loop's with no think time (a fixed-concurrency benchmark's), else none."""
-    return resolve_client(scenario.workload)
+    closed loop's with no think time (a fixed-concurrency benchmark's), through the engine's front end where it has
+    one calibrated; else none."""
+    return resolve_client(scenario.workload, engine.front_end)
 
 
 def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups, scheduler: SchedulerConfig) -> None:
@@ -441,9 +443,9 @@ def _engine_profile(scenario: Scenario, given: EngineConfig, r, hw: HardwareSpec
     if scheduler.batching == "continuous" and "serving.max_num_batched_tokens" not in assumed \
             and scenario.serving.max_num_batched_tokens is None:
         assumed = {**assumed, "serving.max_num_batched_tokens": budget}
-    custom = given.custom_all_reduce if given.custom_all_reduce is not None else r.custom_all_reduce_max_bytes > 0
+    custom = given.custom_all_reduce if given.custom_all_reduce is not None else r.custom_all_reduce
     asynchronous = given.async_scheduling if given.async_scheduling is not None else r.async_scheduling
-    return EngineProfile(r, sizes, custom, asynchronous, assumed)
+    return EngineProfile(r, sizes, custom, asynchronous, assumed, front_end(r.engine) if hw.name != "cpu" else None)
 
 
 def _scheduler_of(scenario: Scenario, model: ModelSpec, step_tokens: int = DEFAULT_STEP_TOKENS) -> SchedulerConfig:

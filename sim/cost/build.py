@@ -6,13 +6,12 @@ from sim.config.hardware import LINK_FIELDS, as_in_catalog
 from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
-from sim.cost.engine import EngineCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
-from sim.cost.kernels import custom_all_reduce, load_accuracy, load_kernels
+from sim.cost.kernels import KERNEL_ENGINES, DeviceKernels, engine_kernels, kernel_report, load_accuracy, load_kernels
 from sim.cost.moe import MoECostModel
 from sim.cost.moe_kernels import KernelParts, RooflineParts
-from sim.cost.nccl import NcclCollectives
+from sim.cost.nccl import NcclCollectives, engine_collectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
 from sim.cost.roofline import RooflineCostModel
@@ -57,19 +56,26 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def _collectives(plan: Plan, kernels) -> Collectives:
-    """The NCCL collectives measured on the device's system where its links are the catalog's, else the link's; with
-    the engine's custom all-reduce below its message limit where it runs one (NVLink) and its timings were
-    measured."""
+def device_kernels(plan: Plan) -> DeviceKernels:
+    """The kernels the plan's engine runs on its device: vLLM's, SGLang's or TensorRT-LLM's own where AIConfigurator
+    measured them (sim/cost/kernels.py: engine_kernels), else the device's engine-agnostic fits."""
+    e, name = plan.engine, plan.hardware.name
+    k = engine_kernels(name, e.name, e.version) if e is not None and e.name in KERNEL_ENGINES else None
+    return k if k is not None else load_kernels()[0][name]
+
+
+def _collectives(plan: Plan, kernels: DeviceKernels, graph: bool = True) -> Collectives:
+    """The NCCL collectives measured on the kernels' system where the device's links are the catalog's, else the
+    link's; with the engine's own all-reduce (its CUDA-graph or eager kernel) below its message limit where it runs one
+    and it was measured."""
     link = Interconnect.of(plan.hardware)
     _, collective_fits = load_kernels()
-    nccl = NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
-        if kernels.collectives in collective_fits and as_in_catalog(plan.hardware, LINK_FIELDS) else link
-    e = plan.engine
-    custom = custom_all_reduce(kernels, e) if e is not None and e.custom_all_reduce else None
-    if custom is None or plan.hardware.interconnect_topology != "switch":
-        return nccl
-    return EngineCollectives(nccl, custom, e.release.custom_all_reduce_max_bytes)
+    if not as_in_catalog(plan.hardware, LINK_FIELDS):
+        return link
+    if kernels.engine and plan.engine is not None and plan.engine.custom_all_reduce:
+        return engine_collectives(kernels, collective_fits, link, graph)
+    return NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
+        if kernels.collectives in collective_fits else link
 
 
 def moe_cost_model(plan: Plan) -> MoECostModel:
@@ -85,14 +91,14 @@ def moe_cost_model(plan: Plan) -> MoECostModel:
                   expert_parallel=plan.enable_expert_parallel, load_imbalance=c.expert_load_imbalance,
                   block_bytes=plan.block_size * plan.kv_bytes_per_token, host_bandwidth=hw.host_bandwidth)
     if c.source == "kernels":
-        kernels = load_kernels()[0][hw.name]
+        kernels = device_kernels(plan)
         stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)
         parts = KernelParts(m, kernels, hw, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
                             plan.enable_expert_parallel)
         return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
                             step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                             per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S),
-                            engine=plan.engine)
+                            engine=plan.engine, eager_collectives=_collectives(plan, kernels, graph=False))
     parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
                           plan.sequence_parallel, plan.enable_expert_parallel)
     return MoECostModel(m, parts, Interconnect.of(hw), **layout,
@@ -103,15 +109,13 @@ def moe_cost_model(plan: Plan) -> MoECostModel:
 def kernel_cost_model(plan: Plan) -> KernelCostModel:
     """The GPU kernel model of the plan's device (its measured kernels and, where its links are the catalog's, the
     NCCL collectives measured on its system), with the host overheads the scenario set."""
-    kernels, _ = load_kernels()
-    k, hw, m, c = kernels[plan.hardware.name], plan.hardware, plan.model, plan.cost
-    collectives = _collectives(plan, k)
+    k, hw, m, c = device_kernels(plan), plan.hardware, plan.model, plan.cost
     refinement = Refinement(**c.refinement) if c.refinement is not None else \
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
-    return KernelCostModel(m, k, hw, collectives, plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
+    return KernelCostModel(m, k, hw, _collectives(plan, k), plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
                            plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token,
-                           plan.engine)
+                           plan.engine, _collectives(plan, k, graph=False))
 
 
 def describe_cost(plan: Plan) -> dict:
@@ -130,15 +134,19 @@ def _describe_source(plan: Plan) -> dict:
         return {"source": "profile", "profile": c.profile.path.name, "device": host.get("gpu") or host.get("cpu"),
                 "scale": c.profile_scale, "error": {"what": "the profile's held-out steps",
                                                     "mape_pct": round(100 * fit["mape"], 1) if "mape" in fit else None}}
-    kernels, _ = load_kernels()
     accuracy = load_accuracy()
     if c.source == "kernels":
-        k = kernels[plan.hardware.name]
+        k = device_kernels(plan)
         # a dense model runs no experts: its report keeps the notes of what it runs
         sparse = has_experts(plan.model) or uses_mla(plan.model)
         notes = {part: note for part, note in k.notes.items() if part != "grouped" or sparse}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
+        if k.engine:  # an engine's own kernels: per op family, their source and error on what their fit left out
+            report = out["kernels"] = kernel_report(k, has_experts(plan.model), "fit" if k.attention_fit else "today")
+            layer = report["families"].get(f"gemm.{plan.model.matmul_dtype(plan.hardware.peak_flops)}",
+                                           report["families"]["gemm.fp16"])
+            out["error"] = layer["error"]
         if sparse and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
             out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error

@@ -59,7 +59,7 @@ class KernelCostModel(PricesStages):
     def __init__(self, model: ModelSpec, kernels: DeviceKernels, hw, collectives: Collectives,
                  kv_bytes_per_token_layer: float, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  refinement: Refinement = Refinement(), block_bytes: float = 0.0,
-                 engine: EngineProfile | None = None):
+                 engine: EngineProfile | None = None, eager_collectives: Collectives | None = None):
         self.model, self.kernels, self.refinement, self.engine = model, kernels, refinement, engine
         self.host = HostCost(refinement.step_overhead_s, refinement.per_seq_overhead_s, refinement.prefill_overhead_s,
                              engine is not None and engine.async_scheduling)
@@ -72,17 +72,23 @@ class KernelCostModel(PricesStages):
         att, r = kernels.attention, refinement
         self.sharding = shard(model, tensor_parallel_size)
         heads = self.sharding.heads
-        self.s_per_prefill_pair = r.attention * self.layers * 4 * heads * model.head_size / att["prefill_flops"]
-        self.s_per_prefill_seq = r.attention * self.layers * att["prefill_floor_s"]
-        self.s_per_prefill_key = r.attention * self.layers * att["prefill_s_per_key"]
-        self.s_decode_floor = r.attention * self.layers * att["decode_floor_s"]
-        # decode attention reads the KV at one rate while its rows x KV heads fit in a wave of the multiprocessors
-        # (the kernel splits the keys to fill them), at another past it
-        kv_bytes = r.attention * self.layers * kv_bytes_per_token_layer
-        self.s_per_kv_token = kv_bytes / att["decode_bandwidth"]
-        self.s_per_kv_token_one_wave = kv_bytes / att["decode_bandwidth_one_wave"]
-        self.one_wave_rows = att["sms"] // self.sharding.kv_heads
+        self.attention_terms = None
+        if kernels.attention_fit is not None:  # the engine's own attention kernels, in the form their data supports
+            self._fitted_attention(kernels.attention_fit, r.attention * self.layers, model, kv_bytes_per_token_layer)
+        else:
+            self.s_per_prefill_pair = r.attention * self.layers * 4 * heads * model.head_size / att["prefill_flops"]
+            self.s_per_prefill_seq = r.attention * self.layers * att["prefill_floor_s"]
+            self.s_per_prefill_key = r.attention * self.layers * att["prefill_s_per_key"]
+            self.s_decode_floor = r.attention * self.layers * att["decode_floor_s"]
+            # decode attention reads the KV at one rate while its rows x KV heads fit in a wave of the multiprocessors
+            # (the kernel splits the keys to fill them), at another past it
+            kv_bytes = r.attention * self.layers * kv_bytes_per_token_layer
+            self.s_per_kv_token = kv_bytes / att["decode_bandwidth"]
+            self.s_per_kv_token_one_wave = kv_bytes / att["decode_bandwidth_one_wave"]
+            self.one_wave_rows = att["sms"] // self.sharding.kv_heads
         self.collectives = collectives
+        # the engine's collectives in a step run eagerly (its all-reduce outside a CUDA graph costs its launch)
+        self.eager_collectives = eager_collectives or collectives
         self.layer_share = [n / self.layers for n in stage_layers(self.layers, self.pp)]
         # one decoder layer's GEMMs (N, K) and elementwise passes (fit, bytes a token): the same for every step
         shape = (model.hidden_size, model.num_heads, model.num_kv_heads, model.head_size, model.intermediate_size,
@@ -99,9 +105,31 @@ class KernelCostModel(PricesStages):
         self.kernels_per_step = self.layers * (len(self._layer_gemms) + len(passes) + 1 + (2 if self.tp > 1 else 0)) + 4
         self._linear: dict[int, float] = {}
         self._head: dict[tuple[int, int], float] = {}
-        self._comm: dict[tuple[int, int], float] = {}
+        self._comm: dict[tuple[int, int, bool], float] = {}
         self._decode_base: dict[int, float] = {}
         self._fixed_parts: dict[tuple[int, ...], tuple] = {}
+
+    def _fitted_attention(self, fit, scale: float, model: ModelSpec, kv_bytes_per_token_layer: float) -> None:
+        """Attention priced by an engine's AttentionFit (sim/cost/kernels.py) on this shard, all layers (`scale`): a
+        floor once per step, a cost per prompt chunk, per causal pair and per key of its context, per decode row, and
+        per KV token the decode rows read (falling as their rows x KV heads fill the GPU)."""
+        t = self.attention_terms = fit.terms(self.sharding.heads, self.sharding.kv_heads, model.head_size,
+                                             kv_bytes_per_token_layer)
+        self.attention_scale = scale
+        self.s_per_prefill_pair, self.s_per_prefill_seq = scale * t.s_per_prefill_pair, scale * t.s_per_prefill_seq
+        self.s_per_prefill_key = scale * t.s_per_prefill_key
+        self.s_decode_floor, self.s_prefill_floor = scale * t.decode_floor_s, scale * t.prefill_floor_s
+        self.s_per_decode_row = scale * t.s_per_decode_row
+
+    def attention_floor_s(self, seqs: int, prefill: int) -> float:
+        """The attention a step pays whatever its context: a floor per layer when it decodes (an engine's fitted
+        kernel: one call for prompts and decodes alike, the larger floor, and a cost per decode row)."""
+        if self.attention_terms is None:
+            return self.s_decode_floor if seqs > prefill else 0.0
+        floor = self.s_decode_floor if seqs > prefill else 0.0
+        if prefill and self.s_prefill_floor > floor:
+            floor = self.s_prefill_floor
+        return floor + (seqs - prefill) * self.s_per_decode_row
 
     @staticmethod
     def _linear_kernel(model: ModelSpec, kernels: DeviceKernels, hw) -> tuple[GemmFit, float, float]:
@@ -147,15 +175,15 @@ class KernelCostModel(PricesStages):
             t = self._head[key] = self.refinement.lm_head * t
         return t
 
-    def communication_s(self, tokens: int, sampled: int) -> float:
+    def communication_s(self, tokens: int, sampled: int, graph: bool = True) -> float:
         """Tensor parallelism: two all-reduces of the tokens' hidden states a layer, the sampled rows' fp32 logits
-        gathered."""
+        gathered; `graph`: the step replays a CUDA graph (else the engine's all-reduce runs eagerly)."""
         if self.tp == 1:
             return 0.0
-        key = (tokens, sampled)
+        key = (tokens, sampled, graph)
         t = self._comm.get(key)
         if t is None:
-            c, m = self.collectives, self.model
+            c, m = self.collectives if graph else self.eager_collectives, self.model
             t = 2 * self.layers * c.all_reduce_s(tokens * m.hidden_size * self.act_bytes, self.tp)
             if sampled:
                 t += c.gather_s(sampled * m.vocab_size * 4, self.tp)
@@ -207,11 +235,12 @@ class KernelCostModel(PricesStages):
         send)."""
         tokens, sampled, seqs, prefill, swap_blocks = key
         graphed = padded_tokens(self.engine, tokens, prefill == 0)
+        in_graph = self.engine is None or self.engine.in_graph(tokens, prefill == 0)
         linear, head, comm = self.linear_s(graphed), self.lm_head_s(tokens, sampled), \
-            self.communication_s(graphed, sampled)
+            self.communication_s(graphed, sampled, in_graph)
         overhead = self.overhead_s(seqs, prefill > 0, (linear + head) + comm)
         swap = swap_blocks * self.s_per_swap_block
-        floor = self.s_decode_floor if seqs > prefill else 0.0
+        floor = self.attention_floor_s(seqs, prefill)
         send = back = 0.0
         if self.pp > 1:
             send = self.collectives.send_s(tokens * self.model.hidden_size * self.act_bytes)
@@ -224,6 +253,8 @@ class KernelCostModel(PricesStages):
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Decode attention's seconds per KV token read, all layers, for a step of `decode_rows` decode rows."""
+        if self.attention_terms is not None:
+            return self.attention_scale * self.attention_terms.per_kv_token_s(decode_rows)
         return self.s_per_kv_token_one_wave if decode_rows <= self.one_wave_rows else self.s_per_kv_token
 
     def step_time(self, shape: BatchShape) -> float:
@@ -264,10 +295,11 @@ class KernelCostModel(PricesStages):
         t = self._decode_base.get(num_seqs)
         if t is None:  # _fixed's sums for a step of decodes alone, in the same order: decode_time == step_time
             graphed = padded_tokens(self.engine, num_seqs, True)
+            in_graph = self.engine is None or self.engine.in_graph(num_seqs, True)
             device = (self.linear_s(graphed) + self.lm_head_s(num_seqs, num_seqs)) + \
-                self.communication_s(graphed, num_seqs)
+                self.communication_s(graphed, num_seqs, in_graph)
             t = self._decode_base[num_seqs] = ((device + self.overhead_s(num_seqs, False, device)) + 0.0) \
-                + self.s_decode_floor
+                + self.attention_floor_s(num_seqs, 0)
         return t
 
     def _eager_decode(self, num_seqs: int) -> bool:

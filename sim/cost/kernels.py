@@ -28,7 +28,7 @@ from sim.config.sharding import LayerShape, shard
 
 KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
 ENGINE_KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "engine_kernels.json"
-ENGINES = ("vllm", "sglang", "trtllm")
+KERNEL_ENGINES = ("vllm", "sglang", "trtllm")  # the engines AIConfigurator measured
 
 
 @dataclass(frozen=True)

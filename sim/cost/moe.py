@@ -39,8 +39,10 @@ class MoECostModel:
     def __init__(self, model: ModelSpec, parts, collectives: Collectives, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, expert_parallel: bool = False, load_imbalance: float = 1.0,
                  step_overhead_s: float = 0.0, per_seq_overhead_s: float = 0.0, prefill_overhead_s: float = 0.0,
-                 block_bytes: float = 0.0, host_bandwidth: float = 1.0, engine: EngineProfile | None = None):
+                 block_bytes: float = 0.0, host_bandwidth: float = 1.0, engine: EngineProfile | None = None,
+                 eager_collectives: Collectives | None = None):
         self.model, self.parts, self.collectives, self.engine = model, parts, collectives, engine
+        self.eager_collectives = eager_collectives or collectives  # the engine's all-reduce outside a CUDA graph
         self.tp, self.dp, self.expert_parallel = tensor_parallel_size, data_parallel_size, expert_parallel
         self.ep = tensor_parallel_size * data_parallel_size if expert_parallel else 1
         self.imbalance = load_imbalance
@@ -66,9 +68,10 @@ class MoECostModel:
         t = tokens / self.dp  # a rank's own tokens through its own slices of every expert
         return t * k, moe.distinct_experts(e, k, t), moe.busiest_expert_tokens(e, k, t, self.imbalance)
 
-    def communication_s(self, tokens: int, sampled: int) -> float:
-        """Tensor parallelism's all-reduces and logits gather over a rank's rows; expert parallelism's all-to-alls."""
-        c, m, t = self.collectives, self.model, 0.0
+    def communication_s(self, tokens: int, sampled: int, graph: bool = True) -> float:
+        """Tensor parallelism's all-reduces and logits gather over a rank's rows; expert parallelism's all-to-alls;
+        `graph`: the step replays a CUDA graph (else the engine's all-reduce runs eagerly)."""
+        c, m, t = self.collectives if graph else self.eager_collectives, self.model, 0.0
         if self.tp > 1:
             t = 2 * m.num_layers * c.all_reduce_s(tokens / self.dp * self.token_bytes, self.tp)
             if sampled:
@@ -79,14 +82,15 @@ class MoECostModel:
         return t
 
     # -- a step ------------------------------------------------------------------------------------------------------
-    def _by_tokens(self, tokens: int, sampled: int) -> tuple[float, float, float, float]:
+    def _by_tokens(self, tokens: int, sampled: int, graph: bool = True) -> tuple[float, float, float, float]:
         """(linear, LM head, experts, communication): the parts that depend on the step's tokens and sampling rows
-        alone, cached (a run's steps repeat few of them)."""
-        key = (tokens, sampled)
+        (and whether it replays a CUDA graph) alone, cached (a run's steps repeat few of them)."""
+        key = (tokens, sampled, graph)
         got = self._token_cache.get(key)
         if got is None:
             linear, head = self.parts.linear_s(tokens / self.dp, sampled / self.dp)
-            got = (linear, head, self.parts.experts_s(*self.expert_load(tokens)), self.communication_s(tokens, sampled))
+            got = (linear, head, self.parts.experts_s(*self.expert_load(tokens)),
+                   self.communication_s(tokens, sampled, graph))
             if len(self._token_cache) < 65536:  # bounded for long runs of odd shapes
                 self._token_cache[key] = got
         return got
@@ -95,9 +99,10 @@ class MoECostModel:
                prefill_context: int) -> tuple:
         """(linear, LM head, experts, attention but the decode rows' KV, communication, overhead) of a step."""
         dp = self.dp
-        linear, head, experts, comm = self._by_tokens(padded_tokens(self.engine, tokens, prefill == 0), sampled)
+        graph = self.engine is None or self.engine.in_graph(tokens, prefill == 0)
+        linear, head, experts, comm = self._by_tokens(padded_tokens(self.engine, tokens, prefill == 0), sampled, graph)
         attention = self.parts.attention_fixed_s(prefill / dp, prefill_pairs / dp, prefill_context / dp,
-                                                 seqs > prefill)
+                                                 seqs > prefill, (seqs - prefill) / dp)
         overhead = self.host.visible_s(seqs / dp, prefill > 0, ((linear + head) + experts) + comm)
         return linear, head, experts, attention, comm, overhead
 

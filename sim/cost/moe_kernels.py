@@ -18,6 +18,7 @@ from __future__ import annotations
 from sim.config import moe
 from sim.config.hardware import HardwareSpec
 from sim.config.models import BYTES_PER_PARAM, ModelSpec
+from sim.config.sharding import shard
 from sim.cost.gpu import KernelCostModel
 from sim.cost.kernels import DeviceKernels, GemmFit, grouped_gemm_time, layer_gemms, layer_passes, pass_time
 from sim.cost.roofline import DEQUANT_OVERHEAD
@@ -76,7 +77,7 @@ class RooflineParts:
         return max(touched * busiest * self.s_per_expert_row, touched * self.s_per_expert_weights)
 
     def attention_fixed_s(self, prefill_seqs: float, prefill_pairs: float, prefill_context: float,
-                          decoding: bool) -> float:
+                          decoding: bool, decode_rows: float = 0.0) -> float:
         """Prompt chunks' attention: max(FLOPs, KV read)."""
         return max(prefill_pairs * self.s_per_prefill_pair, prefill_context * self.s_per_kv_token)
 
@@ -111,6 +112,16 @@ class KernelParts:
         self.s_per_kv_token_one_wave = max(kv_bytes / att["decode_bandwidth_one_wave"], flops_per_key)
         heads = 1 if moe.uses_mla(m) else max(1, m.num_kv_heads // n)  # MLA: one latent serves every head
         self.one_wave_rows = att["sms"] // heads
+        self.attention_terms = None
+        if kernels.attention_fit is not None and not moe.uses_mla(m):  # the engine's own kernels (no MLA measured)
+            s = shard(m, n)
+            t = self.attention_terms = kernels.attention_fit.terms(s.heads, s.kv_heads, m.head_size,
+                                                                   kv_bytes_per_token_layer)
+            self.attention_scale = scale = m.num_layers
+            self.s_per_prefill_pair, self.s_per_prefill_seq = scale * t.s_per_prefill_pair, scale * t.s_per_prefill_seq
+            self.s_per_prefill_key = scale * t.s_per_prefill_key
+            self.s_decode_floor, self.s_prefill_floor = scale * t.decode_floor_s, scale * t.prefill_floor_s
+            self.s_per_decode_row = scale * t.s_per_decode_row
 
     def _dense_gemms(self) -> list[tuple[int, int, int]]:
         """(layers, N, K) of every GEMM but the routed experts, on one device."""
@@ -163,13 +174,20 @@ class KernelParts:
                                                   self.act_bytes, self.compute_scale) for nn, kk in self.expert_shapes)
 
     def attention_fixed_s(self, prefill_seqs: float, prefill_pairs: float, prefill_context: float,
-                          decoding: bool) -> float:
-        """Prompt chunks at their FLOPs, a floor each and a cost per key; a floor a layer when the step decodes."""
-        return (self.s_decode_floor if decoding else 0.0) + (prefill_pairs * self.s_per_prefill_pair
-                                                              + prefill_seqs * self.s_per_prefill_seq
-                                                              + prefill_context * self.s_per_prefill_key)
+                          decoding: bool, decode_rows: float = 0.0) -> float:
+        """Prompt chunks at their FLOPs, a floor each and a cost per key; a floor a layer when the step decodes (an
+        engine's fitted kernel: one call for both, the larger floor, and a cost per decode row)."""
+        floor = self.s_decode_floor if decoding else 0.0
+        if self.attention_terms is not None:
+            if prefill_seqs and self.s_prefill_floor > floor:
+                floor = self.s_prefill_floor
+            floor += decode_rows * self.s_per_decode_row
+        return floor + (prefill_pairs * self.s_per_prefill_pair + prefill_seqs * self.s_per_prefill_seq
+                        + prefill_context * self.s_per_prefill_key)
 
     def per_kv_token_s(self, decode_rows: float) -> float:
+        if self.attention_terms is not None:
+            return self.attention_scale * self.attention_terms.per_kv_token_s(decode_rows)
         return self.s_per_kv_token_one_wave if decode_rows <= self.one_wave_rows else self.s_per_kv_token
 
 

@@ -261,6 +261,9 @@ def cost_line(c: dict) -> str:
         off = f" (held out: median |error| {err['median_pct']}%, p90 {err['p90_pct']}% on {err['what']})"
     elif err.get("mape_pct") is not None:
         off = f" (held out: mean |error| {err['mape_pct']}% on {err['what']})"
+    if c["source"] == "gpu_kernels" and c.get("kernels"):
+        k = c["kernels"]
+        return f"GPU kernel model, {k['engine']} {k['version']}'s own kernels on {c['device']} (AIConfigurator){off}"
     if c["source"] == "gpu_kernels":
         return f"GPU kernel model, {c['device']} kernels measured on {c['measured_on']}{off}"
     if c["source"] == "profile":
@@ -280,9 +283,17 @@ def _print_cost_model(priced: dict | None, console) -> None:
 
 
 def engine_line(e: dict) -> str:
-    """The serving engine a plan runs on and the defaults it supplied, for the summary."""
+    """The serving engine a plan runs on, how far its simulation was off published real runs, and the defaults it
+    supplied, for the summary."""
     assumed = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in e["assumed"].items())
-    return f"{e['name']} {e['version']}" + (f" (its defaults: {assumed})" if assumed else "")
+    errors = e.get("end_to_end_error") or {}
+    measured = "; ".join(f"end to end on {gpu}: TPOT {err['tpot_abs_err_median_pct']}%, TTFT "
+                         f"{err['ttft_abs_err_median_pct']}% median |error| (leave one experiment out)"
+                         for gpu, err in errors.items())
+    if e["name"] != "infersim" and not errors:
+        measured = "not yet judged end to end against published runs"
+    notes = "; ".join(x for x in (measured, f"its defaults: {assumed}" if assumed else "") if x)
+    return f"{e['name']} {e['version']}" + (f" ({notes})" if notes else "")
 
 
 def client_line(c: dict) -> str:
@@ -290,7 +301,7 @@ def client_line(c: dict) -> str:
     tool = "no tool named" if c["tool"] == "none" else c["tool"]
     way = "no transport time" if c["transport"] is None else (
         f"transport in p50 {_fmt(c['in_s']['p50'])} ms, out p50 {_fmt(c['out_s']['p50'])} ms"
-        + (" (a closed loop with no think time: assumed)" if c["assumed"] else ""))
+        + (" (assumed: the engine's front end, or a closed loop's)" if c["assumed"] else ""))
     warm = f"; {c['warmup_requests']} warm-up requests left out" if c["warmup_requests"] else ""
     return f"client: {tool}, {way}{warm}"
 

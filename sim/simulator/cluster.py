@@ -8,7 +8,7 @@ import numpy as np
 import simpy
 
 from sim.config.client import slides
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_router
@@ -30,7 +30,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     if plan.pools is not None:
         return simulate_pools(plan, specs, bulk, progress, watch)
     t0 = time.perf_counter()
-    specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
+    specs = plan_requests(plan) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
     make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)

@@ -18,7 +18,7 @@ import numpy as np
 import simpy
 
 from sim.config.client import slides
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import Plan
 from sim.config.workload import RequestSpec
 from sim.policy.build import make_router
@@ -103,7 +103,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     """Simulate a disaggregated plan's workload until every request has completed or been rejected (or `watch`
     stops it: see cluster.simulate)."""
     t0 = time.perf_counter()
-    specs = generate_requests(plan.workload, plan.base_dir) if specs is None else specs
+    specs = plan_requests(plan) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
     instant = SameInstant(env)
