@@ -114,21 +114,47 @@ WORKLOAD = {"seed": 3, "arrival": {"process": "poisson", "rate": 6.0}, "num_requ
             "prompt_len": {"dist": "fixed", "value": 1500}, "output_len": {"dist": "fixed", "value": 200}}
 
 
-def test_sglang_runs_prefill_batches_apart_from_the_decodes():
-    """The same traffic under vLLM's mixed steps and SGLang's: SGLang's prompts never wait behind decodes, so its first
-    tokens come sooner, and every decode waits through each prefill batch, so its token gaps are longer."""
-    common = dict(**H100, workload=WORKLOAD, kv_cache={"enable_prefix_caching": False},
-                  serving={"max_num_batched_tokens": 2048})
-    vllm, _, vrec = run(scenario(**common, engine="vllm"))
-    sglang, result, srec = run(scenario(**common, engine="sglang"), bulk=False)
+def test_prefill_batches_apart_from_the_decodes_as_sglang_runs_them():
+    """The same traffic and kernels under vLLM's mixed steps and SGLang's rule (mixed_batches off, its default): its
+    prompts never wait behind decodes, so first tokens come sooner, and every decode waits through each prefill batch,
+    so its token gaps are longer."""
+    common = dict(**H100, workload=WORKLOAD, kv_cache={"enable_prefix_caching": False}, engine="vllm")
+    vllm, _, vrec = run(scenario(**common, serving={"max_num_batched_tokens": 2048}))
+    sglang, result, srec = run(scenario(**common, serving={"max_num_batched_tokens": 2048, "mixed_batches": False}),
+                               bulk=False)
     assert vllm["requests"]["completed"] == sglang["requests"]["completed"] == 200
     assert sglang["ttft_s"]["p50"] < vllm["ttft_s"]["p50"]
     assert sglang["tpot_s"]["p90"] > vllm["tpot_s"]["p90"]
 
 
 def test_tensorrt_llm_runs_whole_prompts_beside_the_decodes():
-    common = dict(**H100, workload=WORKLOAD, kv_cache={"enable_prefix_caching": False})
-    trt, _, _ = run(scenario(**common, engine="trtllm"))
-    v0 = run(scenario(**common, engine="infersim"))[0]  # whole prompts run alone
+    common = dict(**H100, workload=WORKLOAD, kv_cache={"enable_prefix_caching": False}, engine="trtllm")
+    trt, _, _ = run(scenario(**common))
+    v0 = run(scenario(**common, serving={"mixed_batches": False}))[0]  # whole prompts run alone (vLLM V0)
     assert trt["requests"]["completed"] == v0["requests"]["completed"] == 200
     assert trt["tpot_s"]["p90"] < v0["tpot_s"]["p90"]  # the decodes do not stop for a prompt
+
+
+BAD_ENGINES = [
+    ('"vlm"', "engine.name"), ('{name: vllm, version: "9"}', "engine.version"),
+    ("{name: vllm, cuda_graphs: maybe}", "engine.cuda_graphs"), ("{name: vllm, max_cuda_graph_batch: 0}",
+                                                                 "engine.max_cuda_graph_batch"),
+    ('{version: "0.14.0"}', "engine.name"), ("{name: sglang, foo: 1}", "engine.foo"), ("3", "engine"),
+    ("{name: vllm, version: true}", "engine.version"), ("[vllm]", "engine"),
+]
+
+
+@pytest.mark.parametrize("engine, key", BAD_ENGINES)
+def test_a_bad_engine_is_one_line_naming_its_key(tmp_path, engine, key):
+    from tests.test_bad_input_more import invoke, one_line_error
+
+    path = tmp_path / "s.yaml"
+    path.write_text(f"model: Llama-3-8B\nhardware: H100-SXM\nengine: {engine}\nworkload: {{arrival: {{process: poisson, "
+                    "rate: 1}, num_requests: 5, prompt_len: {dist: fixed, value: 10}, output_len: {dist: fixed, "
+                    "value: 5}}\n")
+    one_line_error(invoke("run", path, "-q", "--no-plots"), path, key + ":")
+
+
+def test_a_release_may_be_named_by_its_minor_version():
+    assert release("vllm", "0.19").version == "0.19.0"
+    assert plan_of(scenario(**H100, engine={"name": "vllm", "version": 0.19})).engine.version == "0.19.0"

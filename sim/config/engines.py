@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, field_validator
 
 from sim.config.client import TransportConfig
 from sim.config.errors import ConfigError
@@ -61,6 +61,12 @@ class EngineConfig(StrictModel):
     async_scheduling: bool | None = Field(None, description="the host prepares step n+1 while the GPU runs step n "
                                           "(vLLM's --async-scheduling, SGLang's and TRT-LLM's overlap scheduler); "
                                           "default: the release's own")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value):
+        """YAML reads `version: 0.19` as a number: a release is text."""
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,9 @@ def release(name: str, version: str | None, key_path: str = "engine.version") ->
     for r in known:
         if r.version == version:
             return r
+    close = [r for r in known if r.version.startswith(version + ".")]  # "0.19" names 0.19.0
+    if len(close) == 1:
+        return close[0]
     raise ConfigError(f"unknown {name} release {version!r}; allowed: {', '.join(r.version for r in known)}",
                       key_path)
 

@@ -392,10 +392,9 @@ def _check_hybrid(scenario: Scenario, model: ModelSpec, groups: KVGroups, schedu
 
 def _engine_config(scenario: Scenario, hw: HardwareSpec) -> EngineConfig:
     """The engine the scenario names (a name is its newest release), or the default for its device and costs."""
-    e = scenario.engine
-    if e is None:
-        e = default_engine_name(hw.name, scenario.cost_model.profile is not None)
-    return EngineConfig(name=e) if isinstance(e, str) else e
+    if scenario.engine is not None:
+        return scenario.engine
+    return EngineConfig(name=default_engine_name(hw.name, scenario.cost_model.profile is not None))
 
 
 def _with_engine_defaults(scenario: Scenario, r, hw: HardwareSpec) -> tuple[Scenario, dict]:

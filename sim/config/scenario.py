@@ -12,10 +12,11 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
-from sim.config.engines import EngineConfig, EngineName
+from sim.config.engines import EngineConfig
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_REPLICAS
 from sim.config.schema_base import StrictModel
@@ -313,7 +314,7 @@ class Scenario(StrictModel):
                                                     "overrides, or {hf_config: path}")
     hardware: str | dict[str, Any] = Field(description="catalog name, explicit spec, or {base: NAME, ...}")
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS)
-    engine: EngineName | EngineConfig | None = Field(
+    engine: EngineConfig | None = Field(
         None, description="the serving engine: vllm, sglang, trtllm or infersim (the project's executor), or "
         "{name, version, cuda_graphs, max_cuda_graph_batch, custom_all_reduce, async_scheduling}; the serving and "
         "kv_cache keys left out take its defaults. Default: infersim where a profile prices the steps or on the "
@@ -332,6 +333,16 @@ class Scenario(StrictModel):
     speculative: SpeculativeConfig | None = None
     pools: PoolsConfig | None = Field(None, description="disaggregated prefill and decode pools instead of one "
                                       "replica set (then replicas is set per pool)")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_by_name(cls, value: Any) -> Any:
+        """`engine: vllm` is `engine: {name: vllm}` (its newest release)."""
+        if isinstance(value, str):
+            return {"name": value}
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("expected an engine name (vllm, sglang, trtllm, infersim) or a mapping of keys")
+        return value
 
     @model_validator(mode="before")
     @classmethod
