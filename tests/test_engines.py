@@ -158,3 +158,18 @@ def test_a_bad_engine_is_one_line_naming_its_key(tmp_path, engine, key):
 def test_a_release_may_be_named_by_its_minor_version():
     assert release("vllm", "0.19").version == "0.19.0"
     assert plan_of(scenario(**H100, engine={"name": "vllm", "version": 0.19})).engine.version == "0.19.0"
+
+
+def test_tensorrt_llm_reserves_each_request_to_its_last_token_and_never_preempts():
+    """A KV cache too small for the batch's decodes: vLLM admits on the prompt's blocks and preempts as decodes grow;
+    TensorRT-LLM's GUARANTEED_NO_EVICT admits only what fits to its last token, so nothing is preempted (and fewer
+    run at once); every request completes either way."""
+    tight = dict(**H100, workload={**WORKLOAD, "output_len": {"dist": "fixed", "value": 800}},
+                 kv_cache={"num_blocks": 400, "block_size": 16, "enable_prefix_caching": False},
+                 serving={"enable_chunked_prefill": True, "max_num_batched_tokens": 2048})
+    vllm = run(scenario(**tight, engine="vllm"))[0]
+    trt = run(scenario(**tight, engine="trtllm"))[0]
+    assert vllm["requests"]["completed"] == trt["requests"]["completed"] == 200
+    assert vllm["kv_cache"]["preemptions"] > 0 and trt["kv_cache"]["preemptions"] == 0
+    off = run(scenario(**{**tight, "serving": {**tight["serving"], "reserve_output": False}}, engine="trtllm"))[0]
+    assert off["kv_cache"]["preemptions"] > 0

@@ -5,20 +5,21 @@ keys it leaves out take that engine's defaults, and the report lists which were 
 
 Sources, per engine (read from each project's code at the version named; line references in docs/cost-model.md):
 - vLLM V1 (`vllm/engine/arg_utils.py` EngineArgs.get_batch_defaults and _set_default_args, `vllm/config/vllm.py`
-  _set_cudagraph_sizes, `vllm/config/cache.py`, `vllm/distributed/device_communicators/custom_all_reduce.py`): chunked
-  prefill and prefix caching always on; a step budget of 8192 tokens and 1024 sequences on a >= 70 GiB GPU other than
-  an A100, else 2048 and 256 (the OpenAI server's); CUDA graphs for 1, 2, 4, then every 8 to 256 and every 16 to
-  min(2 x max_num_seqs, 512) tokens (full graphs for decode-only steps, piecewise around attention for mixed ones);
-  its custom all-reduce below a message limit on NVLink; fused residual-add + RMSNorm; async scheduling by default from 0.14.0
-  (PR #27614); gpu_memory_utilization 0.9, 0.92 from 0.22.
-- SGLang (`python/sglang/srt/server_args.py`): chunked_prefill_size 8192 below 160 GiB of GPU memory, 16384 above, 2048
-  below 35 GiB; cuda_graph_max_bs 256 (TP < 4) or 512; prefill batches run apart from decode batches
-  (enable_mixed_chunk off); the overlap scheduler hides the host's work; page size 1 (simulated in blocks of 16); radix cache on; its custom
-  all-reduce; mem_fraction_static ~0.88.
+  _set_cudagraph_sizes, `vllm/config/cache.py`, `vllm/distributed/device_communicators/custom_all_reduce.py`):
+  chunked prefill and prefix caching always on; a step budget of 8192 tokens and 1024 sequences on a >= 70 GiB GPU
+  other than an A100, else 2048 and 256 (the OpenAI server's); CUDA graphs for 1, 2, 4, then every 8 to 256 and
+  every 16 to min(2 x max_num_seqs, 512) tokens (full graphs for decode-only steps, piecewise around attention for
+  mixed ones); its custom all-reduce below a message limit on NVLink; fused residual-add + RMSNorm; async scheduling
+  by default from 0.14.0 (PR #27614); gpu_memory_utilization 0.9, 0.92 from 0.22.
+- SGLang (`python/sglang/srt/server_args.py`): chunked_prefill_size 8192 below 160 GiB of GPU memory, 16384 above,
+  2048 below 35 GiB; cuda_graph_max_bs 256 (TP < 4) or 512; prefill batches run apart from decode batches
+  (enable_mixed_chunk off); the overlap scheduler hides the host's work; page size 1 (simulated in blocks of 16);
+  radix cache on; its custom all-reduce; mem_fraction_static ~0.88.
 - TensorRT-LLM (PyTorch backend, `tensorrt_llm/llmapi/llm_args.py`): max_num_tokens 8192, max_batch_size 2048,
-  chunked prefill off (a whole prompt joins a step beside the decodes: in-flight batching), tokens_per_block 32, KV
-  block reuse on, free_gpu_memory_fraction 0.9 of the memory left after weights and activations, the overlap
-  scheduler on, CUDA graphs for generation-only batches, its custom all-reduce fused with the next RMSNorm.
+  chunked prefill off (a whole prompt joins a step beside the decodes: in-flight batching), the GUARANTEED_NO_EVICT
+  capacity scheduler (a request's whole length reserved at admission), tokens_per_block 32, KV block reuse on,
+  free_gpu_memory_fraction 0.9 of the memory left after weights and activations, the overlap scheduler on, CUDA
+  graphs for generation-only batches, its custom all-reduce fused with the next RMSNorm.
 - infersim: the project's own executor (executor/): today's schema defaults, its CUDA graphs for plain decode steps.
 """
 from __future__ import annotations
@@ -215,7 +216,8 @@ def serving_defaults(r: Release, memory_gib: float, hardware_name: str) -> dict:
                 "kv_cache": {"enable_prefix_caching": True, "block_size": 16,
                              "gpu_memory_utilization": r.gpu_memory_utilization}}
     if r.engine == "trtllm":
-        return {"serving": {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "max_num_seqs": 2048},
+        return {"serving": {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "max_num_seqs": 2048,
+                            "reserve_output": True},
                 "kv_cache": {"enable_prefix_caching": True, "block_size": 32,
                              "gpu_memory_utilization": r.gpu_memory_utilization}}
     return INFERSIM_DEFAULTS

@@ -63,6 +63,7 @@ class SchedulerConfig:
     max_queue_len: int | None  # admission bound: waiting requests past which an arrival is rejected
     max_queue_delay_s: float | None  # admission bound: a request not started this long after arriving is rejected
     mixed_batches: bool = True  # prompts run in the decodes' steps; False: a step that prefills runs prompts alone
+    reserve_output: bool = False  # admit only what fits to its last output token (TRT-LLM's GUARANTEED_NO_EVICT)
 
 
 # vLLM turns chunked prefill on by default past this context (engine args, V0; V1 always): a step budget of a whole
@@ -86,13 +87,14 @@ def scheduler_config(max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
         raise TypeError(f"unknown scheduler knobs {sorted(unknown)}")
     k = {name: knobs.get(name, _default(ServingConfig, name)) for name in
          ("batching", "max_num_seqs", "enable_chunked_prefill", "waiting_served_ratio", "max_waiting_tokens",
-          "batch_size", "max_queue_len", "max_queue_delay_s", "mixed_batches")}
+          "batch_size", "max_queue_len", "max_queue_delay_s", "mixed_batches", "reserve_output")}
     if k["max_num_seqs"] is None:
         k["max_num_seqs"] = INFERSIM_MAX_NUM_SEQS
     if k["enable_chunked_prefill"] is None:
         k["enable_chunked_prefill"] = k["batching"] == "continuous" and max_model_len > LONG_CONTEXT
     if k["mixed_batches"] is None:  # infersim, and vLLM V0 before it: a whole prompt runs alone
         k["mixed_batches"] = k["enable_chunked_prefill"]
+    k["reserve_output"] = bool(k["reserve_output"])
     budget = knobs.get("max_num_batched_tokens") or \
         (step_tokens if k["enable_chunked_prefill"] else max(max_model_len, step_tokens))
     chunk = min(knobs.get("prefill_chunk_size") or budget, budget)

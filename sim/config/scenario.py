@@ -40,6 +40,11 @@ class ServingConfig(StrictModel):
     enable_chunked_prefill: bool | None = Field(
         None, description="split prompts across steps; default: the engine's (vLLM and SGLang on, TensorRT-LLM off; "
         "infersim: on under continuous batching when max_model_len is over 32,768, else off)")
+    reserve_output: bool | None = Field(
+        None, description="admit a request only if the KV blocks of its whole length (prompt and max_tokens) fit "
+        "beside the running requests' whole lengths, so none is ever preempted (TensorRT-LLM's GUARANTEED_NO_EVICT "
+        "capacity scheduler); false: admit on the prompt's blocks and preempt when decodes outgrow the cache (vLLM, "
+        "SGLang). Default: the engine's (TensorRT-LLM on, the others off)")
     mixed_batches: bool | None = Field(
         None, description="prompts (or their chunks) run in the same step as the decodes; false: a step that prefills "
         "runs prompts alone and the decodes wait (SGLang, vLLM V0). Default: the engine's (vLLM and TensorRT-LLM "

@@ -18,6 +18,7 @@ from sim.policy.block_manager import BlockAllocator
 from sim.policy.decode_set import DecodeSet
 from sim.policy.handoff import HandOff
 from sim.policy.request import Request, Status
+from sim.policy.reservation import OutputReservation
 
 
 class BaseScheduler:
@@ -42,6 +43,7 @@ class BaseScheduler:
         # requests that arrived after this are not seen yet: an async engine (vLLM's async scheduling, SGLang's and
         # TRT-LLM's overlap schedulers) fixes a step's batch while the step before it runs
         self.visible_until = float("inf")
+        self.reservation = OutputReservation(kv) if cfg.reserve_output else None  # TRT-LLM's no-evict admission
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -124,6 +126,8 @@ class BaseScheduler:
                 self.decoding.leave(req)
             del self.running[req]
             self.prefilling.pop(req, None)
+            if self.reservation is not None:
+                self.reservation.release(req)
         elif req in self.swapped:
             self.swapped.remove(req)
             self.kv.free_host_blocks.extend(reversed(req.host_block_table))
@@ -216,6 +220,8 @@ class BaseScheduler:
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
         r.status = Status.FINISHED
         del self.running[r]
+        if self.reservation is not None:
+            self.reservation.release(r)
         if len(r.block_hashes) > r.num_registered:  # a conversation's turn: its answer's blocks, for the next turn
             self.kv.register(r, r.num_tokens - 1)
         self.kv.free(r)

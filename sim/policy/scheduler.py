@@ -168,6 +168,8 @@ class Scheduler(BaseScheduler):
             self.decoding.leave(req)
         del self.running[req]
         self.prefilling.pop(req, None)
+        if self.reservation is not None:
+            self.reservation.release(req)
         if self.cfg.preemption == "swap" and req.num_generated and self.kv.can_swap_out(req):
             req.status = Status.SWAPPED
             req.swap_pairs = self.kv.swap_out(req)
@@ -211,6 +213,8 @@ class Scheduler(BaseScheduler):
                     self.kv.take_prefix(r, self.kv.cached_prefix(r)[0])
         for r, n in picks:
             self.waiting.popleft()
+            if self.reservation is not None:
+                self.reservation.take(r)
             self.kv.allocate(r, r.num_computed + n)
             r.status = Status.RUNNING
             self.running[r] = None
@@ -226,10 +230,15 @@ class Scheduler(BaseScheduler):
         free = self.kv.num_free - self.kv.watermark_blocks
         h = self.handoff  # HandOff.holding, inline: asked at every step with requests waiting
         slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
-        visible = self.visible_until
+        visible, reserve = self.visible_until, self.reservation
+        room = reserve.room() if reserve is not None else 0
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
+            if reserve is not None:  # its whole length must fit beside the running requests' (no eviction)
+                room -= reserve.whole(r)
+                if room < 0:
+                    break
             computed, held, revive = r.num_computed, len(r.block_table), 0
             if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived
                 held, revive = self.kv.cached_prefix(r)
