@@ -317,6 +317,26 @@ def test_the_api_key_guards_every_route_but_health_and_metrics(server):
     assert metric(open_[1].text, "infersim:requests_refused_total", status="401") >= 4
 
 
+@pytest.mark.parametrize("args, env, message", [
+    (["--api-key", "k"], None, "--api-key is a setting of an HTTP server: only with --http"),
+    (["--stall-timeout", "5"], None, "--stall-timeout is a setting of an HTTP server"),
+    (["--http", "--api-key", ""], None, "--api-key: an API key is printable ASCII"),
+    (["--http", "--api-key", "two words"], None, "--api-key: an API key is printable ASCII"),
+    (["--http"], "k\u00e9y", "INFERSIM_API_KEY: an API key is printable ASCII"),
+    (["--http", "--request-timeout", "0"], None, "--request-timeout"),
+    (["--http", "--max-request-bytes", "10"], None, "--max-request-bytes"),
+])
+def test_bad_front_flags_are_one_line_and_exit_2(tmp_path, checkpoint, monkeypatch, capsys, args, env, message):
+    from infersim.cli import app
+
+    if env is not None:
+        monkeypatch.setenv("INFERSIM_API_KEY", env)
+    with pytest.raises(SystemExit) as e:
+        app(["serve", str(scenario(tmp_path, checkpoint)), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
 # -- shutting down: SIGTERM, and an engine process that dies -----------------------------------------------------------
 
 def own_server(folder: Path, checkpoint, **limits):
