@@ -1,4 +1,4 @@
-"""The API server's end of the engine process (executor.serving.online): starting it (spawned: it loads and warms
+"""The API server's end of the engine process (executor.serving.online): starting it (forked: it loads and warms
 up the model), sending it requests and aborts, and handing each request's outputs to its handler's queue, all on the
 server's event loop. An engine process that dies ends every request in flight with ENGINE_DIED and calls `on_death`:
 the server answers 503 from then on and stops with a non-zero exit."""
