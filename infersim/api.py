@@ -239,7 +239,7 @@ def require_executor(what: str) -> None:
     one-line error saying how to get them: planning needs none of them."""
     import importlib.util
 
-    missing = [m for m in ("torch", "transformers", "gguf", "zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("torch", "transformers", "gguf", "msgpack") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"`infersim {what}` runs the PyTorch executor, which needs {', '.join(missing)}: pip "
                           "install 'infersim[executor]' (torch first, pinned: see the README)")

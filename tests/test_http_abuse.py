@@ -351,14 +351,21 @@ def own_server(folder: Path, checkpoint, **limits):
 
 
 def long_stream(url: str, events: list) -> threading.Thread:
-    """A thread streaming a long answer into `events`."""
+    """A thread streaming a long answer into `events`, returned once its first token has come."""
+    started = threading.Event()
+
     def run():
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json={
                 "prompt": words(4), "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}) as r:
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    started.set()
+        started.set()
 
     thread = threading.Thread(target=run)
     thread.start()
+    started.wait(30)
     return thread
 
 
@@ -368,7 +375,6 @@ def test_sigterm_stops_taking_requests_and_cancels_the_rest_with_a_reason(tmp_pa
     with httpx.Client(base_url=running.url, timeout=60) as c:
         assert complete(c).status_code == 200
         reader = long_stream(running.url, events)
-        time.sleep(0.3)
         running.uvicorn.handle_exit(signal.SIGTERM, None)
         time.sleep(0.05)
         try:
@@ -380,7 +386,7 @@ def test_sigterm_stops_taking_requests_and_cancels_the_rest_with_a_reason(tmp_pa
     running.thread.join(30)
     assert not running.thread.is_alive()
     errors = [json.loads(e[6:])["error"]["message"] for e in events if '"error"' in e]
-    assert errors and "server stopped" in errors[-1] and events[-1] == "data: [DONE]"
+    assert errors and "server stopped" in errors[-1] and events[-1] == "data: [DONE]", (len(events), events[-3:])
     trace = running.server.served.client.trace
     assert [r.status.value for r in trace.requests] == ["finished", "rejected"]
     assert trace.requests[1].reject_reason == "server stopped"
@@ -396,7 +402,11 @@ def test_an_engine_process_that_dies_gets_503s_and_stops_the_server(tmp_path, ch
 
     sender = threading.Thread(target=request)
     sender.start()
-    time.sleep(0.3)
+    with client(running, None) as c:  # until it runs
+        for _ in range(1000):
+            if metric(c.get("/metrics").text, "vllm:num_requests_running") == 1:
+                break
+            time.sleep(0.01)
     os.kill(running.server.served.client.info["pid"], signal.SIGKILL)
     sender.join(30)
     running.thread.join(30)
@@ -431,7 +441,6 @@ def test_the_cli_exits_0_after_sigterm_and_1_when_its_engine_dies(tmp_path, chec
     with httpx.Client(base_url=url, timeout=60) as c:
         assert complete(c).status_code == 200
     reader = long_stream(url, events)
-    time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     reader.join(30)
     assert proc.wait(30) == 0, proc.stderr.read()[-2000:]

@@ -13,20 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-
 from executor.serving.channel import (
     ABORT,
     ADD,
     ENGINE_DIED,
+    HEADER,
     REJECTED,
     RUNNING,
     SHUTDOWN,
-    Addresses,
-    send,
-    socket,
-    unpack,
+    frame,
+    fresh_address,
+    unframe,
 )
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
@@ -90,18 +87,18 @@ class EngineClient:
     sees every update first (metrics), `on_gauges(list)` every turn's gauges."""
 
     def __init__(self, plan: Plan, device: str, threads: int | None, keep_trace: bool = False,
-                 keep_warm_s: float = 0.0, index: int = 0):
+                 keep_warm_s: float = 0.0):
         ctx = _context()
-        self.addresses, self.index, self.keep_trace = Addresses.fresh(), index, keep_trace
+        self.address, self.keep_trace = fresh_address(), keep_trace
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_process, name="infersim-engine", daemon=True,
-                                args=(plan, device, threads, self.addresses, child, keep_trace, keep_warm_s,
+                                args=(plan, device, threads, self.address, child, keep_trace, keep_warm_s,
                                       os.getpid()))
         self.proc.start()
         child.close()
         self.info = self._ready()
         self.t0 = self.info["t0"]
-        self.ids = itertools.count(index, 1)  # with N API servers: index + N·k
+        self.ids = itertools.count()
         self.pending: dict[int, Pending] = {}
         self.error: str | None = None
         self.stopping = False
@@ -137,11 +134,17 @@ class EngineClient:
     async def start(self) -> None:
         """On the server's event loop: connect, read outputs, watch the engine process."""
         loop = asyncio.get_running_loop()
-        self.push_context, self.pull_context = zmq.Context(), zmq.asyncio.Context()
-        self.push = socket(self.push_context, zmq.PUSH, self.addresses.requests, bind=False)
-        self.pull = socket(self.pull_context, zmq.PULL, self.addresses.outputs[self.index], bind=False)
-        self.reader = loop.create_task(self._read())
         loop.add_reader(self.proc.sentinel, self._died)
+        try:
+            self.stream_in, self.stream_out = await asyncio.open_unix_connection(self.address)
+        except OSError:  # the engine died since it said ready: its sentinel tells
+            self.stream_in = self.stream_out = None
+        self.reader = loop.create_task(self._read())
+
+    def _send(self, message) -> None:
+        """One frame to the engine; the transport buffers what the socket cannot take yet (never waits)."""
+        if self.stream_out is not None and not self.stream_out.is_closing():
+            self.stream_out.write(frame(message))
 
     def submit(self, prompt_ids: list[int], max_tokens: int, arrival_s: float, temperature: float, top_p: float,
                seed: int | None, ignore_eos: bool, min_tokens: int) -> Pending:
@@ -151,19 +154,22 @@ class EngineClient:
         if self.error is not None:
             self._end(p, ENGINE_DIED)
             return p
-        send(self.push, [ADD, self.index, rid, prompt_ids, max_tokens, arrival_s, temperature, top_p, seed,
-                         ignore_eos, min_tokens])
+        self._send([ADD, rid, prompt_ids, max_tokens, arrival_s, temperature, top_p, seed, ignore_eos, min_tokens])
         return p
 
     def abort(self, p: Pending, reason: str | None) -> None:
         """End a request at the engine's next turn, its KV freed: rejected with `reason`, or finished (`reason`
         None: a stop string matched)."""
         if p.state == RUNNING and self.error is None:
-            send(self.push, [ABORT, p.rid, reason])
+            self._send([ABORT, p.rid, reason])
 
     async def _read(self) -> None:
-        while True:
-            gauges, items = unpack(await self.pull.recv())
+        while self.stream_in is not None:
+            try:
+                (n,) = HEADER.unpack(await self.stream_in.readexactly(HEADER.size))
+                gauges, items = unframe(await self.stream_in.readexactly(n))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the engine hung up: its process's end says why
             self.on_gauges(gauges)
             for rid, tokens, at, state, reason in items:
                 p = self.pending.get(rid)
@@ -197,15 +203,13 @@ class EngineClient:
         for its trace, if it keeps one), close the channel."""
         self.stopping = True
         if self.error is None:
-            send(self.push, [SHUTDOWN])
+            self._send([SHUTDOWN])
             await asyncio.to_thread(self._collect)
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
-        for sock in (self.push, self.pull):
-            sock.close(linger=0)
-        self.push_context.term()
-        self.pull_context.term()
-        shutil.rmtree(self.addresses.folder, ignore_errors=True)
+        if self.stream_out is not None:
+            self.stream_out.close()
+        shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)
 
     def _collect(self) -> None:
         """On a thread: the engine's trace (if kept), then its exit."""

@@ -1,7 +1,7 @@
 """`infersim serve --http`: the executor as an OpenAI-compatible server (Starlette on uvicorn), in two processes as
 vLLM v1 has it. This one, the API server, does HTTP, JSON, the API key, tokenizing, detokenizing, server-sent events
 and metrics; the engine process (executor.serving.online, started by executor.api_server.engine_client) runs the
-engine core and nothing else, and the two talk over ZeroMQ (executor.serving.channel). Every HTTP request joins the
+engine core and nothing else, and the two talk over a Unix socket (executor.serving.channel). Every HTTP request joins the
 engine's one continuous batch; tokens stream back as server-sent events, one chunk per engine step. A client that
 goes away, or stops reading, has its request taken out and its KV freed at the next step. The front's bounds:
 executor.api_server.limits."""
