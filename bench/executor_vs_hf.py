@@ -15,14 +15,24 @@ machine: prefill FLOPs (2·params·prompt tokens + attention; LM head only for t
 matmul rate, plus the weight bytes of every decode step infersim ran at the memory bandwidth, both the best
 of what was measured right before and right after infersim's run. It checks infersim's greedy output against HF static's, request by request.
 
-Usage: python bench/executor_vs_hf.py [--quick] [--only infersim|hf_static|hf_cb ...]
+With `--against TREE` (another checkout of the project, e.g. the commit before a change, made with `git archive
+COMMIT | tar -x -C TREE`) it runs only infersim's part, this tree's and TREE's alternately round by round, each in a
+process of its own, and prints the median walls and their ratio (a change's effect on the executor's speed, side by
+side, so the machine's drift falls on both).
+
+Usage: python bench/executor_vs_hf.py [--quick] [--only infersim|hf_static|hf_cb ...] [--against TREE --rounds N]
 Ends with `name: value` headline lines.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -43,6 +53,7 @@ THREADS = 2
 NUM_REQUESTS = 64
 QUICK_REQUESTS = 16
 HF_STATIC_BATCH = 8
+ROOT = Path(__file__).resolve().parents[1]
 
 # infersim's serving knobs for this workload (all 64 requests fit in flight at once)
 MAX_NUM_SEQS = 64
@@ -221,6 +232,25 @@ def compare(ours, ref):
     return len(diffs), diffs
 
 
+def against(tree: Path, rounds: int, quick: bool) -> None:
+    """infersim's run of this tree and of `tree`, alternating which goes first, each a process of its own; the
+    median walls and their ratio (this / the other)."""
+    walls: dict[str, list[float]] = {"this": [], "baseline": []}
+    for r in range(rounds):
+        order = [("this", ROOT), ("baseline", tree)]
+        for name, root in order if r % 2 == 0 else order[::-1]:
+            out = subprocess.run([sys.executable, str(root / "bench" / "executor_vs_hf.py"), "--only", "infersim",
+                                  *(["--quick"] if quick else [])], cwd=root, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+            walls[name].append(float(re.search(r"^infersim_wall_s: (\S+)$", out, re.M).group(1)))
+            print(f"round {r + 1} {name} ({root}): {walls[name][-1]:.2f} s", flush=True)
+    this, base = statistics.median(walls["this"]), statistics.median(walls["baseline"])
+    print(f"ab_this_wall_s: {this:.3f}")
+    print(f"ab_baseline_wall_s: {base:.3f}")
+    print(f"ab_wall_ratio: {this / base:.4f}")
+    print(f"ab_load_avg_1min: {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"only the first {QUICK_REQUESTS} requests")
@@ -232,7 +262,12 @@ def main() -> None:
     ap.add_argument("--chunked", action=argparse.BooleanOptionalAction, default=CHUNKED_PREFILL)
     ap.add_argument("--attention", default=ATTENTION)
     ap.add_argument("--profile", action="store_true", help="cProfile the infersim run (top 25 by tottime)")
+    ap.add_argument("--against", type=Path, help="another checkout: infersim's run of both, alternately")
+    ap.add_argument("--rounds", type=int, default=4, help="--against: rounds (each runs both trees)")
     args = ap.parse_args()
+    if args.against is not None:
+        against(args.against.resolve(), args.rounds, args.quick)
+        return
 
     torch.set_num_threads(THREADS)
     from executor.core.malloc_tuning import keep_freed_memory

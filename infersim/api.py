@@ -239,23 +239,25 @@ def require_executor(what: str) -> None:
     one-line error saying how to get them: planning needs none of them."""
     import importlib.util
 
-    missing = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("torch", "transformers", "gguf", "msgpack") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"`infersim {what}` runs the PyTorch executor, which needs {', '.join(missing)}: pip "
                           "install 'infersim[executor]' (torch first, pinned: see the README)")
 
 
 def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,
-                keep_trace: bool = False):
-    """(plan, the OpenAI-compatible server of a scenario's model on the executor: executor.api_server.server.OpenAIServer,
-    its engine loaded and warmed up, not yet listening). The scenario's scheduler, KV cache and limits serve whatever
-    clients send; its workload is not replayed. `keep_trace`: every step and request kept for a report."""
+                keep_trace: bool = False, limits=None):
+    """(plan, the OpenAI-compatible server of a scenario's model: executor.api_server.server.OpenAIServer, its
+    engine process started, the model loaded and warmed up there, not yet listening). The scenario's scheduler, KV
+    cache and limits serve whatever clients send; its workload is not replayed. `keep_trace`: every step and request
+    kept for a report. `limits`: the HTTP front's bounds (executor.api_server.limits.ServerLimits; default: its
+    defaults, the API key from INFERSIM_API_KEY)."""
     require_executor("serve")
+    from executor.api_server.engine_client import EngineClient
     from executor.api_server.server import OpenAIServer, Served
-    from executor.core.prompts import corpus_ids
-    from executor.serving.serve import build_engine, check_device, load_model, set_threads, warm_up
 
-    check_device(device)
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
     plan = load_plan(path)
     check_checkpoint(plan, path)
     if plan.pools is not None or plan.replicas != 1 or plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
@@ -265,31 +267,40 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
         raise ConfigError("serve --http does not run speculative decoding; drop the speculative section",
                           "speculative", str(path))
     warn_threads(plan, threads)
-    pinned = set_threads(plan, threads)
+    keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
     try:
-        loaded = load_model(plan, device)
-        engine = build_engine(plan, loaded, device)
+        client = EngineClient(plan, device, threads, keep_trace, keep_warm_s)
     except ConfigError as e:
         raise e.with_file(str(path)) from None
-    vocab = loaded.model.config.vocab_size
-    warm_up(engine, corpus_ids(loaded.tokenizer, vocab))
-    keep_warm_s = KEEP_WARM_S if plan.executor.keep_warm and device == "cpu" else 0.0
-    served = Served(engine, loaded.tokenizer, served_model or plan.model.name, vocab, plan.max_model_len,
-                    loaded.eos_token_id)
-    return plan, OpenAIServer(served, keep_warm_s=keep_warm_s, keep_trace=keep_trace,
-                              adapt_threads=not pinned and device == "cpu")
+    info = client.info
+    served = Served(client, info["tokenizer"], served_model or plan.model.name, info["vocab_size"], plan.max_model_len,
+                    info["eos_token_id"])
+    return plan, OpenAIServer(served, limits or server_limits())
+
+
+def server_limits(**given):
+    """The HTTP front's bounds (executor.api_server.limits.ServerLimits): the values given, defaults for those None;
+    the API key, when none is given, from INFERSIM_API_KEY."""
+    from executor.api_server.limits import ServerLimits
+    from sim.config.environment import api_key
+
+    given = {k: v for k, v in given.items() if v is not None}
+    key, where = (given["api_key"], "--api-key") if "api_key" in given else (api_key(), "INFERSIM_API_KEY")
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        raise ConfigError("an API key is printable ASCII without spaces (it travels in a header); allowed: such a "
+                          "non-empty string", where)
+    return ServerLimits(**{**given, "api_key": key})
 
 
 def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu",
                threads: int | None = None, out: Path | None = None, quiet: bool = False,
-               served_model: str | None = None) -> dict | None:
-    """Serve a scenario's model as an OpenAI-compatible HTTP server (http_server) until stopped (Ctrl-C). With
-    `out`, the report of every request served is written there when it stops (and returned)."""
+               served_model: str | None = None, limits=None) -> dict | None:
+    """Serve a scenario's model as an OpenAI-compatible HTTP server (http_server) until SIGTERM or Ctrl-C, which
+    drain it. With `out`, the report of every request served is written there when it stops (and returned). The
+    engine process dying raises executor.api_server.engine_client.EngineDied once the server has stopped."""
     require_executor("serve")
-    import uvicorn
-
-    from executor.api_server.server import bind
-    from executor.serving.serve import trace_of, write_traces
+    from executor.api_server.engine_client import EngineDied
+    from executor.api_server.server import HTTPServer, bind
     from sim.report.metrics import records_from_requests
 
     prepare_out(out)
@@ -299,25 +310,28 @@ def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: st
         sock = bind(host, port)
     except (OSError, OverflowError) as e:
         raise ConfigError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e})", "--port") from None
-    plan, server = http_server(path, device, threads, served_model, keep_trace=out is not None)
+    plan, server = http_server(path, device, threads, served_model, keep_trace=out is not None, limits=limits)
     url = f"http://{host}:{sock.getsockname()[1]}"
     if not quiet:
+        key = "; clients send Authorization: Bearer KEY" if server.limits.api_key else ""
         Console(stderr=True).print(f"{plan.name}: serving {server.served.model_name} at {url}/v1 (OpenAI API; "
-                                   "/metrics, /health); Ctrl-C stops", highlight=False)
-    try:
-        uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on",
-                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn >= 0.29 raises the Ctrl-C it shut down on again: the report is still written
-        pass
+                                   f"/metrics, /health){key}; engine process {server.served.client.info['pid']}; "
+                                   "Ctrl-C or SIGTERM stops", highlight=False)
+    HTTPServer(server).run(sockets=[sock])
     sock.close()
-    if out is None:
+    client = server.served.client
+    if client.error is not None:
+        raise EngineDied(f"{client.error}: the server stopped")
+    if out is None or client.trace is None:
         return None
-    engine, requests = server.served.engine, server.online.finished
-    records = records_from_requests(requests)
-    report = build_report(plan, records, trace_of(engine), engine.now(), engine="executor",
-                          extra={"executor": {"device": device, "threads": _torch_threads(), "http": url}})
-    write_outputs(out, report, records, trace_of(engine), plots=False)
-    write_traces(out, engine, requests)
+    from executor.serving.serve import write_traces
+
+    trace = client.trace
+    records = records_from_requests(trace.requests)
+    report = build_report(plan, records, trace.traces, trace.wall_s, engine="executor",
+                          extra={"executor": {"device": device, "threads": client.info["threads"], "http": url}})
+    write_outputs(out, report, records, trace.traces, plots=False)
+    write_traces(out, trace, trace.requests)
     if not quiet:
         print_summary(report, Console())
         Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
@@ -325,12 +339,6 @@ def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: st
 
 
 KEEP_WARM_S = 1.0  # a CPU server keeps torch's threads busy this long into an idle spell (executor.keep_warm)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 class progress_bar:

@@ -88,19 +88,42 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
           host: str = typer.Option("127.0.0.1", "--host", help="--http: the address to listen on"),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="--http: the port (0: any free one)"),
           served_model: Optional[str] = typer.Option(None, "--served-model", help="--http: the model's name in the "
-                                                     "API (default: the scenario's model)")) -> None:
+                                                     "API (default: the scenario's model)"),
+          api_key: Optional[str] = typer.Option(None, "--api-key", help="--http: clients must send Authorization: "
+                                                "Bearer KEY; /health and /metrics stay open (default: "
+                                                "$INFERSIM_API_KEY, else no key)"),
+          max_request_bytes: Optional[int] = typer.Option(None, "--max-request-bytes", min=1024, max=1 << 30,
+                                                          help="--http: larger request bodies get 413 unread "
+                                                          "(default 4 MiB)"),
+          max_connections: Optional[int] = typer.Option(None, "--max-connections", min=1, max=1_000_000,
+                                                        help="--http: past this many open connections a request "
+                                                        "gets 503 (default 1024)"),
+          request_timeout: Optional[float] = typer.Option(None, "--request-timeout", min=0.1, max=3600.0,
+                                                          help="--http: seconds a connection has to send a whole "
+                                                          "request, headers and body (default 30)"),
+          stall_timeout: Optional[float] = typer.Option(None, "--stall-timeout", min=0.1, max=3600.0,
+                                                        help="--http: a response its client reads nothing of for "
+                                                        "this many seconds is dropped, its KV freed (default 30)"),
+          shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", min=0.0, max=3600.0,
+                                                           help="--http: on SIGTERM or Ctrl-C, seconds requests in "
+                                                           "flight get to finish before they are cancelled "
+                                                           "(default 30)")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
     its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
+    front = {"api_key": api_key, "max_request_bytes": max_request_bytes, "max_connections": max_connections,
+             "request_timeout_s": request_timeout, "stall_timeout_s": stall_timeout,
+             "shutdown_timeout_s": shutdown_timeout}
     try:
         if http:
             if profile is not None:
                 raise ConfigError("--profile measures a replay's speculative overhead: not with --http", "--profile")
-            api.serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model)
+            _serve_http(scenario, host, port, device, threads, out, quiet, served_model, front)
             return
-        if served_model is not None:
-            raise ConfigError("--served-model names the model an HTTP server serves: only with --http",
-                              "--served-model")
+        given = [k for k, v in {"served_model": served_model, **front}.items() if v is not None]
+        if given:
+            flag = "--" + given[0].removesuffix("_s").replace("_", "-")
+            raise ConfigError(f"{flag} is a setting of an HTTP server: only with --http", flag)
         api.require_executor("serve")
         from executor.distributed.launch import WorkerError
     except ConfigError as e:
@@ -112,6 +135,20 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
     except WorkerError as e:  # a worker process of a parallel serve failed: one line, the partial traces written
         print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int | None, out: Path | None,
+                quiet: bool, served_model: str | None, front: dict) -> None:
+    """serve --http: the engine process dying is one line and exit code 1."""
+    api.require_executor("serve")
+    from executor.api_server.engine_client import EngineDied
+
+    try:
+        api.serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model,
+                       limits=api.server_limits(**front))
+    except EngineDied as e:
+        print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
 
 
 @app.command()

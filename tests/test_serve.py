@@ -229,15 +229,17 @@ class _Load:
 
 @pytest.mark.parametrize("busy", [False, True])
 def test_keep_warm_polls_idle_gaps_only_on_a_quiet_machine(monkeypatch, busy):
+    from executor.core import engine_core
     from executor.model.tiny import tiny_model
     from executor.serving import serve as serve_mod
     from sim.config.workload import RequestSpec
     from tests.test_engine import make_engine
 
     warmed, slept = [], []
-    real_warm = serve_mod._keep_warm
-    monkeypatch.setattr(serve_mod, "_keep_warm", lambda e, until: (warmed.append(until), real_warm(e, until)))
-    monkeypatch.setattr(serve_mod.time, "sleep", lambda s: slept.append(s))
+    real_warm = engine_core.keep_warm
+    monkeypatch.setattr(engine_core, "keep_warm", lambda e, until, ready: (warmed.append(until),
+                                                                            real_warm(e, until, ready)))
+    monkeypatch.setattr(engine_core.time, "sleep", lambda s: slept.append(s))
     engine = make_engine(tiny_model(seed=1))
     specs = [RequestSpec(i, 0.2 * i, 8, 3) for i in range(4)]  # gaps far longer than a tiny step
     reqs = serve_mod.replay(engine, specs, list(range(3, 200)), _Load(busy), keep_warm=True)

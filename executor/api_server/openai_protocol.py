@@ -4,17 +4,20 @@ their streamed chunks and errors."""
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass
+
+from executor.serving.channel import ENGINE_DIED, SERVER_STOPPED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_STOP_STRINGS = 16
 
 # why the scheduler turned a request away -> the HTTP status a client gets
 QUEUE_FULL, QUEUE_TIMEOUT = "queue full (max_queue_len)", "queue timeout (max_queue_delay_s)"
-SERVER_STOPPED = "server stopped"
 CLIENT_GONE = "client disconnected"
+CLIENT_STALLED = "client stopped reading"  # its stream was dropped after ServerLimits.stall_timeout_s
 
 
 class BadRequest(Exception):
@@ -39,7 +42,7 @@ def rejection(reason: str) -> BadRequest:
     if reason == QUEUE_FULL:
         return BadRequest(f"the server's queue is full ({reason}); retry later", None, 429, "rate_limit_exceeded",
                           "rate_limit_exceeded")
-    if reason in (QUEUE_TIMEOUT, SERVER_STOPPED):
+    if reason in (QUEUE_TIMEOUT, SERVER_STOPPED) or reason.startswith(ENGINE_DIED):
         return BadRequest(f"the server could not start the request: {reason}", None, 503, "service_unavailable",
                           "service_unavailable")
     return BadRequest(f"the request cannot be served: {reason}", "max_tokens" if "max_model_len" in reason else None)
@@ -81,7 +84,7 @@ def parse_request(body, chat: bool, model_name: str, vocab_size: int) -> Ask:
         raise BadRequest("only n = 1 is served", "n")
     if body.get("logprobs") or body.get("echo") or body.get("best_of", 1) not in (1, None):
         raise BadRequest("logprobs, echo and best_of are not served", "logprobs")
-    options = body.get("stream_options") or {}
+    options = _get(body, "stream_options", {})
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
     min_tokens = _int(_get(body, "min_tokens", 0), "min_tokens", 0)
@@ -96,6 +99,20 @@ def parse_request(body, chat: bool, model_name: str, vocab_size: int) -> Ask:
                ignore_eos=_bool(_get(body, "ignore_eos", False), "ignore_eos"), min_tokens=min_tokens)
 
 
+def _show(value) -> str:
+    """A client's value quoted in an error: short, and safe for any nesting."""
+    return _SHOWN.repr(value)
+
+
+def _shown() -> reprlib.Repr:
+    shown = reprlib.Repr()  # its keyword arguments are Python 3.12's
+    shown.maxlevel, shown.maxstring, shown.maxother, shown.maxlist, shown.maxdict = 2, 40, 40, 4, 4
+    return shown
+
+
+_SHOWN = _shown()
+
+
 def _get(body: dict, key: str, default):
     value = body.get(key)
     return default if value is None else value
@@ -103,7 +120,7 @@ def _get(body: dict, key: str, default):
 
 def _int(value, param: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or value >= 2**63:
-        raise BadRequest(f"{param} must be a whole number of at least {low}, not {str(value)[:40]!r}", param)
+        raise BadRequest(f"{param} must be a whole number of at least {low}, not {_show(value)}", param)
     return value
 
 
@@ -111,13 +128,13 @@ def _number(value, param: str, low: float, high: float, low_open: bool = False) 
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value > high or value < low or (low_open and value == low):
         where = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{param} must be a number in {where}, not {str(value)[:40]!r}", param)
+        raise BadRequest(f"{param} must be a number in {where}, not {_show(value)}", param)
     return float(value)
 
 
 def _bool(value, param: str) -> bool:
     if not isinstance(value, bool):
-        raise BadRequest(f"{param} must be true or false, not {str(value)[:40]!r}", param)
+        raise BadRequest(f"{param} must be true or false, not {_show(value)}", param)
     return value
 
 

@@ -10,6 +10,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's iteration_tokens
+DECODE_ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -46,6 +48,9 @@ class ServerMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
+        self.decode_rows = Histogram(DECODE_ROWS_BUCKETS)
+        self.refused: dict[int, int] = {}  # requests the HTTP front turned away before the engine, by status
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.arrived = 0
@@ -55,6 +60,17 @@ class ServerMetrics:
     def request_arrived(self) -> None:
         with self.lock:
             self.arrived += 1
+
+    def request_refused(self, status: int) -> None:
+        with self.lock:
+            self.refused[status] = self.refused.get(status, 0) + 1
+
+    def step_observed(self, tokens: int, decode_rows: int) -> None:
+        """One engine step: the tokens it computed and the requests it decoded."""
+        with self.lock:
+            self.iteration_tokens.observe(tokens)
+            if decode_rows:
+                self.decode_rows.observe(decode_rows)
 
     def request_ended(self, prompt_tokens: int, token_times: list[float], arrival_s: float,
                       finish_reason: str | None, reject_reason: str | None) -> None:
@@ -98,6 +114,10 @@ class ServerMetrics:
                    self.itl.lines("vllm:inter_token_latency_seconds", lab))
             metric("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
                    self.e2e.lines("vllm:e2e_request_latency_seconds", lab))
+            metric("vllm:iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
+                   self.iteration_tokens.lines("vllm:iteration_tokens_total", lab))
+            metric("infersim:decode_rows_per_step", "histogram", "Requests decoded per engine step that decoded any.",
+                   self.decode_rows.lines("infersim:decode_rows_per_step", lab))
             metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
                    [f'vllm:request_success_total{{{lab},finished_reason="{k}"}} {v}'
                     for k, v in sorted(self.finished.items())])
@@ -107,6 +127,9 @@ class ServerMetrics:
             metric("infersim:requests_rejected_total", "counter", "Requests rejected, by reason.",
                    [f'infersim:requests_rejected_total{{{lab},reason="{_escape(k)}"}} {v}'
                     for k, v in sorted(self.rejected.items())])
+            metric("infersim:requests_refused_total", "counter", "Requests the HTTP front turned away before the "
+                   "engine (bad input, too large, not authorized, shutting down), by status.",
+                   [f'infersim:requests_refused_total{{{lab},status="{k}"}} {v}' for k, v in sorted(self.refused.items())])
         return "\n".join(out) + "\n"
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from executor.core.engine import Engine
+from executor.core.engine_core import run_until_done
 from executor.model.cache_engine import KVCache
 from executor.model.llama import LlamaModel
 from executor.model.sampling import SamplingParams
@@ -35,10 +36,8 @@ def make_engine(model: LlamaModel, policy: Scheduler, sampling: SamplingParams |
 
 
 def run_offline(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[Request]:
-    """Offline inference: every prompt queued at t=0, steps run until all are done; the requests, in order."""
+    """Offline inference: every prompt queued at t=0, the engine core run until all are done; the requests, in
+    order."""
     reqs = [Request(i, 0.0, len(p), m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    for r, p in zip(reqs, prompts):
-        engine.add(r, p)
-    while engine.has_work():
-        engine.step()
+    run_until_done(engine, zip(reqs, prompts))
     return reqs

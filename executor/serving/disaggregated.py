@@ -32,11 +32,11 @@ import torch.multiprocessing as mp
 from executor.core.build import make_engine
 from executor.core.cpu_load import CpuLoad
 from executor.core.engine import Engine, StepRecord
+from executor.core.engine_core import EngineCore, Port
 from executor.core.prompts import corpus_ids
 from executor.distributed.launch import Group, WorkerError, launch
 from executor.serving.kv_transfer import Transfer, copy_kv, fit_link
 from executor.serving.serve import (
-    LOAD_EVERY_S,
     Arrivals,
     Loaded,
     build_engine,
@@ -113,8 +113,9 @@ def decode_worker(rank: int, plan: Plan, device: str, conn: Connection) -> None:
     DecodeInstance(engine, conn, source, rank).run()
 
 
-class DecodeInstance:
-    """A decode instance's loop: take hand-offs, pull their KV on a copy thread, step, report."""
+class DecodeInstance(Port):
+    """A decode instance's port on the engine core: hand-offs in from the driver's pipe, their KV pulled on a copy
+    thread, news (steps, transfers, ends) back after every turn that has some."""
 
     def __init__(self, engine: Engine, conn: Connection, source: torch.Tensor, rank: int):
         self.engine, self.conn, self.source, self.rank = engine, conn, source, rank
@@ -123,29 +124,38 @@ class DecodeInstance:
         self.live: set[Request] = set()
         self.sources: dict[Request, list[int]] = {}  # handed off, KV not yet here: the prefill blocks holding it
         self.steps_sent = 0
+        self.ended: list[Ended] = []
+        self.transfers: list[Transfer] = []
 
     def run(self) -> None:
-        sched = self.engine.scheduler
-        while True:
-            ended, transfers = [], []
-            while self.conn.poll():
-                msg = self.conn.recv()
-                if msg is None:
-                    self.copier.shutdown()
-                    return
-                ended += self._take(msg)
-            transfers += self._copies_done()
-            for r in sched.reserve_transfers():
-                job = self.copier.submit(self._copy, self.sources.pop(r), list(r.block_table), r.num_computed)
-                self.copies.append((r, job))
-            stepped = sched.has_work() and self.engine.step() is not None
-            done = [r for r in self.live if r.is_done]
-            for r in done:
-                self.live.discard(r)
-                ended.append(self._ended(r))
-            self._report(transfers, ended)
-            if not stepped:  # idle: until a message, or soon while a copy is on (its end sends none)
-                self.conn.poll(0.001 if self.copies or sched.has_work() else None)
+        EngineCore(self.engine, self).run()
+
+    def take(self, engine, now: float) -> bool:
+        while self.conn.poll():
+            msg = self.conn.recv()
+            if msg is None:
+                self.copier.shutdown()
+                return False
+            self.ended += self._take(msg)
+        self.transfers += self._copies_done()
+        for r in engine.scheduler.reserve_transfers():
+            job = self.copier.submit(self._copy, self.sources.pop(r), list(r.block_table), r.num_computed)
+            self.copies.append((r, job))
+        return True
+
+    def publish(self, engine, stepped: bool) -> None:
+        for r in [r for r in self.live if r.is_done]:
+            self.live.discard(r)
+            self.ended.append(self._ended(r))
+        self._report(self.transfers, self.ended)
+        self.transfers, self.ended = [], []
+
+    def more(self) -> bool:
+        return True  # until the driver says stop
+
+    def wait(self, timeout_s: float, busy: bool) -> None:
+        """Until a message, or soon while a copy is on (its end sends none)."""
+        self.conn.poll(0.001 if self.copies or busy else max(0.0, timeout_s))
 
     def _take(self, h: Handoff) -> list[Ended]:
         """Queue a hand-off (or end it at once, rejected)."""
@@ -258,8 +268,9 @@ def kv_transfer_section(plan: Plan, transfers: list[Transfer]) -> dict:
             "fit": fit_link(transfers)}
 
 
-class PrefillDriver:
-    """Rank 0: the prefill instance's online replay, handing prompts that are done to the decode instances."""
+class PrefillDriver(Port):
+    """Rank 0: the prefill instance's online replay, handing prompts that are done to the decode instances (the
+    engine core's port on the prefill engine)."""
 
     def __init__(self, plan: Plan, engine: Engine, links: list[DecodeLink], group: Group, corpus: list[int]):
         self.plan, self.engine, self.links, self.group, self.corpus = plan, engine, links, group, corpus
@@ -271,6 +282,7 @@ class PrefillDriver:
         self.transfers: list[Transfer] = []
         self.outputs: dict[int, list[int]] = {}
         self.handed_prompts: dict[int, list[int]] = {}  # a conversation's handed-off turn: its prompt, for the next
+        self.progress = None
 
     def wait_ready(self) -> None:
         """Until every decode instance has loaded its model and warmed up (one that fails raises its WorkerError)."""
@@ -293,38 +305,47 @@ class PrefillDriver:
 
     def replay(self, load: CpuLoad, progress=None) -> None:
         """Submit each request at its arrival time (a conversation's later turn when the turn before it ends, see
-        executor.serving.serve.Arrivals), step, hand off, absorb the decode instances' news, until every request has ended. A
-        decode instance that dies raises its WorkerError."""
-        engine, sched, reqs, arrivals = self.engine, self.engine.scheduler, self.requests, self.arrivals
-        next_sample = LOAD_EVERY_S
-        while True:
-            now = engine.now()
-            for r, ids in arrivals.due(now):
-                self.arrived.append(r)
-                if engine.add(r, ids):  # rejection: final
-                    self.live.add(r)
-            if now >= next_sample:
-                next_sample = now + LOAD_EVERY_S
-                load.sample()
-                if progress is not None:
-                    progress(sum(r.is_done for r in reqs), len(reqs))
-            self._absorb()
-            self.group.check()
-            arrivals.ended(engine.now())
-            if not arrivals.pending() and not self.live:
-                break
-            if sched.has_work() and engine.step() is not None:
-                for r in sched.handoff.take():
-                    self._hand_off(r)
-                for r in [r for r in self.live if r.is_done]:  # ended here: a one-token answer, or rejected
-                    self.live.discard(r)
-                    if r.status is Status.FINISHED:
-                        self.outputs[r.id] = engine.output_ids(r)
-            else:  # idle, or every free block is still being read: until a decode instance or an arrival says
-                until = arrivals.next_s() - engine.now()
-                wait([link.conn for link in self.links], max(0.0, min(until, LOAD_EVERY_S)))
+        executor.serving.serve.Arrivals), step, hand off, absorb the decode instances' news, until every request has
+        ended: the engine core with this driver as its port. A decode instance that dies raises its WorkerError."""
+        self.progress = progress
+        EngineCore(self.engine, self, load).run()
         if progress is not None:
-            progress(len(reqs), len(reqs))
+            progress(len(self.requests), len(self.requests))
+
+    def take(self, engine, now: float) -> bool:
+        for r, ids in self.arrivals.due(now):
+            self.arrived.append(r)
+            if engine.add(r, ids):  # rejection: final
+                self.live.add(r)
+        self._absorb()
+        self.group.check()
+        self.arrivals.ended(engine.now())
+        return True
+
+    def publish(self, engine, stepped: bool) -> None:
+        if not stepped:
+            return
+        for r in engine.scheduler.handoff.take():
+            self._hand_off(r)
+        for r in [r for r in self.live if r.is_done]:  # ended here: a one-token answer, or rejected
+            self.live.discard(r)
+            if r.status is Status.FINISHED:
+                self.outputs[r.id] = engine.output_ids(r)
+
+    def more(self) -> bool:
+        return self.arrivals.pending() or bool(self.live)
+
+    def next_s(self) -> float:
+        return self.arrivals.next_s()
+
+    def wait(self, timeout_s: float, busy: bool) -> None:
+        """Idle, or every free block still being read: until a decode instance says something, or the next
+        arrival."""
+        wait([link.conn for link in self.links], max(0.0, timeout_s))
+
+    def tick(self, now: float) -> None:
+        if self.progress is not None:
+            self.progress(sum(r.is_done for r in self.requests), len(self.requests))
 
     def _sequence(self, r: Request) -> list[int]:
         """The token ids a finished turn ran (its prompt and what it generated), wherever it ended."""

@@ -15,6 +15,7 @@ import torch
 from executor.core.build import make_engine
 from executor.core.cpu_load import CpuLoad
 from executor.core.engine import Engine, SamplingParams
+from executor.core.engine_core import EngineCore, Port, run_until_done
 from executor.core.prompts import corpus_ids, next_turn_ids, prompt_ids
 from executor.distributed.launch import STOPPED, WorkerError
 from executor.model.cache_engine import KVCache
@@ -34,8 +35,6 @@ from sim.policy.stages import arrival_book
 from sim.report.metrics import records_from_requests
 from sim.report.trace import ReplicaTrace
 
-LOAD_EVERY_S = 0.5  # how often a serve reads the machine's load
-WARM_ELEMENTS = 1 << 16  # keep-warm op: above torch's parallel grain (32768), small enough to stay in L2
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -213,10 +212,7 @@ def warm_up(engine: Engine, corpus: list[int], steps: int = 3) -> None:
     """A few throw-away steps (first forwards allocate and pick kernels), then a clean slate. A pipelined engine
     gets one request per virtual engine."""
     engines = getattr(engine, "engines", [engine])
-    for i in range(len(engines)):
-        engine.add(Request(-1 - i, 0.0, 32, steps), prompt_ids(corpus, 32, i))
-    while engine.has_work():
-        engine.step()
+    run_until_done(engine, [(Request(-1 - i, 0.0, 32, steps), prompt_ids(corpus, 32, i)) for i in range(len(engines))])
     for e in engines:
         e.records.clear()
         e.samples.clear()
@@ -283,64 +279,55 @@ class Arrivals:
 def replay(engine: Engine, specs: list[RequestSpec], corpus: list[int], load: CpuLoad | None = None,
            adapt_threads: bool = False, progress=None, keep_warm: bool = False,
            max_concurrency: int | None = None, slide: bool = False) -> list[Request]:
-    """Submit each request at its arrival time (wall clock, online) and run steps until all are done. `load`:
-    sampled about every LOAD_EVERY_S; with `adapt_threads`, torch's threads follow the cores other processes leave
-    free. `progress(done, total)` is called as requests end. `max_concurrency`: the client's limit on requests in
-    flight (Arrivals); `slide`: a request waiting for a slot holds the schedule back (sim.config.client.slides). With
-    `keep_warm`, idle gaps busy-poll instead of
-    sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is sent its
-    think time after the turn before it ends (Arrivals)."""
+    """Submit each request at its arrival time (wall clock, online) and run the engine core until all are done (its
+    port: Replay). `load`: sampled about every LOAD_EVERY_S (executor.core.engine_core); with `adapt_threads`, torch's
+    threads follow the cores other processes leave free. `progress(done, total)` is called as requests end.
+    `max_concurrency`: the client's limit on requests in flight (Arrivals); `slide`: a request waiting for a slot
+    holds the schedule back (sim.config.client.slides). With `keep_warm`, idle gaps busy-poll
+    instead of sleeping while the machine is otherwise quiet (see executor.keep_warm). A conversation's later turn is
+    sent its think time after the turn before it ends (Arrivals)."""
     scheduler = getattr(engine, "engines", [engine])[0].scheduler
     make = request_maker(scheduler.kv.prefix_caching, scheduler.kv.block_size, scheduler.cfg.max_model_len)
     requests = [make(s) for s in specs]
     engine.t0 = time.perf_counter()
     try:
         arrivals = Arrivals(requests, specs, corpus, max_concurrency, lambda r: _sequence(engine, r), slide)
-        _replay(engine, arrivals, load, adapt_threads, progress, keep_warm)
+        EngineCore(engine, Replay(arrivals, progress), load, adapt_threads, math.inf if keep_warm else 0.0).run()
     except WorkerError as e:  # the partial result: what completed before the worker failed, the rest rejected
         for r in requests:
             if not r.is_done:
                 r.status, r.reject_reason = Status.REJECTED, STOPPED
         e.requests, e.engine = requests, engine
         raise
+    if progress is not None:
+        progress(len(requests), len(requests))
     return requests
 
 
-def _keep_warm(engine, until: float) -> None:
-    """Run a small multi-threaded op until engine time `until`: torch's threads stay awake and on their cores
-    through an idle gap, so the next step starts at the speed of back-to-back steps."""
-    a = torch.ones(WARM_ELEMENTS)
-    while engine.now() < until:
-        torch.mul(a, 1.0, out=a)
+class Replay(Port):
+    """The timed replay's port: the arrival book's requests put into the engine at their times (Arrivals), the
+    requests that ended told to the book, `progress(done, total)` told as requests end; outputs stay on the
+    requests."""
 
+    def __init__(self, arrivals: Arrivals, progress=None):
+        self.arrivals, self.progress = arrivals, progress
 
-def _replay(engine, arrivals: Arrivals, load: CpuLoad | None, adapt_threads: bool, progress, keep_warm: bool) -> None:
-    """The replay loop: send what is due, learn which turns follow the ones that ended, step; idle until the next
-    arrival."""
-    requests = arrivals.requests
-    next_sample = LOAD_EVERY_S
-    while arrivals.pending() or engine.has_work():
-        now = engine.now()
-        for r, ids in arrivals.due(now):
+    def take(self, engine, now: float) -> bool:
+        for r, ids in self.arrivals.due(now):
             engine.add(r, ids)
-        arrivals.ended(now)
-        if now >= next_sample:
-            next_sample = now + LOAD_EVERY_S
-            others = load.sample() if load is not None else None
-            if adapt_threads and others is not None and load.threads_for(others) != torch.get_num_threads():
-                torch.set_num_threads(load.threads_for(others))
-            if progress is not None:
-                progress(sum(r.is_done for r in requests), len(requests))
-        if engine.has_work():
-            engine.step()
-        elif arrivals.next_s() < math.inf:
-            until = min(arrivals.next_s(), now + LOAD_EVERY_S)
-            if keep_warm and load is not None and not load.others_busy():
-                _keep_warm(engine, until)
-            else:
-                time.sleep(max(0.0, until - engine.now()))
-    if progress is not None:
-        progress(len(requests), len(requests))
+        self.arrivals.ended(now)
+        return True
+
+    def more(self) -> bool:
+        return self.arrivals.pending()
+
+    def next_s(self) -> float:
+        return self.arrivals.next_s()
+
+    def tick(self, now: float) -> None:
+        if self.progress is not None:
+            requests = self.arrivals.requests
+            self.progress(sum(r.is_done for r in requests), len(requests))
 
 
 def _sequence(engine, req: Request) -> list[int]:

@@ -7,6 +7,7 @@ configure a run; these only place caches and artifacts, switch off native code, 
 | `INFERSIM_CACHE_DIR` | the cache folder (default `~/.cache/infersim`): dequantized GGUF copies, native kernels, drafts |
 | `INFERSIM_NATIVE=0` | the executor runs its torch paths, never builds or loads the native kernels |
 | `CXX` | the C++ compiler the native kernels are built with (default `c++`, else `g++`) |
+| `INFERSIM_API_KEY` | `serve --http`: the API key clients must send (`--api-key` overrides it) |
 | `INFERSIM_ARTIFACTS` | where browser tests keep screenshots (default `runs/artifacts/`) |
 | `INFERSIM_LONG=1` | tests: add the long real-model checks |
 | `INFERSIM_EXPLORE=N` | tests: N examples of the long random-scenario exploration (0: skip it) |
@@ -45,3 +46,8 @@ def long_tests() -> bool:
 def explore_examples() -> int:
     """INFERSIM_EXPLORE: examples of the long random-scenario exploration (0: skip it)."""
     return int(os.environ.get("INFERSIM_EXPLORE", "0"))
+
+
+def api_key() -> str | None:
+    """$INFERSIM_API_KEY: the key `serve --http` asks clients for when --api-key is not given (unset or empty: none)."""
+    return os.environ.get("INFERSIM_API_KEY") or None
