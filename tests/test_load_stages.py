@@ -76,7 +76,8 @@ def test_a_stage_starts_after_every_request_of_the_one_before_ended():
     out = _run(STAGED)
     rec = out.records
     assert rec.completed.all()
-    end0 = rec.finish_s[rec.id < 20].max()
+    end0 = rec.stream_end_s[rec.id < 20].max()  # the client's end: its last stream closed, as inference-perf waits
+    assert end0 > rec.finish_s[rec.id < 20].max()  # the way out and the close come after the last token
     first1 = rec.arrival_s[rec.id >= 20].min()
     specs = generate_requests(WorkloadConfig(**STAGED))
     assert first1 == pytest.approx(end0 + specs[20].stage_delay_s)
