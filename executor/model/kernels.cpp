@@ -588,42 +588,50 @@ static void tile_q4_int(const int8_t *planes, const float *xscale, const float *
    serve both rows and its FMAs cost a row 2 operations per 16 weights against the planes' 3, so it keeps them. */
 static const int64_t Q4_INT_ROWS = 1, Q4_AVX2_SPAN = 32;
 
-template <int MR>
-static void tile_q4_int(const int8_t *planes, const float *xscale, const float *xsums, int64_t K,
-                        const uint8_t *panel, const uint16_t *sm, int64_t gs, float *y, int64_t ldy, int64_t nn) {
-  static_assert(MR == 1, "one row");
+/* Σ q · p over k in [c0, c1) (at most Q4_AVX2_SPAN) per column and plane, int32: [plane][low / high nibbles]. */
+static inline void q4_avx2_span(const int8_t *planes, int64_t K, const uint8_t *panel, int64_t c0, int64_t c1,
+                                __m256i (&out)[Q4_PLANES][2]) {
   const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                         0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i i16[Q4_PLANES][2];
+  for (int p = 0; p < Q4_PLANES; p++) i16[p][0] = i16[p][1] = _mm256_setzero_si256();
+  for (int64_t k = c0; k < c1; k += 4) {
+    const uint8_t *pk = panel + k * VL;
+    if (!(k & 4)) __builtin_prefetch(pk + QPREFETCH_ALONE, 0, 1);  /* once per 64-byte line */
+    const __m256i t = _mm256_shuffle_epi8(
+        _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)pk), perm), shuf);
+    const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+#pragma GCC unroll 3
+    for (int p = 0; p < Q4_PLANES; p++) {
+      int32_t four;
+      memcpy(&four, planes + p * K + k, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+      i16[p][0] = _mm256_add_epi16(i16[p][0], _mm256_maddubs_epi16(lo, xb));
+      i16[p][1] = _mm256_add_epi16(i16[p][1], _mm256_maddubs_epi16(hi, xb));
+    }
+  }
+  for (int p = 0; p < Q4_PLANES; p++)
+    for (int h = 0; h < 2; h++) out[p][h] = _mm256_madd_epi16(i16[p][h], ones);
+}
+
+template <int MR>
+static void tile_q4_int(const int8_t *planes, const float *xscale, const float *xsums, int64_t K,
+                        const uint8_t *panel, const uint16_t *sm, int64_t gs, float *y, int64_t ldy, int64_t nn) {
+  static_assert(MR == 1, "one row");
   const vw step1 = splatw((float)(1.0 / Q4_PLANE_STEP));
   const vw step2 = splatw((float)(1.0 / (Q4_PLANE_STEP * Q4_PLANE_STEP)));
   vw acc[1][2] = {{splatw(0.0f), splatw(0.0f)}};
   for (int64_t g = 0, k0 = 0; k0 < K; g++, k0 += gs, sm += 2 * NR) {
     const int64_t k1 = k0 + gs < K ? k0 + gs : K;
     __m256i i32[Q4_PLANES][2];
-    for (int p = 0; p < Q4_PLANES; p++) i32[p][0] = i32[p][1] = _mm256_setzero_si256();
-    for (int64_t c0 = k0; c0 < k1; c0 += Q4_AVX2_SPAN) {
-      const int64_t c1 = c0 + Q4_AVX2_SPAN < k1 ? c0 + Q4_AVX2_SPAN : k1;
-      __m256i i16[Q4_PLANES][2];
-      for (int p = 0; p < Q4_PLANES; p++) i16[p][0] = i16[p][1] = _mm256_setzero_si256();
-      for (int64_t k = c0; k < c1; k += 4) {
-        const uint8_t *pk = panel + k * VL;
-        __builtin_prefetch(pk + QPREFETCH_ALONE, 0, 1);
-        const __m256i t = _mm256_shuffle_epi8(
-            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)pk), perm), shuf);
-        const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
-#pragma GCC unroll 3
-        for (int p = 0; p < Q4_PLANES; p++) {
-          int32_t four;
-          memcpy(&four, planes + p * K + k, 4);
-          const __m256i xb = _mm256_set1_epi32(four);
-          i16[p][0] = _mm256_add_epi16(i16[p][0], _mm256_maddubs_epi16(lo, xb));
-          i16[p][1] = _mm256_add_epi16(i16[p][1], _mm256_maddubs_epi16(hi, xb));
-        }
-      }
+    q4_avx2_span(planes, K, panel, k0, std::min(k1, k0 + Q4_AVX2_SPAN), i32);
+    for (int64_t c0 = k0 + Q4_AVX2_SPAN; c0 < k1; c0 += Q4_AVX2_SPAN) {  /* groups of more than 32 */
+      __m256i more[Q4_PLANES][2];
+      q4_avx2_span(planes, K, panel, c0, std::min(k1, c0 + Q4_AVX2_SPAN), more);
       for (int p = 0; p < Q4_PLANES; p++)
-        for (int h = 0; h < 2; h++) i32[p][h] = _mm256_add_epi32(i32[p][h], _mm256_madd_epi16(i16[p][h], ones));
+        for (int h = 0; h < 2; h++) i32[p][h] = _mm256_add_epi32(i32[p][h], more[p][h]);
     }
     vw s0, s1, m0, m1;
     load_halves(sm, s0, s1);
