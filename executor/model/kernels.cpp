@@ -800,7 +800,7 @@ __attribute__((always_inline)) static inline void prefetch_block(const Pool &p, 
 
 /* kt[d][16] = the block's keys [jn][D] (row stride tok) transposed, keys past jn zero. With AVX-512 in 16 x 16
    squares in registers (64 shuffles each instead of 256 scalar loads and stores, which cost more than the
-   scores themselves at a decode's 3 query rows per kv head). */
+   scores themselves at a decode's 3 query rows per kv head), with AVX2 in 8 x 8 ones. */
 static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int64_t D, float *kt) {
 #ifdef __AVX512F__
   if (D % 16 == 0) {
@@ -828,6 +828,30 @@ static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int6
       }
       for (int i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
     }
+    return;
+  }
+#elif defined(__AVX2__)
+  if (D % 8 == 0) {  /* AVX2: two 8 x 8 squares (keys 0-7, 8-15) per 8 columns, 24 shuffles each */
+    for (int64_t c = 0; c < D; c += 8)
+      for (int half = 0; half < 2; half++) {
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; j++)
+          r[j] = 8 * half + j < jn ? _mm256_loadu_ps(kb + (8 * half + j) * tok + c) : _mm256_setzero_ps();
+        for (int j = 0; j < 8; j += 2) {
+          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+          r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+          r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+          r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+          r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+        }
+        for (int i = 0; i < 4; i++) {  /* row i: columns c + i (low lanes) and c + i + 4 (high lanes) */
+          _mm256_storeu_ps(kt + (c + i) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+          _mm256_storeu_ps(kt + (c + i + 4) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+        }
+      }
     return;
   }
 #endif
