@@ -113,7 +113,7 @@ def quantized_cases(libs):
               for n, k in PROJECTIONS]
         size = sum(q.panels.numel() * q.panels.element_size() + q.scales.numel() * q.scales.element_size()
                    for q in qs)
-        for m in (1, 2, 4):
+        for m in (1, 2, 3, 4):
             xs = {k: torch.randn(m, k) for k in (576, 1536)}
             ys = [[torch.empty(m, q.n) for q in qs] for _ in range(2)]
 

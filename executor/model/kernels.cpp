@@ -584,9 +584,10 @@ static void tile_q4_int(const int8_t *planes, const float *xscale, const float *
    lane (the panel's rows k..k+3 hold them 8 bytes apart), two masks part the nibbles, and each plane costs two
    vpmaddubsw and two int16 adds: 17 operations where the float tile spends 28 (widen, mask, convert, FMA per k).
    SmolLM2's projections at one row (int4, the LM head int8), forced AVX2 on the Xeon, one thread: 0.60x the time
-   of the float tile (CPU time; 0.68x wall at two threads). One row only: at two, the float tile's conversions
-   serve both rows and its FMAs cost a row 2 operations per 16 weights against the planes' 3, so it keeps them. */
-static const int64_t Q4_INT_ROWS = 1, Q4_AVX2_SPAN = 32;
+   of the float tile (CPU time; 0.68x wall at two threads). Up to three rows, one after another over the panel (in L1
+   after the first): the float tile's conversions serve all its rows, but its FMAs and sums of x cost a row more
+   than the planes do up to there (2 rows 0.80-0.82x the time, 3 rows 0.94-0.96x, 4 rows even). */
+static const int64_t Q4_INT_ROWS = 3, Q4_AVX2_SPAN = 32;
 
 /* Σ q · p over k in [c0, c1) (at most Q4_AVX2_SPAN) per column and plane, int32: [plane][low / high nibbles]. */
 static inline void q4_avx2_span(const int8_t *planes, int64_t K, const uint8_t *panel, int64_t c0, int64_t c1,
@@ -671,9 +672,13 @@ static void linear_q4_int(const float *x, int64_t M, int64_t K, const uint8_t *p
     const bool second = y2 && b * NR >= split;
     float *out = second ? y2 + (b * NR - split) : y + b * NR;
     const int64_t ld = second ? N - split : ldy;
-    if (M == 1) tile_q4_int<1>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
 #ifdef Q4_VNNI
+    if (M == 1) tile_q4_int<1>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
     else tile_q4_int<2>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
+#else
+    for (int64_t i = 0; i < M; i++)  /* a row at a time, the panel read again from L1 */
+      tile_q4_int<1>(planes.data() + i * Q4_PLANES * K, xscale.data() + i * groups, xsums.data() + i * groups, K,
+                     panel, sc, gs, out + i * ld, ld, nn);
 #endif
   }
 }
