@@ -6,8 +6,11 @@ bench/vs_llamacpp.py).
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import traceback
 from contextlib import contextmanager
 
@@ -43,9 +46,11 @@ def _environment(**values: str):
                 os.environ[k] = v
 
 
-def _serve(conn, factory, args, threads: int) -> None:
+def _serve(conn, factory, args, threads: int, paths: list[str]) -> None:
     """A worker's loop: make the object once, then answer each (method, args) with the method's result until None
-    arrives; an exception goes back as its traceback's text."""
+    arrives; an exception goes back as its traceback's text. `paths`: its interpreter's own import paths (spawn
+    hands a child the parent's sys.path, without another venv's site-packages)."""
+    sys.path[:0] = [p for p in paths if p not in sys.path]
     import torch
 
     torch.set_num_threads(threads)
@@ -71,10 +76,12 @@ class Worker:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         executable = multiprocessing.spawn.get_executable()
+        paths = json.loads(subprocess.run([python, "-c", "import json, sys; print(json.dumps(sys.path))"], check=True,
+                                          capture_output=True, text=True).stdout) if python else []
         with _environment(**({"INFERSIM_ISA": isa} if isa else {})):
             ctx.set_executable(python or executable)
             try:
-                self.process = ctx.Process(target=_serve, args=(child, factory, args, threads), daemon=True)
+                self.process = ctx.Process(target=_serve, args=(child, factory, args, threads, paths), daemon=True)
                 self.process.start()
             finally:
                 ctx.set_executable(executable)
