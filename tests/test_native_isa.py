@@ -102,6 +102,32 @@ def test_model_decode_equals_the_torch_paths(monkeypatch, isa, name):
     assert rel_err(ours, decode_run(model, kv, [9, 14])) < 1e-5
 
 
+TINY = """name: tiny-isa
+model: {name: tiny-llama, num_layers: 2, hidden_size: 64, num_heads: 4, num_kv_heads: 2, intermediate_size: 128,
+        vocab_size: 512, max_position_embeddings: 512, weight_dtype: fp32}
+hardware: cpu
+executor: {attention: sdpa, threads: 1, random_weights: true}
+serving: {max_num_seqs: 4, max_model_len: 256, max_num_batched_tokens: 256}
+kv_cache: {allocator: paged, block_size: 16, num_blocks: 32}
+workload: {seed: 1, arrival: {process: poisson, rate: 50.0}, num_requests: 4, prompt_len: {dist: uniform, min: 8, max: 16},
+           output_len: {dist: uniform, min: 2, max: 4}}
+"""
+
+
+def test_serve_under_a_bad_instruction_set_is_one_line_exit_2(monkeypatch, tmp_path):
+    from tests.test_cli import invoke
+
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    monkeypatch.setenv("INFERSIM_ISA", "avx9")
+    native.library.cache_clear()
+    try:
+        r = invoke("serve", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out"))
+    finally:
+        monkeypatch.delenv("INFERSIM_ISA")
+        native.library.cache_clear()
+    assert r.exit_code == 2 and "INFERSIM_ISA='avx9'" in r.output and "Traceback" not in r.output
+
+
 def test_bad_or_missing_instruction_sets_are_one_line_errors(monkeypatch):
     monkeypatch.setenv("INFERSIM_ISA", "sse9")
     with pytest.raises(ConfigError, match=r"INFERSIM_ISA='sse9' .*allowed: auto, avx2, avx512"):
