@@ -34,6 +34,7 @@ import ctypes
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -208,6 +209,20 @@ def report(rate: dict, ours: list[str], theirs: dict) -> None:
                 print(f"{mine}_vs_llamacpp_{other.lower()}_{label}{suffix}: {ratio:.2f}")
 
 
+def missing_llamacpp(pythons: list[str] | None) -> str | None:
+    """Why the interpreters named (or, with none, this one) cannot run llama.cpp's side: one line, or None."""
+    if not pythons:
+        return None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python is not installed"
+    for python in pythons:
+        try:
+            found = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+        except OSError as e:
+            return f"--llamacpp-python {python}: {e.strerror}"
+        if not found:
+            return f"--llamacpp-python {python}: that interpreter has no llama-cpp-python"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -221,10 +236,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_time and args.threads != 1:
         ap.error("--cpu-time measures one thread: add --threads 1")
-    if not args.llamacpp_python and importlib.util.find_spec("llama_cpp") is None:
-        print("bench/vs_llamacpp.py: llama-cpp-python is not installed; `pip install llama-cpp-python` builds it from "
-              "source (cmake and a C++ compiler), or name interpreters that have it with --llamacpp-python",
-              file=sys.stderr)
+    missing = missing_llamacpp(args.llamacpp_python)
+    if missing:
+        print(f"bench/vs_llamacpp.py: {missing}; `pip install llama-cpp-python` builds it from source (cmake and a "
+              "C++ compiler; DEVELOPERS.md), or name interpreters that have it with --llamacpp-python", file=sys.stderr)
         sys.exit(2)
     ours = builds.isa_workers(Ours, (args.steps, args.cpu_time), args.isa, args.threads)
     theirs = {}

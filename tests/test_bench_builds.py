@@ -46,3 +46,14 @@ def test_a_worker_runs_its_own_build_and_reports_errors():
             w.close()
     with pytest.raises(RuntimeError, match="ValueError: no model here"):
         builds.Worker(Probe, (True,), threads=1)
+
+
+def test_an_interpreter_without_llamacpp_is_named_before_any_model_loads():
+    import importlib.util
+
+    import vs_llamacpp
+    here = importlib.util.find_spec("llama_cpp") is not None
+    assert vs_llamacpp.missing_llamacpp([sys.executable]) == (
+        None if here else f"--llamacpp-python {sys.executable}: that interpreter has no llama-cpp-python")
+    assert vs_llamacpp.missing_llamacpp(None) == (None if here else "llama-cpp-python is not installed")
+    assert vs_llamacpp.missing_llamacpp(["/nonexistent/python"]).startswith("--llamacpp-python /nonexistent/python: ")
