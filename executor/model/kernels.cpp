@@ -275,8 +275,11 @@ static inline void load_halves(const uint16_t *h, vw &a, vw &b) {
 #endif
 }
 
-static inline void prefetch_stream(const uint8_t *p, int64_t k, int64_t bytes_per_k, const uint8_t *pf, int64_t pf_step,
-                                   bool alone) {
+/* always_inline: GCC's IPA takes a function of nothing but prefetches for a const one and deleted every call of it
+   before inlining, so no tile or attention task asked for its stream ahead (the int8 / int4 tiles at one row:
+   0.63-0.67x the time once they do, outputs unchanged) */
+__attribute__((always_inline)) static inline void prefetch_stream(const uint8_t *p, int64_t k, int64_t bytes_per_k,
+                                                                 const uint8_t *pf, int64_t pf_step, bool alone) {
   if (pf) {
     __builtin_prefetch(pf + k * pf_step, 0, 2);
   } else if ((k * bytes_per_k) % 64 < bytes_per_k) {  /* once per cache line of the panel */
@@ -300,26 +303,61 @@ static inline void store_tile(vw (&acc)[MR][2], float *y, int64_t ldy, int64_t n
   }
 }
 
+/* Independent sums per output vector of a tile of MR rows: an FMA waits ~4 cycles for the one before it into the
+   same register, so a one-row tile (2 accumulators, 8 lanes each with AVX2) ran at a quarter of the FMA units'
+   rate; four sums over alternating k keep 8 FMAs in flight, added in a fixed order at the end (int8 at one row,
+   SmolLM2's projections on the Xeon forced to AVX2, one thread: 0.88-0.89x the time; at two rows, 4 accumulators
+   already, no change). AVX-512's tiles (twice the columns per FMA) keep one. */
+template <int MR>
+static constexpr int k_chains() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return MR == 1 ? 4 : 1;
+#endif
+}
+
+/* acc[0] = Σ acc[c] over the KS chains (a power of two), pairwise: ((a0 + a1) + (a2 + a3)). */
+template <int KS, int MR>
+static inline void fold_chains(vw (&acc)[KS][MR][2], float (&xs)[KS][MR]) {
+  for (int step = 1; step < KS; step *= 2)
+    for (int c = 0; c + step < KS; c += 2 * step)
+      for (int i = 0; i < MR; i++) {
+        acc[c][i][0] += acc[c + step][i][0];
+        acc[c][i][1] += acc[c + step][i][1];
+        xs[c][i] += xs[c + step][i];
+      }
+}
+
 template <int MR, bool PK>
 static void tile_q8(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t, float *y,
                     int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
-  vw acc[MR][2];
-  for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
-  for (int64_t k = 0; k < K; k++) {
-    const uint8_t *pk = panel + k * NR;
-    prefetch_stream(pk, k, NR, pf, pf_step, alone);
-    const vw w0 = s8_to_float(pk), w1 = s8_to_float(pk + VL);
+  constexpr int KS = k_chains<MR>();
+  vw acc[KS][MR][2];
+  for (int c = 0; c < KS; c++)
+    for (int i = 0; i < MR; i++) acc[c][i][0] = acc[c][i][1] = splatw(0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += KS) {
+#pragma GCC unroll 4
+    for (int c = 0; c < KS; c++) {
+      const int64_t k = k0 + c;
+      if (KS > 1 && k >= K) break;
+      const uint8_t *pk = panel + k * NR;
+      prefetch_stream(pk, k, NR, pf, pf_step, alone);
+      const vw w0 = s8_to_float(pk), w1 = s8_to_float(pk + VL);
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; i++) {
-      const vw b = splatw(x_at<MR, PK>(x, K, k, i));
-      acc[i][0] += b * w0;
-      acc[i][1] += b * w1;
+      for (int i = 0; i < MR; i++) {
+        const vw b = splatw(x_at<MR, PK>(x, K, k, i));
+        acc[c][i][0] += b * w0;
+        acc[c][i][1] += b * w1;
+      }
     }
   }
+  float no_sums[KS][MR] = {};  /* (int8 needs no sums of x) */
+  fold_chains<KS, MR>(acc, no_sums);
   const float *s = (const float *)scales;
   const vw s0 = loadw(s), s1 = loadw(s + VL);
-  for (int i = 0; i < MR; i++) acc[i][0] *= s0, acc[i][1] *= s1;
-  store_tile<MR>(acc, y, ldy, nn);
+  for (int i = 0; i < MR; i++) acc[0][i][0] *= s0, acc[0][i][1] *= s1;
+  store_tile<MR>(acc[0], y, ldy, nn);
 }
 
 /* Σ p[0..n), for a group's sum of x. */
@@ -339,6 +377,7 @@ static const int Q4_GROUPED_ROWS = 4;
 template <int MR, bool PK>
 static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void *scales, int64_t gs, float *y,
                     int64_t ldy, int64_t nn, const uint8_t *pf, int64_t pf_step, bool alone) {
+  constexpr int KS = k_chains<MR>();
   vw acc[MR][2];
   for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = splatw(0.0f);
   const uint16_t *sm = (const uint16_t *)scales;
@@ -348,27 +387,34 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
     load_halves(sm + NR, m0, m1);
     const int64_t k1 = k0 + gs < K ? k0 + gs : K;
     if (MR <= Q4_GROUPED_ROWS) {
-      vw ga[MR][2];
-      float xs[MR];
-      for (int i = 0; i < MR; i++) ga[i][0] = ga[i][1] = splatw(0.0f), xs[i] = 0.0f;
-      for (int64_t k = k0; k < k1; k++) {
-        const uint8_t *pk = panel + k * VL;
-        prefetch_stream(pk, k, VL, pf, pf_step, alone);
-        const vwi v = widen_u8(pk);
-        const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
+      vw ga[KS][MR][2];
+      float xs[KS][MR];
+      for (int c = 0; c < KS; c++)
+        for (int i = 0; i < MR; i++) ga[c][i][0] = ga[c][i][1] = splatw(0.0f), xs[c][i] = 0.0f;
+      for (int64_t kc = k0; kc < k1; kc += KS) {
 #pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) {
-          const float xv = x_at<MR, PK>(x, K, k, i);
-          const vw xb = splatw(xv);
-          ga[i][0] += xb * q0;
-          ga[i][1] += xb * q1;
-          xs[i] += xv;
+        for (int c = 0; c < KS; c++) {
+          const int64_t k = kc + c;
+          if (KS > 1 && k >= k1) break;
+          const uint8_t *pk = panel + k * VL;
+          prefetch_stream(pk, k, VL, pf, pf_step, alone);
+          const vwi v = widen_u8(pk);
+          const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; i++) {
+            const float xv = x_at<MR, PK>(x, K, k, i);
+            const vw xb = splatw(xv);
+            ga[c][i][0] += xb * q0;
+            ga[c][i][1] += xb * q1;
+            xs[c][i] += xv;
+          }
         }
       }
+      fold_chains<KS, MR>(ga, xs);
       for (int i = 0; i < MR; i++) {
-        const vw xsum = splatw(xs[i]);
-        acc[i][0] += ga[i][0] * s0 + xsum * m0;
-        acc[i][1] += ga[i][1] * s1 + xsum * m1;
+        const vw xb = splatw(xs[0][i]);
+        acc[i][0] += ga[0][i][0] * s0 + xb * m0;
+        acc[i][1] += ga[0][i][1] * s1 + xb * m1;
       }
       continue;
     }
@@ -395,6 +441,11 @@ static const qtile_fn Q8_TILES[2][MR_MAX + 1] = {TILE_ROW(tile_q8, false), TILE_
                       Q4_TILES[2][MR_MAX + 1] = {TILE_ROW(tile_q4, false), TILE_ROW(tile_q4, true)};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define Q4_VNNI 1
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define Q4_AVX2 1
+#endif
+#if defined(Q4_VNNI) || defined(Q4_AVX2)
 /* int4 at one or two rows, with integer dot products (vpdpbusd: 64 byte products a call) instead of turning every
    weight into a float: at one row the float tile spends ~6 cycles per k of a panel (32 columns) on Zen 4's
    double-pumped AVX-512 converting nibbles and multiplying, as long as int8's tile takes for twice the bytes, so
@@ -402,15 +453,46 @@ static const qtile_fn Q8_TILES[2][MR_MAX + 1] = {TILE_ROW(tile_q8, false), TILE_
    max |x| / 127 over the weight's group of K, to about 1e-5 · xs (the size of fp32's own rounding of the products),
    so the result matches the float tile to fp32 rounding; the sums per group are exact int32s, scaled once per
    group. All of SmolLM2's decoder projections at one row, 2 threads: 3.26 ms against 3.72 (two rows: 4.00 against
-   4.86), at the machine's memory stream (~24 GB/s). */
-static const int64_t Q4_VNNI_ROWS = 2, Q4_PLANES = 3;
+   4.86), at the machine's memory stream (~24 GB/s). AVX2 builds take the same planes to vpmaddubsw (below). */
+static const int64_t Q4_PLANES = 3;
 static const double Q4_PLANE_STEP = 254.0;
+
+/* One plane of x_planes, vectorized: out[k] = the nearest integer q to r[k] (within ±127), r[k] = (r[k] - q) · step
+   (r - q is exact, and so the planes' sum up to the last one's rounding); returns where the scalar tail starts. */
+static inline int64_t plane_bytes(float *r, int64_t K, int8_t *out) {
+  int64_t k = 0;
+#ifdef Q4_VNNI
+  const __m512 step = _mm512_set1_ps((float)Q4_PLANE_STEP), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(r + k);
+    const __m512 q = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT |
+                                                                                  _MM_FROUND_NO_EXC)));
+    _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+    _mm512_storeu_ps(r + k, _mm512_mul_ps(_mm512_sub_ps(v, q), step));
+  }
+#else
+  const __m256 step = _mm256_set1_ps((float)Q4_PLANE_STEP), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
+  for (; k + 32 <= K; k += 32) {
+    __m256i n[4];
+    for (int j = 0; j < 4; j++) {
+      const __m256 v = _mm256_loadu_ps(r + k + 8 * j);
+      const __m256 q = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT |
+                                                                               _MM_FROUND_NO_EXC)));
+      n[j] = _mm256_cvtps_epi32(q);
+      _mm256_storeu_ps(r + k + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v, q), step));
+    }
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i *)(out + k), _mm256_permutevar8x32_epi32(b, order));
+  }
+#endif
+  return k;
+}
 
 /* Row i of x [M, K] as Q4_PLANES int8 planes ([M][planes][K]) and a scale per group of gs along K ([M][groups]; see
    above: per group, so a few outlier features cost precision in their own groups only); r: room for K floats.
    Vectorized: it runs before each projection's threads start, ~120 times a decode step. */
 static void x_planes(const float *x, int64_t M, int64_t K, int64_t gs, int8_t *planes, float *scale, float *r) {
-  const __m512 step = _mm512_set1_ps((float)Q4_PLANE_STEP), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
   const int64_t groups = (K + gs - 1) / gs;
   for (int64_t i = 0; i < M; i++) {
     const float *xr = x + i * K;
@@ -424,25 +506,21 @@ static void x_planes(const float *x, int64_t M, int64_t K, int64_t gs, int8_t *p
     }
     for (int64_t p = 0; p < Q4_PLANES; p++) {
       int8_t *out = planes + (i * Q4_PLANES + p) * K;
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {  /* r - q is exact, and so the planes' sum up to the last one's rounding */
-        const __m512 v = _mm512_loadu_ps(r + k);
-        const __m512 q = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT |
-                                                                                      _MM_FROUND_NO_EXC)));
-        _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
-        _mm512_storeu_ps(r + k, _mm512_mul_ps(_mm512_sub_ps(v, q), step));
-      }
-      for (; k < K; k++) {
-        const float q = std::min(127.0f, std::max(-127.0f, __builtin_rintf(r[k])));
-        out[k] = (int8_t)q;
-        r[k] = (r[k] - q) * (float)Q4_PLANE_STEP;
+      const int64_t k = plane_bytes(r, K, out);
+      for (int64_t j = k; j < K; j++) {
+        const float q = std::min(127.0f, std::max(-127.0f, __builtin_rintf(r[j])));
+        out[j] = (int8_t)q;
+        r[j] = (r[j] - q) * (float)Q4_PLANE_STEP;
       }
     }
   }
 }
 
+#ifdef Q4_VNNI
+static const int64_t Q4_INT_ROWS = 2;
+
 template <int MR>
-static void tile_q4_vnni(const int8_t *planes, const float *xscale, const float *xsums, int64_t K,
+static void tile_q4_int(const int8_t *planes, const float *xscale, const float *xsums, int64_t K,
                          const uint8_t *panel, const uint16_t *sm, int64_t gs, float *y, int64_t ldy, int64_t nn) {
   /* byte 4j + r of a line's transpose is column j's byte of row k + r: each int32 lane then holds one column's
      four k, as vpdpbusd multiplies them */
@@ -498,8 +576,86 @@ static void tile_q4_vnni(const int8_t *planes, const float *xscale, const float 
   store_tile<MR>(acc, y, ldy, nn);
 }
 
-/* linear_quantized's int4 projection of M <= Q4_VNNI_ROWS rows, K a multiple of 4, through tile_q4_vnni. */
-static void linear_q4_vnni(const float *x, int64_t M, int64_t K, const uint8_t *panels, const void *scales,
+#else
+/* On AVX2, without VNNI, as llama.cpp's AVX2 Q4 dot products multiply: vpmaddubsw multiplies the weight's unsigned
+   bytes (q, 0..15) by x's signed ones and adds neighbours into int16, vpmaddwd adds those pairs into int32. A pair
+   is at most 2 · 15 · 127 = 3810, so Q4_AVX2_SPAN k (8 steps of 4) add up in int16 before one vpmaddwd widens
+   them. Per 4 k of a panel (32 bytes): a dword permute and a byte shuffle put each column's four k in one int32
+   lane (the panel's rows k..k+3 hold them 8 bytes apart), two masks part the nibbles, and each plane costs two
+   vpmaddubsw and two int16 adds: 17 operations where the float tile spends 28 (widen, mask, convert, FMA per k).
+   SmolLM2's projections at one row (int4, the LM head int8), forced AVX2 on the Xeon, one thread: 0.60x the time
+   of the float tile (CPU time; 0.68x wall at two threads). Up to three rows, one after another over the panel (in L1
+   after the first): the float tile's conversions serve all its rows, but its FMAs and sums of x cost a row more
+   than the planes do up to there (2 rows 0.80-0.82x the time, 3 rows 0.94-0.96x, 4 rows even). */
+static const int64_t Q4_INT_ROWS = 3, Q4_AVX2_SPAN = 32;
+
+/* Σ q · p over k in [c0, c1) (at most Q4_AVX2_SPAN) per column and plane, int32: [plane][low / high nibbles]. */
+static inline void q4_avx2_span(const int8_t *planes, int64_t K, const uint8_t *panel, int64_t c0, int64_t c1,
+                                __m256i (&out)[Q4_PLANES][2]) {
+  const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i i16[Q4_PLANES][2];
+  for (int p = 0; p < Q4_PLANES; p++) i16[p][0] = i16[p][1] = _mm256_setzero_si256();
+  for (int64_t k = c0; k < c1; k += 4) {
+    const uint8_t *pk = panel + k * VL;
+    if (!(k & 4)) __builtin_prefetch(pk + QPREFETCH_ALONE, 0, 1);  /* once per 64-byte line */
+    const __m256i t = _mm256_shuffle_epi8(
+        _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)pk), perm), shuf);
+    const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+#pragma GCC unroll 3
+    for (int p = 0; p < Q4_PLANES; p++) {
+      int32_t four;
+      memcpy(&four, planes + p * K + k, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+      i16[p][0] = _mm256_add_epi16(i16[p][0], _mm256_maddubs_epi16(lo, xb));
+      i16[p][1] = _mm256_add_epi16(i16[p][1], _mm256_maddubs_epi16(hi, xb));
+    }
+  }
+  for (int p = 0; p < Q4_PLANES; p++)
+    for (int h = 0; h < 2; h++) out[p][h] = _mm256_madd_epi16(i16[p][h], ones);
+}
+
+template <int MR>
+static void tile_q4_int(const int8_t *planes, const float *xscale, const float *xsums, int64_t K,
+                        const uint8_t *panel, const uint16_t *sm, int64_t gs, float *y, int64_t ldy, int64_t nn) {
+  static_assert(MR == 1, "one row");
+  const vw step1 = splatw((float)(1.0 / Q4_PLANE_STEP));
+  const vw step2 = splatw((float)(1.0 / (Q4_PLANE_STEP * Q4_PLANE_STEP)));
+  vw acc[1][2] = {{splatw(0.0f), splatw(0.0f)}};
+  for (int64_t g = 0, k0 = 0; k0 < K; g++, k0 += gs, sm += 2 * NR) {
+    const int64_t k1 = k0 + gs < K ? k0 + gs : K;
+    __m256i i32[Q4_PLANES][2];
+    q4_avx2_span(planes, K, panel, k0, std::min(k1, k0 + Q4_AVX2_SPAN), i32);
+    for (int64_t c0 = k0 + Q4_AVX2_SPAN; c0 < k1; c0 += Q4_AVX2_SPAN) {  /* groups of more than 32 */
+      __m256i more[Q4_PLANES][2];
+      q4_avx2_span(planes, K, panel, c0, std::min(k1, c0 + Q4_AVX2_SPAN), more);
+      for (int p = 0; p < Q4_PLANES; p++)
+        for (int h = 0; h < 2; h++) i32[p][h] = _mm256_add_epi32(i32[p][h], more[p][h]);
+    }
+    vw s0, s1, m0, m1;
+    load_halves(sm, s0, s1);
+    load_halves(sm + NR, m0, m1);
+    vw d[2];
+    for (int h = 0; h < 2; h++) {
+      vw c[Q4_PLANES];
+      for (int p = 0; p < Q4_PLANES; p++) {
+        const __m256 f = _mm256_cvtepi32_ps(i32[p][h]);
+        memcpy(&c[p], &f, sizeof c[p]);
+      }
+      d[h] = (c[0] + c[1] * step1 + c[2] * step2) * splatw(xscale[g]);  /* Σ x q over the group */
+    }
+    const vw xsum = splatw(xsums[g]);
+    acc[0][0] += d[0] * s0 + xsum * m0;
+    acc[0][1] += d[1] * s1 + xsum * m1;
+  }
+  store_tile<1>(acc, y, ldy, nn);
+}
+#endif
+
+/* linear_quantized's int4 projection of M <= Q4_INT_ROWS rows, K a multiple of 4, through tile_q4_int. */
+static void linear_q4_int(const float *x, int64_t M, int64_t K, const uint8_t *panels, const void *scales,
                            int64_t gs, int64_t N, float *y, int64_t ldy, float *y2, int64_t split) {
   const int64_t np = (N + NR - 1) / NR, groups = (K + gs - 1) / gs;
   std::vector<int8_t> planes(M * Q4_PLANES * K);
@@ -516,8 +672,14 @@ static void linear_q4_vnni(const float *x, int64_t M, int64_t K, const uint8_t *
     const bool second = y2 && b * NR >= split;
     float *out = second ? y2 + (b * NR - split) : y + b * NR;
     const int64_t ld = second ? N - split : ldy;
-    if (M == 1) tile_q4_vnni<1>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
-    else tile_q4_vnni<2>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
+#ifdef Q4_VNNI
+    if (M == 1) tile_q4_int<1>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
+    else tile_q4_int<2>(planes.data(), xscale.data(), xsums.data(), K, panel, sc, gs, out, ld, nn);
+#else
+    for (int64_t i = 0; i < M; i++)  /* a row at a time, the panel read again from L1 */
+      tile_q4_int<1>(planes.data() + i * Q4_PLANES * K, xscale.data() + i * groups, xsums.data() + i * groups, K,
+                     panel, sc, gs, out + i * ld, ld, nn);
+#endif
   }
 }
 #endif
@@ -529,9 +691,9 @@ static void linear_q4_vnni(const float *x, int64_t M, int64_t K, const uint8_t *
 extern "C" void linear_quantized(const float *x, int64_t M, int64_t K, const uint8_t *panels, const void *scales,
                                  int64_t bits, int64_t gs, int64_t N, float *y, int64_t ldy, float *y2,
                                  int64_t split) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  if (bits == 4 && M >= 1 && M <= Q4_VNNI_ROWS && K % 4 == 0 && gs % 4 == 0) {
-    linear_q4_vnni(x, M, K, panels, scales, gs, N, y, ldy, y2, split);
+#if defined(Q4_VNNI) || defined(Q4_AVX2)
+  if (bits == 4 && M >= 1 && M <= Q4_INT_ROWS && K % 4 == 0 && gs % 4 == 0) {
+    linear_q4_int(x, M, K, panels, scales, gs, N, y, ldy, y2, split);
     return;
   }
 #endif
@@ -631,8 +793,9 @@ static inline const float *block_rows(const Pool &p, int64_t block, int64_t jn, 
 }
 
 /* Ask for heads [h0, h0 + per) of every token row of a block ahead of use: a sequence's blocks are scattered over
-   the pool, so the hardware prefetcher cannot see the next one coming. */
-static inline void prefetch_block(const Pool &p, int64_t block, int64_t h0, int64_t per) {
+   the pool, so the hardware prefetcher cannot see the next one coming. always_inline: see prefetch_stream. */
+__attribute__((always_inline)) static inline void prefetch_block(const Pool &p, int64_t block, int64_t h0,
+                                                                int64_t per) {
   const int64_t len = per * p.row();
   for (int64_t j = 0; j < p.bs; j++) {
     const uint8_t *r = p.at(block, j, h0);
@@ -642,7 +805,7 @@ static inline void prefetch_block(const Pool &p, int64_t block, int64_t h0, int6
 
 /* kt[d][16] = the block's keys [jn][D] (row stride tok) transposed, keys past jn zero. With AVX-512 in 16 x 16
    squares in registers (64 shuffles each instead of 256 scalar loads and stores, which cost more than the
-   scores themselves at a decode's 3 query rows per kv head). */
+   scores themselves at a decode's 3 query rows per kv head), with AVX2 in 8 x 8 ones. */
 static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int64_t D, float *kt) {
 #ifdef __AVX512F__
   if (D % 16 == 0) {
@@ -670,6 +833,30 @@ static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int6
       }
       for (int i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
     }
+    return;
+  }
+#elif defined(__AVX2__)
+  if (D % 8 == 0) {  /* AVX2: two 8 x 8 squares (keys 0-7, 8-15) per 8 columns, 24 shuffles each */
+    for (int64_t c = 0; c < D; c += 8)
+      for (int half = 0; half < 2; half++) {
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; j++)
+          r[j] = 8 * half + j < jn ? _mm256_loadu_ps(kb + (8 * half + j) * tok + c) : _mm256_setzero_ps();
+        for (int j = 0; j < 8; j += 2) {
+          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+          r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+          r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+          r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+          r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+        }
+        for (int i = 0; i < 4; i++) {  /* row i: columns c + i (low lanes) and c + i + 4 (high lanes) */
+          _mm256_storeu_ps(kt + (c + i) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+          _mm256_storeu_ps(kt + (c + i + 4) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+        }
+      }
     return;
   }
 #endif

@@ -7,6 +7,13 @@ Built on first use with the system C++ compiler (`c++ -O3 -march=native -fopenmp
 per-machine cache and called through ctypes; the OpenMP runtime is the libgomp torch already loaded, so the
 kernels share torch's threads. Optional: without a compiler, with INFERSIM_NATIVE=0, or off CPU / fp32, the
 executor runs its torch paths, which compute the same thing (tests compare the two).
+
+The instruction set is chosen at run time, per process: INFERSIM_ISA=auto (the default: -march=native, the best
+the CPU has), avx2 (exactly AVX2 + FMA + F16C, what an AMD Zen 2/3 offers, so its paths can be measured on an
+AVX-512 host) or avx512. Each is a separate build of the same source, cached apart: the kernels choose their
+paths with the preprocessor (#ifdef __AVX512F__, ...), so one build per instruction set keeps every path
+compiled with its own vector width, register count and tile sizes, where per-function target attributes would
+need every template and vector type twice.
 """
 from __future__ import annotations
 
@@ -25,9 +32,16 @@ from pathlib import Path
 import torch
 
 from sim.config import environment
+from sim.config.errors import ConfigError
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # the default (auto) build's
+# The instruction sets INFERSIM_ISA may force: the CPU flags each needs (/proc/cpuinfo's names) and the compiler
+# flags its build takes. avx512 builds for the CPU itself (any AVX-512 extras it has, VNNI and VBMI among them);
+# avx2 for exactly the three extensions an AVX2-only host's kernels use, never AVX-512 or AVX-VNNI.
+ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}
+ISA_ARCH_FLAGS = {"avx512": ["-march=native"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 # A projection with at most this many rows goes through linear_small, more rows through oneDNN's blocked GEMM.
 # By panel width: AVX-512's 32-column panels match or beat oneDNN up to ~200 rows on the Xeon (1.1-1.5x at
 # 8-128 rows; bench/native_kernels.py), so every decode batch, verify step and small chunk runs natively; AVX2's
@@ -53,23 +67,50 @@ def _cpu_model() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags (/proc/cpuinfo's names; empty where it cannot be read)."""
+    for line in _cpu_model().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def best_isa(flags: set[str]) -> str:
+    """The widest instruction set of ISA_CPU_FLAGS that `flags` hold all of, else "native" (no AVX2)."""
+    return next((isa for isa, need in ISA_CPU_FLAGS.items() if set(need) <= flags), "native")
+
+
+def isa_build(requested: str, flags: set[str]) -> tuple[str, list[str]]:
+    """(the instruction set's name, the compiler flags) of INFERSIM_ISA's `requested` on a CPU with `flags`: auto
+    is -march=native, named after the best set the CPU has; a forced set the CPU lacks is a ConfigError."""
+    if requested == "auto":
+        return best_isa(flags), [*BASE_FLAGS, "-march=native"]
+    missing = [f for f in ISA_CPU_FLAGS[requested] if f not in flags]
+    if missing:
+        raise ConfigError(f"INFERSIM_ISA={requested}: this CPU lacks {', '.join(missing)}; allowed here: auto, "
+                          + ", ".join(i for i, need in ISA_CPU_FLAGS.items() if set(need) <= flags))
+    return requested, [*BASE_FLAGS, *ISA_ARCH_FLAGS[requested]]
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built if needed; None where they cannot be (no compiler, disabled)."""
+    """The compiled kernels for INFERSIM_ISA (read once per process; `library.cache_clear()` to read it again),
+    built if needed; None where they cannot be (no compiler, disabled)."""
     if not environment.native_enabled():
         return None
+    name, flags = isa_build(environment.isa(), cpu_flags())
     compiler = environment.cxx() or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, platform.machine(), _cpu_model(),
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine(), _cpu_model(),
                                                           torch.__version__]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"kernels-{key}.so"
+    path = _cache_dir() / f"kernels-{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
             try:
-                subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True)
+                subprocess.run([compiler, *flags, "-o", str(out), str(SOURCE)], check=True, capture_output=True)
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", b"") or str(e).encode()
                 why = detail.decode(errors="replace")[:200]
@@ -77,7 +118,15 @@ def library() -> ctypes.CDLL | None:
                               "paths", RuntimeWarning, stacklevel=2)
                 return None
             os.replace(out, path)  # atomic: a concurrent process sees no half-written library
-    return load(path)
+    lib = load(path)
+    lib.isa = name
+    return lib
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernels were built for ("avx512", "avx2" or "native"), None without them."""
+    lib = library()
+    return lib.isa if lib is not None else None
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -6,6 +6,7 @@ configure a run; these only place caches and artifacts, switch off native code, 
 |---|---|
 | `INFERSIM_CACHE_DIR` | the cache folder (default `~/.cache/infersim`): dequantized GGUF copies, native kernels, drafts |
 | `INFERSIM_NATIVE=0` | the executor runs its torch paths, never builds or loads the native kernels |
+| `INFERSIM_ISA` | the instruction set the native kernels are built for: `auto` (default: the best the CPU has, `-march=native`), `avx2` (AVX2 + FMA + F16C only, as on AMD Zen 2/3) or `avx512`; each cached apart |
 | `CXX` | the C++ compiler the native kernels are built with (default `c++`, else `g++`) |
 | `INFERSIM_API_KEY` | `serve --http`: the API key clients must send (`--api-key` overrides it) |
 | `INFERSIM_ARTIFACTS` | where browser tests keep screenshots (default `runs/artifacts/`) |
@@ -17,6 +18,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sim.config.errors import ConfigError
+
+ISAS = ("auto", "avx2", "avx512")
+
 
 def cache_dir() -> Path:
     """$INFERSIM_CACHE_DIR, default ~/.cache/infersim: every cache of the project lives under it."""
@@ -26,6 +31,16 @@ def cache_dir() -> Path:
 def native_enabled() -> bool:
     """False where INFERSIM_NATIVE=0: no native kernels are built or loaded."""
     return os.environ.get("INFERSIM_NATIVE", "1") != "0"
+
+
+def isa() -> str:
+    """INFERSIM_ISA: the instruction set the native kernels are built for, one of ISAS (default auto: the best the
+    CPU has); anything else is a ConfigError."""
+    value = (os.environ.get("INFERSIM_ISA") or "auto").strip().lower()
+    if value not in ISAS:
+        raise ConfigError(f"INFERSIM_ISA={os.environ['INFERSIM_ISA']!r} is not an instruction set the native kernels "
+                          f"are built for; allowed: {', '.join(ISAS)}")
+    return value
 
 
 def cxx() -> str | None:
