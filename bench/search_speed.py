@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from infersim.search import load_search_spec, run_search
+from infersim.api import load_search_spec, run_search
 
 SPEC = Path(__file__).resolve().parents[1] / "scenarios" / "search" / "llama2_70b_capacity.yaml"
 

@@ -1,2 +1,2 @@
 """The Streamlit dashboard (`infersim dashboard`): What-if, Compare, Search and Validation pages over the
-application API (infersim.api, infersim.search, infersim.compare)."""
+application API (infersim.api)."""

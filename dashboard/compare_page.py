@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import background, charts, form, seeds
-from infersim.compare import compare_data
+from infersim.api import compare_data
 from sim.config.errors import ConfigError
 
 WHATIF = "What-if: the last simulated settings"

@@ -1,5 +1,5 @@
 """Search: the cheapest deployment that carries the target rate within the SLOs, over a space of configurations
-(infersim.search), with a progress bar; the Pareto fronts, and any configuration opened in What-if."""
+(infersim.api: infersim/commands/search.py), with a progress bar; the Pareto fronts, and any configuration opened in What-if."""
 import hashlib
 import json
 import os
@@ -8,8 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import background, charts, seeds
-from infersim.backends import BACKENDS
-from infersim.search import parse_search_spec, run_search
+from infersim.api import BACKENDS, parse_search_spec, run_search
 from sim.config.errors import ConfigError
 
 SPECS = seeds.SCENARIOS / "search"

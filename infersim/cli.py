@@ -13,6 +13,9 @@ from rich.table import Column, Table
 from typer.core import TyperGroup
 
 from infersim import api
+from infersim.commands.dashboard import dashboard as serve_dashboard
+from infersim.inputs import check_distinct, prepare_out, require_executor
+from infersim.progress import progress_bar
 from sim.config.errors import ConfigError
 from sim.cost.build import describe_cost
 from sim.report.outputs import cost_line
@@ -124,7 +127,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
         if given:
             flag = "--" + given[0].removesuffix("_s").replace("_", "-")
             raise ConfigError(f"{flag} is a setting of an HTTP server: only with --http", flag)
-        api.require_executor("serve")
+        require_executor("serve")
         from executor.distributed.launch import WorkerError
     except ConfigError as e:
         _fail(e)
@@ -140,7 +143,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
 def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int | None, out: Path | None,
                 quiet: bool, served_model: str | None, front: dict) -> None:
     """serve --http: the engine process dying is one line and exit code 1."""
-    api.require_executor("serve")
+    require_executor("serve")
     from executor.api_server.engine_client import EngineDied
 
     try:
@@ -184,7 +187,7 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
         if served_model is not None or tokenizer is not None:
             raise ConfigError("--served-model and --tokenizer name an endpoint's: only with --endpoint",
                               "--served-model" if served_model is not None else "--tokenizer")
-        api.require_executor("profile")
+        require_executor("profile")
         api.profile(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
     except ConfigError as e:
         _fail(e)
@@ -205,14 +208,14 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
     except ValueError:
         _fail(ConfigError(f"--layers takes comma-separated layer numbers, not {layers!r}", "--layers"))
     try:
-        api.require_executor("distill")
+        require_executor("distill")
     except ConfigError as e:
         _fail(e)
     teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
     if not picked or any(not 0 <= n < teacher for n in picked):
         _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
     try:
-        api.prepare_out(out)  # before minutes of training that would end in the write
+        prepare_out(out)  # before minutes of training that would end in the write
         api.distill(out, picked, vocab_size, minutes, max_new, threads)
     except ConfigError as e:
         _fail(e)
@@ -233,9 +236,9 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
     try:
-        api.require_executor("train-medusa")
+        require_executor("train-medusa")
         if not retree:  # before minutes of training that would end in the write
-            api.prepare_out(out)
+            prepare_out(out)
         elif out is not None and out.exists() and not out.is_dir():
             raise ConfigError(f"{out} exists and is not a folder", "--out")
         api.train_medusa(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
@@ -300,7 +303,7 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         if served_model is not None or tokenizer is not None or chat or timeout is not None:
             raise ConfigError("--served-model, --tokenizer, --chat and --timeout are for an endpoint: only with "
                               "--endpoint", "--endpoint")
-        api.require_executor("validate")
+        require_executor("validate")
         from executor.distributed.launch import WorkerError
     except ConfigError as e:
         _fail(e)
@@ -473,14 +476,14 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
            workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: processes (default: cores)"),
            quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
-    from infersim import search as srch
+    from infersim.commands import search as srch
 
     console = Console()
     try:
         found = srch.load_search_spec(spec)
-        api.prepare_out(out)
+        prepare_out(out)
         n = len(srch.configurations(found))
-        with api.progress_bar(Console(stderr=True), quiet, "configurations", n) as bar:
+        with progress_bar(Console(stderr=True), quiet, "configurations", n) as bar:
             result = srch.run_search(found, backend, workers, progress=bar, address=address)
     except ConfigError as e:
         _fail(e.with_file(str(spec)) if e.key_path.startswith(("space", "target", "search", "scenario")) else e)
@@ -514,11 +517,11 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
             out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for compare.json, compare.md, cdf.png"),
             quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
-    from infersim import compare as cmp
+    from infersim.commands import compare as cmp
     from sim.config.yaml_file import read_yaml
 
     try:
-        api.check_distinct(scenarios)
+        check_distinct(scenarios)
         if sweep and len(sweep) > 1:  # typer kept the last and dropped the others without a word
             raise ConfigError(f"given {len(sweep)} times; allowed: once (several keys: `infersim search`)", "--sweep")
         sweep = sweep[0] if sweep else None
@@ -547,7 +550,7 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
                 print(f"infersim: note: {names}: {what} {'differ' if len(sections) > 1 else 'differs'} from "
                       f"{scenarios[0]}'s; every scenario runs "
                       f"{scenarios[0]}'s {what}", file=sys.stderr)
-        api.prepare_out(out)
+        prepare_out(out)
         results = cmp.compare_data(items, scenarios[0].parent, dirs=dirs, files=files)
     except ConfigError as e:
         _fail(e)
@@ -574,7 +577,7 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
                                                  "prefill for prompt chunks alone)")) -> None:
     """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
     overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
-    from infersim.step_cost import step_of
+    from infersim.commands.step_cost import step_of
 
     path = scenario or api.default_scenario_path()
     try:
@@ -643,7 +646,7 @@ def _wide_console() -> Console:
 def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="port to serve on")) -> None:
     """Serve the Streamlit dashboard (What-if, Compare, Search, Validation) at http://localhost:PORT."""
     try:
-        api.dashboard(port)
+        serve_dashboard(port)
     except ConfigError as e:
         _fail(e)
 

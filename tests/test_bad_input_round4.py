@@ -124,7 +124,7 @@ def test_refit_never_writes_a_profile_that_run_refuses(tmp_path, change):
 def test_a_pool_s_keys_keep_their_pool_in_the_labels_and_need_pools(tmp_path):
     """W: sweeping pools.prefill.replicas and pools.decode.replicas labelled rows 'replicas=1 replicas=2' (which is
     prefill?); on a base without pools every configuration was pruned and the search exited 0."""
-    from infersim.search import configurations, parse_search_spec
+    from infersim.commands.search import configurations, parse_search_spec
 
     pools = {**H100, "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}
     search = parse_search_spec({"scenario": pools, "space": {"pools.prefill.replicas": [1, 2],

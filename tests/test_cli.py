@@ -276,7 +276,7 @@ def test_validate_requests_only_sizes_capacity_probes():
 
 
 def test_capacity_probes_take_more_requests_of_the_same_workload():
-    from infersim.api import _with_requests
+    from infersim.commands.validate import _with_requests
     from sim.config.plan import load_scenario
 
     path = ROOT / "scenarios" / "validation" / "spec_ngram.yaml"
@@ -287,7 +287,7 @@ def test_capacity_probes_take_more_requests_of_the_same_workload():
 
 
 def test_validate_predicts_with_the_profile_the_scenarios_name():
-    from infersim.api import _validation_profile
+    from infersim.commands.validate import _validation_profile
     from sim.config.plan import load_scenario
 
     paths = sorted((ROOT / "scenarios" / "validation_llama_0.5b").glob("*.yaml"))

@@ -195,7 +195,7 @@ def test_a_closed_loop_s_capacity_is_the_most_users_within_the_slos(tmp_path):
     """The search counts users on a closed loop: a whole number of them, the probe at capacity passes and the one
     just above fails, two replicas hold about twice the users, and a probe with too few requests per user shows its
     capacity as a lower bound."""
-    from infersim.search import parse_search_spec, probes_of, run_probe, run_search
+    from infersim.commands.search import parse_search_spec, probes_of, run_probe, run_search
     from sim.config.plan import make_plan
     from sim.report.capacity import STEADY_ROUNDS, users_probe
 
@@ -220,7 +220,7 @@ def test_a_closed_loop_s_capacity_is_the_most_users_within_the_slos(tmp_path):
 
 @pytest.mark.parametrize("target, where", [({"rate": 3.0}, "target.rate"), ({"users": 0}, "target.users")])
 def test_a_closed_loop_s_search_target_is_users(target, where):
-    from infersim.search import parse_search_spec
+    from infersim.commands.search import parse_search_spec
 
     with pytest.raises(ConfigError) as e:
         parse_search_spec(loop_spec(target=target))
@@ -316,7 +316,7 @@ def test_a_closed_loop_s_capacity_verdict_leaves_out_its_first_wave():
     """With no think time every user's first request arrives at t = 0: a burst no steady load of that many users
     sees again, which decided the capacity on short probes (a users search moved 90 -> 239 users with the probe's
     length). The verdict judges the run without each user's first unit (a conversation: all its turns)."""
-    from infersim.search import run_probe
+    from infersim.commands.search import run_probe
     from sim.config.plan import make_plan
     from sim.report.capacity import warm_up
     from sim.report.metrics import compute_metrics

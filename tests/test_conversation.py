@@ -240,7 +240,7 @@ def test_a_capacity_probe_of_conversations_started_at_once_is_not_a_sustained_ra
     """At a huge rate the first turns all arrive at once and the later ones follow the answers: a bounded load that
     meets any SLO a roomy deployment can. The verdict needs the first turns spread over twice a conversation's
     lifetime; the search marks a capacity the probe's length bounds."""
-    from infersim.search import run_probe
+    from infersim.commands.search import run_probe
 
     data = {**chat(num_requests=120), "replicas": 8, "slo": {"ttft_s": 1.0, "tpot_s": 0.1}}
     plan = plan_of(data)

@@ -82,7 +82,7 @@ def test_a_closed_loop_needs_no_second_limit():
 def test_a_capacity_search_counts_the_rate_the_client_meant_to_send():
     """Latencies count from sending, so the SLOs alone would hold at any rate; the probe whose throughput falls
     behind the arrivals the client meant (before waiting for a slot) fails."""
-    from infersim.search import parse_search_spec, run_search
+    from infersim.commands.search import parse_search_spec, run_search
 
     spec = {"name": "mc", "scenario": scenario(workload={**LOAD, "max_concurrency": 4},
                                                slo={"ttft_s": 5.0, "tpot_s": 0.5}),

@@ -9,7 +9,7 @@ import pytest
 
 from infersim import api
 from infersim.api import run_scenario
-from infersim.search import parse_search_spec, run_search
+from infersim.commands.search import parse_search_spec, run_search
 from sim.config.models import MODEL_CATALOG
 from tests.test_random_scenarios import check_report
 

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from infersim.cli import app
-from infersim.search import apply, parse_search_spec, probes_of, run_probe, run_search
+from infersim.commands.search import parse_search_spec, probes_of, run_probe, run_search
+from infersim.scenario_keys import apply
 from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
@@ -88,7 +89,7 @@ def test_the_recommendation_is_the_cheapest_that_carries_the_target_and_the_othe
 def test_a_tie_in_cost_and_capacity_goes_to_the_configuration_further_from_its_slos():
     """Two configurations as cheap with the same capacity: the one with more headroom at the target is recommended
     (whatever their labels' order), and the other says so rather than claiming less capacity."""
-    from infersim.search import ConfigResult, rank
+    from infersim.commands.search import ConfigResult, rank
 
     search = parse_search_spec(spec(replicas=[1]))
     slo = search.slo
@@ -163,14 +164,14 @@ def test_cli_compare_two_files_and_a_sweep(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios" / "search").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_search_specs_parse(path):
     """W: llama2_70b_capacity.yaml stopped parsing when a dotted key inside a searched section became an error."""
-    from infersim.search import configurations, load_search_spec
+    from infersim.commands.search import configurations, load_search_spec
 
     assert len(configurations(load_search_spec(path))) > 1
 
 
 def test_a_section_and_a_key_inside_it_combine_in_either_order():
     sections = [{"enable_chunked_prefill": True, "max_num_batched_tokens": 512}, {"enable_chunked_prefill": False}]
-    from infersim.search import configurations
+    from infersim.commands.search import configurations
 
     one = parse_search_spec(spec(**{"serving": sections, "serving.max_num_seqs": [16, 64]}))
     other = parse_search_spec(spec(**{"serving.max_num_seqs": [16, 64], "serving": sections}))
@@ -184,7 +185,7 @@ def test_a_section_and_a_key_inside_it_combine_in_either_order():
 def test_every_configuration_has_its_own_label():
     """W: two `ngram` sections of different γ, or an A100 and an A100 with other bandwidth, made rows of one label
     (the recommendation named four configurations at once)."""
-    from infersim.search import configurations
+    from infersim.commands.search import configurations
 
     search = parse_search_spec(spec(**{
         "speculative": [None, {"method": "ngram", "num_speculative_tokens": 3, "acceptance_rate": 0.5},

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from infersim.api import simulate_data
-from infersim.search import parse_search_spec, probes_of, run_probe, run_search
+from infersim.commands.search import parse_search_spec, probes_of, run_probe, run_search
 from sim.config.plan import make_plan
 from sim.config.scenario import SLOConfig, parse_scenario
 from sim.report.capacity import scaled

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from infersim.api import Outcome, simulate_data
-from infersim.search import apply
+from infersim.scenario_keys import apply
+from infersim.simulation import Outcome, simulate_data
 from sim.config.errors import ConfigError
 from sim.config.scenario import SLOConfig
 from sim.config.yaml_file import load_yaml

@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
+from infersim.backends import map_unordered
+from infersim.scenario_keys import apply, is_ratio
 from sim.config.errors import ConfigError
 from sim.config.generator import generate_requests
 from sim.config.limits import MAX_REQUESTS
-from sim.config.plan import Plan, check_profile_device, make_plan
+from sim.config.plan import Plan, check_profile_device, make_plan, resolve_hardware, resolve_model
 from sim.config.profile import read_profile
 from sim.config.scenario import Scenario, SLOConfig, parse_scenario, validation_error
 from sim.config.schema_base import StrictModel
@@ -47,6 +49,8 @@ from sim.report.capacity import (
     warm_up,
     why_failed,
 )
+from sim.report.metrics import compute_metrics
+from sim.simulator.cluster import sim_records, simulate
 
 MAX_CONFIGURATIONS = 10_000
 # keys whose candidate values replace a whole section (a mapping value is not merged into the base's)
@@ -218,7 +222,7 @@ def _check_space(spec: SearchSpec, scenario: Scenario, base: dict, scenario_dir:
                               "allowed: give the base scenario pools, or search 'pools' too", f"space.{key}")
         if key.split(".")[0] in NOT_SWEPT:
             raise ConfigError(f"not searched: {NOT_SWEPT[key.split('.')[0]]}", f"space.{key}")
-        if key == "pools" and any(v is not None and not _is_ratio(v) and not isinstance(v, dict) for v in values):
+        if key == "pools" and any(v is not None and not is_ratio(v) and not isinstance(v, dict) for v in values):
             raise ConfigError("each value: null (colocated), [prefill replicas, decode replicas] or a pools mapping",
                               "space.pools")
     count = math.prod(len(v) for v in spec.space.values())
@@ -292,18 +296,11 @@ def _short_value(v) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def _is_ratio(v) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                                       for x in v)
-
-
 def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> str | None:
     """A value the key itself refuses (a type, a bound, an unknown sub-key: the key's own schema, or a model or
     hardware spec) is an error in the spec; one that only clashes with other keys prunes its configurations.
     Returns the configuration the value makes, as canonical JSON (None where it clashes), so that two spellings
     of one configuration are found."""
-    from sim.config.plan import resolve_hardware, resolve_model
-
     try:
         scenario = parse_scenario(apply(base, key, value))
         same = scenario.model_dump(mode="json")
@@ -332,34 +329,6 @@ def _mean_rate(specs: list[RequestSpec]) -> float:
 
 
 # -- configurations ---------------------------------------------------------------------------------------------
-def apply(base: dict, key: str, value) -> dict:
-    """`base` with one dotted key set (a copy); `pools: [P, D]` sets the pools' replicas, `model.weight_dtype` on a
-    catalog name becomes {base: name, weight_dtype: ...}."""
-    data = json.loads(json.dumps(base))
-    parts = key.split(".")
-    if parts == ["pools"]:
-        if value is None:
-            data.pop("pools", None)
-        elif _is_ratio(value):
-            pools = data.get("pools") or {"prefill": {}, "decode": {}}
-            pools["prefill"] = {**pools.get("prefill", {}), "replicas": value[0]}
-            pools["decode"] = {**pools.get("decode", {}), "replicas": value[1]}
-            data["pools"] = pools
-            data.pop("replicas", None)
-        else:
-            data["pools"] = value
-        return data
-    if parts[0] in ("model", "hardware") and len(parts) > 1 and isinstance(data.get(parts[0]), str):
-        data[parts[0]] = {"base": data[parts[0]]}
-    node = data
-    for p in parts[:-1]:
-        if not isinstance(node.get(p), dict):
-            node[p] = {}
-        node = node[p]
-    node[parts[-1]] = value
-    return data
-
-
 def configurations(search: Search) -> list[tuple[str, dict, dict]]:
     """(label, overrides, scenario data) for every combination of the space's values, in the space's order."""
     keys = list(search.space)
@@ -426,7 +395,7 @@ def _value_labels(values: list) -> list[str]:
 def _value_label(v) -> str:
     if v is None:
         return "none" if not isinstance(v, list) else ""
-    if _is_ratio(v):
+    if is_ratio(v):
         return f"{v[0]}:{v[1]}"
     if isinstance(v, dict):
         return v.get("method") or v.get("name") or v.get("base") or json.dumps(v, sort_keys=True)
@@ -464,9 +433,6 @@ def run_probe(plan: Plan, specs: list[RequestSpec], early_stop: bool = True, use
     metrics when the run went to its end; what failed it, as sim.report.capacity.why_failed, `users` for a closed
     loop's). With `early_stop` the run stops once more requests have missed a target than its quantile allows: the
     SLO cannot hold any more."""
-    from sim.report.metrics import compute_metrics
-    from sim.simulator.cluster import sim_records, simulate
-
     slo = plan.slo
     warm = warm_up(specs) if users is not None else set()  # a closed loop's first wave: not judged
     allowed = (1 - slo.quantile) * (len(specs) - len(warm)) + 1
@@ -558,8 +524,6 @@ def run_search(search: Search, backend: str = "local", workers: int | None = Non
     """Search every configuration on `backend` ("local": processes on this machine; "ray": a Ray cluster at
     `address`, or a local one); `progress(done, total)` as configurations finish; `cancel` (a threading.Event) stops
     the search between configurations (ConfigError)."""
-    from infersim.backends import map_unordered
-
     t0 = time.perf_counter()
     probes = probes_of(search)
     rows: list[ConfigResult | None] = [None] * len(probes)

@@ -1,13 +1,15 @@
-"""One engine step's time and where it goes (`infersim step-cost`, `infersim.api.step_time`, the What-if page): the
-simulator's own pricer for the step's batch shape, by part."""
+"""`infersim step-cost`: one engine step's time and where it goes (also `infersim.api.step_time`, the What-if page):
+the simulator's own pricer for the step's batch shape, by part."""
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
+from infersim.inputs import load_plan
 from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
-from sim.config.plan import Plan
+from sim.config.plan import Plan, plan_of
 from sim.cost.build import describe_cost, make_pricer
 from sim.cost.fitted import shape_of
 
@@ -89,3 +91,25 @@ def decode_batch_of(report: dict) -> int:
     its first token to its last)."""
     decode_s = (report["e2e_s"]["mean"] or 0.0) - (report["ttft_s"]["mean"] or 0.0)
     return max(1, round(report["throughput"]["requests_per_s"] * decode_s))
+
+
+def step_time(data: dict | str | Path, new_tokens: list[int], context_lens: list[int] | None = None,
+              pool: str | None = None, base_dir: Path = Path(".")) -> dict:
+    """One step's time and where it goes, as the simulator prices it for a scenario (a mapping, or a YAML file): a
+    dict with total_s, linear_s (the decoder layers' non-attention work: projections, norms, rotary, activation,
+    residual adds; not embedding or LM head), attention_s, communication_s, lm_head_s, overhead_s, draft_s, swap_s,
+    and source (what priced it: profile, gpu_kernels or roofline). `new_tokens` and `context_lens` (tokens in the
+    KV cache after the step; default: each row's new tokens): one per sequence; rows of more than one token compute
+    a prompt chunk. A disaggregated scenario prices prompt-only steps on its prefill pool, others on its decode pool
+    (or `pool`)."""
+    plan = load_plan(data) if isinstance(data, (str, Path)) else plan_of(data, base_dir)
+    return price(plan, step_of("step", list(new_tokens), list(context_lens) if context_lens else None), pool)
+
+
+def step_costs(plan: Plan, steps=None, report: dict | None = None) -> list[tuple[str, dict]]:
+    """(label, step_time's dict) of `steps` (Step), default the scenario's typical ones: a prefill
+    of its median prompt and decodes of 1, 8, 32 and max_num_seqs rows, or with a run's `report` of its mean decode
+    batch."""
+    if steps is None:
+        steps = typical_steps(plan, [decode_batch_of(report)] if report is not None else None)
+    return [(s.label, price(plan, s)) for s in steps]

@@ -1,0 +1,27 @@
+"""A progress bar for a command's long loops, on a terminal only."""
+from __future__ import annotations
+
+from rich.console import Console
+
+
+class progress_bar:
+    """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
+
+    def __init__(self, console: Console, quiet: bool, what: str, total: int):
+        self.show = not quiet and console.is_terminal
+        self.console, self.what, self.total = console, what, total
+
+    def __enter__(self):
+        if not self.show:
+            return None
+        from rich.progress import Progress
+
+        self.bar = Progress(console=self.console, transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.what, total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done)
+
+    def __exit__(self, *exc):
+        if self.show:
+            self.bar.__exit__(*exc)
+        return False
