@@ -1,4 +1,5 @@
-"""`infersim`: the command line. Thin: parses flags and calls the application API (infersim.api).
+"""`infersim`: the command line. Thin: parses flags and calls the command's module (infersim/commands/), imported only
+when that command runs, so that `infersim --help` or `infersim run` loads nothing another command needs.
 Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
@@ -8,17 +9,11 @@ from typing import List, Optional
 
 import typer
 import typer.core
-from rich.console import Console
-from rich.table import Column, Table
 from typer.core import TyperGroup
 
-from infersim import api
-from infersim.commands.dashboard import dashboard as serve_dashboard
-from infersim.inputs import check_distinct, prepare_out, require_executor
+from infersim.inputs import check_distinct, default_scenario_path, prepare_out, require_executor
 from infersim.progress import progress_bar
 from sim.config.errors import ConfigError
-from sim.cost.build import describe_cost
-from sim.report.outputs import cost_line
 
 # typer >= 0.2x parses with its own copy of click, older ones with click itself
 _UsageError = getattr(getattr(typer.core, "_click", None), "exceptions", None)
@@ -43,7 +38,6 @@ class _OneLineUsage(TyperGroup):
 
 app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True,
                   help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
-DEFAULT_SCENARIO = "default.yaml"
 MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
 
@@ -68,8 +62,10 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots")) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
+    from infersim.commands.run import run_scenario
+
     try:
-        api.run_scenario(scenario or api.default_scenario_path(), out, quiet=quiet, plots=not no_plots)
+        run_scenario(scenario or default_scenario_path(), out, quiet=quiet, plots=not no_plots)
     except ConfigError as e:
         _fail(e)
 
@@ -114,6 +110,8 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
     its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
+    from infersim.commands.serve import serve_scenario
+
     front = {"api_key": api_key, "max_request_bytes": max_request_bytes, "max_connections": max_connections,
              "request_timeout_s": request_timeout, "stall_timeout_s": stall_timeout,
              "shutdown_timeout_s": shutdown_timeout}
@@ -132,7 +130,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
     except ConfigError as e:
         _fail(e)
     try:
-        api.serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
+        serve_scenario(scenario, out, device, threads, quiet=quiet, plots=not no_plots, profile=profile)
     except ConfigError as e:
         _fail(e)
     except WorkerError as e:  # a worker process of a parallel serve failed: one line, the partial traces written
@@ -145,10 +143,11 @@ def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int 
     """serve --http: the engine process dying is one line and exit code 1."""
     require_executor("serve")
     from executor.api_server.engine_client import EngineDied
+    from infersim.commands.serve import serve_http, server_limits
 
     try:
-        api.serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model,
-                       limits=api.server_limits(**front))
+        serve_http(scenario, host, port, device, threads, out, quiet=quiet, served_model=served_model,
+                   limits=server_limits(**front))
     except EngineDied as e:
         print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -182,13 +181,17 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             if refit or threads is not None or device != "cpu" or repeats != 3:
                 raise ConfigError("--endpoint measures a running server: not with --refit, --threads, --device or "
                                   "--repeats", "--endpoint")
-            api.profile_endpoint(endpoint, out, served_model, model, scenario, quick, tokenizer)
+            from infersim.commands.profile_endpoint import profile_endpoint
+
+            profile_endpoint(endpoint, out, served_model, model, scenario, quick, tokenizer)
             return
         if served_model is not None or tokenizer is not None:
             raise ConfigError("--served-model and --tokenizer name an endpoint's: only with --endpoint",
                               "--served-model" if served_model is not None else "--tokenizer")
         require_executor("profile")
-        api.profile(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
+        from infersim.commands.profile import profile as measure
+
+        measure(device, model, out, threads, quick, repeats, refit=refit, scenario=scenario)
     except ConfigError as e:
         _fail(e)
 
@@ -203,6 +206,9 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
             max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
             threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS)) -> None:
     """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
+    from infersim.commands.catalogs import model_catalog
+    from infersim.commands.training import distill as train_draft
+
     try:
         picked = [int(x) for x in layers.split(",") if x.strip()]
     except ValueError:
@@ -211,12 +217,12 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
         require_executor("distill")
     except ConfigError as e:
         _fail(e)
-    teacher = api.model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
+    teacher = model_catalog()["SmolLM2-135M"].num_layers  # checked here: the teacher takes seconds to load
     if not picked or any(not 0 <= n < teacher for n in picked):
         _fail(ConfigError(f"draft layers must be teacher layer numbers in 0..{teacher - 1}, got {picked}", "--layers"))
     try:
         prepare_out(out)  # before minutes of training that would end in the write
-        api.distill(out, picked, vocab_size, minutes, max_new, threads)
+        train_draft(out, picked, vocab_size, minutes, max_new, threads)
     except ConfigError as e:
         _fail(e)
 
@@ -235,13 +241,15 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
                  retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
+    from infersim.commands.training import train_medusa as train_heads
+
     try:
         require_executor("train-medusa")
         if not retree:  # before minutes of training that would end in the write
             prepare_out(out)
         elif out is not None and out.exists() and not out.is_dir():
             raise ConfigError(f"{out} exists and is not a folder", "--out")
-        api.train_medusa(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
+        train_heads(out, num_heads, vocab_size, minutes, max_new, threads, profile, retree=retree)
     except ConfigError as e:
         _fail(e)
 
@@ -299,61 +307,50 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
         return _validate_published(scenarios, published, out, [*runs, ("--endpoint", endpoint), ("--profile", profile_path)])
     if endpoint is not None:
         return _validate_endpoint(scenarios, endpoint, served_model, profile_path, out, tokenizer, chat, timeout, runs)
+    if served_model is not None or tokenizer is not None or chat or timeout is not None:
+        _fail(ConfigError("--served-model, --tokenizer, --chat and --timeout are for an endpoint: only with "
+                          "--endpoint", "--endpoint"))
+    _validate_runs(scenarios, out, device, profile_path, threads, repeat, real_from, alongside, capacity, precision,
+                   requests)
+
+
+def _validate_runs(scenarios: List[Path], out, device, profile_path, threads, repeat, real_from, alongside,
+                   capacity: bool, precision: float, requests) -> None:
+    """`validate` (and `--capacity`) on the executor: the tables of real vs simulated."""
     try:
-        if served_model is not None or tokenizer is not None or chat or timeout is not None:
-            raise ConfigError("--served-model, --tokenizer, --chat and --timeout are for an endpoint: only with "
-                              "--endpoint", "--endpoint")
         require_executor("validate")
         from executor.distributed.launch import WorkerError
     except ConfigError as e:
         _fail(e)
+    from infersim.commands import validate as command
+
     try:
         if capacity:
             if real_from is not None or repeat > 1:
                 raise ConfigError("--capacity runs its own probes: not with --real-from or --repeat", "--capacity")
-            results, prof = api.validate_capacity(scenarios, out, device, profile_path, threads, alongside, precision,
-                                                  requests)
+            results, prof = command.validate_capacity(scenarios, out, device, profile_path, threads, alongside,
+                                                      precision, requests)
         elif requests is not None:
             raise ConfigError("--requests sizes the capacity probes: only with --capacity", "--requests")
         else:
-            results, prof, summary = api.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
-                                                  alongside)
+            results, prof, summary = command.validate(scenarios, out, device, profile_path, threads, repeat, real_from,
+                                                      alongside)
     except ConfigError as e:
         _fail(e)
     except WorkerError as e:  # a worker process of a parallel or disaggregated serve failed: one line
         print(f"infersim: error: {e}", file=sys.stderr)
         raise typer.Exit(1)
     if capacity:
-        _print_capacity(results, device, prof)
+        command.print_capacity(results, device, prof)
     else:
-        _print_validations(results, device, prof, summary, out)
-
-
-def _print_validations(results: list[dict], device: str, prof, summary: dict | None, out: Path | None) -> None:
-    """Each scenario's real vs sim table, the machine's drift, and over several scenarios the summary table."""
-    for result in results:
-        _print_validation(result, device, prof, result["runs"])
-    drift = _drift_line(results)
-    if drift:
-        Console().print(drift)
-    if summary is None:
-        return
-    spread = any(r["runs"] > 1 for r in results)
-    t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
-              *(["median spread %"] if spread else []))
-    for name, row in summary.items():
-        t.add_row(name, _num(row["max_abs_error_pct"]), _num(row["median_abs_error_pct"]),
-                  _num(row["median_abs_error_at_run_speed_pct"]),
-                  *([_num(row["median_spread_pct"])] if spread else []))
-    Console().print(f"[bold]{len(results)} scenarios[/]")
-    Console().print(t)
-    if out is not None:
-        Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
+        command.print_validations(results, device, prof, summary, out)
 
 
 def _validate_endpoint(scenarios: List[Path], endpoint: str, served_model, profile_path, out, tokenizer, chat,
                        timeout, others: list) -> None:
     """`validate --endpoint`: one scenario replayed against a server, its table printed."""
+    from infersim.commands.validate_endpoint import print_endpoint_validation, validate_endpoint
+
     try:
         given = [flag for flag, value in others if value is not None]
         if given:
@@ -361,24 +358,16 @@ def _validate_endpoint(scenarios: List[Path], endpoint: str, served_model, profi
                               "--endpoint")
         if len(scenarios) != 1 or scenarios[0].is_dir():
             raise ConfigError("--endpoint replays one scenario file", "SCENARIO")
-        result = api.validate_endpoint(scenarios[0], endpoint, served_model, profile_path, out, tokenizer, chat,
-                                       timeout)
+        result = validate_endpoint(scenarios[0], endpoint, served_model, profile_path, out, tokenizer, chat, timeout)
     except ConfigError as e:
         _fail(e)
-    ep = result["endpoint"]
-    _print_validation(result, f"{ep['url']} ({ep['model']}, {ep['engine']})", result["profile"] or "its cost model",
-                      1)
-    rq, lengths = result["requests"], result["lengths"]
-    Console().print(f"requests: {rq['arrived']} sent, {rq['completed']} completed, {rq['rejected']} rejected"
-                    + "".join(f"; {n} {reason}" for reason, n in rq["rejected_by_reason"].items())
-                    + f"; prompts the server counted otherwise: {lengths['prompts_off']} of "
-                    f"{lengths['prompts_counted_by_server']}, outputs of another length: {lengths['outputs_off']}")
-    if out is not None:
-        Console().print(f"wrote {out}/validation.json, requests.csv, requests.jsonl, latency_cdf_sim_vs_real.png")
+    print_endpoint_validation(result, out)
 
 
 def _validate_published(scenarios: List[Path], published: Path, out, others: list) -> None:
     """`validate --published`: one scenario simulated and scored against a published run, a table per stage."""
+    from infersim.commands.validate_published import print_published, validate_published
+
     try:
         given = [flag for flag, value in others if value is not None]
         if given:
@@ -386,86 +375,10 @@ def _validate_published(scenarios: List[Path], published: Path, out, others: lis
                               f"{', '.join(given)}", "--published")
         if len(scenarios) != 1 or scenarios[0].is_dir():
             raise ConfigError("--published scores one scenario file", "SCENARIO")
-        result = api.validate_published(scenarios[0], published, out)
+        result = validate_published(scenarios[0], published, out)
     except ConfigError as e:
         _fail(e)
-    engine = result["engine"]
-    what = f"{engine.get('name', 'the real run')} {engine.get('version') or ''}".strip()
-    for stage in result["stages"]:
-        t = Table("metric", "real", "sim", "error %")
-        for name, row in stage["metrics"].items():
-            t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]))
-        up = stage["keeps_up"]
-        Console().print(f"[bold]{result['scenario']}[/] stage {stage['stage']} at {stage['rate']:g} req/s: {what} "
-                        f"(published) vs simulated; kept up: real {'yes' if up['real'] else 'no'}, sim "
-                        f"{'yes' if up['sim'] else 'no'}", highlight=False)
-        Console().print(t)
-    if out is not None:
-        Console().print(f"wrote {out}/validation.json")
-
-
-def _print_validation(result: dict, device: str, prof: Path, repeat: int) -> None:
-    spread = repeat > 1
-    t = Table("metric", "real", "sim", "error %", "error % at the run's step speed",
-              *(["runs", "spread %"] if spread else []))
-    for name, row in result["metrics"].items():
-        cells = [_num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]), _pct(row.get("error_at_run_speed_pct"))]
-        if spread:
-            cells += [" ".join(_num(v) for v in row["real_runs"]), _num(row["spread_pct"])]
-        t.add_row(name, *cells)
-    spec = result.get("speculative")
-    for name in ("tpot_p50_speedup", "throughput_speedup") if spec else ():
-        row = spec[name]
-        t.add_row(name, _num(row["real"]), _num(row["sim"]), _pct(row["error_pct"]),
-                  _pct(row.get("error_at_run_speed_pct")), *(["", ""] if spread else []))
-    if spec:
-        t.add_row("alpha", _num(spec["alpha_real"]), _num(spec["alpha_sim"]), "", "", *(["", ""] if spread else []))
-    real = "real (mean of %d executor runs)" % repeat if spread else "real"
-    Console().print(f"[bold]{result['scenario']}[/] on {device}: {real} vs simulated with {prof}")
-    Console().print(t)
-
-
-def _print_capacity(results: list[dict], device: str, prof: Path) -> None:
-    units = sorted({r.get("unit", "req/s") for r in results})
-    t = Table("scenario", f"measured {' / '.join(units)}", "missed at", "predicted", "error %", "at run speed",
-              "error %", "probes")
-    for r in results:
-        m, p, s = r["measured"], r["predicted"], r["predicted_at_run_speed"] or {}
-        t.add_row(r["scenario"], _num(m["capacity_rps"]), _num(m["missed_at_rps"]), _num(p["capacity_rps"]),
-                  _pct(r["error_pct"]), _num(s.get("capacity_rps")), _pct(r["error_at_run_speed_pct"]),
-                  " ".join(f"{q['rate']:.3g}{'+' if q['passes'] else '-'}{'' if q['sim_passes'] == q['passes'] else '!'}"
-                           for q in r["probes"]))
-    Console().print(f"capacity on {device} (grid step {results[0]['precision']:.0%}) vs simulated with {prof}; "
-                    "probes: rate (a closed loop: users), + met the SLOs / - missed, ! where the simulator said "
-                    "otherwise")
-    Console().print(t)
-
-
-# Steps running this far from the profile on average mean the machine itself has changed speed since profiling.
-DRIFT_WARN = 0.05
-
-
-def _drift_line(results: list[dict]) -> str | None:
-    """One line when the executor's steps ran, on average over every run, more than DRIFT_WARN off the profile's
-    prediction for their own shapes: the latencies' errors then carry the machine's drift, not the model's."""
-    ratios = [r["all"] for result in results for r in result.get("step_time_ratio", []) if r.get("all")]
-    if not ratios:
-        return None
-    mean = sum(ratios) / len(ratios)
-    if abs(mean - 1) <= DRIFT_WARN:
-        return None
-    way = "faster" if mean < 1 else "slower"
-    return (f"steps ran {mean:.2f}x the profile's prediction for their shapes ({min(ratios):.2f}-{max(ratios):.2f} "
-            f"over {len(ratios)} runs): this machine is {abs(1 / mean - 1) * 100:.0f}% {way} than when profiled, "
-            "and TPOT's error carries that; `infersim profile` again, or read the 'at the run's step speed' column")
-
-
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.4g}"
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{x:+.1f}"
+    print_published(result, out)
 
 
 @app.command()
@@ -476,38 +389,19 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
            workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: processes (default: cores)"),
            quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
-    from infersim.commands import search as srch
+    from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
 
-    console = Console()
     try:
-        found = srch.load_search_spec(spec)
+        found = load_search_spec(spec)
         prepare_out(out)
-        n = len(srch.configurations(found))
-        with progress_bar(Console(stderr=True), quiet, "configurations", n) as bar:
-            result = srch.run_search(found, backend, workers, progress=bar, address=address)
+        with progress_bar(None, quiet, "configurations", len(configurations(found))) as bar:
+            result = run_search(found, backend, workers, progress=bar, address=address)
     except ConfigError as e:
         _fail(e.with_file(str(spec)) if e.key_path.startswith(("space", "target", "search", "scenario")) else e)
     if out is not None:
-        srch.write_outputs(out, result)
-    if quiet:
-        return
-    keep = [0, 1, 4, 5, 6, 8, 10]  # search.md has every column; the terminal the ones that decide
-    columns = srch.header(result.unit)
-    t = Table(*(columns[i] for i in keep[:-1]), Column(columns[-1], overflow="fold"),
-              title=f"{result.name}: {n} configurations, target {result.target_rate:.3g} {result.unit} "
-              f"({result.probes} probes, {result.wall_s:.1f} s)")
-    for row in srch.table_rows(result)[:30]:
-        t.add_row(*(row[i] for i in keep))
-    console.print(t)
-    best = result.recommended
-    if best is None:
-        console.print(f"[bold red]no configuration carries {result.target_rate:.3g} {result.unit} within the SLOs[/]")
-    else:
-        console.print(f"[bold]recommended:[/] {best.label}: ${best.usd_per_hour:.2f}/h, capacity "
-                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps:.3g} {result.unit} (margin "
-                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps / result.target_rate - 1:+.0%})")
-    if out is not None:
-        console.print(f"wrote {out}/search.json, search.md, pareto.png")
+        write_outputs(out, result)
+    if not quiet:
+        print_search(result, out)
 
 
 @app.command()
@@ -517,52 +411,19 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
             out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for compare.json, compare.md, cdf.png"),
             quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
-    from infersim.commands import compare as cmp
-    from sim.config.yaml_file import read_yaml
+    from infersim.commands.compare import compare_files, print_comparison, write_outputs
 
     try:
         check_distinct(scenarios)
         if sweep and len(sweep) > 1:  # typer kept the last and dropped the others without a word
             raise ConfigError(f"given {len(sweep)} times; allowed: once (several keys: `infersim search`)", "--sweep")
-        sweep = sweep[0] if sweep else None
-        items = []
-        for path in scenarios:
-            data = read_yaml(path)
-            if not isinstance(data, dict):
-                raise ConfigError("a scenario is a mapping of keys", file=str(path))
-            items.append((path.stem, data))
-        stems = [label for label, _ in items]
-        # files with the same name in different folders are labelled by their paths
-        items = [(str(p) if stems.count(label) > 1 else label, d) for p, (label, d) in zip(scenarios, items)]
-        dirs, files = [p.parent for p in scenarios], [str(p) for p in scenarios]
-        if sweep is not None:
-            if len(items) != 1:
-                raise ConfigError("--sweep takes exactly one scenario", "--sweep")
-            items = cmp.sweep(items[0][1], *cmp.parse_sweep(sweep))
-            dirs, files = dirs * len(items), [f"{scenarios[0]} (--sweep {label})"[:200] for label, _ in items]
-        elif len(items) < 2:
-            raise ConfigError("give two or more scenarios, or one and --sweep KEY=V1,V2")
-        else:
-            which, sections = cmp.differing(items, dirs)
-            if which:  # they run the first's: say so, a table of unlike workloads would mislead
-                names = ", ".join(str(scenarios[i]) for i in which[:3]) + (" ..." if len(which) > 3 else "")
-                what = " and ".join(sections)
-                print(f"infersim: note: {names}: {what} {'differ' if len(sections) > 1 else 'differs'} from "
-                      f"{scenarios[0]}'s; every scenario runs "
-                      f"{scenarios[0]}'s {what}", file=sys.stderr)
-        prepare_out(out)
-        results = cmp.compare_data(items, scenarios[0].parent, dirs=dirs, files=files)
+        results = compare_files(scenarios, sweep[0] if sweep else None, out)
     except ConfigError as e:
         _fail(e)
     if out is not None:
-        cmp.write_outputs(out, results)
+        write_outputs(out, results)
     if not quiet:
-        t = Table("configuration", *(c[0] for c in cmp.COLUMNS), title="on the workload of " + str(scenarios[0]))
-        for row in cmp.table(results):
-            t.add_row(*row)
-        Console().print(t)
-        if out is not None:
-            Console().print(f"wrote {out}/compare.json, compare.md, cdf.png")
+        print_comparison(results, scenarios[0], out)
 
 
 @app.command("step-cost")
@@ -577,74 +438,36 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
                                                  "prefill for prompt chunks alone)")) -> None:
     """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
     overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
-    from infersim.commands.step_cost import step_of
+    from infersim.commands.step_cost import price_steps, print_step_costs
 
-    path = scenario or api.default_scenario_path()
     try:
-        plan = api.load_plan(path)
-        steps = [step_of("step", new_tokens, context)] if new_tokens else None
-        if pool is not None and steps is None:
-            raise ConfigError("names the pool of a step given by --new-tokens", "--pool")
-        rows = [("step", api.step_time(path, steps[0].new_tokens, steps[0].context_lens, pool))] if steps \
-            else api.step_costs(plan)
-        priced = describe_cost(plan.pools.decode if plan.pools is not None else plan)
+        plan, rows, priced = price_steps(scenario or default_scenario_path(), new_tokens, context, pool)
     except ConfigError as e:
         _fail(e)
-    parts = [p for p in ("linear_s", "experts_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
-                         "swap_s") if any(r[p] for _, r in rows)]
-    t = Table("step", "total ms", *(f"{p[:-2].replace('_', ' ')} ms (%)" for p in parts), title=plan.name)
-    for label, r in rows:
-        t.add_row(label, f"{r['total_s'] * 1e3:.3f}",
-                  *(f"{r[p] * 1e3:.3f} ({100 * r[p] / r['total_s']:.0f}%)" if r["total_s"] else "0" for p in parts))
-    console = _wide_console()
-    console.print(t)
-    console.print(f"priced by: {cost_line(priced)}")
+    print_step_costs(plan, rows, priced)
 
 
 @app.command()
 def models() -> None:
     """List the model catalog (layers: their attention kinds; KV/token: every layer that caches per token)."""
-    from sim.config.layers import describe
+    from infersim.commands.catalogs import print_models
 
-    t = Table("params", "active", "experts", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-              "vocab", "max_len", "dtype", "KV/token")
-    t.columns.insert(0, Column("name", no_wrap=True))
-    for m in api.model_catalog().values():
-        experts = f"{m.num_experts_per_tok}/{m.num_experts}" if m.num_experts else "-"
-        dtype = m.weight_dtype + (f" ({m.expert_weight_dtype} experts)" if m.expert_weight_dtype else "")
-        t.add_row(m.name, f"{m.num_params / 1e9:.2f}B", f"{m.active_params / 1e9:.2f}B", experts, describe(m),
-                  str(m.hidden_size), str(m.num_heads), str(m.num_kv_heads), str(m.head_size),
-                  str(m.intermediate_size), str(m.vocab_size), str(m.max_position_embeddings), dtype,
-                  f"{m.kv_bytes_per_token / 1024:.0f} KiB")
-    _wide_console().print(t)
+    print_models()
 
 
 @app.command()
 def hardware() -> None:
     """List the hardware catalog."""
-    t = Table(Column("name", no_wrap=True), "memory", "bandwidth", "bf16 dense", "fp8 dense", "fp4 dense", "int8",
-              "interconnect", "$/hour")
-    for h in api.hardware_catalog().values():
-        rates = [_flops(h.peak_flops[d]) if d in h.peak_flops else "-" for d in ("fp8", "fp4", "int8")]
-        t.add_row(h.name, f"{h.memory_gib:.1f} GiB", f"{h.memory_bandwidth / 1e9:,.0f} GB/s",
-                  _flops(h.flops("bf16")), *rates, f"{h.interconnect_bandwidth / 1e9:,.0f} GB/s",
-                  f"{h.price_per_hour:.2f}")
-    _wide_console().print(t)
+    from infersim.commands.catalogs import print_hardware
 
-
-def _flops(x: float) -> str:
-    return f"{x / 1e12:,.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:,.0f} GFLOP/s"
-
-
-def _wide_console() -> Console:
-    """Tables piped to a file or grep keep their full width."""
-    c = Console()
-    return c if c.is_terminal else Console(width=200)
+    print_hardware()
 
 
 @app.command()
 def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="port to serve on")) -> None:
     """Serve the Streamlit dashboard (What-if, Compare, Search, Validation) at http://localhost:PORT."""
+    from infersim.commands.dashboard import dashboard as serve_dashboard
+
     try:
         serve_dashboard(port)
     except ConfigError as e:

@@ -1,15 +1,18 @@
 """What a command is given, read and checked before anything runs: scenario files and their plans, output paths,
 a checkpoint, drafters, torch threads, the executor's packages. Bad input is one line (ConfigError) before minutes
-of work, not after them."""
+of work, not after them. Light to import (the CLI does at start-up): the scenario schema loads with the first plan."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sim.config.errors import ConfigError
-from sim.config.plan import Plan, load_scenario
+
+if TYPE_CHECKING:
+    from sim.config.plan import Plan
 
 DEFAULT_SCENARIO = "default.yaml"
 
@@ -23,6 +26,8 @@ def default_scenario_path() -> Path:
 
 def load_plan(path: str | Path) -> Plan:
     """A scenario file read, validated and resolved."""
+    from sim.config.plan import load_scenario
+
     return load_scenario(path)[1]
 
 

@@ -1,13 +1,16 @@
 """A progress bar for a command's long loops, on a terminal only."""
 from __future__ import annotations
 
-from rich.console import Console
-
 
 class progress_bar:
-    """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped."""
+    """A progress bar on a terminal (a callback taking (done, total)); nothing when quiet or piped. `console`: a rich
+    Console to draw on (None: standard error's, made only when a bar is drawn)."""
 
-    def __init__(self, console: Console, quiet: bool, what: str, total: int):
+    def __init__(self, console, quiet: bool, what: str, total: int):
+        if console is None and not quiet:
+            from rich.console import Console
+
+            console = Console(stderr=True)
         self.show = not quiet and console.is_terminal
         self.console, self.what, self.total = console, what, total
 

@@ -259,15 +259,15 @@ def test_gpu_scripts_without_cuda_say_so_in_one_line(cmd):
 
 
 def test_validate_says_when_the_machine_drifted_from_its_profile():
-    from infersim.cli import _drift_line
+    from infersim.commands.validate import drift_line
 
     def runs(*ratios):
         return [{"step_time_ratio": [{"all": r} for r in ratios]}]
 
-    assert _drift_line(runs(0.97, 1.03, 1.02)) is None and _drift_line([{}]) is None
-    line = _drift_line(runs(0.85, 0.93) + runs(0.92))
+    assert drift_line(runs(0.97, 1.03, 1.02)) is None and drift_line([{}]) is None
+    line = drift_line(runs(0.85, 0.93) + runs(0.92))
     assert "0.90x" in line and "0.85-0.93 over 3 runs" in line and "11% faster" in line
-    assert "slower" in _drift_line(runs(1.1))
+    assert "slower" in drift_line(runs(1.1))
 
 
 def test_validate_requests_only_sizes_capacity_probes():

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
 
+from infersim.inputs import prepare_out
 from infersim.scenario_keys import apply
 from infersim.simulation import Outcome, simulate_data
 from sim.config.errors import ConfigError
 from sim.config.scenario import SLOConfig
-from sim.config.yaml_file import load_yaml
+from sim.config.yaml_file import load_yaml, read_yaml
 from sim.report.metrics import per_request_latency
 
 # (label, report path) of each table column
@@ -67,6 +71,40 @@ def _split_top(text: str) -> list[str]:
         else:
             cur += ch
     return out + [cur]
+
+
+def compare_files(scenarios: list[Path], swept: str | None = None, out: Path | None = None
+                  ) -> list[tuple[str, Outcome]]:
+    """Scenario files simulated on the first one's workload and SLOs (or one file and `swept`, KEY=V1,V2,...: one
+    configuration per value), each labelled by its file's name; a note on stderr where another file's workload or SLOs
+    differ from the first's. `out` is checked writable before anything runs."""
+    items = []
+    for path in scenarios:
+        data = read_yaml(path)
+        if not isinstance(data, dict):
+            raise ConfigError("a scenario is a mapping of keys", file=str(path))
+        items.append((path.stem, data))
+    stems = [label for label, _ in items]
+    # files with the same name in different folders are labelled by their paths
+    items = [(str(p) if stems.count(label) > 1 else label, d) for p, (label, d) in zip(scenarios, items)]
+    dirs, files = [p.parent for p in scenarios], [str(p) for p in scenarios]
+    if swept is not None:
+        if len(items) != 1:
+            raise ConfigError("--sweep takes exactly one scenario", "--sweep")
+        items = sweep(items[0][1], *parse_sweep(swept))
+        dirs, files = dirs * len(items), [f"{scenarios[0]} (--sweep {label})"[:200] for label, _ in items]
+    elif len(items) < 2:
+        raise ConfigError("give two or more scenarios, or one and --sweep KEY=V1,V2")
+    else:
+        which, sections = differing(items, dirs)
+        if which:  # they run the first's: say so, a table of unlike workloads would mislead
+            names = ", ".join(str(scenarios[i]) for i in which[:3]) + (" ..." if len(which) > 3 else "")
+            what = " and ".join(sections)
+            print(f"infersim: note: {names}: {what} {'differ' if len(sections) > 1 else 'differs'} from "
+                  f"{scenarios[0]}'s; every scenario runs "
+                  f"{scenarios[0]}'s {what}", file=sys.stderr)
+    prepare_out(out)
+    return compare_data(items, scenarios[0].parent, dirs=dirs, files=files)
 
 
 def compare_data(items: list[tuple[str, dict]], base_dir: Path = Path("."), progress=None,
@@ -189,3 +227,13 @@ def write_cdf_png(path: Path, results: list[tuple[str, Outcome]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def print_comparison(results: list[tuple[str, Outcome]], first: Path, out: Path | None) -> None:
+    """One row per configuration: latency, throughput, goodput, SLO attainment and cost."""
+    t = Table("configuration", *(c[0] for c in COLUMNS), title="on the workload of " + str(first))
+    for row in table(results):
+        t.add_row(*row)
+    Console().print(t)
+    if out is not None:
+        Console().print(f"wrote {out}/compare.json, compare.md, cdf.png")

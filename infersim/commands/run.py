@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.console import Console
-
 from infersim.inputs import check_drafters, load_plan, prepare_out
 from infersim.progress import progress_bar
 from sim.config.errors import ConfigError
@@ -30,7 +28,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
         raise e.with_file(str(path)) from None
     n, step = len(specs), max(1, len(specs) // 100)
     try:
-        with progress_bar(Console(stderr=True), quiet or n < 2000, "simulating", n) as bar:
+        with progress_bar(None, quiet or n < 2000, "simulating", n) as bar:
             result = simulate(plan, specs, progress=bar and (lambda done: done % step == 0 and bar(done, n)))
     except ConfigError as e:  # e.g. a setting only the simulator needs
         raise e.with_file(str(path)) from None
@@ -44,6 +42,8 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     if out is not None:
         write_outputs(out, report, records, result.replicas, plots=plots)
     if not quiet:
+        from rich.console import Console  # a quiet run (a script's, a bench's) draws nothing
+
         print_summary(report, Console())
         if out is not None:
             Console().print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))

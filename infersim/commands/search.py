@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from rich.console import Console
+from rich.table import Column, Table
 
 from infersim.backends import map_unordered
 from infersim.scenario_keys import apply, is_ratio
@@ -663,3 +665,25 @@ def write_pareto_png(path: Path, result: SearchResult) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def print_search(result: SearchResult, out: Path | None) -> None:
+    """The configurations that decide (search.md has every column), the recommendation and its margin."""
+    console = Console()
+    keep = [0, 1, 4, 5, 6, 8, 10]  # search.md has every column; the terminal the ones that decide
+    columns = header(result.unit)
+    t = Table(*(columns[i] for i in keep[:-1]), Column(columns[-1], overflow="fold"),
+              title=f"{result.name}: {len(result.rows)} configurations, target {result.target_rate:.3g} {result.unit} "
+              f"({result.probes} probes, {result.wall_s:.1f} s)")
+    for row in table_rows(result)[:30]:
+        t.add_row(*(row[i] for i in keep))
+    console.print(t)
+    best = result.recommended
+    if best is None:
+        console.print(f"[bold red]no configuration carries {result.target_rate:.3g} {result.unit} within the SLOs[/]")
+    else:
+        console.print(f"[bold]recommended:[/] {best.label}: ${best.usd_per_hour:.2f}/h, capacity "
+                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps:.3g} {result.unit} (margin "
+                      f"{'≥ ' if best.probe_limited else ''}{best.capacity_rps / result.target_rate - 1:+.0%})")
+    if out is not None:
+        console.print(f"wrote {out}/search.json, search.md, pareto.png")

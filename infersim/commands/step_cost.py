@@ -6,12 +6,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.table import Table
+
 from infersim.inputs import load_plan
+from infersim.tables import wide_console
 from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.plan import Plan, plan_of
 from sim.cost.build import describe_cost, make_pricer
 from sim.cost.fitted import shape_of
+from sim.report.outputs import cost_line
 
 MAX_ROWS = 1_000_000  # a step of more rows than any engine batches
 
@@ -113,3 +117,29 @@ def step_costs(plan: Plan, steps=None, report: dict | None = None) -> list[tuple
     if steps is None:
         steps = typical_steps(plan, [decode_batch_of(report)] if report is not None else None)
     return [(s.label, price(plan, s)) for s in steps]
+
+
+def price_steps(path: Path, new_tokens: list[int] | None = None, context: list[int] | None = None,
+                pool: str | None = None) -> tuple[Plan, list[tuple[str, dict]], dict]:
+    """A scenario file's plan, (label, step_time's dict) of the step `new_tokens` and `context` give (default: the
+    scenario's typical steps), and what priced them (sim.cost.build.describe_cost)."""
+    plan = load_plan(path)
+    steps = [step_of("step", new_tokens, context)] if new_tokens else None
+    if pool is not None and steps is None:
+        raise ConfigError("names the pool of a step given by --new-tokens", "--pool")
+    rows = [("step", step_time(path, steps[0].new_tokens, steps[0].context_lens, pool))] if steps \
+        else step_costs(plan)
+    return plan, rows, describe_cost(plan.pools.decode if plan.pools is not None else plan)
+
+
+def print_step_costs(plan: Plan, rows: list[tuple[str, dict]], priced: dict) -> None:
+    """Each step's total and its parts (those not zero in every row), in ms and as a share, and what priced them."""
+    parts = [p for p in ("linear_s", "experts_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s",
+                         "swap_s") if any(r[p] for _, r in rows)]
+    t = Table("step", "total ms", *(f"{p[:-2].replace('_', ' ')} ms (%)" for p in parts), title=plan.name)
+    for label, r in rows:
+        t.add_row(label, f"{r['total_s'] * 1e3:.3f}",
+                  *(f"{r[p] * 1e3:.3f} ({100 * r[p] / r['total_s']:.0f}%)" if r["total_s"] else "0" for p in parts))
+    console = wide_console()
+    console.print(t)
+    console.print(f"priced by: {cost_line(priced)}")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from calibration.capacity import validate_capacity as measure
 from calibration.validate import (
     PROFILES,
@@ -24,6 +27,7 @@ from infersim.inputs import (
     scenario_files,
     warn_threads,
 )
+from infersim.tables import num, pct, print_validation
 from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.plan import replan
@@ -183,3 +187,61 @@ def _check_before_runs(plans: list, drafters: bool) -> None:
             raise e.with_file(str(path)) from None
     if drafters:
         check_drafters(plans)
+
+
+def print_validations(results: list[dict], device: str, prof, summary: dict | None, out: Path | None) -> None:
+    """Each scenario's real vs sim table, the machine's drift, and over several scenarios the summary table."""
+    for result in results:
+        print_validation(result, device, prof, result["runs"])
+    drift = drift_line(results)
+    if drift:
+        Console().print(drift)
+    if summary is None:
+        return
+    spread = any(r["runs"] > 1 for r in results)
+    t = Table("metric", "max |error| %", "median |error| %", "median |error| % at run speed",
+              *(["median spread %"] if spread else []))
+    for name, row in summary.items():
+        t.add_row(name, num(row["max_abs_error_pct"]), num(row["median_abs_error_pct"]),
+                  num(row["median_abs_error_at_run_speed_pct"]),
+                  *([num(row["median_spread_pct"])] if spread else []))
+    Console().print(f"[bold]{len(results)} scenarios[/]")
+    Console().print(t)
+    if out is not None:
+        Console().print(f"wrote {out}/summary.json, table.md and one folder per scenario")
+
+
+def print_capacity(results: list[dict], device: str, prof: Path) -> None:
+    """Each scenario's measured and predicted capacity, and its probes."""
+    units = sorted({r.get("unit", "req/s") for r in results})
+    t = Table("scenario", f"measured {' / '.join(units)}", "missed at", "predicted", "error %", "at run speed",
+              "error %", "probes")
+    for r in results:
+        m, p, s = r["measured"], r["predicted"], r["predicted_at_run_speed"] or {}
+        t.add_row(r["scenario"], num(m["capacity_rps"]), num(m["missed_at_rps"]), num(p["capacity_rps"]),
+                  pct(r["error_pct"]), num(s.get("capacity_rps")), pct(r["error_at_run_speed_pct"]),
+                  " ".join(f"{q['rate']:.3g}{'+' if q['passes'] else '-'}{'' if q['sim_passes'] == q['passes'] else '!'}"
+                           for q in r["probes"]))
+    Console().print(f"capacity on {device} (grid step {results[0]['precision']:.0%}) vs simulated with {prof}; "
+                    "probes: rate (a closed loop: users), + met the SLOs / - missed, ! where the simulator said "
+                    "otherwise")
+    Console().print(t)
+
+
+# Steps running this far from the profile on average mean the machine itself has changed speed since profiling.
+DRIFT_WARN = 0.05
+
+
+def drift_line(results: list[dict]) -> str | None:
+    """One line when the executor's steps ran, on average over every run, more than DRIFT_WARN off the profile's
+    prediction for their own shapes: the latencies' errors then carry the machine's drift, not the model's."""
+    ratios = [r["all"] for result in results for r in result.get("step_time_ratio", []) if r.get("all")]
+    if not ratios:
+        return None
+    mean = sum(ratios) / len(ratios)
+    if abs(mean - 1) <= DRIFT_WARN:
+        return None
+    way = "faster" if mean < 1 else "slower"
+    return (f"steps ran {mean:.2f}x the profile's prediction for their shapes ({min(ratios):.2f}-{max(ratios):.2f} "
+            f"over {len(ratios)} runs): this machine is {abs(1 / mean - 1) * 100:.0f}% {way} than when profiled, "
+            "and TPOT's error carries that; `infersim profile` again, or read the 'at the run's step speed' column")

@@ -10,6 +10,7 @@ from calibration.endpoint import connect
 from calibration.endpoint_validate import validate_endpoint as replay
 from infersim.inputs import load_plan, prepare_out
 from infersim.progress import progress_bar
+from infersim.tables import print_validation
 from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.profile import read_profile
@@ -43,3 +44,17 @@ def validate_endpoint(scenario: Path, endpoint: str, served_model: str | None = 
         raise e.with_file(str(scenario)) from None
     finally:
         ep.close()
+
+
+def print_endpoint_validation(result: dict, out: Path | None) -> None:
+    """The endpoint's real vs simulated table, and what became of the requests sent."""
+    ep = result["endpoint"]
+    print_validation(result, f"{ep['url']} ({ep['model']}, {ep['engine']})", result["profile"] or "its cost model",
+                     1)
+    rq, lengths = result["requests"], result["lengths"]
+    Console().print(f"requests: {rq['arrived']} sent, {rq['completed']} completed, {rq['rejected']} rejected"
+                    + "".join(f"; {n} {reason}" for reason, n in rq["rejected_by_reason"].items())
+                    + f"; prompts the server counted otherwise: {lengths['prompts_off']} of "
+                    f"{lengths['prompts_counted_by_server']}, outputs of another length: {lengths['outputs_off']}")
+    if out is not None:
+        Console().print(f"wrote {out}/validation.json, requests.csv, requests.jsonl, latency_cdf_sim_vs_real.png")
