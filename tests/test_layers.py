@@ -1,7 +1,7 @@
 """The layering: each layer imports only the layers below it, nothing imports upward, no import cycles, and
 the shared layers never pull in SimPy or torch (so the executor never imports SimPy, and the simulator's
 policy, config, cost and report code never imports torch). Inside the executor its sub-packages keep the same rules
-(EXECUTOR_LAYERS)."""
+(EXECUTOR_LAYERS), and inside infersim/ its commands (INFERSIM_LAYERS)."""
 from __future__ import annotations
 
 import ast
@@ -42,6 +42,15 @@ EXECUTOR_LAYERS = [
     ("training", 4, ("executor.training",)),
     ("serving", 4, ("executor.serving",)),
     ("api_server", 5, ("executor.api_server",)),
+]
+
+# inside infersim/, bottom to top: what the commands share (inputs, progress, simulation, scenario_keys, backends), the
+# commands (infersim.commands.*, each a layer of its own: none imports another), the Python API gathering them, the CLI.
+INFERSIM_LAYERS = [
+    ("shared", 0, ("infersim",)),
+    ("commands", 1, ("infersim.commands",)),
+    ("api", 2, ("infersim.api",)),
+    ("cli", 3, ("infersim.cli",)),
 ]
 
 
@@ -119,19 +128,45 @@ def test_every_executor_module_has_a_sublayer():
     assert [m for m in project_modules() if m.startswith("executor") and executor_layer_of(m) is None] == []
 
 
-def test_no_upward_or_sideways_imports_inside_the_executor():
+def infersim_layer_of(module: str) -> tuple[str, int] | None:
+    """A module's layer inside infersim/ (None outside it); each command module is a layer of its own."""
+    if module == "infersim.commands":  # the bare package: a docstring beneath every command
+        return INFERSIM_LAYERS[0][:2]
+    if module != "infersim" and not module.startswith("infersim."):
+        return None
+    name, rank = layer_of(module, INFERSIM_LAYERS)
+    return (module.split(".")[2], rank) if name == "commands" else (name, rank)
+
+
+def _upward_or_sideways(sublayer_of) -> list[str]:
+    """Every import between two modules of one package that goes up or sideways in `sublayer_of`'s layers."""
     bad = []
     for mod, deps in graph().items():
-        if executor_layer_of(mod) is None:
+        if sublayer_of(mod) is None:
             continue
-        name, rank = executor_layer_of(mod)
+        name, rank = sublayer_of(mod)
         for dep in deps:
-            if executor_layer_of(dep) is None:
+            if sublayer_of(dep) is None:
                 continue
-            dep_name, dep_rank = executor_layer_of(dep)
+            dep_name, dep_rank = sublayer_of(dep)
             if dep_rank > rank or (dep_rank == rank and dep_name != name):
                 bad.append(f"{mod} ({name}) imports {dep} ({dep_name})")
-    assert bad == []
+    return bad
+
+
+def test_no_upward_or_sideways_imports_inside_the_executor():
+    assert _upward_or_sideways(executor_layer_of) == []
+
+
+def test_every_infersim_module_has_a_sublayer():
+    assert [m for m in project_modules() if m.startswith("infersim") and infersim_layer_of(m) is None] == []
+
+
+def test_commands_import_no_other_command():
+    """A command imports what lies below it, never another command (what two share moves down into infersim/), and
+    the shared helpers import no command."""
+    assert len([m for m in project_modules() if m.startswith("infersim.commands.")]) >= 8
+    assert _upward_or_sideways(infersim_layer_of) == []
 
 
 def test_no_import_cycles():
@@ -168,6 +203,11 @@ def test_the_layering_test_catches_an_upward_import():
     assert executor_layer_of("executor.serving.serve")[1] > 2 and executor_layer_of("executor") == ("model", 0)
     assert executor_layer_of("executor.training.speculative")[1] == executor_layer_of("executor.serving.serve")[1]
     assert executor_layer_of("sim.policy.scheduler") is None and layer_of("executor") == ("executor", 4)
+    # inside infersim/: one command importing another is sideways, a shared helper importing a command upward
+    assert infersim_layer_of("infersim.commands.run") == ("run", 1) != infersim_layer_of("infersim.commands.search")
+    assert infersim_layer_of("infersim.inputs")[1] < infersim_layer_of("infersim.commands.run")[1]
+    assert infersim_layer_of("infersim.commands.run")[1] < infersim_layer_of("infersim.api")[1] \
+        < infersim_layer_of("infersim.cli")[1] and infersim_layer_of("sim.config.plan") is None
 
 
 _PROBE = """
