@@ -9,7 +9,7 @@ from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost, make_pricer
-from sim.cost.fitted import shape_of
+from sim.policy.batch import shape_of
 
 MAX_ROWS = 1_000_000  # a step of more rows than any engine batches
 

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from sim.config.errors import ConfigError
+from sim.config.expert_parallel import ExpertLayout
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
+from sim.config.models import ModelSpec
 from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan
+from sim.config.sharding import shard
+from sim.cost.blocks import StepBlocks, step_blocks
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
 from sim.cost.kernels import KERNEL_ENGINES, DeviceKernels, engine_kernels, kernel_report, load_accuracy, load_kernels
-from sim.cost.moe import MoECostModel
-from sim.cost.moe_kernels import KernelParts, RooflineParts
 from sim.cost.nccl import NcclCollectives, engine_collectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
@@ -25,11 +27,9 @@ ROOFLINE_PER_SEQ_OVERHEAD_S = 2e-5
 def make_cost_model(plan: Plan) -> StepCostModel:
     """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan, a profile
     measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
-    else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline."""
+    else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline; the last
+    two price the model's blocks on one device of the plan's layout (sim/cost/blocks.py)."""
     c = plan.cost
-    moe_layout = has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1
-    if moe_layout and c.source != "profile":
-        return moe_cost_model(plan)
     if c.source == "kernels":
         return kernel_cost_model(plan)
     if c.profile is not None:
@@ -43,13 +43,26 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                                              MeasuredCollectives(c.profile.comm), plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
-    return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
+    return RooflineCostModel(plan_blocks(plan), plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency,
                              step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
                              per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
-                             block_bytes=plan.block_size * plan.kv_bytes_per_token,
-                             tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel,
-                             kv_bytes_per_token=plan.kv_bytes_per_token_layer * plan.model.num_layers)
+                             block_bytes=plan.block_bytes, sequence_parallel=plan.sequence_parallel,
+                             legacy_moe=_legacy_moe(plan))
+
+
+def _legacy_moe(plan: Plan) -> bool:
+    return has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1
+
+
+def plan_blocks(plan: Plan) -> StepBlocks:
+    """What one device of the plan's replica computes for each block of its model (sim/cost/blocks.py): its sharding,
+    expert layout, one attention layer's K/V a token there, and the engine's fused residual add."""
+    kv_layer = plan.kv_groups.bytes_per_token_layer if plan.kv_groups is not None and not _legacy_moe(plan) \
+        else plan.kv_bytes_per_token_layer
+    fused = plan.engine is not None and plan.engine.release.fused_add_norm and not _legacy_moe(plan)
+    return step_blocks(plan.model, plan.sharding, plan.expert_layout, kv_layer, plan.model.act_bytes, fused,
+                       plan.cost.expert_load_imbalance, _legacy_moe(plan))
 
 
 def _given(value: float | None, default: float) -> float:
@@ -78,44 +91,28 @@ def _collectives(plan: Plan, kernels: DeviceKernels, graph: bool = True) -> Coll
         if kernels.collectives in collective_fits else link
 
 
-def moe_cost_model(plan: Plan) -> MoECostModel:
-    """A mixture-of-experts, latent-attention or data-parallel replica's steps (sim/cost/moe.py), priced by the GPU
-    kernel model where the device's kernels were measured, else by the roofline. (A profile of the same model prices
-    its steps as it measured them; one of another model is refused by the profile reader.)"""
-    c, m, hw = plan.cost, plan.model, plan.hardware
-    if c.refinement is not None:
-        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
-                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
-                          "no profile", "cost_model.type")
-    layout = dict(tensor_parallel_size=plan.tensor_parallel_size, data_parallel_size=plan.data_parallel_size,
-                  expert_parallel=plan.enable_expert_parallel, load_imbalance=c.expert_load_imbalance,
-                  block_bytes=plan.block_size * plan.kv_bytes_per_token, host_bandwidth=hw.host_bandwidth)
-    if c.source == "kernels":
-        kernels = device_kernels(plan)
-        stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)
-        parts = KernelParts(m, kernels, hw, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
-                            plan.enable_expert_parallel)
-        return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
-                            step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
-                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S),
-                            engine=plan.engine, eager_collectives=_collectives(plan, kernels, graph=False))
-    parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
-                          plan.sequence_parallel, plan.enable_expert_parallel)
-    return MoECostModel(m, parts, Interconnect.of(hw), **layout,
-                        step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
-                        per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S))
+def tensor_parallel_blocks(model: ModelSpec, tensor_parallel_size: int = 1) -> StepBlocks:
+    """What one device of a tensor-parallel group alone computes of `model` (no pipeline, data or expert parallelism,
+    no engine): how calibration prices a measured model on a catalog GPU."""
+    sharding = shard(model, tensor_parallel_size)
+    return step_blocks(model, sharding, ExpertLayout(tensor_parallel_size, 1, False),
+                       sharding.kv_bytes(model.kv_bytes_per_token / model.num_layers), model.act_bytes)
 
 
 def kernel_cost_model(plan: Plan) -> KernelCostModel:
-    """The GPU kernel model of the plan's device (its measured kernels and, where its links are the catalog's, the
-    NCCL collectives measured on its system), with the host overheads the scenario set."""
-    k, hw, m, c = device_kernels(plan), plan.hardware, plan.model, plan.cost
+    """The GPU kernel model of the plan's device (its engine's measured kernels and, where its links are the catalog's,
+    the NCCL collectives measured on its system), with the host overheads the scenario set or a profile refined."""
+    k, c = device_kernels(plan), plan.cost
+    if c.refinement is not None and (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1):
+        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
+                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
+                          "no profile", "cost_model.type")
     refinement = Refinement(**c.refinement) if c.refinement is not None else \
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
-    return KernelCostModel(m, k, hw, _collectives(plan, k), plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
-                           plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token,
-                           plan.engine, _collectives(plan, k, graph=False))
+    return KernelCostModel(plan_blocks(plan), k, plan.hardware, _collectives(plan, k), plan.pipeline_parallel_size,
+                           refinement, plan.block_bytes, plan.engine, _collectives(plan, k, graph=False),
+                           _legacy_moe(plan))
 
 
 def describe_cost(plan: Plan) -> dict:
@@ -138,8 +135,8 @@ def _describe_source(plan: Plan) -> dict:
     if c.source == "kernels":
         k = device_kernels(plan)
         # a dense model runs no experts: its report keeps the notes of what it runs
-        sparse = has_experts(plan.model) or uses_mla(plan.model)
-        notes = {part: note for part, note in k.notes.items() if part != "grouped" or sparse}
+        experts_or_mla = has_experts(plan.model) or uses_mla(plan.model)
+        notes = {part: note for part, note in k.notes.items() if part != "grouped" or experts_or_mla}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
         if k.engine:  # an engine's own kernels: per op family, their source and error on what their fit left out
@@ -147,7 +144,7 @@ def _describe_source(plan: Plan) -> dict:
             layer = report["families"].get(f"gemm.{plan.model.matmul_dtype(plan.hardware.peak_flops)}",
                                            report["families"]["gemm.fp16"])
             out["error"] = layer["error"]
-        if sparse and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
+        if experts_or_mla and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
             out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
             out["refined_by"] = c.profile.path.name
