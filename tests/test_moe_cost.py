@@ -1,5 +1,5 @@
-"""A mixture of experts' step price (MoE and MLA blocks in the step composition, sim/cost/blocks.py, priced by the
-roofline and the GPU kernel model): experts priced on the tokens they receive and the weights a step touches,
+"""A mixture of experts' step price (sim/cost/moe.py, moe_kernels.py for the models it prices; MoE and MLA blocks in
+the step composition, sim/cost/blocks.py, for those with sliding, chunked or linear layers): experts priced on the tokens they receive and the weights a step touches,
 all-to-all dispatch and combine, latent attention, the grouped GEMM fit; and what the published results say, as
 tests."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ from sim.config.errors import ConfigError
 from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.models import MODEL_CATALOG
 from sim.cost import routing
-from sim.cost.build import make_cost_model
+from sim.cost.build import make_cost_model, tensor_parallel_blocks
 from sim.cost.comm import Interconnect
-from sim.cost.gpu import KernelCostModel
-from sim.cost.roofline import RooflineCostModel
+from sim.cost.moe import MoECostModel
+from sim.cost.moe_kernels import attention_flops_per_key
 from sim.policy.batch import shape_of
 from tests.helpers import plan_of, run, scenario
 
@@ -35,7 +35,7 @@ def decode(cost, batch: int, context: int = 1000):
 @pytest.mark.parametrize("cost_type", ["roofline", "auto"])
 def test_a_decode_reads_the_experts_its_tokens_touch(cost_type):
     cost = make_cost_model(moe_plan(cost_model={"type": cost_type}, tensor_parallel_size=2))
-    assert isinstance(cost, RooflineCostModel if cost_type == "roofline" else KernelCostModel)
+    assert isinstance(cost, MoECostModel)
     one, many = decode(cost, 1).experts_s, decode(cost, 256).experts_s
     touched = routing.distinct_experts(8, 2, 1) / routing.distinct_experts(8, 2, 256)  # 2 of Mixtral's 8, then all
     assert touched == pytest.approx(0.25, rel=1e-3)
@@ -54,7 +54,7 @@ def test_the_busiest_expert_and_rank_set_the_time():
 
 def test_expert_parallelism_across_data_parallel_ranks_adds_a_dispatch_and_a_combine_per_moe_layer():
     def comm(**parallel):
-        return make_cost_model(moe_plan("Qwen3-30B-A3B", cost_model={"type": "roofline"}, **parallel)).comm_time
+        return make_cost_model(moe_plan("Qwen3-30B-A3B", cost_model={"type": "roofline"}, **parallel)).communication_s
     link, tokens = Interconnect.of(HARDWARE_CATALOG["H100-SXM"]), 64
     routed = tokens * 8 / 4 * 2048 * 2  # 64 tokens × top-8 over 4 devices, bf16 hidden states
     assert comm(data_parallel_size=4, enable_expert_parallel=True)(tokens, tokens) == \
@@ -72,7 +72,10 @@ def test_latent_attention_is_read_whole_on_every_tensor_parallel_rank():
                                      tensor_parallel_size=8))
     # 64 decodes of 4000 tokens: TP ranks each read every row's latent; DP ranks each read their 8 rows'
     assert decode(eight, 64, 4000).attention_s > 4 * decode(one, 64, 4000).attention_s
-    latent = eight.blocks.full  # per device of 8: absorbed in decode (heads meet the latent), decompressed in prefill
+    m = MODEL_CATALOG["DeepSeek-V3"]
+    assert attention_flops_per_key(m, decode=True) == 2 * 128 * (2 * 512 + 64)  # absorbed: heads meet the latent
+    assert attention_flops_per_key(m, decode=False) == 2 * 128 * (192 + 128)  # decompressed
+    latent = tensor_parallel_blocks(m, 8).full  # the composition's MLA block, per device of 8: the same FLOPs
     assert latent.kind == "mla" and latent.kv_heads == 1
     assert latent.decode_flops_per_key == 2 * 128 * (2 * 512 + 64) / 8
     assert latent.prefill_flops_per_pair == 2 * 128 * (192 + 128) / 8

@@ -88,7 +88,7 @@ def attention_gemms(m, a: Attention, s: Sharding) -> list[tuple[int, int]]:
     return [((2 if a.output_gate else 1) * q + 2 * kv, h), (h, q)]
 
 
-def ffn_gemms(m, layer: LayerSpec, s: Sharding, legacy: bool = False) -> list[tuple[int, int]]:
+def ffn_gemms(m, layer: LayerSpec, s: Sharding) -> list[tuple[int, int]]:
     """(N, K) of one layer's FFN GEMMs on one device but the routed experts (a MoE layer's shared experts and router,
     whole on every rank)."""
     h = m.hidden_size
@@ -97,7 +97,7 @@ def ffn_gemms(m, layer: LayerSpec, s: Sharding, legacy: bool = False) -> list[tu
         return [(2 * inter, h), (h, inter)]
     shared = shared_width(m) // s.tp
     out = [(2 * shared, h), (h, shared)] if shared else []
-    if shared and m.shared_expert_gate and not legacy:
+    if shared and m.shared_expert_gate:
         out.append((1, h))
     return [*out, (m.num_experts, h)]
 
@@ -148,10 +148,10 @@ def kind_passes(m, a: Attention, s: Sharding, act_bytes: int) -> tuple[tuple[str
     return tuple(out)
 
 
-def distinct_blocks(m, layers=None) -> list[tuple[LayerSpec, int]]:
+def distinct_blocks(m) -> list[tuple[LayerSpec, int]]:
     """The model's distinct blocks with how many layers run each, in the order they first appear."""
     counts: dict[LayerSpec, int] = {}
-    for layer in layers or m.layers:
+    for layer in m.layers:
         counts[layer] = counts.get(layer, 0) + 1
     return list(counts.items())
 
@@ -175,10 +175,10 @@ def attention_group(m, a: Attention, layers: int, s: Sharding, kv_bytes_per_toke
     return AttentionGroup(a.kind, a.window, layers, s.heads, s.kv_heads, m.head_size, kv_bytes_per_token, flops, flops)
 
 
-def attention_groups(m, s: Sharding, kv_bytes_per_token_layer: float, layers=None) -> tuple[AttentionGroup, ...]:
+def attention_groups(m, s: Sharding, kv_bytes_per_token_layer: float) -> tuple[AttentionGroup, ...]:
     """The model's attention layers by kind on one device, full attention (or MLA) first."""
     found: dict[tuple[str, int], list] = {}
-    for layer in layers or m.layers:
+    for layer in m.layers:
         a = layer.attention
         found.setdefault((a.kind, a.window), [a, 0])[1] += 1
     groups = [attention_group(m, a, n, s, kv_bytes_per_token_layer) for a, n in found.values()]
@@ -244,22 +244,13 @@ class StepBlocks:
 
 
 def step_blocks(model, sharding: Sharding, expert_layout: ExpertLayout, kv_bytes_per_token_layer: float,
-                act_bytes: int, fused_add: bool = False, load_imbalance: float = 1.0,
-                legacy_moe: bool = False) -> StepBlocks:
+                act_bytes: int, fused_add: bool = False, load_imbalance: float = 1.0) -> StepBlocks:
     """The composition of a plan's model on one device (the plan's sharding and expert layout; one attention layer's
     K/V a token on the device)."""
-    layers = None
-    if legacy_moe:
-        from sim.config.moe import uses_mla
-        from sim.cost.kernels import layer_passes as dense_passes
-        layers = [LayerSpec(Attention("mla" if uses_mla(model) else "full"), x.ffn) for x in model.layers]
-        inter = expert_width(model) * model.num_experts_per_tok if model.num_experts else model.intermediate_size
-        legacy = tuple(dense_passes(model.hidden_size, model.num_heads, model.num_kv_heads, model.head_size, inter,
-                                    sharding.tp, 1, act_bytes=act_bytes).items())
     blocks = tuple(BlockWork(layer, n, tuple(attention_gemms(model, layer.attention, sharding)
-                                             + ffn_gemms(model, layer, sharding, legacy_moe)),
-                             legacy if legacy_moe else layer_passes(model, layer, sharding, act_bytes, fused_add))
-                   for layer, n in distinct_blocks(model, layers))
+                                             + ffn_gemms(model, layer, sharding)),
+                             layer_passes(model, layer, sharding, act_bytes, fused_add))
+                   for layer, n in distinct_blocks(model))
     moe_layers = sum(b.count for b in blocks if b.layer.ffn.kind == "moe")
     slices = 1 if expert_layout.enable_expert_parallel else sharding.tp  # sliced over TP, or whole over EP
     width = expert_width(model) // slices
@@ -267,7 +258,7 @@ def step_blocks(model, sharding: Sharding, expert_layout: ExpertLayout, kv_bytes
                          expert_layout.enable_expert_parallel, expert_layout.ep_size,
                          expert_layout.data_parallel_size, load_imbalance)
     return StepBlocks(model, sharding, expert_layout, blocks,
-                      attention_groups(model, sharding, kv_bytes_per_token_layer, layers), moe_layers,
+                      attention_groups(model, sharding, kv_bytes_per_token_layer), moe_layers,
                       ((2 * width, model.hidden_size), (model.hidden_size, width)), experts)
 
 

@@ -13,6 +13,8 @@ from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
 from sim.cost.kernels import KERNEL_ENGINES, DeviceKernels, engine_kernels, kernel_report, load_accuracy, load_kernels
+from sim.cost.moe import MoECostModel
+from sim.cost.moe_kernels import KernelParts, RooflineParts
 from sim.cost.nccl import NcclCollectives, engine_collectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
@@ -30,6 +32,8 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline; the last
     two price the model's blocks on one device of the plan's layout (sim/cost/blocks.py)."""
     c = plan.cost
+    if priced_apart(plan) and c.source != "profile":
+        return moe_cost_model(plan)
     if c.source == "kernels":
         return kernel_cost_model(plan)
     if c.profile is not None:
@@ -47,22 +51,53 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              memory_efficiency=c.memory_efficiency,
                              step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
                              per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
-                             block_bytes=plan.block_bytes, sequence_parallel=plan.sequence_parallel,
-                             legacy_moe=_legacy_moe(plan))
+                             block_bytes=plan.block_bytes, sequence_parallel=plan.sequence_parallel)
 
 
-def _legacy_moe(plan: Plan) -> bool:
-    return has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1
+def priced_apart(plan: Plan) -> bool:
+    """Whether the plan's steps go to MoECostModel (sim/cost/moe.py): a mixture of experts, latent attention or
+    data-parallel ranks over full-attention layers alone — the models it priced before typed blocks, kept on it so
+    their reports stay as they were (the composition prices their parts in another order and, with its fused norms,
+    rotary and LM head, within -1.2% to +2.9% of it). Models with sliding, chunked or linear layers go through the
+    composition, which prices each kind."""
+    return (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1) and not plan.model.hybrid
+
+
+def moe_cost_model(plan: Plan) -> MoECostModel:
+    """A mixture-of-experts, latent-attention or data-parallel replica's steps (sim/cost/moe.py), priced by the GPU
+    kernel model where the device's kernels were measured, else by the roofline. (A profile of the same model prices
+    its steps as it measured them; one of another model is refused by the profile reader.)"""
+    c, m, hw = plan.cost, plan.model, plan.hardware
+    if c.refinement is not None:
+        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
+                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
+                          "no profile", "cost_model.type")
+    layout = dict(tensor_parallel_size=plan.tensor_parallel_size, data_parallel_size=plan.data_parallel_size,
+                  expert_parallel=plan.enable_expert_parallel, load_imbalance=c.expert_load_imbalance,
+                  block_bytes=plan.block_size * plan.kv_bytes_per_token, host_bandwidth=hw.host_bandwidth)
+    if c.source == "kernels":
+        kernels = device_kernels(plan)
+        stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)
+        parts = KernelParts(m, kernels, hw, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
+                            plan.enable_expert_parallel)
+        return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
+                            step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
+                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S),
+                            engine=plan.engine, eager_collectives=_collectives(plan, kernels, graph=False))
+    parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
+                          plan.sequence_parallel, plan.enable_expert_parallel)
+    return MoECostModel(m, parts, Interconnect.of(hw), **layout,
+                        step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
+                        per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S))
 
 
 def plan_blocks(plan: Plan) -> StepBlocks:
     """What one device of the plan's replica computes for each block of its model (sim/cost/blocks.py): its sharding,
     expert layout, one attention layer's K/V a token there, and the engine's fused residual add."""
-    kv_layer = plan.kv_groups.bytes_per_token_layer if plan.kv_groups is not None and not _legacy_moe(plan) \
-        else plan.kv_bytes_per_token_layer
-    fused = plan.engine is not None and plan.engine.release.fused_add_norm and not _legacy_moe(plan)
+    kv_layer = plan.kv_groups.bytes_per_token_layer if plan.kv_groups is not None else plan.kv_bytes_per_token_layer
+    fused = plan.engine is not None and plan.engine.release.fused_add_norm
     return step_blocks(plan.model, plan.sharding, plan.expert_layout, kv_layer, plan.model.act_bytes, fused,
-                       plan.cost.expert_load_imbalance, _legacy_moe(plan))
+                       plan.cost.expert_load_imbalance)
 
 
 def _given(value: float | None, default: float) -> float:
@@ -111,8 +146,7 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
     return KernelCostModel(plan_blocks(plan), k, plan.hardware, _collectives(plan, k), plan.pipeline_parallel_size,
-                           refinement, plan.block_bytes, plan.engine, _collectives(plan, k, graph=False),
-                           _legacy_moe(plan))
+                           refinement, plan.block_bytes, plan.engine, _collectives(plan, k, graph=False))
 
 
 def describe_cost(plan: Plan) -> dict:
@@ -134,13 +168,16 @@ def _describe_source(plan: Plan) -> dict:
     accuracy = load_accuracy()
     if c.source == "kernels":
         k = device_kernels(plan)
-        # a dense model runs no experts: its report keeps the notes of what it runs
+        # a dense model runs no experts, a model of bf16 experts no MXFP4 kernel: its report keeps the notes of what
+        # it runs
         experts_or_mla = has_experts(plan.model) or uses_mla(plan.model)
-        notes = {part: note for part, note in k.notes.items() if part != "grouped" or experts_or_mla}
+        runs = {"grouped": experts_or_mla, "grouped_mxfp4": plan.model.expert_weight_dtype == "mxfp4"}
+        notes = {part: note for part, note in k.notes.items() if runs.get(part, True)}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
         if k.engine:  # an engine's own kernels: per op family, their source and error on what their fit left out
-            report = out["kernels"] = kernel_report(k, has_experts(plan.model), "fit" if k.attention_fit else "today")
+            report = out["kernels"] = kernel_report(k, has_experts(plan.model), "fit" if k.attention_fit else "today",
+                                                    plan.model.expert_weight_dtype == "mxfp4")
             layer = report["families"].get(f"gemm.{plan.model.matmul_dtype(plan.hardware.peak_flops)}",
                                            report["families"]["gemm.fp16"])
             out["error"] = layer["error"]

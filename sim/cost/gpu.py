@@ -194,10 +194,8 @@ class KernelCostModel(PricesStages):
 
     def __init__(self, blocks: StepBlocks, kernels: DeviceKernels, hw, collectives: Collectives,
                  pipeline_parallel_size: int = 1, refinement: Refinement = Refinement(), block_bytes: float = 0.0,
-                 engine: EngineProfile | None = None, eager_collectives: Collectives | None = None,
-                 legacy_moe: bool = False):
+                 engine: EngineProfile | None = None, eager_collectives: Collectives | None = None):
         m = blocks.model
-        self.legacy_moe = legacy_moe
         self.blocks, self.model, self.kernels, self.refinement, self.engine = blocks, m, kernels, refinement, engine
         self.host = HostCost(refinement.step_overhead_s, refinement.per_seq_overhead_s, refinement.prefill_overhead_s,
                              engine is not None and engine.async_scheduling)
@@ -206,10 +204,6 @@ class KernelCostModel(PricesStages):
         self.gemm, self.weight_bytes, self.compute_scale = linear_kernel(m, kernels, hw)
         self.expert_gemm, self.expert_bytes, self.expert_scale = expert_kernel(m, kernels, hw, self.gemm,
                                                                                self.compute_scale)
-        if legacy_moe:
-            self.expert_gemm = expert_kernel(m.model_copy(update={"expert_weight_dtype": None}), kernels, hw, self.gemm,
-                                             self.compute_scale)[0]
-            self.expert_bytes, self.expert_scale = self.weight_bytes, self.compute_scale
         self.lm_gemm = kernels.gemm["fp16"]
         self.act_bytes = m.act_bytes
         self.token_bytes = m.hidden_size * m.act_bytes
@@ -223,7 +217,7 @@ class KernelCostModel(PricesStages):
                            for b in blocks.blocks]
         # kernels a step launches: per layer its GEMMs, passes, attention, experts and all-reduces; the embedding,
         # final norm, LM head and sampling
-        self.kernels_per_step = 0 if legacy_moe else sum(b.count * blocks.kernels_per_layer(b) for b in blocks.blocks) + 4
+        self.kernels_per_step = sum(b.count * blocks.kernels_per_layer(b) for b in blocks.blocks) + 4
         self._attention(kernels, blocks, refinement.attention)
         self._linear: dict[float, float] = {}
         self._head: dict[tuple, float] = {}
@@ -353,8 +347,6 @@ class KernelCostModel(PricesStages):
         in_graph = self.engine is None or self.engine.in_graph(tokens, decode_only)
         dp = self.dp
         linear = self.linear_s(graphed if dp == 1 else graphed / dp)
-        if self.legacy_moe:
-            tokens = graphed
         head = self.lm_head_s(tokens, sampled) if dp == 1 else self.lm_head_s(tokens / dp, sampled / dp)
         return linear, head, self.experts_s(graphed), self.communication_s(graphed, sampled, in_graph)
 

@@ -43,9 +43,8 @@ class RooflineCostModel:
 
     def __init__(self, blocks: StepBlocks, hw: HardwareSpec, compute_efficiency: float = 0.6,
                  memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
-                 block_bytes: float = 0.0, sequence_parallel: bool = False, legacy_moe: bool = False):
+                 block_bytes: float = 0.0, sequence_parallel: bool = False):
         model, n = blocks.model, blocks.sharding.tp
-        self.legacy_moe = legacy_moe
         self.blocks, self.dp = blocks, blocks.data_parallel_size
         act_bytes = model.act_bytes
         flops = hw.flops(model.act_dtype) * compute_efficiency
@@ -129,11 +128,6 @@ class RooflineCostModel:
 
     def attention_s(self, shape: BatchShape) -> float:
         """max(FLOPs, K/V and state bytes) of the step's attention, a rank's share."""
-        if self.legacy_moe and not self.bounded:
-            decode_ctx = shape.sum_context - shape.prefill_context
-            return max(max(0, shape.attn_pairs - decode_ctx) * self.s_per_attn_pair,
-                       shape.prefill_context * self.s_per_kv_token) + decode_ctx * max(self.s_per_decode_key,
-                                                                                       self.s_per_kv_token)
         if not self.bounded:
             if self.mla:
                 decode_ctx = shape.sum_context - shape.prefill_context
