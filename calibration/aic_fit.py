@@ -49,6 +49,7 @@ from calibration.aic_tables import (
 )
 from calibration.kernel_fit import DATA, _fit, fit_collective, fit_gemm, read_table, stats
 from sim.config.hardware import HARDWARE_CATALOG
+from sim.config.models import BYTES_PER_PARAM
 from sim.cost.kernels import (
     ENGINE_KERNELS_PATH,
     KERNELS_PATH,
@@ -64,6 +65,7 @@ AIC = DATA / "aic"
 SYSTEMS = {device: system for system, device in DEVICES.items()}
 GEMM_KEYS = {"bf16": "fp16", "fp8": "fp8", "fp8_block": "fp8_block", "fp4": "fp4"}
 # bytes a weight takes: fp8 blocks carry one fp32 scale per 128x128, NVFP4 one fp8 scale per 16 weights
+MXFP4_BYTES = BYTES_PER_PARAM["mxfp4"]  # 4 bits and an 8-bit scale a block of 32
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp8_block": 1.0 + 4 / 128 ** 2, "fp4": 0.5 + 1 / 16}
 HOST_BOUND = 2.0  # a dtype's small-M GEMMs this many times its bf16 ones: timed with the host in the loop
 CUSTOM_AR_GAIN = 0.9  # the engine's all-reduce counts as its own kernel while under 90% of NCCL's time
@@ -297,19 +299,19 @@ def moe_shapes(pts) -> tuple[np.ndarray, ...]:
                                                     "t"))
 
 
-def moe_time(fit: GemmFit, shapes) -> np.ndarray:
-    """The MoE layer as the grouped gate/up and down GEMMs over the experts it touches."""
+def moe_time(fit: GemmFit, shapes, weight_bytes: float = 2.0) -> np.ndarray:
+    """The MoE layer as the grouped gate/up and down GEMMs over the experts it touches, its weights `weight_bytes` each."""
     rows, touched, busiest, up_n, up_k, down_n, down_k, _ = shapes
-    return grouped_gemm_time(fit, rows, touched, busiest, up_n, up_k) + \
-        grouped_gemm_time(fit, rows, touched, busiest, down_n, down_k)
+    return grouped_gemm_time(fit, rows, touched, busiest, up_n, up_k, weight_bytes) + \
+        grouped_gemm_time(fit, rows, touched, busiest, down_n, down_k, weight_bytes)
 
 
-def fit_moe(pts) -> GemmFit:
-    """The grouped expert GEMM fit (bf16) to an engine's MoE layers."""
+def fit_moe(pts, weight_bytes: float = 2.0) -> GemmFit:
+    """The grouped expert GEMM fit to an engine's MoE layers: bf16 experts, or MXFP4's (`weight_bytes` 4.25 bits)."""
     shapes = moe_shapes(pts)
 
     def model(p):
-        return moe_time(GemmFit(p[0] * 1e-6, p[1] * 1e12, p[2] * 1e12, p[3], p[4]), shapes)
+        return moe_time(GemmFit(p[0] * 1e-6, p[1] * 1e12, p[2] * 1e12, p[3], p[4]), shapes, weight_bytes)
     p = _fit(lambda p: np.log(model(p)) - np.log(shapes[-1]), [10, 2, 300, 2, 32], [0, 0.05, 5, 1, 0],
              [500, 20, 5000, 8, 4096])
     return GemmFit(p[0] * 1e-6, p[1] * 1e12, p[2] * 1e12, float(p[3]), float(p[4]))
@@ -382,9 +384,21 @@ def fit_engine(t: AicTables, device: str, engine: str, version: str, passes: dic
     grouped = fit_moe(points(moe_rows, "t")) if moe_rows else None
     if grouped is not None:
         notes["grouped"] = f"AIConfigurator, {engine} {moe_data}'s MoE layer on {device} ({moe_rows[0]['kernel']})"
+    mxfp4, mxfp4_notes = fit_mxfp4_moe(t, device, engine, version)
     notes["collectives"] = f"NCCL on {device} (AIConfigurator's nccl-tests runs)"
     return DeviceKernels(device, "aic", gemm, passes, legacy, f"aic_{SYSTEMS[device]}",
-                         {**notes, **att_notes, **comm_notes}, device, grouped, engine, version, att_fit, custom)
+                         {**notes, **mxfp4_notes, **att_notes, **comm_notes}, device, grouped, engine, version, att_fit,
+                         custom, mxfp4)
+
+
+def fit_mxfp4_moe(t: AicTables, device: str, engine: str, version: str) -> tuple[GemmFit | None, dict]:
+    """(the engine's MoE layer with MXFP4 experts as grouped GEMMs of 4.25-bit weights, its note), where timed."""
+    rows, data = t.rows("moe_mxfp4", "moe", "moe_perf", device, engine, version)
+    if not rows:
+        return None, {}
+    return fit_moe(points(rows, "t"), MXFP4_BYTES), {
+        "grouped_mxfp4": f"AIConfigurator, {engine} {data}'s MoE layer with MXFP4 experts ({rows[0]['dtype']}) on "
+                         f"{device} ({rows[0]['kernel']}), gpt-oss's expert shapes"}
 
 
 # -- accuracy: leave one model out -------------------------------------------------------------------------------------
@@ -445,15 +459,15 @@ def attention_lomo(pre, dec, sms: int) -> dict[str, list[float]]:
     return dict(errs)
 
 
-def moe_lomo(pts) -> list[float]:
+def moe_lomo(pts, weight_bytes: float = 2.0) -> list[float]:
     """Relative errors of each expert shape's MoE layers predicted by the fit to the other shapes."""
     keys = [(r["hidden"], r["inter"], r["topk"], r["experts"]) for r, _, _ in pts]
     errs = []
     for shape in sorted(set(keys)):
         held = [k == shape for k in keys]
-        fit = fit_moe([p for p, h in zip(pts, held) if not h])
+        fit = fit_moe([p for p, h in zip(pts, held) if not h], weight_bytes)
         shapes = moe_shapes([p for p, h in zip(pts, held) if h])
-        errs += list(moe_time(fit, shapes) / shapes[-1] - 1)
+        errs += list(moe_time(fit, shapes, weight_bytes) / shapes[-1] - 1)
     return errs
 
 
@@ -498,6 +512,7 @@ WHAT = {"gemm": "GEMMs of one model's shapes (nearest grid points, TP 1-8, M 1-1
         "prefill": "prefill attention of up to 4 prompts, one model's (heads, KV heads) at TP 1-8 held out",
         "decode": "decode attention, one model's (heads, KV heads) at TP 1-8 held out (KV beyond the L2 cache)",
         "moe": "MoE layers (bf16, balanced routing), one model's expert shape held out",
+        "moe_mxfp4": "MoE layers with MXFP4 experts (balanced routing), gpt-oss-20b's or -120b's held out",
         "custom_all_reduce": "the engine's CUDA-graph all-reduce within its range, every other size held out",
         "nccl_all_reduce": "NCCL all-reduce on one node, every other size held out"}
 
@@ -522,6 +537,9 @@ def engine_errors(t: AicTables, device: str, engine: str, version: str) -> dict[
     moe_rows, _ = t.rows("moe", "moe", "moe_perf", device, engine, version)
     if moe_rows:
         out["moe"] = moe_lomo(points(moe_rows, "t"))
+    mxfp4_rows, _ = t.rows("moe_mxfp4", "moe", "moe_perf", device, engine, version)
+    if mxfp4_rows:
+        out["moe_mxfp4"] = moe_lomo(points(mxfp4_rows, "t"), MXFP4_BYTES)
     out["custom_all_reduce"] = custom_holdout(t, device, engine, version)
     return {k: v for k, v in out.items() if v}
 

@@ -295,6 +295,33 @@ def moe_rows(tables: Tables) -> list[dict]:
     return sorted(out, key=lambda r: (r["device"], r["engine"]))
 
 
+MXFP4_DTYPES = ("w4a16_mxfp4", "w4a8_mxfp4_mxfp8")  # in order of preference: MXFP4 weights, bf16 (or MXFP8) rows
+
+
+def moe_mxfp4_rows(tables: Tables) -> list[dict]:
+    """The engine's MoE layer with MXFP4 experts (gpt-oss's, the only shapes timed) under balanced routing, in the
+    first of MXFP4_DTYPES it timed: the newest kept version that timed one. Hopper and Ada dequantize the weights to
+    bf16 in the kernel (w4a16); TensorRT-LLM on Blackwell multiplies MXFP8 activations (w4a8)."""
+    out, done = [], set()
+    for device, engine, version, t in sorted(tables.each("moe", "moe_perf", newest_only=False),
+                                             key=lambda x: (x[0], x[1], _key(x[2])), reverse=True):
+        dtypes = [d for d in MXFP4_DTYPES if d in set(t.moe_dtype)]
+        if not dtypes or (device, engine) in done:
+            continue
+        t = t[(t.moe_dtype == dtypes[0]) & (t.distribution == "balanced")]
+        t = t[[p in MOE_PARALLEL for p in zip(t.moe_tp_size, t.moe_ep_size)]]
+        if t.empty:
+            continue
+        done.add((device, engine))
+        kernel = t.kernel_source.value_counts().index[0]
+        t = t[t.kernel_source == kernel].rename(columns={"hidden_size": "hidden", "inter_size": "inter",
+                                                         "num_experts": "experts", "moe_tp_size": "tp",
+                                                         "moe_ep_size": "ep"})
+        meta = {"device": device, "engine": engine, "version": version, "kernel": kernel, "dtype": dtypes[0]}
+        out += _wide(t, ["hidden", "inter", "topk", "experts", "tp", "ep"], "num_tokens", MOE_TOKENS, "t", meta)
+    return sorted(out, key=lambda r: (r["device"], r["engine"]))
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     """Rows (dicts with the same keys) as CSV."""
     import csv
@@ -320,6 +347,7 @@ def main() -> None:
                                                    DECODE_KV, "kv"),
         "comm.csv": comm_rows(tables),
         "moe.csv": moe_rows(tables),
+        "moe_mxfp4.csv": moe_mxfp4_rows(tables),
     }
     for name, rows in outputs.items():
         write_csv(args.out / name, rows)

@@ -29,7 +29,8 @@ import httpx
 from calibration.endpoint import CONNECT_TIMEOUT_S, Endpoint, Outcome, Prompts, stream_one
 from sim.config.errors import ConfigError
 from sim.config.workload import RequestSpec
-from sim.cost.fitted import fit, routed_experts, shape_of
+from sim.cost.fitted import fit, routed_experts
+from sim.policy.batch import record_shape
 
 WINDOW = 4  # consecutive decode gaps of a stream pooled into one sample
 BURST = 0.2  # a gap under this fraction of the sweep's mean gap came in a burst with the token before it
@@ -171,7 +172,7 @@ def profile_endpoint(ep: Endpoint, model_spec: dict, quick: bool = False, timeou
     samples = [s for outs in ran for s in steps_of(outs, floor)]
     decode = [s for s in samples if s["kind"] != "prefill"]
     streams = max((s["streams"] for s in decode), default=1)
-    shapes = [shape_of(s["new_tokens"], s["context_lens"], s["num_sampled"], s["num_prefill"]) for s in samples]
+    shapes = [record_shape(s) for s in samples]
     fitted = fit(shapes, [s["time_s"] for s in samples], experts=routed_experts(model_spec))
     return {"model": model_spec, "host": {"device": "endpoint", "endpoint": ep.url, "served_model": ep.model,
                                           "engine": ep.engine},

@@ -35,6 +35,7 @@ from scipy.optimize import least_squares
 
 from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.models import ModelSpec
+from sim.cost.build import tensor_parallel_blocks
 from sim.cost.kernels import (
     KERNELS_PATH,
     DeviceKernels,
@@ -195,7 +196,7 @@ def roofline_linear(row: dict) -> float:
     hw = HARDWARE_CATALOG[row["device"]]
     model = ModelSpec(num_layers=1, hidden_size=row["hidden"], num_heads=row["heads"], num_kv_heads=row["kv_heads"],
                       intermediate_size=row["intermediate"], vocab_size=1, weight_dtype="fp16")
-    r = RooflineCostModel(model, hw, tensor_parallel_size=row["tp"])
+    r = RooflineCostModel(tensor_parallel_blocks(model, row["tp"]), hw)
     weights = model.params_per_layer * 2 / (hw.memory_bandwidth * 0.8) / row["tp"]
     return max(row["tokens"] * r.s_per_linear_token, weights + row["tokens"] * r.s_per_act_token)
 

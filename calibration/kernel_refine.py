@@ -18,11 +18,12 @@ from scipy.optimize import nnls
 from sim.config.hardware import HARDWARE_CATALOG, measured_devices
 from sim.config.models import ModelSpec
 from sim.config.profile import REFINEMENT_TERMS as TERMS
-from sim.config.sharding import shard
+from sim.cost.build import tensor_parallel_blocks
 from sim.cost.comm import Interconnect
-from sim.cost.fitted import shape_of
 from sim.cost.gpu import KernelCostModel
 from sim.cost.kernels import load_kernels
+from sim.cost.pricer import StepPricer
+from sim.policy.batch import record_shape
 
 MULTIPLIERS = TERMS[:4]  # linear, attention, LM head, communication: the first features, in order
 PULL = 0.001  # the weight of each multiplier's pull toward 1, per step fitted
@@ -46,14 +47,12 @@ def kernel_model(model: dict, device: str, tensor_parallel_size: int = 1) -> Ker
     spec = ModelSpec(**{k: v for k, v in model.items() if k in ModelSpec.model_fields})
     kernels, _ = load_kernels()
     hw = HARDWARE_CATALOG[device]
-    kv_layer = shard(spec, tensor_parallel_size).kv_bytes(spec.kv_bytes_per_token / spec.num_layers)
-    return KernelCostModel(spec, kernels[device], hw, Interconnect.of(hw), kv_layer, tensor_parallel_size)
+    return KernelCostModel(tensor_parallel_blocks(spec, tensor_parallel_size), kernels[device], hw,
+                           Interconnect.of(hw))
 
 
-def _features(cost: KernelCostModel, sample: dict) -> list[float]:
-    shape = shape_of(sample["new_tokens"], sample["context_lens"], sample.get("num_sampled"),
-                     sample.get("num_prefill"))
-    c = cost.step_cost(shape)
+def _features(pricer: StepPricer, sample: dict) -> list[float]:
+    c, shape = pricer.record_cost(sample), record_shape(sample)
     return [c.linear_s, c.attention_s, c.lm_head_s, c.communication_s, 1.0, float(shape.num_seqs),
             1.0 if shape.num_prefill else 0.0]
 
@@ -61,8 +60,8 @@ def _features(cost: KernelCostModel, sample: dict) -> list[float]:
 def refine(samples: list[dict], model: dict, device: str, tensor_parallel_size: int = 1,
            holdout_every: int = 5) -> dict:
     """{"device", "refinement": the Refinement's fields, "heldout": {mape, r2, n}, "unrefined_heldout": {mape}}."""
-    cost = kernel_model(model, device, tensor_parallel_size)
-    x = np.array([_features(cost, s) for s in samples])
+    pricer = StepPricer(kernel_model(model, device, tensor_parallel_size))  # its own price: what is refined
+    x = np.array([_features(pricer, s) for s in samples])
     y = np.array([s["time_s"] for s in samples], float)
     held = np.zeros(len(y), bool)
     held[::holdout_every] = True
@@ -77,8 +76,7 @@ def refine(samples: list[dict], model: dict, device: str, tensor_parallel_size: 
     scale[scale == 0] = 1.0
     coef, _ = nnls(a / scale, b)
     coef = coef / scale
-    pred, raw = x @ coef, np.array([cost.step_time(shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"),
-                                                            s.get("num_prefill"))) for s in samples])
+    pred, raw = x @ coef, np.array([pricer.record_s(s) for s in samples])
     ss = float(((y[held] - y[held].mean()) ** 2).sum())
     return {"device": device, "refinement": dict(zip(TERMS, map(float, coef))),
             "heldout": {"mape": float(np.mean(np.abs(pred[held] / y[held] - 1))),

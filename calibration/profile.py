@@ -32,7 +32,9 @@ from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
 from sim.config.profile import MIN_STEP_S, check_profile
-from sim.cost.fitted import FittedCostModel, fit, predicted_step_time, routed_experts, shape_of
+from sim.cost.fitted import FittedCostModel, fit, routed_experts
+from sim.cost.pricer import StepPricer
+from sim.policy.batch import record_shape
 from sim.policy.block_manager import BlockAllocator
 from sim.policy.scheduler import make_scheduler
 
@@ -228,8 +230,7 @@ class Sweep:
             for steps in zip(*reps):
                 if any(s["new_tokens"] != steps[0]["new_tokens"] for s in steps):
                     raise RuntimeError("a profiling workload scheduled differently between repeats")
-                sh = shape_of(steps[0]["new_tokens"], steps[0]["context_lens"], steps[0].get("num_sampled"),
-                              steps[0].get("num_prefill"))
+                sh = record_shape(steps[0])
                 times = [s["end_s"] - s["start_s"] for s in steps]
                 out.append({"new_tokens": steps[0]["new_tokens"], "context_lens": steps[0]["context_lens"],
                             "num_sampled": sh.num_sampled, "num_prefill": sh.num_prefill,
@@ -254,10 +255,11 @@ class Sweep:
         if self.num_slices < 2:
             return [1.0] * max(1, self.num_slices)
         first = fit_samples(samples, experts)
-        cost = FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"], experts=experts)
+        pricer = StepPricer(FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"],
+                                            experts=experts))
         ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
         for s, where in zip(samples, slices):
-            pred = predicted_step_time(s, cost)
+            pred = pricer.record_s(s)
             for t, j in zip(s["repeat_times_s"], where):
                 ratios[j].append(t / pred)
         speed = [statistics.median(r) if r else 1.0 for r in ratios]
@@ -303,7 +305,7 @@ def fit_samples(samples: list[dict], experts=None) -> dict:
     """The step-cost fit of a profile's stored samples (each step's shape and median time), and as its `forward`
     the same fit of the steps' time in the model runner (what a parallel layout splits; the rest is host work);
     `experts`: a mixture of experts' routing (sim.cost.fitted.routed_experts)."""
-    shapes = [shape_of(s["new_tokens"], s["context_lens"], s.get("num_sampled"), s.get("num_prefill")) for s in samples]
+    shapes = [record_shape(s) for s in samples]
     out = fit(shapes, [s["time_s"] for s in samples], experts=experts)
     if all(s.get("forward_s") for s in samples):
         out["forward"] = fit(shapes, [s["forward_s"] for s in samples], experts=experts)

@@ -8,7 +8,7 @@ import numpy as np
 import yaml
 
 from sim.config.plan import Plan
-from sim.cost.fitted import predicted_step_time
+from sim.cost.pricer import StepPricer
 from sim.cost.speculation import reference_step_s
 
 # fewer plain decode steps than this: too few to read the run's speed off (taken as 1). A draft-model or Medusa
@@ -40,8 +40,10 @@ def draft_cost(records: list, cost=None) -> dict:
         return {}
     speed, out = 1.0, {}
     if cost is not None:
+        pricer = StepPricer(cost)  # the cost model's own price: verify_cost_ratio is what this measures
+
         def predict(r):
-            return predicted_step_time(r.to_json(), cost)
+            return pricer.record_s(r.to_json())
 
         # the machine's speed during this run, read off its plain decode steps, is not speculation's cost
         plain = [r for r in records if r.num_drafted == 0 and not r.num_prefill and r.num_decode]

@@ -12,8 +12,8 @@ from sim.config.errors import ConfigError
 from sim.config.generator import generate_requests
 from sim.config.plan import Plan, replan
 from sim.cost.build import make_pricer
-from sim.cost.fitted import shape_of
 from sim.cost.pricer import StepPricer
+from sim.policy.batch import record_shape
 from sim.policy.request import Status
 from sim.report.metrics import RequestRecords, compute_metrics, per_request_latency
 from sim.simulator.cluster import sim_records, simulate
@@ -318,7 +318,7 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
               "step_time_ratio": ratios, "latency_cdf": latency_quantiles(runs[0][0], sim_rec)}
     run_scales = [r["all"] or None for r in ratios]  # None: a run with no steps
     if plan.pools is not None:  # each pool's processes at their own speed (a prefill beside a decoding peer is slower)
-        run_scales = [pool_scales(steps, pricer.cost) for _, steps in runs]
+        run_scales = [pool_scales(steps, pricer) for _, steps in runs]
         result["pool_step_time_ratio"] = run_scales
     at_speed = sims_at_run_speed(plan, profile, run_scales, specs)
     for name, row in errors_at_run_speed(metrics, at_speed).items():
@@ -342,10 +342,9 @@ def score(plan: Plan, profile: Path, runs: list, device: str = "cpu", out: Path 
     return result
 
 
-def pool_scales(steps: list[dict], cost) -> dict[str, float] | None:
-    """A disaggregated run's step-time ratio per pool (its steps carry `pool`), priced by the cost model `cost`
-    (pools never speculate); None if a pool ran no steps."""
-    pricer = StepPricer(cost)
+def pool_scales(steps: list[dict], pricer: StepPricer) -> dict[str, float] | None:
+    """A disaggregated run's step-time ratio per pool (its steps carry `pool`), priced by the plan's `pricer` (pools
+    never speculate); None if a pool ran no steps."""
     scales = {name: step_time_ratio([s for s in steps if s.get("pool") == name], pricer)["all"]
               for name in ("prefill", "decode")}
     return scales if all(scales.values()) else None
@@ -553,7 +552,7 @@ def step_time_ratio(records: list[dict], pricer: StepPricer) -> dict:
     batches in flight its start to end also holds waits for the other batch."""
     sums = {"all": [0.0, 0.0], "decode_only": [0.0, 0.0], "with_prompt": [0.0, 0.0]}
     for r in records:
-        shape = shape_of(r["new_tokens"], r["context_lens"], r.get("num_sampled"), r.get("num_prefill"))
+        shape = record_shape(r)
         if r.get("stages") and pricer.prices_stages:
             pred = pricer.stages_busy_s(shape)
             real = sum(b - a for a, b in r["stages"]) + r.get("driver_s", 0.0)

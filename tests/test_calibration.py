@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from infersim.cli import app
-from sim.cost.fitted import FittedCostModel, shape_of
+from sim.cost.fitted import FittedCostModel
+from sim.policy.batch import shape_of
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 

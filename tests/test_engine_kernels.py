@@ -220,7 +220,7 @@ def test_the_shipped_engine_fits_are_the_fits_of_the_compact_tables():
 
 
 def test_the_kernel_report_names_each_familys_source_and_error():
-    report = kernel_report(engine_kernels("H100-SXM", "sglang"), sparse=True, attention_form="fit")
+    report = kernel_report(engine_kernels("H100-SXM", "sglang"), has_experts=True, attention_form="fit")
     assert report["engine"] == "sglang" and report["version"] == engine_versions("H100-SXM", "sglang")[0]
     fams = report["families"]
     assert "fa3" in fams["attention"]["source"] and fams["attention"]["error"]["decode"]["median_pct"] < 15

@@ -10,7 +10,8 @@ import pytest
 
 from calibration.profile import fit_samples
 from sim.config.errors import ConfigError
-from sim.cost.fitted import FEATURES, FittedCostModel, RoutedExperts, fit, routed_experts, shape_of
+from sim.cost.fitted import FEATURES, FittedCostModel, RoutedExperts, fit, routed_experts
+from sim.policy.batch import shape_of
 from tests.helpers import run, scenario
 
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,

@@ -15,8 +15,8 @@ from sim.config.errors import ConfigError
 from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.profile import REFINEMENT_TERMS
 from sim.cost.build import describe_cost, make_cost_model
-from sim.cost.fitted import shape_of
 from sim.cost.gpu import KernelCostModel, Refinement
+from sim.policy.batch import shape_of
 from tests.helpers import plan_of, scenario
 
 CUDA_PROFILE = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "cuda.json"  # SmolLM2 on an H200, 2026-11-30
@@ -38,9 +38,7 @@ def synthetic(truth: Refinement, n: int = 300) -> tuple[dict, list[dict]]:
     model = {"name": "Llama-3.2-1B", "num_layers": 16, "hidden_size": 2048, "num_heads": 32, "num_kv_heads": 8,
              "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256, "weight_dtype": "bf16"}
     base = kernel_model(model, "H200")
-    m = base.model
-    cost = KernelCostModel(m, base.kernels, HARDWARE_CATALOG["H200"], base.collectives,
-                           m.kv_bytes_per_token / m.num_layers, 1, 1, truth)
+    cost = KernelCostModel(base.blocks, base.kernels, HARDWARE_CATALOG["H200"], base.collectives, 1, truth)
     rng = random.Random(0)
     samples = []
     for _ in range(n):

@@ -190,7 +190,7 @@ def test_gpt_oss_kv_bytes_a_token_and_the_window():
     m = MODEL_CATALOG["gpt-oss-120b"]
     full, sliding = m.layers[1].attention, m.layers[0].attention
     assert layers.kv_bytes_per_token(m, full) == 2 * 8 * 64 * 2 == 2048
-    assert m.kv_bytes_per_token == 36 * 2048  # what today's cost models read: every layer as full attention
+    assert m.kv_bytes_per_token == 36 * 2048  # every caching layer at a full layer's K/V (the cost side bounds the windows)
     for context in (100, 128, 10_000, 100_000):
         assert layers.decode_read_bytes(m, full, context) == context * 2048
         assert layers.decode_read_bytes(m, sliding, context) == min(context, 128) * 2048

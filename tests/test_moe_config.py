@@ -10,6 +10,8 @@ from sim.config import moe
 from sim.config.errors import ConfigError
 from sim.config.hf_config import load_hf_config
 from sim.config.models import MODEL_CATALOG, ModelSpec
+from sim.config.sharding import shard
+from sim.cost import routing
 from tests.helpers import plan_of, scenario
 
 # published (total, active) parameters in billions, as written: Mistral AI's Mixtral posts, Qwen3's model cards, the
@@ -43,8 +45,8 @@ def test_dense_models_keep_their_formulas():
 def test_mla_caches_the_latent_and_rotary_key_per_layer_not_per_head():
     m = MODEL_CATALOG["DeepSeek-V3"]
     assert m.kv_bytes_per_token == 61 * (512 + 64) * 2
-    assert moe.kv_bytes_per_device_token(m, 8) == m.kv_bytes_per_token  # every TP rank holds the whole latent
-    assert moe.kv_bytes_per_device_token(MODEL_CATALOG["Mixtral-8x7B"], 2) == 32 * 8 * 128 * 2 * 2 / 2
+    assert moe.kv_bytes_per_device_token(m, shard(m, 8)) == m.kv_bytes_per_token  # every TP rank holds the whole latent
+    assert moe.kv_bytes_per_device_token(MODEL_CATALOG["Mixtral-8x7B"], shard(MODEL_CATALOG["Mixtral-8x7B"], 2)) == 32 * 8 * 128 * 2 * 2 / 2
     assert sum(moe.is_moe_layer(m, i) for i in range(m.num_layers)) == 58  # first_k_dense_replace 3
 
 
@@ -55,13 +57,13 @@ def test_qwen_moe_layer_rule():
 
 
 def test_distinct_experts_and_tokens_per_expert():
-    assert moe.distinct_experts(8, 2, 1) == pytest.approx(2)
-    assert moe.distinct_experts(128, 8, 4096) == pytest.approx(128)
-    assert moe.distinct_experts(128, 8, 4) == pytest.approx(128 * (1 - (120 / 128) ** 4))
-    assert moe.tokens_per_expert(8, 2, 1) == pytest.approx(1)
-    assert moe.tokens_per_expert(8, 2, 1000) == pytest.approx(250)
-    assert moe.busiest_expert_tokens(8, 2, 1000, 1.5) == pytest.approx(375)
-    assert moe.busiest_expert_tokens(8, 2, 1, 3.0) == 1  # never more than every token
+    assert routing.distinct_experts(8, 2, 1) == pytest.approx(2)
+    assert routing.distinct_experts(128, 8, 4096) == pytest.approx(128)
+    assert routing.distinct_experts(128, 8, 4) == pytest.approx(128 * (1 - (120 / 128) ** 4))
+    assert routing.tokens_per_expert(8, 2, 1) == pytest.approx(1)
+    assert routing.tokens_per_expert(8, 2, 1000) == pytest.approx(250)
+    assert routing.busiest_expert_tokens(8, 2, 1000, 1.5) == pytest.approx(375)
+    assert routing.busiest_expert_tokens(8, 2, 1, 3.0) == 1  # never more than every token
 
 
 BAD_SPECS = [({"num_experts": 8, "num_experts_per_tok": 9}, "num_experts_per_tok 9 with 8 routed experts"),

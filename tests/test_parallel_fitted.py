@@ -11,8 +11,9 @@ import pytest
 
 from sim.config.errors import ConfigError
 from sim.cost.build import make_cost_model
-from sim.cost.fitted import FittedCostModel, shape_of
+from sim.cost.fitted import FittedCostModel
 from sim.cost.parallel import ParallelFittedCostModel, stage_layers
+from sim.policy.batch import shape_of
 from tests.helpers import plan_of, run, scenario
 
 PROFILE = json.loads((Path(__file__).parent.parent / "calibration" / "profiles" / "cpu.json").read_text())

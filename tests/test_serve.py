@@ -123,7 +123,8 @@ def test_draft_cost_fits_the_drafter_and_the_verify_steps_ratio_to_the_profile()
     forwards' time over the fitted model's prediction is their ratio, whatever their size."""
     from calibration.speculative import draft_cost
     from executor.core.engine import StepRecord
-    from sim.cost.fitted import FittedCostModel, shape_of
+    from sim.cost.fitted import FittedCostModel
+    from sim.policy.batch import shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
     records = []
@@ -185,7 +186,8 @@ def test_draft_cost_reads_the_machine_speed_off_the_runs_plain_decode_steps():
     the machine's, not speculation's; with too few plain steps to tell, the profile's speed is taken."""
     from calibration.speculative import MIN_PLAIN_STEPS, draft_cost
     from executor.core.engine import StepRecord
-    from sim.cost.fitted import FittedCostModel, shape_of
+    from sim.cost.fitted import FittedCostModel
+    from sim.policy.batch import shape_of
 
     cost = FittedCostModel({"step": 0.05, "new_tokens": 0.002, "kv_tokens": 1e-5})
     spec, t = [], 0.0

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from sim.config.profile import FEATURES
-from sim.cost.build import make_cost_model
-from sim.cost.fitted import PART_OF, FittedCostModel, shape_of
+from sim.cost.build import make_cost_model, plan_blocks
+from sim.cost.fitted import PART_OF, FittedCostModel
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
 from sim.cost.roofline import RooflineCostModel
 from sim.cost.step import PARTS, PricesStages, StepCost
+from sim.policy.batch import shape_of
 from tests.helpers import plan_of, scenario
 
 CPU_PROFILE = Path(__file__).parent.parent / "calibration" / "profiles" / "cpu.json"
@@ -151,7 +152,7 @@ def test_a_parallel_fitted_model_s_host_work_is_overhead_and_its_collectives_com
 def test_roofline_parts_are_those_of_its_constructor_numbers():
     """A model built directly (not from a plan) prices by part too."""
     plan = plan_of(scenario())
-    cost = RooflineCostModel(plan.model, plan.hardware, block_bytes=1e6)
+    cost = RooflineCostModel(plan_blocks(plan), plan.hardware, block_bytes=1e6)
     shape = shape_of([1, 1], [10, 20])
     shape.swap_blocks = 3
     assert cost.step_cost(shape).swap_s == 3 * cost.s_per_swap_block

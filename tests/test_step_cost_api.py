@@ -10,7 +10,7 @@ from infersim import api
 from infersim.cli import app
 from sim.config.errors import ConfigError
 from sim.cost.build import make_pricer
-from sim.cost.fitted import shape_of
+from sim.policy.batch import shape_of
 from tests.helpers import plan_of, run, scenario
 
 PARTS = ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s", "swap_s")

@@ -33,22 +33,21 @@ def test_speculative_prediction_is_the_mean_over_acceptance_draws():
 
 def test_a_disaggregated_run_is_predicted_at_each_pools_own_step_speed():
     from calibration.validate import pool_scaled, pool_scales, sims_at_run_speed
-    from sim.cost.build import make_cost_model
-    from sim.cost.fitted import predicted_step_time
+    from sim.cost.build import make_pricer
 
     plan = load_scenario(SCENARIO.parent / "disaggregated.yaml")[1]
     profile = PROFILES / "cpu.json"
-    cost = make_cost_model(with_profile(plan, profile))
+    pricer = make_pricer(with_profile(plan, profile))
     steps = []
     for pool, slower, new_tokens in (("prefill", 1.2, [100]), ("decode", 1.0, [1, 1, 1])):
         r = {"new_tokens": new_tokens, "context_lens": [100] * len(new_tokens), "num_decode": 0 if pool == "prefill"
              else 3, "num_prefill": 1 if pool == "prefill" else 0, "start_s": 0.0, "pool": pool}
-        r["end_s"] = slower * predicted_step_time(r, cost)
+        r["end_s"] = slower * pricer.record_s(r)
         steps.append(r)
-    scales = pool_scales(steps, cost)
+    scales = pool_scales(steps, pricer)
     assert scales == pytest.approx({"prefill": 1.2, "decode": 1.0})
     assert pool_scaled(plan, scales).pools.prefill.cost.profile_scale == pytest.approx(1.2)
     even, uneven = sims_at_run_speed(plan, profile, [1.0, scales], None)
     assert uneven["ttft_s"]["p50"] > even["ttft_s"]["p50"] * 1.1  # the slower prefill pool shows in TTFT ...
     assert uneven["tpot_s"]["p50"] == pytest.approx(even["tpot_s"]["p50"], rel=0.02)  # ... not in TPOT
-    assert pool_scales([s for s in steps if s["pool"] == "decode"], cost) is None
+    assert pool_scales([s for s in steps if s["pool"] == "decode"], pricer) is None

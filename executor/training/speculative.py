@@ -466,13 +466,15 @@ def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: i
     """The candidate tree with the most tokens per second at batch 1: for each size, the likeliest nodes
     (best_tree), their expected tokens per verify step over the step's time relative to a plain decode step,
     as the device's fitted profile predicts it (without a profile: a verify row costs as much as a decode)."""
-    from sim.cost.fitted import FittedCostModel, shape_of
+    from sim.cost.fitted import FittedCostModel
+    from sim.cost.pricer import StepPricer
     from sim.cost.speculation import best_tree, tree_expected_tokens
+    from sim.policy.batch import shape_of
 
-    cost = FittedCostModel.load(profile) if profile is not None and Path(profile).is_file() else None
+    pricer = StepPricer(FittedCostModel.load(profile)) if profile is not None and Path(profile).is_file() else None
 
-    def step(n: int) -> float:
-        return cost.step_time(shape_of([n], [context + n], sampled=n, num_prefill=0)) if cost else 1.0
+    def step(n: int) -> float:  # the model's own forward: the tree's verify cost is what this chooses by
+        return pricer.step_s(shape_of([n], [context + n], sampled=n, num_prefill=0)) if pricer else 1.0
 
     table = []
     for size in range(1, max_size + 1):

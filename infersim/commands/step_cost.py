@@ -14,7 +14,7 @@ from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.plan import Plan, plan_of
 from sim.cost.build import describe_cost, make_pricer
-from sim.cost.fitted import shape_of
+from sim.policy.batch import shape_of
 from sim.report.outputs import cost_line
 
 MAX_ROWS = 1_000_000  # a step of more rows than any engine batches

@@ -188,10 +188,3 @@ def decode_write_bytes(m: ModelSpec, attention: Attention) -> float:
 def cached_layers(m: ModelSpec) -> int:
     """Layers that cache K/V per token (every kind but linear attention)."""
     return m.num_layers - kind_counts(m)["linear"]
-
-
-def priced_as_full_attention(m: ModelSpec) -> list[str]:
-    """The attention kinds of `m` today's cost models price as something they are not, through
-    ModelSpec.kv_bytes_per_token: sliding-window and chunked layers as full attention (every token of the context
-    read), linear-attention layers as attention with no cache (their state read and written nowhere)."""
-    return sorted(kind for kind in kind_counts(m) if kind in (*WINDOWED, "linear"))

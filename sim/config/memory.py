@@ -10,7 +10,7 @@ from sim.config.hardware import HardwareSpec
 from sim.config.kv_groups import KVGroups, kv_groups
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec
-from sim.config.moe import uses_mla
+from sim.config.moe import kv_bytes_per_device_token
 from sim.config.scenario import KVCacheConfig
 from sim.config.sharding import Sharding
 
@@ -76,8 +76,7 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
                           f"{kv.gpu_memory_utilization}); allowed: {more}a bigger device, quantized weights "
                           "(weight_dtype int8/int4), or a higher gpu_memory_utilization", "hardware")
     block_size = max_model_len if kv.allocator == "contiguous" else kv.block_size
-    # MLA's latent serves every head: each tensor-parallel rank keeps all of it, as vLLM does
-    per_device = model.kv_bytes_per_token if uses_mla(model) else layout.sharding.kv_bytes(model.kv_bytes_per_token)
+    per_device = kv_bytes_per_device_token(model, layout.sharding)
     kv_bytes_per_token = per_device * layout.stage_layers / model.num_layers
     groups = hybrid_groups(model, kv, layout, max_model_len)
     if groups is not None:

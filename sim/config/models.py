@@ -147,13 +147,17 @@ class ModelSpec(StrictModel):
 
     def matmul_dtype(self, hw_dtypes) -> str:
         """The dtype the linear layers multiply in on hardware with peak rates for `hw_dtypes`: fp8 weights with fp8
-        activations where the hardware has fp8 tensor cores (W8A8), else the activation dtype (weight-only
-        quantization: weights dequantized on the fly)."""
-        return "fp8" if self.weight_dtype == "fp8" and "fp8" in hw_dtypes else self.act_dtype
+        activations where the hardware has fp8 tensor cores (W8A8), NVFP4 weights with FP4 activations where it has
+        FP4 tensor cores (Blackwell: W4A4), else the activation dtype (weight-only quantization: weights dequantized
+        on the fly)."""
+        if self.weight_dtype == "fp8" and "fp8" in hw_dtypes:
+            return "fp8"
+        return "fp4" if self.weight_dtype == "nvfp4" and "fp4" in hw_dtypes else self.act_dtype
 
     def dequantizes(self, hw_dtypes) -> bool:
         """Whether its linear layers dequantize weights to a wider dtype before multiplying."""
-        return self.weight_dtype in ("int8", "int4", "fp8", *FP4) and self.matmul_dtype(hw_dtypes) != self.weight_dtype
+        return self.weight_dtype in ("int8", "int4", "fp8", *FP4) and \
+            self.matmul_dtype(hw_dtypes) not in (self.weight_dtype, "fp4")
 
     @property
     def act_bytes(self) -> int:
@@ -170,13 +174,8 @@ class ModelSpec(StrictModel):
     def kv_bytes_per_token(self) -> float:
         """K/V bytes one token adds over the layers that cache per token: 2 (K and V) · layers · kv_heads · head_dim ·
         bytes per element; MLA: layers · (kv_lora_rank + qk_rope_head_dim) · bytes per element. Linear-attention layers
-        cache nothing per token (their fixed state: sim/config/layers.py).
-
-        The one place a model's attention kinds meet today's cost models: they read this (through the plan) as the
-        bytes a decode row reads per token of its context, so sliding-window and chunked layers are priced as full
-        attention past their window, and linear layers' state updates are not priced (layers.priced_as_full_attention
-        lists what a model has of these; the per-kind figures the cost side will read are layers.decode_read_bytes and
-        decode_write_bytes)."""
+        cache nothing per token (their fixed state: sim/config/layers.py). What a step reads of it, by kind of layer
+        (at most a window a row in sliding and chunked layers): sim/cost/blocks.py."""
         if moe.uses_mla(self):
             return moe.latent_kv_bytes_per_token(self)
         return 2 * layers.cached_layers(self) * self.num_kv_heads * self.head_size * self.kv_bytes_per_element

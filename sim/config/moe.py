@@ -1,6 +1,7 @@
 """The sizes of a model spec's parts: which layers are MoE, the parameters of each part of a decoder layer (attention
 of each kind, MLPs, routed and shared experts, router, norms) summed over its typed blocks (sim/config/layers.py), in
-all and per token, the KV cache of a multi-head latent (MLA), and how a step's tokens spread over the experts.
+all and per token, and the KV cache of a multi-head latent (MLA). (How a step's tokens spread over the experts is the
+cost side's: sim/cost/routing.py.)
 
 Parameters of one decoder layer, as Hugging Face's modelling code holds them:
 - attention: q, k, v, o (GQA); MLA (DeepSeek-V2/V3): q_a (hidden → q_lora_rank) and its norm then q_b (→ heads ×
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
-from sim.config.sharding import shard
+from sim.config.sharding import Sharding
 
 ModelSpec = Any  # sim.config.models.ModelSpec, which reads its sizes from here
 
@@ -221,30 +222,10 @@ def latent_kv_bytes_per_token(m: ModelSpec) -> float:
     return m.num_layers * latent_kv_elements(m) * m.kv_bytes_per_element
 
 
-def kv_bytes_per_device_token(m: ModelSpec, tensor_parallel_size: int) -> float:
-    """A token's KV bytes on one tensor-parallel rank: its KV heads' share (a copy of one where there are fewer KV
-    heads than ranks), or the whole MLA latent (vLLM keeps all of it on every rank: one latent serves every head)."""
+def kv_bytes_per_device_token(m: ModelSpec, sharding: Sharding) -> float:
+    """A token's KV bytes on one tensor-parallel rank of `sharding`: its KV heads' share (a copy of one where there are
+    fewer KV heads than ranks), or the whole MLA latent (vLLM keeps all of it on every rank: one latent serves every
+    head)."""
     if uses_mla(m):
         return m.kv_bytes_per_token
-    return shard(m, tensor_parallel_size).kv_bytes(m.kv_bytes_per_token)
-
-
-# -- routing -----------------------------------------------------------------------------------------------------------
-def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
-    """Expected experts out of `experts` that `tokens` tokens choosing `top_k` each touch, under uniform routing:
-    E·(1 − (1 − k/E)^T) (each expert is missed by a token with probability 1 − k/E)."""
-    if experts == 0 or tokens <= 0:
-        return 0.0
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
-
-
-def tokens_per_expert(experts: int, top_k: int, tokens: float) -> float:
-    """Mean tokens a touched expert computes: the T·k choices over the experts touched."""
-    touched = distinct_experts(experts, top_k, tokens)
-    return tokens * top_k / touched if touched else 0.0
-
-
-def busiest_expert_tokens(experts: int, top_k: int, tokens: float, imbalance: float = 1.0) -> float:
-    """Tokens of the busiest expert: the mean over touched experts times the load-imbalance factor (1: uniform
-    routing), at most every token."""
-    return min(float(tokens), tokens_per_expert(experts, top_k, tokens) * imbalance)
+    return sharding.kv_bytes(m.kv_bytes_per_token)

@@ -21,7 +21,7 @@ from sim.config.engines import (
     serving_defaults,
 )
 from sim.config.errors import ConfigError
-from sim.config.expert_parallel import expert_layout
+from sim.config.expert_parallel import ExpertLayout, expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
 from sim.config.hf_config import load_hf_config
 from sim.config.kv_groups import KVGroups
@@ -39,7 +39,7 @@ from sim.config.scenario import (
     parse_scenario,
     validation_error,
 )
-from sim.config.sharding import shard
+from sim.config.sharding import Sharding, shard
 from sim.config.workload import WorkloadConfig
 from sim.config.yaml_file import read_yaml
 
@@ -132,7 +132,9 @@ class Plan:
     replicas: int
     router: str
     scheduler: SchedulerConfig
-    tensor_parallel_size: int
+    sharding: Sharding  # one device's share of each layer in its tensor-parallel group
+    # DP ranks of tensor_parallel_size devices each, experts whole over EP ranks or sliced (sim/config/expert_parallel.py)
+    expert_layout: ExpertLayout
     sequence_parallel: bool
     pipeline_parallel_size: int  # stages; a replica has tensor_parallel_size x pipeline_parallel_size devices
     virtual_engines: int  # batches a pipelined replica keeps in flight, each its own scheduler and num_blocks
@@ -155,8 +157,6 @@ class Plan:
     # disaggregated: the prefill and decode pools, each resolved as a plan of its own; the plan's own replica fields
     # are the decode pool's
     pools: Pools | None = None
-    data_parallel_size: int = 1  # DP ranks of tensor_parallel_size devices each (sim/config/expert_parallel.py)
-    enable_expert_parallel: bool = False
     engine: EngineProfile | None = None  # the serving engine the plan runs on, resolved
     # a hybrid model's KV cache groups by attention kind (sim/config/kv_groups.py); None: one group of every layer
     kv_groups: KVGroups | None = None
@@ -165,6 +165,18 @@ class Plan:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.sharding.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.expert_layout.data_parallel_size
+
+    @property
+    def enable_expert_parallel(self) -> bool:
+        return self.expert_layout.enable_expert_parallel
 
     @property
     def devices_per_replica(self) -> int:
@@ -345,7 +357,7 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                                                                       memory.num_swap_blocks)
     return Plan(name=scenario.name, model=model, model_checkpoint=checkpoint, hardware=hw, base_dir=base_dir,
                 replicas=scenario.replicas, router=scenario.router, scheduler=scheduler,
-                tensor_parallel_size=layout.sharding.tp, sequence_parallel=layout.sequence_parallel,
+                sharding=layout.sharding, sequence_parallel=layout.sequence_parallel,
                 pipeline_parallel_size=layout.pipeline_parallel_size, virtual_engines=layout.virtual_engines,
                 kv_bytes_per_token=memory.kv_bytes_per_token, kv_allocator=kv.allocator,
                 enable_prefix_caching=kv.enable_prefix_caching,
@@ -353,11 +365,8 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
                 kv_cache_bytes=memory.kv_cache_bytes, block_size=memory.block_size, num_blocks=num_blocks,
                 num_swap_blocks=swap_blocks, workload=scenario.workload, slo=scenario.slo, cost=cost,
                 executor=scenario.executor, speculative=scenario.speculative, source=scenario.model_dump(mode="json"),
-                data_parallel_size=layout.expert.data_parallel_size,
-                enable_expert_parallel=layout.expert.enable_expert_parallel, engine=engine,
-                kv_groups=memory.kv_groups,
+                expert_layout=layout.expert, engine=engine, kv_groups=memory.kv_groups,
                 client=_client_of(scenario, engine))
-
 
 
 def _client_of(scenario: Scenario, engine: EngineProfile) -> ResolvedClient | None:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from sim.config.errors import ConfigError
+from sim.config.expert_parallel import ExpertLayout
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
+from sim.config.models import ModelSpec
 from sim.config.moe import has_experts, uses_mla
 from sim.config.plan import Plan
+from sim.config.sharding import shard
+from sim.cost.blocks import StepBlocks, step_blocks
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
@@ -25,10 +29,10 @@ ROOFLINE_PER_SEQ_OVERHEAD_S = 2e-5
 def make_cost_model(plan: Plan) -> StepCostModel:
     """The plan's step-cost model: its fitted profile (scaled; for a tensor- or pipeline-parallel plan, a profile
     measured through that layout as it is, one of one device composed with its communication: sim/cost/parallel.py),
-    else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline."""
+    else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline; the last
+    two price the model's blocks on one device of the plan's layout (sim/cost/blocks.py)."""
     c = plan.cost
-    moe_layout = has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1
-    if moe_layout and c.source != "profile":
+    if priced_apart(plan) and c.source != "profile":
         return moe_cost_model(plan)
     if c.source == "kernels":
         return kernel_cost_model(plan)
@@ -43,39 +47,20 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                                              MeasuredCollectives(c.profile.comm), plan.model,
                                              plan.tensor_parallel_size, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
-    return RooflineCostModel(plan.model, plan.hardware, compute_efficiency=c.compute_efficiency,
+    return RooflineCostModel(plan_blocks(plan), plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency,
                              step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
                              per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
-                             block_bytes=plan.block_size * plan.kv_bytes_per_token,
-                             tensor_parallel_size=plan.tensor_parallel_size, sequence_parallel=plan.sequence_parallel,
-                             kv_bytes_per_token=plan.kv_bytes_per_token_layer * plan.model.num_layers)
+                             block_bytes=plan.block_bytes, sequence_parallel=plan.sequence_parallel)
 
 
-def _given(value: float | None, default: float) -> float:
-    return default if value is None else value
-
-
-def device_kernels(plan: Plan) -> DeviceKernels:
-    """The kernels the plan's engine runs on its device: vLLM's, SGLang's or TensorRT-LLM's own where AIConfigurator
-    measured them (sim/cost/kernels.py: engine_kernels), else the device's engine-agnostic fits."""
-    e, name = plan.engine, plan.hardware.name
-    k = engine_kernels(name, e.name, e.version) if e is not None and e.name in KERNEL_ENGINES else None
-    return k if k is not None else load_kernels()[0][name]
-
-
-def _collectives(plan: Plan, kernels: DeviceKernels, graph: bool = True) -> Collectives:
-    """The NCCL collectives measured on the kernels' system where the device's links are the catalog's, else the
-    link's; with the engine's own all-reduce (its CUDA-graph or eager kernel) below its message limit where it runs one
-    and it was measured."""
-    link = Interconnect.of(plan.hardware)
-    _, collective_fits = load_kernels()
-    if not as_in_catalog(plan.hardware, LINK_FIELDS):
-        return link
-    if kernels.engine and plan.engine is not None and plan.engine.custom_all_reduce:
-        return engine_collectives(kernels, collective_fits, link, graph)
-    return NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
-        if kernels.collectives in collective_fits else link
+def priced_apart(plan: Plan) -> bool:
+    """Whether the plan's steps go to MoECostModel (sim/cost/moe.py): a mixture of experts, latent attention or
+    data-parallel ranks over full-attention layers alone — the models it priced before typed blocks, kept on it so
+    their reports stay as they were (the composition prices their parts in another order and, with its fused norms,
+    rotary and LM head, within -1.2% to +2.9% of it). Models with sliding, chunked or linear layers go through the
+    composition, which prices each kind."""
+    return (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1) and not plan.model.hybrid
 
 
 def moe_cost_model(plan: Plan) -> MoECostModel:
@@ -106,16 +91,62 @@ def moe_cost_model(plan: Plan) -> MoECostModel:
                         per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S))
 
 
+def plan_blocks(plan: Plan) -> StepBlocks:
+    """What one device of the plan's replica computes for each block of its model (sim/cost/blocks.py): its sharding,
+    expert layout, one attention layer's K/V a token there, and the engine's fused residual add."""
+    kv_layer = plan.kv_groups.bytes_per_token_layer if plan.kv_groups is not None else plan.kv_bytes_per_token_layer
+    fused = plan.engine is not None and plan.engine.release.fused_add_norm
+    return step_blocks(plan.model, plan.sharding, plan.expert_layout, kv_layer, plan.model.act_bytes, fused,
+                       plan.cost.expert_load_imbalance)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def device_kernels(plan: Plan) -> DeviceKernels:
+    """The kernels the plan's engine runs on its device: vLLM's, SGLang's or TensorRT-LLM's own where AIConfigurator
+    measured them (sim/cost/kernels.py: engine_kernels), else the device's engine-agnostic fits."""
+    e, name = plan.engine, plan.hardware.name
+    k = engine_kernels(name, e.name, e.version) if e is not None and e.name in KERNEL_ENGINES else None
+    return k if k is not None else load_kernels()[0][name]
+
+
+def _collectives(plan: Plan, kernels: DeviceKernels, graph: bool = True) -> Collectives:
+    """The NCCL collectives measured on the kernels' system where the device's links are the catalog's, else the
+    link's; with the engine's own all-reduce (its CUDA-graph or eager kernel) below its message limit where it runs one
+    and it was measured."""
+    link = Interconnect.of(plan.hardware)
+    _, collective_fits = load_kernels()
+    if not as_in_catalog(plan.hardware, LINK_FIELDS):
+        return link
+    if kernels.engine and plan.engine is not None and plan.engine.custom_all_reduce:
+        return engine_collectives(kernels, collective_fits, link, graph)
+    return NcclCollectives(kernels.collectives, collective_fits[kernels.collectives], link) \
+        if kernels.collectives in collective_fits else link
+
+
+def tensor_parallel_blocks(model: ModelSpec, tensor_parallel_size: int = 1) -> StepBlocks:
+    """What one device of a tensor-parallel group alone computes of `model` (no pipeline, data or expert parallelism,
+    no engine): how calibration prices a measured model on a catalog GPU."""
+    sharding = shard(model, tensor_parallel_size)
+    return step_blocks(model, sharding, ExpertLayout(tensor_parallel_size, 1, False),
+                       sharding.kv_bytes(model.kv_bytes_per_token / model.num_layers), model.act_bytes)
+
+
 def kernel_cost_model(plan: Plan) -> KernelCostModel:
-    """The GPU kernel model of the plan's device (its measured kernels and, where its links are the catalog's, the
-    NCCL collectives measured on its system), with the host overheads the scenario set."""
-    k, hw, m, c = device_kernels(plan), plan.hardware, plan.model, plan.cost
+    """The GPU kernel model of the plan's device (its engine's measured kernels and, where its links are the catalog's,
+    the NCCL collectives measured on its system), with the host overheads the scenario set or a profile refined."""
+    k, c = device_kernels(plan), plan.cost
+    if c.refinement is not None and (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1):
+        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
+                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
+                          "no profile", "cost_model.type")
     refinement = Refinement(**c.refinement) if c.refinement is not None else \
         Refinement(step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
                    per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S))
-    return KernelCostModel(m, k, hw, _collectives(plan, k), plan.kv_bytes_per_token_layer, plan.tensor_parallel_size,
-                           plan.pipeline_parallel_size, refinement, plan.block_size * plan.kv_bytes_per_token,
-                           plan.engine, _collectives(plan, k, graph=False))
+    return KernelCostModel(plan_blocks(plan), k, plan.hardware, _collectives(plan, k), plan.pipeline_parallel_size,
+                           refinement, plan.block_bytes, plan.engine, _collectives(plan, k, graph=False))
 
 
 def describe_cost(plan: Plan) -> dict:
@@ -137,17 +168,20 @@ def _describe_source(plan: Plan) -> dict:
     accuracy = load_accuracy()
     if c.source == "kernels":
         k = device_kernels(plan)
-        # a dense model runs no experts: its report keeps the notes of what it runs
-        sparse = has_experts(plan.model) or uses_mla(plan.model)
-        notes = {part: note for part, note in k.notes.items() if part != "grouped" or sparse}
+        # a dense model runs no experts, a model of bf16 experts no MXFP4 kernel: its report keeps the notes of what
+        # it runs
+        experts_or_mla = has_experts(plan.model) or uses_mla(plan.model)
+        runs = {"grouped": experts_or_mla, "grouped_mxfp4": plan.model.expert_weight_dtype == "mxfp4"}
+        notes = {part: note for part, note in k.notes.items() if runs.get(part, True)}
         out = {"source": "gpu_kernels", "device": k.device, "fitted_to": k.source, "measured_on": k.measured_on,
                "notes": notes, "collectives": k.collectives, "error": accuracy.get(k.measured_on)}
         if k.engine:  # an engine's own kernels: per op family, their source and error on what their fit left out
-            report = out["kernels"] = kernel_report(k, has_experts(plan.model), "fit" if k.attention_fit else "today")
+            report = out["kernels"] = kernel_report(k, has_experts(plan.model), "fit" if k.attention_fit else "today",
+                                                    plan.model.expert_weight_dtype == "mxfp4")
             layer = report["families"].get(f"gemm.{plan.model.matmul_dtype(plan.hardware.peak_flops)}",
                                            report["families"]["gemm.fp16"])
             out["error"] = layer["error"]
-        if sparse and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
+        if experts_or_mla and "grouped_gemm" in accuracy:  # the routed experts' grouped GEMMs
             out["experts_error"] = accuracy["grouped_gemm"]
         if c.refinement is not None:  # refined by a profile's measured steps: that fit's held-out error
             out["refined_by"] = c.profile.path.name

@@ -27,7 +27,7 @@ it: held-out MAPE 12.4% -> 8.8%, R² 0.90 -> 0.96; counting every multi-sequence
 the CPU profile 0.3 ms, held-out MAPE unchanged (2.64 -> 2.66%).
 A mixture of experts' routed experts cost per token (the per-token term takes them: every token runs k of them) and
 per expert a step touches: its weights are read once and its grouped matmul launched, whichever of its tokens it
-serves. The touched experts are the expectation under uniform routing (sim.config.moe.distinct_experts), in the fit
+serves. The touched experts are the expectation under uniform routing (sim.cost.routing.distinct_experts), in the fit
 as in the simulator, which knows no routing; through expert parallelism the fit prices the layout it measured (each
 rank's share of the experts, the all-to-alls: per token and per step).
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
@@ -42,8 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.models import ModelSpec
-from sim.config.moe import distinct_experts, moe_layers
+from sim.config.moe import moe_layers
 from sim.config.profile import FEATURES, ProfileFile, read_profile
+from sim.cost.routing import distinct_experts
 from sim.cost.step import StepCost, decode_run
 from sim.policy.batch import BatchShape
 
@@ -103,32 +104,6 @@ def parts_of(terms: dict[str, float]) -> dict[str, float]:
     for name, t in terms.items():
         parts[PART_OF[name]] += t
     return parts
-
-
-def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
-             num_prefill: int | None = None) -> BatchShape:
-    """The aggregate shape of a step given per-sequence new tokens and context lengths (after the step).
-    `num_prefill`: sequences computing a prompt chunk (the executor's trace records it; its rows come after
-    the decode rows, and a decode row of several tokens verifies drafts); if unknown, those with more than
-    one new token, and none verifies."""
-    pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
-    verify = 0
-    if num_prefill is None:
-        prefill = [i for i, n in enumerate(new_tokens) if n > 1]
-    else:
-        verify = sum(1 for n in new_tokens[:len(new_tokens) - num_prefill] if n > 1)
-        prefill = range(len(new_tokens) - num_prefill, len(new_tokens))
-    return BatchShape(len(new_tokens), sum(new_tokens), sum(context_lens), pairs,
-                      len(new_tokens) if sampled is None else sampled, num_prefill=len(prefill), num_verify=verify,
-                      prefill_tokens=sum(new_tokens[i] for i in prefill),
-                      prefill_context=sum(context_lens[i] for i in prefill))
-
-
-def predicted_step_time(record: dict, cost) -> float:
-    """The cost model's time for a step the executor recorded (a steps.jsonl record, or a StepRecord's
-    to_json()), from the step's own shape."""
-    return cost.step_time(shape_of(record["new_tokens"], record["context_lens"], record.get("num_sampled"),
-                                   record.get("num_prefill")))
 
 
 def _upgrade(coefs: dict) -> dict:

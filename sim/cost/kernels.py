@@ -178,11 +178,13 @@ class DeviceKernels:
     version: str = ""
     attention_fit: AttentionFit | None = None
     custom_all_reduce: dict | None = None  # {"graph" | "eager": {"<devices>": {latency_s, bandwidth, ..., max_bytes}}}
+    grouped_mxfp4: GemmFit | None = None  # the engine's MXFP4 expert kernel (weights 4.25 bits), where measured
 
     def to_json(self) -> dict:
         extra = {"engine": self.engine, "version": self.version,
                  "attention_fit": asdict(self.attention_fit) if self.attention_fit else None,
-                 "custom_all_reduce": self.custom_all_reduce}
+                 "custom_all_reduce": self.custom_all_reduce,
+                 "grouped_mxfp4": asdict(self.grouped_mxfp4) if self.grouped_mxfp4 else None}
         return {"device": self.device, "source": self.source, "gemm": {k: asdict(v) for k, v in self.gemm.items()},
                 "passes": self.passes, "attention": self.attention, "collectives": self.collectives,
                 "notes": self.notes, "measured_on": self.measured_on or self.device,
@@ -196,7 +198,8 @@ class DeviceKernels:
                    data.get("measured_on", data["device"]),
                    GemmFit(**data["grouped"]) if data.get("grouped") else None, data.get("engine", ""),
                    data.get("version", ""), AttentionFit(**data["attention_fit"]) if data.get("attention_fit") else None,
-                   data.get("custom_all_reduce"))
+                   data.get("custom_all_reduce"),
+                   GemmFit(**data["grouped_mxfp4"]) if data.get("grouped_mxfp4") else None)
 
 
 def layer_gemms(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, tp: int, tokens: int,
@@ -288,11 +291,13 @@ def kernel_accuracy(device: str, engine: str) -> dict:
     return load_engine_kernels().get("accuracy", {}).get(device, {}).get(engine, {})
 
 
-def kernel_report(k: DeviceKernels, sparse: bool = False, attention_form: str = "today") -> dict:
+def kernel_report(k: DeviceKernels, has_experts: bool = False, attention_form: str = "today",
+                  mxfp4_experts: bool = False) -> dict:
     """For a report's cost_model: per op family, where the kernels that price it came from (the engine, version,
     kernel and source) and their error on what their fit left out — an engine's kernels' own, per family; a default
     device's, its one entry. `attention_form`: "today" (`attention`, what sim/cost/gpu.py prices with) or "fit"
-    (`attention_fit`); `sparse`: the model routes experts (their grouped GEMMs are reported)."""
+    (`attention_fit`); `has_experts`: the model routes experts (their grouped GEMMs are reported), `mxfp4_experts` in
+    MXFP4 (the engine's kernel for them, where it was timed)."""
     acc = kernel_accuracy(k.device, k.engine) if k.engine else {}
     suffix = "_today_form" if attention_form == "today" else ""
     families = {f"gemm.{d}": {"source": k.notes.get(f"gemm.{d}", k.source), "error": acc.get(f"gemm_layer.{d}")}
@@ -300,8 +305,10 @@ def kernel_report(k: DeviceKernels, sparse: bool = False, attention_form: str = 
     families["attention"] = {"source": k.notes.get("attention", k.source), "form": attention_form,
                              "error": {part: acc.get(f"attention.{part}{suffix}") for part in ("prefill", "decode")}
                              if acc else None}
-    if sparse:
+    if has_experts and not (mxfp4_experts and k.grouped_mxfp4 is not None):
         families["moe"] = {"source": k.notes.get("grouped", k.source), "error": acc.get("moe")}
+    elif has_experts:
+        families["moe"] = {"source": k.notes.get("grouped_mxfp4"), "error": acc.get("moe_mxfp4")}
     families["all_reduce"] = {"source": k.notes.get("custom_all_reduce", k.notes.get("collectives", k.collectives)),
                               "error": {"engine": acc.get("custom_all_reduce"), "nccl": acc.get("nccl_all_reduce")}
                               if acc else None}

@@ -25,10 +25,11 @@ from __future__ import annotations
 from sim.config import moe
 from sim.config.engines import EngineProfile
 from sim.config.models import ModelSpec
+from sim.cost import routing
 from sim.cost.comm import Collectives
 from sim.cost.engine import HostCost, padded_tokens
 from sim.cost.step import StepCost, affine_decode_run
-from sim.policy.scheduler import BatchShape
+from sim.policy.batch import BatchShape
 
 
 class MoECostModel:
@@ -62,11 +63,11 @@ class MoECostModel:
             return 0.0, 0.0, 0.0
         e, k = m.num_experts, m.num_experts_per_tok
         if self.expert_parallel:  # the replica's tokens meet in the experts; EP devices share them
-            touched = moe.distinct_experts(e, k, tokens) / self.ep
-            return tokens * k / self.ep * self.imbalance, touched, moe.busiest_expert_tokens(e, k, tokens,
+            touched = routing.distinct_experts(e, k, tokens) / self.ep
+            return tokens * k / self.ep * self.imbalance, touched, routing.busiest_expert_tokens(e, k, tokens,
                                                                                              self.imbalance)
         t = tokens / self.dp  # a rank's own tokens through its own slices of every expert
-        return t * k, moe.distinct_experts(e, k, t), moe.busiest_expert_tokens(e, k, t, self.imbalance)
+        return t * k, routing.distinct_experts(e, k, t), routing.busiest_expert_tokens(e, k, t, self.imbalance)
 
     def communication_s(self, tokens: int, sampled: int, graph: bool = True) -> float:
         """Tensor parallelism's all-reduces and logits gather over a rank's rows; expert parallelism's all-to-alls;

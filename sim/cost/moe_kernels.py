@@ -19,7 +19,7 @@ from sim.config import moe
 from sim.config.hardware import HardwareSpec
 from sim.config.models import BYTES_PER_PARAM, ModelSpec
 from sim.config.sharding import shard
-from sim.cost.gpu import KernelCostModel
+from sim.cost.gpu import linear_kernel
 from sim.cost.kernels import DeviceKernels, GemmFit, grouped_gemm_time, layer_gemms, layer_passes, pass_time
 from sim.cost.roofline import DEQUANT_OVERHEAD
 
@@ -60,7 +60,7 @@ class RooflineParts:
         self.s_per_expert_weights = layers * moe.expert_params(m) * b / bw / slices
         self.s_per_prefill_pair = m.num_layers * attention_flops_per_key(m, False) / flops / n
         self.s_per_decode_key = m.num_layers * attention_flops_per_key(m, True) / flops / n
-        self.s_per_kv_token = moe.kv_bytes_per_device_token(m, n) / bw
+        self.s_per_kv_token = moe.kv_bytes_per_device_token(m, shard(m, n)) / bw
 
     def linear_s(self, tokens: float, sampled: float) -> tuple[float, float]:
         """(decoder layers but the routed experts, LM head): their max(compute, weight stream), the LM head's share
@@ -93,7 +93,7 @@ class KernelParts:
                  tensor_parallel_size: int, expert_parallel: bool):
         m, n = model, tensor_parallel_size
         self.model, self.kernels, self.tp = m, kernels, n
-        self.gemm, self.weight_bytes, self.compute_scale = KernelCostModel._linear_kernel(m, kernels, hw)
+        self.gemm, self.weight_bytes, self.compute_scale = linear_kernel(m, kernels, hw)
         self.grouped = _grouped_fit(kernels, self.gemm)
         self.act_bytes = m.act_bytes
         self.n_moe = moe.moe_layers(m)

@@ -1,10 +1,11 @@
 """The whole price of one engine step, as the simulator charges it and calibration re-scores it: the cost model's
 time for the batch shape, a verify step's forward times speculative decoding's verify cost ratio, the drafter's time
-on top, and on a pipelined replica the step's stages."""
+on top, and on a pipelined replica the step's stages. One path for both: a step (the scheduler's, or one the executor
+recorded: `record_s`, `record_cost`) → BatchShape → StepPricer → StepCost."""
 from __future__ import annotations
 
 from sim.cost.step import PricesStages, Stages, StepCost, StepCostModel
-from sim.policy.batch import BatchShape
+from sim.policy.batch import BatchShape, record_shape
 
 
 def equal_stages(step_s: float, tokens: int, num_stages: int, send_s_per_token: float,
@@ -15,8 +16,9 @@ def equal_stages(step_s: float, tokens: int, num_stages: int, send_s_per_token: 
 
 
 class StepPricer:
-    """A replica's step prices (sim/cost/build.py: make_pricer builds it from the plan). `cost`: the plan's cost
-    model, profile_scale applied; on a pipelined replica (`num_stages` > 1) a cost model that prices stages itself
+    """A replica's step prices (sim/cost/build.py: make_pricer builds it from the plan; `StepPricer(cost)` prices a cost
+    model's steps alone, as calibration measures it). `cost`: the plan's cost model, profile_scale applied; on a
+    pipelined replica (`num_stages` > 1) a cost model that prices stages itself
     (step.PricesStages) gives each stage its own time, any other's step is split evenly, its activations sent at
     `send_s_per_token` + `send_latency_s`."""
 
@@ -49,6 +51,15 @@ class StepPricer:
         """The same step by part; its total_s equals step_s(shape, draft_s) exactly."""
         c = self.cost.step_cost(shape)
         return (c.scaled(self.verify_cost_ratio) if shape.num_verify else c).with_draft(draft_s)
+
+    def record_s(self, record: dict) -> float:
+        """step_s of a step the executor recorded (sim/policy/batch.py: record_shape), drafting excluded (it is not a
+        model step)."""
+        return self.step_s(record_shape(record))
+
+    def record_cost(self, record: dict) -> StepCost:
+        """step_cost of a step the executor recorded, drafting excluded."""
+        return self.step_cost(record_shape(record))
 
     def step_stages(self, shape: BatchShape, draft_s: float = 0.0) -> Stages:
         """stages(shape, step_s(shape, draft_s)): a pipelined step's stages, drafting and a verify step's extra

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sim.cost.fitted import shape_of
+from sim.policy.batch import shape_of
 
 # Rows from which one numpy call with an array of p beats a call per row (~10 µs to set up, ~0.7 µs a row).
 GEOMETRIC_ARRAY_ROWS = 16

@@ -112,3 +112,29 @@ class PricesStages(ABC):
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """The stages of a step of decodes alone (decode_time's shape)."""
         return self.pipeline_stages(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
+
+
+def window_reads_s(windows: tuple[tuple[int, float], ...], context: int, rows: int) -> float:
+    """Seconds `rows` decode rows of `context` tokens in all read in windowed layers, (window, seconds per K/V token)
+    each: every token of the context, or at most the window a row (sim/cost/blocks.py: window_reads)."""
+    t = 0
+    for window, per_token in windows:
+        cap = rows * window
+        t += (context if context < cap else cap) * per_token
+    return t
+
+
+def windowed_decode_run(base: float, per_kv: float, windows: tuple[tuple[int, float], ...], num_seqs: int,
+                        sum_context: int, clock: float, k_max: int, until: float, step_end: list[float]
+                        ) -> tuple[int, float]:
+    """decode_run for a model whose decode step is `(base + context * per_kv) + window_reads_s(windows, ...)`: the
+    same float operations as decode_time, without allocating per step."""
+    s, k, append = sum_context, 0, step_end.append
+    while k < k_max:
+        clock += (base + s * per_kv) + window_reads_s(windows, s, num_seqs)
+        append(clock)
+        s += num_seqs
+        k += 1
+        if clock >= until:
+            break
+    return k, clock

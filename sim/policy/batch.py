@@ -1,5 +1,5 @@
 """A step's batch: what the scheduler hands the engine (`ScheduledBatch`) and its shape as cost models see it
-(`BatchShape`)."""
+(`BatchShape`; from a recorded step's rows: `shape_of`, `record_shape`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,3 +69,28 @@ def verify_shape(rows) -> tuple[int, int, int, int, int]:
     every one of those positions needs logits (to check the draft after it); and how many rows draft."""
     tokens, ctx, pairs, _ = prefill_shape([(r, 1 + r.num_draft) for r in rows])
     return tokens, ctx, pairs, tokens, sum(1 for r in rows if r.num_draft)
+
+
+def shape_of(new_tokens: list[int], context_lens: list[int], sampled: int | None = None,
+             num_prefill: int | None = None) -> BatchShape:
+    """The aggregate shape of a step given per-sequence new tokens and context lengths (after the step).
+    `num_prefill`: sequences computing a prompt chunk (the executor's trace records it; its rows come after
+    the decode rows, and a decode row of several tokens verifies drafts); if unknown, those with more than
+    one new token, and none verifies."""
+    pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
+    verify = 0
+    if num_prefill is None:
+        prefill = [i for i, n in enumerate(new_tokens) if n > 1]
+    else:
+        verify = sum(1 for n in new_tokens[:len(new_tokens) - num_prefill] if n > 1)
+        prefill = range(len(new_tokens) - num_prefill, len(new_tokens))
+    return BatchShape(len(new_tokens), sum(new_tokens), sum(context_lens), pairs,
+                      len(new_tokens) if sampled is None else sampled, num_prefill=len(prefill), num_verify=verify,
+                      prefill_tokens=sum(new_tokens[i] for i in prefill),
+                      prefill_context=sum(context_lens[i] for i in prefill))
+
+
+def record_shape(record: dict) -> BatchShape:
+    """The shape of a step the executor recorded: a steps.jsonl record, a StepRecord's to_json() or a profile's
+    sample (new_tokens and context_lens per sequence; num_sampled and num_prefill where recorded)."""
+    return shape_of(record["new_tokens"], record["context_lens"], record.get("num_sampled"), record.get("num_prefill"))

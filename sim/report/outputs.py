@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 
 from sim.config.errors import ConfigError
-from sim.config.layers import priced_as_full_attention
 from sim.config.plan import Plan
 from sim.cost.build import describe_cost
 from sim.report.definitions import describe as describe_definitions
@@ -158,8 +157,6 @@ def kv_groups_section(plan: Plan, replicas: list) -> dict:
     peaks = [r.peak_blocks_by_kind or {} for r in replicas]
     linear = sum(k.layers for k in g.kinds if k.kind == "linear")
     return {"bytes_per_token_by_layer_type": g.bytes_per_token_by_kind(),
-            # the kinds the step-cost models price as something they are not (sim/config/layers.py)
-            "priced_as_full_attention": priced_as_full_attention(plan.model),
             "state_bytes_per_sequence": g.state_bytes * linear, "block_bytes": g.block_bytes,
             "layers_per_group": g.group_size,
             "groups": {k.kind: {"window": k.window, "layers": k.layers, "groups": k.groups,
