@@ -1,4 +1,4 @@
-"""The application API: run / serve / validate / profile / distill / train-medusa, and the catalogs.
+"""The application API: run / serve / validate / profile / distill / train-medusa / train-eagle, and the catalogs.
 
 The only place that wires the layers together; the CLI, the dashboard and the benches call it. Every function
 raises ConfigError (one line: file, key path, what is allowed) for bad input.
@@ -215,8 +215,8 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
         report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
-        if hasattr(engine.drafter, "rank_probs"):
-            report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
+        if hasattr(engine.drafter, "rank_probs"):  # Medusa's heads, an EAGLE head: measured per depth
+            report["speculative"][plan.speculative.rank_probs_key] = engine.drafter.rank_probs()
     if out is not None:
         write_outputs(out, report, records, traces, plots=plots)
         write_traces(out, engine, requests)
@@ -662,7 +662,7 @@ def _check_drafters(plans: list, named_only: bool = False) -> None:
     if named_only and importlib.util.find_spec("torch") is None:  # planning without the executor: nothing to load
         return
     for path, plan in plans:
-        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
+        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa", "eagle", "mtp"):
             from executor.speculative.build import drafter_dir  # torch: only where a drafter is named
 
             try:
@@ -740,6 +740,15 @@ def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: flo
                               f"{str(e)[:80]})", "--out", None if out is None else str(out)) from None
         return
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
+
+
+def train_eagle(out: Path | None, vocab_size: int, minutes: float, max_new: int, threads: int | None,
+                profile: Path | None, steps: int) -> None:
+    """Train an EAGLE head on SmolLM2-135M's generations and pick its chain or tree (speculative method eagle)."""
+    from calibration.validate import PROFILES
+    from executor.training.eagle import train_eagle_command
+
+    train_eagle_command(out, vocab_size, minutes, max_new, threads, profile or PROFILES / "cpu.json", steps)
 
 
 def dashboard(port: int) -> None:
