@@ -226,3 +226,31 @@ def test_simulated_eagle_scenario_yields_its_chain_expectation():
     tree = run({**sc, "speculative": {"method": "mtp", "eagle_tree": [[0], [1], [0, 0]], "eagle_rank_probs": probs}})
     want = tree_expected_tokens([(0,), (1,), (0, 0)], probs)
     assert 1 + tree[0]["speculative"]["mean_accepted_length"] == pytest.approx(want, rel=0.05)
+
+
+@pytest.mark.slow
+def test_smollm2_with_the_shipped_head_gives_plain_greedy_output():
+    """SmolLM2-135M with the head shipped in executor/data: the chain it ships with, and a tree, give plain greedy
+    decoding's tokens, and it accepts drafts as its held-out measurements said it would."""
+    from executor.core.prompts import corpus_ids, prompt_ids
+    from executor.model.weights import load_hf_model, smollm2_gguf_path
+    from executor.speculative.eagle import default_eagle_dir
+
+    try:
+        model, _, tokenizer = load_hf_model(smollm2_gguf_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    head = load_eagle(default_eagle_dir(), model)
+    corpus = corpus_ids(tokenizer)
+    work = [(prompt_ids(corpus, n, 200 + i), 24) for i, n in enumerate([40, 90, 150])]
+    engine = make_engine(model, num_blocks=96, block_size=16, max_model_len=512, max_num_batched_tokens=512,
+                         prefill_chunk_size=512)
+    want = [engine.output_ids(r) for r in serve_all(engine, work)]
+    shipped = [tuple(p) for p in head.meta["tree"]]
+    for tree in (shipped, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]):
+        drafter = EagleDrafter(head, tree)
+        engine = make_engine(model, num_blocks=96, block_size=16, max_model_len=512, max_num_batched_tokens=512,
+                             prefill_chunk_size=512, num_speculative_tokens=len(tree), drafter=drafter)
+        reqs = serve_all(engine, work)
+        assert [engine.output_ids(r) for r in reqs] == want
+        assert drafter.rank_probs()[0][0] > 0.3

@@ -114,10 +114,12 @@ def chain_loss(head: EagleHead, batch, steps: int, decay: float = 0.8) -> torch.
     tokens, feats, cols, probs, weight, _ = batch
     total = norm = 0.0
     for j, out in enumerate(unrolled(head, tokens, feats, steps)):
-        logp = torch.log_softmax(head.logits(out).float(), dim=-1)
-        kl = (probs * (probs.clamp(min=1e-12).log() - logp.gather(-1, cols))).sum(-1)
         w = torch.cat([torch.zeros_like(weight[:, :j]), weight[:, :weight.shape[1] - j]], dim=1)  # root i - j
-        total = total + decay ** j * (kl * w).sum()
+        at = w > 0  # the LM head and softmax only where the loss counts: most of the step's time
+        logp = torch.log_softmax(head.logits(out[at]).float(), dim=-1)
+        p = probs[at]
+        kl = (p * (p.clamp(min=1e-12).log() - logp.gather(-1, cols[at]))).sum(-1)
+        total = total + decay ** j * (kl * w[at]).sum()
         norm += decay ** j * float(w.sum())
     return total / max(norm, 1e-9)
 
@@ -145,7 +147,7 @@ def chain_rank_probs(head: EagleHead, data: DistillData, idx: list[int], steps: 
 
 def train_eagle(target, data: DistillData, vocab: list[int], minutes: float, steps: int = 3,
                 max_steps: int | None = None, batch: int = 8, seq_len: int = 320, lr: float = 1e-3,
-                prompt_weight: float = 0.2, seed: int = 0, eval_every: int = 20, held: list[int] | None = None,
+                prompt_weight: float = 0.0, seed: int = 0, eval_every: int = 20, held: list[int] | None = None,
                 log=print) -> tuple[EagleHead, dict]:
     """The head trained with chain_loss over `steps` unrolled steps (AdamW, cosine-decayed over the time budget or
     max_steps), the best weights on held-out sequences kept (they overfit a small corpus). `held`: sequences kept
@@ -173,10 +175,11 @@ def train_eagle(target, data: DistillData, vocab: list[int], minutes: float, ste
         + ", ".join(f"{r[0]:.3f}" for r in ranks_before) + " before training")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
+    by_length = sorted(train_idx, key=lambda i: len(data.sequences[i]))  # batches of similar lengths: little padding
     t0, step = time.perf_counter(), 0
     for step in _cosine_steps(opt, lr, minutes, max_steps):
-        pick = torch.randint(len(train_idx), (batch,), generator=gen).tolist()
-        loss = chain_loss(head, _batch(data, [train_idx[i] for i in pick], col, seq_len, prompt_weight), steps)
+        first = int(torch.randint(max(1, len(by_length) - batch + 1), (1,), generator=gen))
+        loss = chain_loss(head, _batch(data, by_length[first:first + batch], col, seq_len, prompt_weight), steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -480,8 +480,8 @@ def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: i
     for size in range(1, max_size + 1):
         tree = best_tree(rank_probs, size, TOPK)
         tokens = tree_expected_tokens(tree, rank_probs)
-        cost = step(1 + len(tree)) / step(1) + (draft_cost(tree) if draft_cost else 0.0)
-        table.append({"size": len(tree), "expected_tokens": tokens, "cost_ratio": cost, "speedup": tokens / cost,
+        ratio = step(1 + len(tree)) / step(1) + (draft_cost(tree) if draft_cost else 0.0)
+        table.append({"size": len(tree), "expected_tokens": tokens, "cost_ratio": ratio, "speedup": tokens / ratio,
                       "tree": [list(p) for p in tree]})
     best = max(table, key=lambda row: row["speedup"])
     return [tuple(p) for p in best["tree"]], table
