@@ -254,3 +254,34 @@ def test_smollm2_with_the_shipped_head_gives_plain_greedy_output():
         reqs = serve_all(engine, work)
         assert [engine.output_ids(r) for r in reqs] == want
         assert drafter.rank_probs()[0][0] > 0.3
+
+
+def test_serve_measures_the_head_and_the_simulator_runs_what_it_wrote(tmp_path):
+    """`infersim serve` of an eagle scenario (a 2-layer random-weight model and a head of its width) writes the
+    measured acceptance by position and the head's time into speculative.yaml, which `infersim run` simulates."""
+    import json
+
+    import yaml
+
+    from tests.test_bad_input_more import invoke, write
+    from tests.test_bad_input_round2 import TINY_CONFIG, tiny
+
+    c = TINY_CONFIG  # the head needs only the served model's shapes
+    shaped = tiny_model(num_layers=2, hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
+                        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                        intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"])
+    head = EagleHead(shaped, list(range(c["vocab_size"])))
+    head.save(tmp_path / "head", {"tree": [[0], [0, 0]]})
+    workload = {"num_requests": 4, "output_len": {"dist": "fixed", "value": 12}}
+    scenario = tiny(tmp_path, speculative={"method": "eagle", "num_speculative_tokens": 2,
+                                           "eagle_head": str(tmp_path / "head")}, workload=workload)
+    path = write(tmp_path / "s.yaml", scenario)
+    r = invoke("serve", path, "-q", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    written = yaml.safe_load((tmp_path / "out" / "speculative.yaml").read_text())["speculative"]
+    assert report["speculative"]["drafted"] > 0 and len(written["eagle_rank_probs"]) == 2
+    assert written["method"] == "eagle" and written["draft_s_per_step"] + written["draft_s_per_seq"] > 0
+    path = write(tmp_path / "sim.yaml", {**scenario, "speculative": written})
+    r = invoke("run", path, "-q", "--no-plots")
+    assert r.exit_code == 0, r.output
