@@ -176,7 +176,7 @@ def train_eagle(target, data: DistillData, vocab: list[int], minutes: float, ste
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     by_length = sorted(train_idx, key=lambda i: len(data.sequences[i]))  # batches of similar lengths: little padding
-    t0, step = time.perf_counter(), 0
+    t0, cpu0, step = time.perf_counter(), time.process_time(), 0
     for step in _cosine_steps(opt, lr, minutes, max_steps):
         first = int(torch.randint(max(1, len(by_length) - batch + 1), (1,), generator=gen))
         loss = chain_loss(head, _batch(data, by_length[first:first + batch], col, seq_len, prompt_weight), steps)
@@ -197,6 +197,7 @@ def train_eagle(target, data: DistillData, vocab: list[int], minutes: float, ste
     log(f"held-out after {step} steps (best at step {best_step}): loss {best:.3f}, first-choice acceptance by depth "
         + ", ".join(f"{r[0]:.3f}" for r in ranks))
     return head, {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
+                  "train_cpu_minutes": (time.process_time() - cpu0) / 60,  # on a shared machine: what it got
                   "unrolled_steps": steps, "train_sequences": len(train_idx),
                   "heldout_loss_before": before, "heldout_loss_after": best,
                   "heldout_rank_probs_before": ranks_before, "heldout_rank_probs": ranks}
@@ -256,11 +257,12 @@ def train_eagle_command(out: Path | None, vocab_size: int, minutes: float, max_n
     head, record = train_eagle(target, data, vocab, minutes, steps, held=held_out([g for _, _, g in kept]))
     record["draft_step_ratio"] = draft_step_ratio(target, head)
     summary = pick_drafts(record, profile)
+    _warn_if_busy(load, "training (its drafts are chosen from timed steps)")
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
-                   "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60})
+                   "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60,
+                   "other_processes_cores": round(load.mean_others, 2)})  # cores others used meanwhile
     head.save(out, record)
     print(f"saved an EAGLE head to {out}; {summary}")
-    _warn_if_busy(load, "training (its drafts are chosen from timed steps)")
     return record
 
 
