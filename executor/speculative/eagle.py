@@ -253,9 +253,11 @@ class EagleDrafter(PagedDraftCache, Drafter):
 
     def rank_probs(self) -> list[list[float]] | None:
         """Per depth, the measured chance the following token has each rank among the head's candidates (the last
-        entry: none of them); None before any measurement."""
-        rows = [[c / sum(r) for c in r] if sum(r) else None for r in self.rank_counts]
-        return None if rows[0] is None else [r for r in rows if r is not None]
+        entry: none of them); None before any measurement. A depth no walk reached (the ones above never kept a
+        path in the tree) reads as a miss: a row per depth, as the simulator needs, that it never reaches either."""
+        miss = [0.0] * TOPK + [1.0]
+        rows = [[c / sum(r) for c in r] if sum(r) else miss for r in self.rank_counts]
+        return None if not sum(self.rank_counts[0]) else rows
 
 
 def chain(depth: int) -> list[tuple[int, ...]]:
