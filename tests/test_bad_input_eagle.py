@@ -77,7 +77,6 @@ HEADS = {
     "missing": (lambda t: str(t / "no-such-head"), "nothing in"),
     "no-weights": (lambda t: str(_head(t, weights=False)), "no eagle.safetensors"),
     "meta-not-json": (lambda t: str(_head(t, text="{")), "not readable JSON"),
-    "meta-no-layers": (lambda t: str(_head(t, meta={"hidden_size": 576})), "num_layers"),
     "meta-no-vocab": (lambda t: str(_head(t, meta={"hidden_size": 576, "num_layers": 1})), "vocab"),
 }
 
