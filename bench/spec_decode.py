@@ -20,12 +20,15 @@ run's output): the ceiling of any rule for how many of a match's tokens to draft
 transformers (`generate` plain and with `prompt_lookup_num_tokens` = γ, interleaved the same way) on the same
 prompts, so both engines' speedups are measured side by side on this machine.
 
-Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`) and Medusa heads with their
-candidate tree (`infersim train-medusa`; the heads shipped in executor/data). The two trained drafters never
-saw these prompts (their training prompts exclude paragraphs 0-5 and these questions).
+Drafters: prompt lookup (ngram), the distilled draft model (`infersim distill`), Medusa heads with their
+candidate tree (`infersim train-medusa`; the heads shipped in executor/data) and the EAGLE head with its chain or
+tree (`infersim train-eagle`; shipped in executor/data). The trained drafters never saw these prompts (their
+training prompts exclude paragraphs 0-5 and these questions). At batch 1 every drafter's acceptance by position is
+measured too: of the verify steps whose drafts reached position j (a tree's depth j), the share that accepted it,
+given the positions before it were accepted. A last table puts the drafters side by side per task and load.
 Usage: python bench/spec_decode.py [--quick] [--gamma 10] [--gamma-cb 4] [--draft-gamma 3] [--batch 8]
-       [--draft DIR] [--medusa DIR] [--only prompt_lookup draft_model medusa] [--tasks repeat ... chat]
-       [--no-hf]
+       [--draft DIR] [--medusa DIR] [--eagle DIR] [--only prompt_lookup draft_model medusa eagle]
+       [--tasks repeat ... chat] [--no-hf]
 Ends with `name: value` headline lines.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ from executor.core.malloc_tuning import keep_freed_memory  # noqa: E402
 from executor.core.prompts import paragraphs, plain_paragraphs  # noqa: E402
 from executor.model.weights import load_hf_model, smollm2_gguf_path  # noqa: E402
 from executor.speculative.draft_model import DraftModelDrafter, default_draft_dir, load_draft  # noqa: E402
+from executor.speculative.eagle import EagleDrafter, default_eagle_dir, load_eagle  # noqa: E402
 from executor.speculative.medusa import MedusaDrafter, default_medusa_dir, load_medusa  # noqa: E402
 from executor.speculative.ngram import PromptLookup  # noqa: E402
 from sim.config.plan import scheduler_config  # noqa: E402
@@ -117,7 +121,27 @@ def serve(model, prompts, max_new, max_num_seqs, drafter, gamma, eos) -> tuple[f
     wall = time.perf_counter() - t0
     spec = np.array([(r.num_drafted, r.num_accepted, r.num_verify_steps, r.num_rejections) for r in reqs])
     outputs = [engine.output_ids(r) for r in reqs]
-    return wall, outputs, speculation_summary(spec, np.array([len(o) for o in outputs])) if drafter else None
+    if not drafter:
+        return wall, outputs, None
+    summary = speculation_summary(spec, np.array([len(o) for o in outputs]))
+    if max_num_seqs == 1:  # one row a step: the step's counts are the row's
+        summary["by_position"] = acceptance_by_position(engine.records, getattr(drafter, "tree", None))
+    return wall, outputs, summary
+
+
+def acceptance_by_position(records, tree=None, positions: int = 3) -> list[float | None]:
+    """Per draft position j (a tree's depth), of the verify steps whose drafts reached j with the positions before
+    it accepted, the share that accepted j; one row per step (batch 1). `tree`: the drafter's candidate tree (the
+    first n nodes of it are drafted), else the drafts are a chain."""
+    reached, kept = np.zeros(positions), np.zeros(positions)
+    for r in records:
+        if not r.num_drafted:
+            continue
+        depth = max(len(p) for p in tree[:r.num_drafted]) if tree else r.num_drafted
+        for j in range(min(depth, positions, r.num_accepted + 1)):
+            reached[j] += 1
+            kept[j] += j < r.num_accepted
+    return [float(k / n) if n else None for k, n in zip(kept, reached)]
 
 
 def interleaved(run_plain, run_spec, repeats: int) -> tuple[dict, object]:
@@ -140,7 +164,7 @@ def compare(model, prompts, max_new, batch, drafter, gamma, eos, repeats) -> dic
     r, spec = interleaved(lambda: serve(model, prompts, max_new, batch, None, 0, eos),
                           lambda: serve(model, prompts, max_new, batch, drafter(), gamma, eos), repeats)
     return {**r, "alpha": spec["alpha"], "mean_accepted": spec["mean_accepted_length"],
-            "acceptance": spec["acceptance_rate"]}
+            "acceptance": spec["acceptance_rate"], "by_position": spec.get("by_position")}
 
 
 def compare_hf(hf, prompts, max_new, gamma, repeats, ours_plain) -> dict:
@@ -157,34 +181,9 @@ def compare_hf(hf, prompts, max_new, gamma, repeats, ours_plain) -> dict:
     return {**r, "same_as_infersim": r["plain_outputs"] == ours_plain}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
-    ap.add_argument("--gamma", type=int, default=10, help="prompt lookup: most drafts per verify step at batch 1 "
-                    "(transformers' prompt_lookup_num_tokens is 10 in its docs)")
-    ap.add_argument("--gamma-cb", type=int, default=4, help="prompt lookup: most drafts per verify step under the "
-                    "continuous-batching load (on this CPU a verify row of 5 tokens costs ~1.3x a decode row at batch 1, "
-                    "~1.6x in a batch of 8)")
-    ap.add_argument("--draft-gamma", type=int, default=3, help="γ of the draft model (each draft costs a pass)")
-    ap.add_argument("--draft", type=str, default=None, help="draft model folder (default: infersim distill's)")
-    ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
-    ap.add_argument("--only", nargs="+", choices=["prompt_lookup", "draft_model", "medusa"], default=None,
-                    help="drafters to run (default: all)")
-    ap.add_argument("--tasks", nargs="+", choices=[*TASKS, "chat"], default=[*TASKS, "chat"])
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
-    ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
-    ap.add_argument("--max-new", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(THREADS)
-    keep_freed_memory()  # the engine sets it; set first so transformers' runs get the same allocator
-    n_prompts = 2 if args.quick else 6
-    max_new = args.max_new or (48 if args.quick else 128)
-    repeats = args.repeats or (1 if args.quick else 2)
-
-    model, _, tok = load_hf_model(smollm2_gguf_path())
-    eos = tok.eos_token_id
-    # (make a fresh drafter, γ at batch 1, γ under load)
+def load_drafters(args, model) -> dict:
+    """name -> (make a fresh drafter, γ at batch 1, γ under load), for every drafter there is (the trained ones are
+    skipped, with a line, where they have not been made)."""
     drafters = {"prompt_lookup": (lambda: PromptLookup(max_ngram=3, min_ngram=1), args.gamma, args.gamma_cb)}
     draft_dir = args.draft or default_draft_dir()
     try:
@@ -202,6 +201,47 @@ def main() -> None:
         print(f"Medusa {medusa_dir}: {heads.num_heads} heads, tree of {len(tree)} nodes")
     except FileNotFoundError:
         print(f"no Medusa heads in {medusa_dir} (train them with `infersim train-medusa`): their rows are skipped")
+    eagle_dir = args.eagle or default_eagle_dir()
+    try:
+        head = load_eagle(eagle_dir, model)
+        drafts = [tuple(p) for p in head.meta["tree"]]
+        drafters["eagle"] = (lambda: EagleDrafter(head, drafts), len(drafts), len(drafts))
+        shape = "chain" if all(p == (0,) * len(p) for p in drafts) else "tree"
+        print(f"EAGLE {eagle_dir}: one layer, vocabulary {len(head.vocab)}, a {shape} of {len(drafts)} drafts")
+    except FileNotFoundError:
+        print(f"no EAGLE head in {eagle_dir} (train one with `infersim train-eagle`): its rows are skipped")
+    return drafters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a smoke run)")
+    ap.add_argument("--gamma", type=int, default=10, help="prompt lookup: most drafts per verify step at batch 1 "
+                    "(transformers' prompt_lookup_num_tokens is 10 in its docs)")
+    ap.add_argument("--gamma-cb", type=int, default=4, help="prompt lookup: most drafts per verify step under the "
+                    "continuous-batching load (on this CPU a verify row of 5 tokens costs ~1.3x a decode row at batch 1, "
+                    "~1.6x in a batch of 8)")
+    ap.add_argument("--draft-gamma", type=int, default=3, help="γ of the draft model (each draft costs a pass)")
+    ap.add_argument("--draft", type=str, default=None, help="draft model folder (default: infersim distill's)")
+    ap.add_argument("--medusa", type=str, default=None, help="Medusa heads folder (default: the shipped ones)")
+    ap.add_argument("--eagle", type=str, default=None, help="EAGLE head folder (default: the shipped one)")
+    ap.add_argument("--only", nargs="+", choices=["prompt_lookup", "draft_model", "medusa", "eagle"], default=None,
+                    help="drafters to run (default: all)")
+    ap.add_argument("--tasks", nargs="+", choices=[*TASKS, "chat"], default=[*TASKS, "chat"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' prompt lookup")
+    ap.add_argument("--batch", type=int, default=8, help="max_num_seqs of the continuous-batching load")
+    ap.add_argument("--max-new", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    keep_freed_memory()  # the engine sets it; set first so transformers' runs get the same allocator
+    n_prompts = 2 if args.quick else 6
+    max_new = args.max_new or (48 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 2)
+
+    model, _, tok = load_hf_model(smollm2_gguf_path())
+    eos = tok.eos_token_id
+    drafters = load_drafters(args, model)
     if args.only:
         drafters = {k: v for k, v in drafters.items() if k in args.only}
     hf = None
@@ -217,7 +257,7 @@ def main() -> None:
           f"up to {max_new} new tokens, "
           f"median of {repeats} interleaved runs")
     print(f"{'drafter':14s} {'task':11s} {'load':8s} {'tokens':>6s} {'α':>5s} {'acc/step':>8s} {'plain tok/s':>11s} "
-          f"{'spec tok/s':>10s} {'speedup':>7s} identical")
+          f"{'spec tok/s':>10s} {'speedup':>7s} identical  accepted by position (batch 1)")
     for name, (make, gamma, gamma_cb) in drafters.items():
         for task in args.tasks:
             prompts = task_prompts(tok, task, n_prompts)
@@ -225,8 +265,8 @@ def main() -> None:
                 r = compare(model, prompts, max_new, batch, make, g, eos, repeats)
                 rows.append((name, task, load, r))
                 print(f"{name:14s} {task:11s} {load:8s} {r['tokens']:6d} {r['alpha'] or 0:5.2f} {r['mean_accepted'] or 0:8.2f} "
-                      f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO'}",
-                      flush=True)
+                      f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {'yes' if r['identical'] else 'NO':9s}"
+                      f"{_positions(r.get('by_position'))}", flush=True)
                 if name == "prompt_lookup" and batch == 1:  # the same matches, drafts cut to what is accepted
                     refs = [p + o for p, o in zip(prompts, r["plain_outputs"])]
                     c = compare(model, prompts, max_new, 1, lambda: KnownOutputLookup(refs, max_ngram=3, min_ngram=1),
@@ -241,12 +281,33 @@ def main() -> None:
                     print(f"{'transformers':14s} {task:11s} {load:8s} {'':6s} {'':5s} {'':8s} {h['plain_tok_s']:11.1f} "
                           f"{h['spec_tok_s']:10.1f} {h['speedup']:6.2f}x {'yes' if h['identical'] else 'NO'} "
                           f"(plain output = infersim's: {'yes' if h['same_as_infersim'] else 'no'})", flush=True)
+    side_by_side(rows, [n for n in drafters])
     for name, task, load, r in rows:
         key = f"{name}_{task}_{load}"
         print(f"{key}_speedup: {r['speedup']:.2f}")
         if "alpha" in r:
             print(f"{key}_alpha: {r['alpha'] or 0:.3f}")
+        for j, a in enumerate(r.get("by_position") or []):
+            if a is not None:
+                print(f"{key}_accepted_position{j + 1}: {a:.3f}")
     print(f"outputs_identical: {all(r['identical'] for *_, r in rows)}")
+
+
+def _positions(by_position) -> str:
+    return " / ".join("-" if a is None else f"{a:.2f}" for a in by_position) if by_position else ""
+
+
+def side_by_side(rows, names: list[str]) -> None:
+    """Per task and load, each drafter's speedup and (batch 1) acceptance by position on one line."""
+    print("\nside by side: speedup (accepted by position at batch 1)")
+    print(f"{'task':11s} {'load':8s} " + " ".join(f"{n:>26s}" for n in names))
+    cells = {(n, t, ld): r for n, t, ld, r in rows}
+    for task, load in dict.fromkeys((t, ld) for _, t, ld, _ in rows):
+        line = []
+        for n in names:
+            r = cells.get((n, task, load))
+            line.append(f"{'':>26s}" if r is None else f"{r['speedup']:5.2f}x {_positions(r.get('by_position')):>19s}")
+        print(f"{task:11s} {load:8s} " + " ".join(line))
 
 
 if __name__ == "__main__":

@@ -76,15 +76,16 @@ _FlowLeaves.add_representer(list, _FlowLeaves.represent_list)
 
 def calibrated_speculative(plan: Plan, measured: dict) -> dict:
     """The scenario's speculative section with what this serve measured in the simulator's fields (per-request
-    rates or Medusa's rank probabilities, the drafter's time, verify_cost_ratio): what `infersim run` of the
-    scenario needs to simulate this drafter on this device."""
+    rates or a tree drafter's rank probabilities, the drafter's time, verify_cost_ratio): what `infersim run` of
+    the scenario needs to simulate this drafter on this device."""
+    key = plan.speculative.rank_probs_key  # Medusa's, EAGLE's: per depth, the chance of each candidate rank
     spec = {"method": plan.speculative.method, **plan.speculative.model_dump(
         exclude_unset=True, exclude_none=True, exclude={"acceptance_rate", "proposal_rate", "request_rates",
-                                                        "medusa_rank_probs", "draft_s_per_step", "draft_s_per_seq",
-                                                        "draft_s_per_token", "draft_s_reference_step",
-                                                        "verify_cost_ratio"})}
-    if spec["method"] == "medusa":
-        spec["medusa_rank_probs"] = [[round(p, 4) for p in row] for row in measured["medusa_rank_probs"]]
+                                                        "medusa_rank_probs", "eagle_rank_probs", "draft_s_per_step",
+                                                        "draft_s_per_seq", "draft_s_per_token",
+                                                        "draft_s_reference_step", "verify_cost_ratio"})}
+    if key is not None:
+        spec[key] = [[round(p, 4) for p in row] for row in measured[key]]
         spec["proposal_rate"] = round(measured["proposal_rate"] or 0.0, 3)
     elif measured["request_rates"]:
         spec["request_rates"] = measured["request_rates"]

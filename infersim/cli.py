@@ -254,6 +254,29 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
         _fail(e)
 
 
+@app.command("train-eagle")
+def train_eagle(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the head (default: the "
+                                                   "one shipped in executor/data/eagle-smollm2-135m)"),
+                steps: int = typer.Option(3, "--steps", min=1, max=8, help="chain steps unrolled in training: the "
+                                          "deepest draft it is trained for"),
+                vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the head can propose"),
+                minutes: float = typer.Option(12.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
+                                              help="training time budget"),
+                max_new: int = typer.Option(128, "--max-new", min=1, help="longest target answer generated"),
+                threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
+                profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
+                                                       "chain or tree (default: calibration/profiles/cpu.json)")) -> None:
+    """Train an EAGLE head (one decoder layer over SmolLM2-135M's hidden states) and pick its chain or tree."""
+    from infersim.commands.training import train_eagle as train_head
+
+    try:
+        require_executor("train-eagle")
+        prepare_out(out)  # before minutes of training that would end in the write
+        train_head(out, vocab_size, minutes, max_new, threads, profile, steps)
+    except ConfigError as e:
+        _fail(e)
+
+
 @app.command()
 def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (or folders of them) with a model "
                                                                "that has real weights"),

@@ -145,7 +145,7 @@ def check_drafters(plans: list, named_only: bool = False) -> None:
     if named_only and importlib.util.find_spec("torch") is None:  # planning without the executor: nothing to load
         return
     for path, plan in plans:
-        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa"):
+        if plan.speculative is not None and plan.speculative.method in ("draft_model", "medusa", "eagle", "mtp"):
             from executor.speculative.build import drafter_dir  # torch: only where a drafter is named
 
             try:

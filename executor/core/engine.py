@@ -105,6 +105,8 @@ class Engine:
         self.runner = (self.runner_factory or ModelRunner)(self.model, self.kv_cache, self.scheduler.cfg,
                                                            self.host_cache, use_graphs=graphs,
                                                            verify_graphs=self.drafter is not None and chains)
+        if getattr(self.drafter, "reads_all_hidden", False):  # EAGLE: the target's hidden state at every position
+            self.runner.all_hidden = True
         self.generator = None
         if self.sampling.temperature > 0:
             self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
@@ -133,6 +135,7 @@ class Engine:
         """End a queued or running request between steps, its KV freed: finished where it is (`reason` None: its
         client matched a stop string) or rejected with `reason` (its client went away)."""
         self.scheduler.abort(req, reason)
+        self._forget(req)
         self.drafts.pop(req, None)
         self.draft_probs.pop(req, None)
         self.request_sampling.pop(req, None)
@@ -244,10 +247,13 @@ class Engine:
                 if r not in stopped:  # the row that produced it: a tree's last accepted node, else the last kept
                     k = (paths[r] or [0])[-1] if r in paths else len(emitted[r]) - 1
                     self.drafter.observe(r, hidden[first + k], len(self.tokens[r]))
+        if step.hidden_all is not None:
+            self._observe_positions(step, emitted, paths, stopped)
         sched = self.scheduler
         _, finished = sched.complete_step(batch, stopped, accepted)
         for r in finished:
             r.finish_s = end
+            self._forget(r)
             self.drafts.pop(r, None)
             self.draft_probs.pop(r, None)
             self.request_sampling.pop(r, None)
@@ -262,6 +268,35 @@ class Engine:
         self.records.append(record)
         self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
         return record
+
+    def _observe_positions(self, step: StepInput, emitted: dict[Request, list[int]], paths: dict[Request, list[int]],
+                           stopped: set[Request]) -> None:
+        """EAGLE: the target's hidden state at each position this step added to a request's sequence (a prompt
+        chunk's every position, a decode row's own and its accepted drafts', a tree's accepted path), handed to the
+        drafter with the first one's position."""
+        index, spans, first = [], [], 0
+        for i, (r, n, ctx) in enumerate(step.rows):
+            if i >= step.num_decode:
+                kept = range(n)
+            elif r in stopped:
+                kept = ()
+            else:
+                kept = [0, *paths[r]] if r in paths else range(len(emitted[r]))
+            if kept:
+                index.extend(first + k for k in kept)
+                spans.append((r, ctx - n, len(kept)))
+            first += n
+        rows = step.hidden_all[torch.tensor(index, dtype=torch.long, device=step.hidden_all.device)]
+        start = 0
+        for r, position, m in spans:
+            self.drafter.observe_positions(r, position, rows[start:start + m])
+            start += m
+
+    def _forget(self, req: Request) -> None:
+        """The drafter's state for a request that ended (an EAGLE head keeps it while the request waits)."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
 
     def _append(self, emitted: dict[Request, list[int]], end: float) -> tuple[set[Request], dict[Request, int]]:
         """Each request's new tokens appended, cut after EOS (unless ignored) and timed at `end`; the requests that

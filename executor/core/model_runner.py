@@ -41,6 +41,8 @@ class StepInput:
     swap_out: list[tuple[int, int]]  # (device, host) block copies made before the forward
     swap_in: list[tuple[int, int]]  # (host, device)
     tree_parents: list[int] | None = None  # candidate trees (Medusa): each node's parent; None: drafts are chains
+    # where the runner keeps them (ModelRunner.all_hidden): the final hidden states of every position run, all rows'
+    hidden_all: torch.Tensor | None = None
 
     def spans(self) -> list[tuple[Request, int, int]]:
         """(request, first logit row, logit rows) per sampling row."""
@@ -55,6 +57,10 @@ class ModelRunner:
     """Runs scheduled steps of `model` over `kv_cache`: through captured graphs where `use_graphs` (on a GPU, else
     the same static-shape forward run eagerly) and a step fits one, else the eager forward. `cfg` (a
     SchedulerConfig) sets the graphs' limits; `verify_graphs`: steps verifying chains of drafts get graphs too."""
+
+    # an EAGLE drafter reads the target's hidden state at every position a step runs, prompt chunks' too (the engine
+    # sets it): `run` leaves them in the step's hidden_all, the last layer computed for every row
+    all_hidden: bool = False
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache, cfg, host_cache: KVCache | None = None,
                  use_graphs: bool = False, verify_graphs: bool = False):
@@ -102,9 +108,12 @@ class ModelRunner:
         None where no row samples)."""
         self.swap(step.swap_out, step.swap_in)
         hidden = None
-        if self.graphs is not None:  # a captured step that fits: one replay instead of the eager forward
+        prompts = len(step.rows) > step.num_decode  # a graph returns the sampling rows, a prompt's last only
+        if self.graphs is not None and not (self.all_hidden and prompts):  # a captured step that fits: one replay
             hidden = self.graphs.run(step.input_ids, step.query_lens, step.context_lens, step.block_tables,
                                      step.num_decode, step.num_padding, step.sampling_rows)
+            if self.all_hidden:  # decode rows alone: every position samples
+                step.hidden_all = hidden
         if hidden is None:
             hidden = self._forward(step)
         return hidden, self.model.compute_logits(hidden) if step.sampling_rows else None
@@ -122,8 +131,10 @@ class ModelRunner:
                                                                  device=self.device)
         if not final:
             return self.model(input_ids, positions, meta, self.kv_cache, hidden=hidden, final=False)
-        if step.num_padding or any(c > 1 for c in step.counts):  # every position's hidden state, then pick
+        if step.num_padding or any(c > 1 for c in step.counts) or self.all_hidden:  # every position's, then pick
             out = self.model(input_ids, positions, meta, self.kv_cache, hidden=hidden)
+            if self.all_hidden:
+                step.hidden_all = out
             return out[[meta.cu_query_lens[i + 1] - c + j for i, c in zip(step.sampling_rows, step.counts)
                         for j in range(c)]]
         # the model's last layer and the LM head run only for the rows that sample

@@ -8,19 +8,24 @@ from executor.model.sampling import SamplingParams
 from executor.speculative.ngram import PromptLookup
 from sim.config.errors import ConfigError
 from sim.config.plan import Plan
+from sim.config.scenario import HEAD_METHODS
 
 
 def drafter_dir(plan: Plan, named_only: bool = False) -> Path | None:
-    """The folder of a draft_model scenario's draft or a medusa scenario's heads (the scenario's, relative to
-    it, or the default); a one-line error if there is none. `named_only`: None unless the scenario names a folder
-    that holds them (which is then checked as ever)."""
+    """The folder of a draft_model scenario's draft, a medusa scenario's heads or an eagle (mtp) scenario's head
+    (the scenario's, relative to it, or the default); a one-line error if there is none. `named_only`: None unless
+    the scenario names a folder that holds them (which is then checked as ever)."""
     from executor.speculative.draft_model import default_draft_dir
+    from executor.speculative.eagle import default_eagle_dir
     from executor.speculative.medusa import default_medusa_dir
 
     spec = plan.speculative
     if spec.method == "medusa":
         name, default, meta, key, cmd = (spec.medusa_heads, default_medusa_dir(), "medusa.json",
                                          "speculative.medusa_heads", "train Medusa heads with `infersim train-medusa")
+    elif spec.method in HEAD_METHODS:
+        name, default, meta, key, cmd = (spec.eagle_head, default_eagle_dir(), "eagle.json", "speculative.eagle_head",
+                                         "train an EAGLE head with `infersim train-eagle")
     else:
         name, default, meta, key, cmd = (spec.draft_model, default_draft_dir(), "draft.json",
                                          "speculative.draft_model", "make a draft model with `infersim distill")
@@ -46,6 +51,8 @@ def _check_saved(folder: Path, meta: str, plan: Plan, key: str, cmd: str) -> Non
         raise ConfigError(f"{folder / meta} is not readable JSON ({type(e).__name__}); {cmd} --out {folder}`",
                           key) from None
     counts = ("num_heads", "hidden_size") if meta == "medusa.json" else ("num_layers", "hidden_size")
+    if meta == "eagle.json" and isinstance(data, dict) and not isinstance(data.get("vocab"), list):
+        raise ConfigError(f"{folder / meta} has no vocab (a list of token ids); {cmd} --out {folder}`", key)
     if not isinstance(data, dict) or any(not isinstance(data.get(k), int) or isinstance(data.get(k), bool)
                                          or data[k] < 1 for k in counts):
         raise ConfigError(f"{folder / meta} has no {' and '.join(counts)} (whole numbers); {cmd} --out {folder}`", key)
@@ -88,4 +95,12 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
         except ValueError as e:
             raise ConfigError(f"{e} (the heads in {drafter_dir(plan)} are {heads.num_heads})",
                               "speculative.medusa_tree") from None
+    if spec.method in HEAD_METHODS:  # mtp: no model the executor runs carries MTP layers, the EAGLE head stands in
+        from executor.speculative.eagle import EagleDrafter, load_eagle
+
+        try:
+            head = load_eagle(drafter_dir(plan), target)
+        except ValueError as e:
+            raise ConfigError(str(e), "speculative.eagle_head") from None
+        return EagleDrafter(head, spec.candidate_tree, num_blocks=max(16, plan.num_blocks // 4))
     return PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min)

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from executor.model.attention import AttentionMetadata
-from executor.model.cache_engine import KVCache
 from executor.model.cuda_graph import DecodeGraphs, capture_or_explain
 from executor.model.layers import Linear
 from executor.model.llama import LlamaModel
 from executor.model.sampling import SamplingParams, target_probs
 from executor.model.weights import load_trained, save_trained
+from executor.speculative.draft_kv import PagedDraftCache
 from executor.speculative.drafter import Drafter
 from sim.config import environment
 
@@ -101,7 +101,7 @@ class _Seq:
     cached: list[int] = field(default_factory=list)  # the tokens whose K/V the draft cache holds, in order
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(PagedDraftCache, Drafter):
     """Speculative decoding's draft model: each step, one batched forward catches every request up on the
     tokens it has not seen (its accepted drafts and the target's token), then k − 1 batched decode steps
     propose the rest. Greedy drafts are the draft's argmax; sampled ones are drawn from its distribution q
@@ -119,23 +119,8 @@ class DraftModelDrafter(Drafter):
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.limits = (max_model_len, max_num_seqs)
         self.graphs: DecodeGraphs | None = None
-        self.kv = KVCache.for_model(draft.config, num_blocks, block_size, draft.model.embed_tokens.weight.dtype,
-                                    self.device)
-        self.free = list(range(num_blocks))
-        self.seqs: dict[object, _Seq] = {}
+        self._init_cache(draft.config, num_blocks, block_size, draft.model.embed_tokens.weight.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed + 1)
-
-    @property
-    def block_size(self) -> int:
-        return self.kv.block_size
-
-    def _grow(self) -> None:
-        """Double the draft's KV pool (its footprint is a few percent of the target's, so no eviction)."""
-        old = self.kv
-        self.kv = KVCache(old.num_layers, 2 * old.num_blocks, old.block_size, old.data.shape[4], old.data.shape[5],
-                          old.dtype, old.device)
-        self.kv.data[:, :, :old.num_blocks] = old.data
-        self.free.extend(range(old.num_blocks, 2 * old.num_blocks))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The draft's graph set over its current pool (made again after the pool grows: graphs keep addresses)."""
@@ -148,19 +133,6 @@ class DraftModelDrafter(Drafter):
             if self.device.type == "cuda":
                 capture_or_explain(self.graphs, scratch_slot=self.free[-1] * self.block_size)
         return self.graphs
-
-    def _reserve(self, seq: _Seq, num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size) - len(seq.blocks)
-        while need > len(self.free):
-            self._grow()
-        for _ in range(max(0, need)):
-            seq.blocks.append(self.free.pop())
-
-    def release(self, key) -> None:
-        """Forget a request (finished, or no longer decoding): its draft blocks go back to the pool."""
-        seq = self.seqs.pop(key, None)
-        if seq is not None:
-            self.free.extend(seq.blocks)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Drafts for one stand-alone sequence (no cache kept between calls)."""

@@ -462,10 +462,12 @@ def distill_command(out: Path | None, layers: list[int], vocab_size: int, minute
 
 
 def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: int = 15,
-                context: int = 256) -> tuple[list[tuple[int, ...]], list[dict]]:
+                context: int = 256, draft_cost=None) -> tuple[list[tuple[int, ...]], list[dict]]:
     """The candidate tree with the most tokens per second at batch 1: for each size, the likeliest nodes
     (best_tree), their expected tokens per verify step over the step's time relative to a plain decode step,
-    as the device's fitted profile predicts it (without a profile: a verify row costs as much as a decode)."""
+    as the device's fitted profile predicts it (without a profile: a verify row costs as much as a decode), plus
+    `draft_cost(tree)` decode steps of drafting where the drafter's time grows with the tree (EAGLE: a pass per
+    depth)."""
     from sim.cost.fitted import FittedCostModel
     from sim.cost.pricer import StepPricer
     from sim.cost.speculation import best_tree, tree_expected_tokens
@@ -480,8 +482,9 @@ def choose_tree(rank_probs: list[list[float]], profile: Path | None, max_size: i
     for size in range(1, max_size + 1):
         tree = best_tree(rank_probs, size, TOPK)
         tokens = tree_expected_tokens(tree, rank_probs)
-        table.append({"size": len(tree), "expected_tokens": tokens, "cost_ratio": step(1 + len(tree)) / step(1),
-                      "speedup": tokens / (step(1 + len(tree)) / step(1)), "tree": [list(p) for p in tree]})
+        ratio = step(1 + len(tree)) / step(1) + (draft_cost(tree) if draft_cost else 0.0)
+        table.append({"size": len(tree), "expected_tokens": tokens, "cost_ratio": ratio, "speedup": tokens / ratio,
+                      "tree": [list(p) for p in tree]})
     best = max(table, key=lambda row: row["speedup"])
     return [tuple(p) for p in best["tree"]], table
 

@@ -75,8 +75,8 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     if "speculative" in report:
         report["speculative"].update(draft_cost(engine.records, cost))
         report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
-        if hasattr(engine.drafter, "rank_probs"):
-            report["speculative"]["medusa_rank_probs"] = engine.drafter.rank_probs()
+        if hasattr(engine.drafter, "rank_probs"):  # Medusa's heads, an EAGLE head: measured per depth
+            report["speculative"][plan.speculative.rank_probs_key] = engine.drafter.rank_probs()
     if out is not None:
         write_outputs(out, report, records, traces, plots=plots)
         write_traces(out, engine, requests)

@@ -1,6 +1,6 @@
-"""`infersim distill` and `infersim train-medusa`: speculative decoding's drafters trained on SmolLM2-135M's own
-generations (a small draft model; Medusa-1 heads and their candidate tree). The executor's modules (torch) are
-imported inside."""
+"""`infersim distill`, `infersim train-medusa` and `infersim train-eagle`: speculative decoding's drafters trained on
+SmolLM2-135M's own generations (a small draft model; Medusa-1 heads and their candidate tree; an EAGLE head and its chain or
+tree). The executor's modules (torch) are imported inside."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,3 +36,12 @@ def train_medusa(out: Path | None, num_heads: int, vocab_size: int, minutes: flo
                               f"{str(e)[:80]})", "--out", None if out is None else str(out)) from None
         return
     train_medusa_command(out, num_heads, vocab_size, minutes, max_new, threads, profile)
+
+
+def train_eagle(out: Path | None, vocab_size: int, minutes: float, max_new: int, threads: int | None,
+                profile: Path | None, steps: int) -> None:
+    """Train an EAGLE head on SmolLM2-135M's generations and pick its chain or tree (speculative method eagle)."""
+    from calibration.validate import PROFILES
+    from executor.training.eagle import train_eagle_command
+
+    train_eagle_command(out, vocab_size, minutes, max_new, threads, profile or PROFILES / "cpu.json", steps)

@@ -141,7 +141,7 @@ class ExecutorConfig(StrictModel):
                             "left to sleep wake slowly for the next step); false: sleep until the next arrival")
 
 
-MEDUSA_TOPK = 10  # candidates per Medusa head (executor.speculative.medusa.TOPK)
+MEDUSA_TOPK = 10  # candidates per Medusa head and per EAGLE tree node (executor.speculative.medusa.TOPK)
 
 
 def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
@@ -155,16 +155,22 @@ def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
         seen.add(p)
 
 
+HEAD_METHODS = ("eagle", "mtp")  # drafters of one decoder layer over the target's hidden states
+
+
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (vLLM's speculative_config): each step a drafter proposes up to
     num_speculative_tokens tokens for every decoding request and the target model checks them all in
     that step, keeping the accepted prefix plus one token of its own."""
 
-    method: Literal["ngram", "draft_model", "medusa"] = Field(
+    method: Literal["ngram", "draft_model", "medusa", "eagle", "mtp"] = Field(
         "ngram", description="ngram: prompt lookup, drafts copied from the prompt and the text so far; "
                              "draft_model: a small model distilled from the target (`infersim distill`); "
                              "medusa: heads on the target's last hidden state, a candidate tree verified with "
-                             "tree attention (`infersim train-medusa`)")
+                             "tree attention (`infersim train-medusa`); eagle: one decoder layer over the target's "
+                             "hidden states and its own last token, chained a step per draft (`infersim "
+                             "train-eagle`); mtp: a checkpoint's multi-token-prediction layers, the same drafter "
+                             "(on the executor the trained EAGLE head stands in: no model it runs carries them)")
     num_speculative_tokens: PositiveInt = Field(5, le=64, description="γ: most drafts verified per request per step")
     prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest n-gram matched")
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
@@ -178,6 +184,16 @@ class SpeculativeConfig(StrictModel):
     medusa_rank_probs: list[list[NonNegativeFloat]] | None = Field(
         None, description="simulator, medusa: per depth, the chance the token that follows has each candidate "
                           "rank, the last entry none of them (`infersim serve` measures it); required to simulate")
+    eagle_head: str | None = Field(None, min_length=1, description="eagle, mtp: folder written by `infersim train-eagle` "
+                                   "(relative to the scenario; default: the head shipped for SmolLM2-135M)")
+    eagle_tree: list[list[NonNegativeInt]] | None = Field(
+        None, description="eagle, mtp: a candidate tree instead of a chain (paths of candidate ranks from the root, "
+                          "parents first, e.g. [[0], [1], [0, 0]]); default: the chain of num_speculative_tokens")
+    eagle_rank_probs: list[list[NonNegativeFloat]] | None = Field(
+        None, description="simulator, eagle and mtp: per draft position (tree depth), the chance the token that "
+                          "follows has each rank among the head's candidates there, the last entry none of them; "
+                          "a row's first entry is that position's acceptance in a chain (`infersim serve` measures "
+                          "it); required to simulate")
     disable_by_batch_size: PositiveInt | None = Field(None, description="no drafts while more than this many "
                                                       "requests decode (vLLM's speculative_disable_by_batch_size): "
                                                       "a big batch is compute-bound, drafts cost more than they save")
@@ -218,10 +234,12 @@ class SpeculativeConfig(StrictModel):
     def _check_ngram(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
-        for key, method in (("medusa_tree", "medusa"), ("medusa_rank_probs", "medusa"), ("medusa_heads", "medusa"),
-                            ("draft_model", "draft_model")):
-            if getattr(self, key) is not None and self.method != method:  # it would be ignored without a word
-                raise ValueError(f"{key} applies to method {method}, not {self.method}")
+        for key, methods in (("medusa_tree", ("medusa",)), ("medusa_rank_probs", ("medusa",)),
+                             ("medusa_heads", ("medusa",)), ("draft_model", ("draft_model",)),
+                             ("eagle_head", HEAD_METHODS), ("eagle_tree", HEAD_METHODS),
+                             ("eagle_rank_probs", HEAD_METHODS)):
+            if getattr(self, key) is not None and self.method not in methods:  # it would be ignored without a word
+                raise ValueError(f"{key} applies to method {' or '.join(methods)}, not {self.method}")
         if self.request_rates and self.acceptance_rate is not None:
             raise ValueError("request_rates replace acceptance_rate and proposal_rate; allowed: one or the other")
         if 0 < self.draft_s_reference_step < 1e-6:  # the draft times are scaled by step / reference: it would explode
@@ -230,22 +248,54 @@ class SpeculativeConfig(StrictModel):
         if self.method == "medusa":
             if not self.medusa_tree:
                 raise ValueError("method medusa needs medusa_tree (e.g. [[0], [1], [0, 0]])")
-            depth = max(len(p) for p in self.medusa_tree)
-            check_tree([tuple(p) for p in self.medusa_tree], depth, MEDUSA_TOPK)
-            if self.medusa_rank_probs is not None and len(self.medusa_rank_probs) < depth:
-                raise ValueError(f"medusa_rank_probs needs a row per tree depth ({depth})")
-            for row in self.medusa_rank_probs or []:
-                if not row or max(row) > 1 or not 0 < sum(row) <= 1.01:
-                    raise ValueError("each medusa_rank_probs row is a probability distribution (values in 0..1, "
-                                     "summing to 1)")
-            if self.request_rates:
-                raise ValueError("request_rates is for ngram and draft_model (Medusa: medusa_rank_probs)")
+            _check_rank_probs("medusa", self.medusa_tree, self.medusa_rank_probs)
+        if self.method in HEAD_METHODS:
+            if self.eagle_tree is not None and "num_speculative_tokens" in self.model_fields_set \
+                    and self.num_speculative_tokens != len(self.eagle_tree):
+                raise ValueError(f"num_speculative_tokens {self.num_speculative_tokens} but eagle_tree has "
+                                 f"{len(self.eagle_tree)} nodes; allowed: one of the two (a tree's drafts are its nodes)")
+            _check_rank_probs("eagle", self.candidate_tree, self.eagle_rank_probs)
+        if self.request_rates and self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"request_rates is for ngram and draft_model ({self.method}: {self.rank_probs_key})")
         return self
 
     @property
+    def candidate_tree(self) -> list[tuple[int, ...]] | None:
+        """The drafts' tree as paths of candidate ranks: Medusa's tree, EAGLE's (default: the chain of γ, each
+        position its head's first candidate); None for drafters whose drafts are a plain sequence."""
+        if self.method == "medusa":
+            return [tuple(p) for p in self.medusa_tree]
+        if self.method in HEAD_METHODS:
+            if self.eagle_tree is not None:
+                return [tuple(p) for p in self.eagle_tree]
+            return [(0,) * d for d in range(1, self.num_speculative_tokens + 1)]
+        return None
+
+    @property
+    def rank_probs_key(self) -> str | None:
+        """The key of the measured per-depth rank probabilities a tree drafter is simulated with."""
+        return {"medusa": "medusa_rank_probs", "eagle": "eagle_rank_probs", "mtp": "eagle_rank_probs"}.get(self.method)
+
+    @property
     def num_draft_tokens(self) -> int:
-        """Draft tokens a verify row carries at most: γ, or a Medusa tree's nodes."""
-        return len(self.medusa_tree) if self.method == "medusa" else self.num_speculative_tokens
+        """Draft tokens a verify row carries at most: γ, or a candidate tree's nodes."""
+        tree = self.candidate_tree
+        return self.num_speculative_tokens if tree is None else len(tree)
+
+
+def _check_rank_probs(name: str, tree: list | None, rank_probs: list[list[float]] | None) -> None:
+    """A candidate tree (name_tree) and its per-depth rank probabilities (name_rank_probs), if given: a row per depth,
+    each a distribution over MEDUSA_TOPK ranks and a miss."""
+    depth = max(len(p) for p in tree)
+    check_tree([tuple(p) for p in tree], depth, MEDUSA_TOPK)
+    if rank_probs is None:
+        return
+    if len(rank_probs) < depth:
+        raise ValueError(f"{name}_rank_probs needs a row per tree depth ({depth}), got {len(rank_probs)}")
+    for row in rank_probs:
+        if not row or len(row) > MEDUSA_TOPK + 1 or max(row) > 1 or not 0 < sum(row) <= 1.01:
+            raise ValueError(f"each {name}_rank_probs row is a probability distribution over at most "
+                             f"{MEDUSA_TOPK} ranks and a miss (values in 0..1, summing to 1)")
 
 
 class ParallelConfig(StrictModel):
@@ -378,8 +428,17 @@ class Scenario(StrictModel):
             raise ValueError("kv_cache.enable_prefix_caching needs batching: continuous")
         if self.serving.batching == "static" and self.speculative:
             raise ValueError("speculative decoding needs batching: continuous")
-        if self.speculative and self.speculative.method == "medusa" and self.executor.attention not in ("sdpa", "naive"):
-            raise ValueError("Medusa's tree attention runs on executor.attention sdpa or naive")
+        spec = self.speculative
+        if spec is not None and spec.method in HEAD_METHODS and self.kv_cache.enable_prefix_caching:
+            raise ValueError(f"speculative.method {spec.method}: its head keeps no prefix cache of its own, so a "
+                             "prompt served from kv_cache's prefix cache has no hidden states to draft from; allowed: "
+                             "one of the two")
+        # Medusa's drafts always go through tree attention; EAGLE's only where its tree branches (else a chain)
+        branches = spec is not None and (spec.method == "medusa" or spec.method in HEAD_METHODS
+                                         and any(p != (0,) * len(p) for p in spec.candidate_tree))
+        if branches and self.executor.attention not in ("sdpa", "naive"):
+            raise ValueError(f"{'Medusa' if spec.method == 'medusa' else 'a candidate tree'}'s tree attention runs on "
+                             "executor.attention sdpa or naive")
         if self.pools is not None:
             if self.replicas != 1:
                 raise ValueError("with pools, replicas is set per pool (pools.prefill.replicas, pools.decode.replicas)")

@@ -216,13 +216,16 @@ def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostMod
         if spec.draft_s_reference_step else 1.0
     per_seq, per_step, per_token = (scale * spec.draft_s_per_seq, scale * spec.draft_s_per_step,
                                     scale * spec.draft_s_per_token)
-    if spec.method == "medusa":
-        if spec.medusa_rank_probs is None:
-            raise ConfigError("required to simulate Medusa (per depth, the chance of each candidate rank; "
-                              "`infersim serve` of the scenario measures it)", "speculative.medusa_rank_probs")
-        return SpeculationModel(len(spec.medusa_tree), 0.0, spec.proposal_rate, per_seq, per_step, seed,
-                                [tuple(p) for p in spec.medusa_tree],
-                                spec.medusa_rank_probs)
+    tree = spec.candidate_tree
+    if tree is not None:  # Medusa, EAGLE, MTP: a walk down the tree (a chain) with the measured rank chances
+        key = spec.rank_probs_key
+        probs = getattr(spec, key)
+        if probs is None:
+            raise ConfigError(f"required to simulate {spec.method} (per depth, the chance of each candidate rank; "
+                              "`infersim serve` of the scenario measures it)", f"speculative.{key}")
+        return SpeculationModel(len(tree), 0.0, spec.proposal_rate, per_seq, per_step, seed, tree, probs,
+                                draft_s_per_token=0.0 if spec.method == "medusa" else per_token,  # heads read none
+                                feeds_features=spec.method != "medusa")
     if spec.acceptance_rate is None and not spec.request_rates:
         raise ConfigError("required to simulate speculative decoding (α, the chance each draft is accepted; "
                           "`infersim serve` of the scenario measures it), or request_rates",

@@ -198,9 +198,12 @@ class SpeculationModel:
     rank_probs: list[list[float]] | None = None  # Medusa: per depth, the chance of each candidate rank (+ miss)
     request_rates: list[tuple[float, float]] | None = None  # per calibration request: (proposal_rate, α)
     draft_s_per_token: float = 0.0
+    # EAGLE / MTP: the drafter reads the target's hidden states, and its own drafts' entries are made again
+    feeds_features: bool = False
     rng: np.random.Generator = field(init=False, repr=False)
     _rates: dict = field(init=False, repr=False, default_factory=dict)
-    _cached: dict = field(init=False, repr=False, default_factory=dict)  # request id -> tokens the draft model holds
+    # request id -> tokens the draft model holds (an EAGLE head: request -> (positions it read, preemptions then))
+    _cached: dict = field(init=False, repr=False, default_factory=dict)
     _walks: MedusaWalks | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
@@ -208,7 +211,7 @@ class SpeculationModel:
             _check(self.acceptance_rate, self.num_speculative_tokens)
         else:
             if self.request_rates:  # the walks' buffer draws ahead: no other draw may come between
-                raise ValueError("request_rates is for ngram and draft_model (Medusa: rank_probs)")
+                raise ValueError("request_rates is for ngram and draft_model (trees: rank_probs)")
             self.num_speculative_tokens = len(self.tree)
             self.rank_probs = [list(np.asarray(p, float) / np.sum(p)) for p in self.rank_probs]
         self.rng = np.random.default_rng(self.seed)
@@ -232,7 +235,9 @@ class SpeculationModel:
             drafting = self._draw_proposals(requests, [self.proposal_rate] * len(requests))
         if not requests:
             return 0.0
-        fed = self._catch_up(requests) if self.draft_s_per_token else 0
+        fed = 0
+        if self.draft_s_per_token:
+            fed = self._feed_features(requests) if self.feeds_features else self._catch_up(requests)
         return drafting * self.draft_s_per_seq + self.draft_s_per_step + fed * self.draft_s_per_token
 
     def _draw_proposals(self, requests, rates: list[float]) -> int:
@@ -281,6 +286,24 @@ class SpeculationModel:
             fed += num_tokens - held if held < num_tokens - 1 else 1
             cached[r.id] = num_tokens + k - 1
         self._cached = cached
+        return fed
+
+    def _feed_features(self, requests) -> int:
+        """Positions an EAGLE head reads this step before drafting (the executor's EagleDrafter): of each request it
+        drafts for, those since it last read it — its whole prompt at its first draft, then the tokens the last
+        verify step kept (its accepted drafts' entries were made from its own outputs, not the target's). It keeps a
+        request's place while the request does not draft, and reads everything again after a preemption."""
+        held = self._cached
+        fed = 0
+        for r in requests:
+            if r.max_tokens - r.num_generated <= 1:
+                continue  # no drafts: nothing read
+            n = r.prompt_len + r.num_generated - 1  # positions 0 .. n - 1 hold the target's hidden states
+            was, preemptions = held.get(r, (0, r.num_preemptions))
+            fed += n - (was if preemptions == r.num_preemptions else 0)
+            held[r] = (n, r.num_preemptions)
+        if len(held) > 4 * len(requests) + 64:  # forget the requests that ended, now and then
+            self._cached = {q: v for q, v in held.items() if not q.is_done}
         return fed
 
     def rates_of(self, r) -> tuple[float, float]:
