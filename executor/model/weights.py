@@ -111,13 +111,21 @@ def load_transformers_model(path_or_dir, gguf_file: str | None = None):
 
 
 def load_hf_model(path_or_dir, gguf_file: str | None = None, attn_backend="sdpa"):
-    """(our LlamaModel in fp32 with the weights, the HF config, the tokenizer).
+    """(our LlamaModel — or a HybridModel for gpt-oss, Qwen3-Next and DeepSeek-V2 — in fp32 with the weights, the HF
+    config, the tokenizer).
 
     `path_or_dir` is a local HF directory (safetensors) or, with `gguf_file` or a `.gguf`
     path, a GGUF file. Each call returns a fresh LlamaModel; the transformers load is cached.
     """
+    from executor.model import families
+    from executor.model.hybrid import HybridModel
+
     directory, gguf_file = _split_path(path_or_dir, gguf_file)
     hf_model, tokenizer = load_transformers_model(str(directory), gguf_file)
+    if getattr(hf_model.config, "model_type", None) in families.FAMILIES:  # gpt-oss, Qwen3-Next, DeepSeek-V2
+        model = HybridModel(families.from_hf(hf_model.config), attn_backend=attn_backend)
+        families.load_hf_state_dict(model, hf_model.state_dict())
+        return model.eval(), hf_model.config, tokenizer
     config = LlamaConfig.from_hf(hf_model.config)
     model = LlamaModel(config, attn_backend=attn_backend)
     model.load_hf_state_dict(hf_model.state_dict())
