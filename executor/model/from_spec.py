@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from executor.model.hybrid import HybridConfig
 from executor.model.llama import LlamaConfig
+from sim.config.errors import ConfigError
 from sim.config.layers import kind_counts
 from sim.config.models import ModelSpec
 from sim.config.moe import shared_width
@@ -18,14 +19,14 @@ from sim.config.moe import shared_width
 # ModelSpec keys a HybridConfig carries under the same name
 _SAME = ("sliding_window", "attention_chunk_size", "linear_num_key_heads", "linear_num_value_heads",
          "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "q_lora_rank",
-         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias", "mlp_bias", "attention_sinks",
-         "attn_output_gate")
+         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias", "qkv_bias", "mlp_bias",
+         "attention_sinks", "attn_output_gate")
 
 
 def needs_hybrid(spec: ModelSpec) -> bool:
     """Whether the llama-family model cannot hold the spec: another attention kind, sinks, biases or gates."""
     return bool(set(kind_counts(spec)) - {"full"} or spec.attention_sinks or spec.attn_output_gate
-                or spec.attention_bias or spec.mlp_bias)
+                or spec.attention_bias or spec.qkv_bias or spec.mlp_bias)
 
 
 def family_of(spec: ModelSpec) -> str:
@@ -84,3 +85,54 @@ def model_spec(config: LlamaConfig, name: str = "twin", weight_dtype: str = "fp3
         if c.kv_lora_rank:
             fields.update(kv_lora_rank=c.kv_lora_rank, head_dim=None)
     return ModelSpec(**{k: v for k, v in fields.items() if v is not None})
+
+
+# weight dtypes the executor computes in or dequantizes from; MXFP4 experts are expanded at load (executor/model/mxfp4.py)
+EXECUTED_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+EXECUTED_EXPERT_DTYPES = (*EXECUTED_DTYPES, "mxfp4")
+
+
+def check_executable(plan) -> None:
+    """A one-line ConfigError for what the executor cannot run of a plan's model: Gemma's four norms a layer, biases on
+    a dense MLP, FP4 weights but MXFP4 experts; and what a hybrid model (another attention kind, sinks, biases, gates,
+    latent attention) does not run with: parallel layouts, speculative decoding, compressed weights or KV."""
+    m = plan.model
+    dtypes = sorted({m.weight_dtype} - set(EXECUTED_DTYPES) | {m.expert_weight_dtype or "fp32"}
+                    - set(EXECUTED_EXPERT_DTYPES))
+    what = "4-norm layers (Gemma)" if m.layer_norms != 2 else "biases on a dense MLP" \
+        if m.mlp_bias and not m.num_experts else f"{dtypes[0]} weights" if dtypes else None
+    if what:
+        raise ConfigError(f"the executor's layers have no {what} ({m.name}); allowed: `infersim run` (the simulator "
+                          "plans it), or a model without it", "model")
+    if not (needs_hybrid(m) or m.kv_lora_rank):
+        return
+    kinds = ", ".join(sorted(set(kind_counts(m)) | ({"sinks"} if m.attention_sinks else set())))
+    parallel = plan.tensor_parallel_size * plan.pipeline_parallel_size > 1
+    for refused, key, allowed in ((parallel, "parallel", "one process (tensor and pipeline parallel size 1)"),
+                                  (plan.speculative is not None, "speculative", "no speculative section"),
+                                  (m.weight_dtype in ("int8", "int4", "fp8") or m.kv_dtype == "int8"
+                                   or m.sparsity != "none", "model.weight_dtype",
+                                   "fp32 or bf16 weights and KV, no sparsity")):
+        if refused:
+            raise ConfigError(f"the executor runs {m.name}'s layers ({kinds}) eagerly in one process, uncompressed; "
+                              f"allowed: {allowed}", key)
+
+
+def random_model(spec: ModelSpec, seed: int, device="cpu", dtype=None):
+    """The spec's architecture with seeded random weights: the llama-family model (executor.model.tiny's
+    initialisation) or a HybridModel (executor.model.families.init_random); MXFP4 experts take MXFP4's values."""
+    import torch
+
+    from executor.model import families, mxfp4
+    from executor.model.hybrid import HybridModel
+    from executor.model.tiny import tiny_model
+
+    config = model_config(spec)
+    if not isinstance(config, HybridConfig):
+        return tiny_model(seed=seed, config=config, device=device, dtype=dtype)
+    with torch.device(device):
+        model = families.init_random(HybridModel(config), seed)
+    if spec.expert_weight_dtype == "mxfp4":  # the experts' values rounded to MXFP4, expanded at load
+        mxfp4.pack_experts(model)
+        mxfp4.dequantize_experts(model)
+    return model if dtype is None else model.to(dtype)

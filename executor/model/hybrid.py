@@ -41,6 +41,7 @@ class HybridConfig(LlamaConfig):
     attention_chunk_size: int | None = None
     attention_sinks: bool = False
     attention_bias: bool = False  # q, k, v and o
+    qkv_bias: bool = False  # q, k and v only (Qwen2)
     attn_output_gate: bool = False  # a second query projection gates the attention output (Qwen3-Next)
     norm_offset: bool = False  # RMSNorms scale by 1 + weight (Qwen3-Next)
     partial_rotary_factor: float = 1.0
@@ -141,7 +142,7 @@ class WindowAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.gated = c.num_heads, c.num_kv_heads, c.head_dim, \
             c.attn_output_gate
         self.q_size, self.kv_size = c.num_heads * c.head_dim * (2 if self.gated else 1), c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias or c.qkv_bias)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = make_norm(c, c.head_dim) if c.qk_norm else None
         self.k_norm = make_norm(c, c.head_dim) if c.qk_norm else None
