@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.model.hybrid_cache import CacheLayout, HybridKVCache, HybridMetadata, group_layers
-from executor.model.layers import MLP, Embedding, Linear, RMSNorm, rope_attention_factor, rope_inv_freq
+from executor.model.layers import (
+    MLP,
+    Embedding,
+    Linear,
+    RMSNorm,
+    linear,
+    rope_attention_factor,
+    rope_inv_freq,
+    tune_native_rows,
+)
 from executor.model.linear_attention import GatedDeltaNet
 from executor.model.llama import LlamaConfig
 from executor.model.mla import LatentAttention
@@ -142,8 +151,8 @@ class WindowAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.gated = c.num_heads, c.num_kv_heads, c.head_dim, \
             c.attn_output_gate
         self.q_size, self.kv_size = c.num_heads * c.head_dim * (2 if self.gated else 1), c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias or c.qkv_bias)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.qkv_proj = linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias or c.qkv_bias)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = make_norm(c, c.head_dim) if c.qk_norm else None
         self.k_norm = make_norm(c, c.head_dim) if c.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.attention_sinks else None
@@ -250,6 +259,11 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_rows)
+
+    def tune_projections(self) -> dict[tuple, int]:
+        """Kernel copies of every fp32 CPU projection made now, the native kernel's row limit measured per shape
+        (executor.model.layers.tune_native_rows, as LlamaModel's)."""
+        return tune_native_rows(self)
 
     def take_expert_counts(self) -> list[int] | None:
         blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]

@@ -123,16 +123,17 @@ class GatedDeltaNet(nn.Module):
         """The layer's output for the step's tokens x [T, hidden]; each row's state read from and written to the
         cache's pages (`meta.states(kind, group)`)."""
         mixed, z, b, a = self._split(x)
+        mixed = mixed.float()  # the convolution and the recurrence run in fp32 (the state too), as transformers' do
         slots = meta.states(kind, group)
         pages = cache.page(self.layer_idx)
         n_conv = (self.kernel - 1) * self.conv_dim
         read = torch.tensor([max(r, 0) for r in slots.read], dtype=torch.long, device=x.device)
-        states = pages[read, :self.state_elements].clone()
+        states = pages[read, :self.state_elements].to(torch.float32, copy=True)
         states[torch.tensor([r < 0 for r in slots.read], device=x.device)] = 0.0  # a sequence's first step
         conv = states[:, :n_conv].view(-1, self.kernel - 1, self.conv_dim)
         rec = states[:, n_conv:].view(-1, self.hv, self.dk, self.dv)
-        out = x.new_empty(x.shape[0], self.hv, self.dv)
-        weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
+        out = x.new_empty(x.shape[0], self.hv, self.dv, dtype=torch.float32)
+        weight = self.conv1d.weight[:, 0].float()  # [conv_dim, kernel]
         starts = meta.cu_query_lens
         ones = [i for i, n in enumerate(meta.query_lens) if n == 1]
         if ones:  # one token a row: the whole batch steps at once
@@ -141,7 +142,7 @@ class GatedDeltaNet(nn.Module):
             conv[rows] = cols[:, 1:]
             q, k, v, g, beta = self._heads(F.silu((cols * weight.T).sum(dim=1)), a[toks], b[toks])
             o, rec[rows] = delta_rule_step(q, k, v, g, beta, rec[rows])
-            out[toks] = o.to(x.dtype)
+            out[toks] = o
         for i in (i for i, n in enumerate(meta.query_lens) if n > 1):
             s, e = starts[i], starts[i + 1]
             cols = torch.cat([conv[i], mixed[s:e]])  # the kernel − 1 inputs before the chunk, then its own
@@ -150,8 +151,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g, beta = self._heads(h, a[s:e], b[s:e])
             o, rec[i] = delta_rule_chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T,
                                            rec[i])
-            out[s:e] = o.transpose(0, 1).to(x.dtype)
+            out[s:e] = o.transpose(0, 1)
         write = torch.tensor(slots.write, dtype=torch.long, device=x.device)
-        pages[:, :self.state_elements].index_copy_(0, write, states)
+        pages[:, :self.state_elements].index_copy_(0, write, states.to(pages.dtype))
         o = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
-        return self.out_proj(o)
+        return self.out_proj(o.to(x.dtype))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from executor.model.attention import AttentionMetadata
-from executor.model.layers import Linear, RMSNorm, yarn_mscale
+from executor.model.layers import Linear, RMSNorm, linear, yarn_mscale
 from executor.model.window_attention import softmax_with_sinks
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's kv_a_layernorm and q_a_layernorm keep their own epsilon
@@ -35,14 +35,14 @@ class LatentAttention(nn.Module):
         if q_lora_rank is None:
             self.q_proj = Linear(hidden_size, num_heads * qk, bias=False)
         else:
-            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_proj = linear(hidden_size, q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(q_lora_rank, num_heads * qk, bias=False)
         self.q_lora_rank = q_lora_rank
-        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = linear(hidden_size, kv_lora_rank + rope_dim, bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (nope + v_dim), bias=False)
-        self.o_proj = Linear(num_heads * v_dim, hidden_size, bias=bias)
+        self.o_proj = linear(num_heads * v_dim, hidden_size, bias)
         self.scale = qk ** -0.5
         scaling = rope_scaling or {}
         if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):  # YaRN's scale on every dim

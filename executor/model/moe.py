@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.model.layers import MLP, Linear
+from executor.model.layers import MLP, Linear, linear
 
 # Switch off to run the routed experts as a loop over experts (for comparisons).
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -186,7 +186,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok {top_k} must be 1 to num_experts ({num_experts})")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.routing = routing or Routing()
-        self.gate = Linear(hidden_size, num_experts, bias=bias)
+        self.gate = linear(hidden_size, num_experts, bias)
         self.experts = Experts(num_experts if local_experts is None else local_experts, hidden_size,
                                intermediate_size, bias, act)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
