@@ -240,7 +240,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim/2], with HF's "linear" or "llama3" scaling."""
+    """Inverse rotary frequencies [head_dim/2], with HF's "linear", "llama3" or "yarn" scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -322,8 +322,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)  # YaRN scales cos and sin; 1.0 for every other kind
+        self.register_buffer("cos", freqs.cos() if factor == 1.0 else freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() if factor == 1.0 else freqs.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim/2], broadcastable over heads."""
