@@ -124,7 +124,8 @@ EXECUTOR_CASES = {
 @pytest.mark.parametrize("model", list(EXECUTOR_CASES.values()), ids=list(EXECUTOR_CASES))
 def test_the_executor_serves_every_layer_kind(tmp_path, model):
     """Each kind runs on the executor's hybrid model (executor/model/hybrid.py), random weights, three requests."""
-    data = {"name": "layers", "model": model, "hardware": "cpu", "workload": WORKLOAD,
+    workload = {**WORKLOAD, "arrival": {"process": "poisson", "rate": 100.0}}  # a serve replays arrivals in real time
+    data = {"name": "layers", "model": model, "hardware": "cpu", "workload": workload,
             "executor": {"random_weights": True, "threads": 1}, "serving": {"max_model_len": 256},
             "kv_cache": {"num_blocks": 64}}
     path = write(tmp_path / "s.yaml", data)
