@@ -32,10 +32,11 @@ from executor.speculative.drafter import RandomDrafter
 from sim.config.errors import ConfigError
 from sim.config.plan import scheduler_config
 from sim.config.profile import MIN_STEP_S, check_profile
-from sim.cost.fitted import FittedCostModel, fit, routed_experts
+from sim.cost.fitted import FittedCostModel, attention_window, fit, routed_experts
 from sim.cost.pricer import StepPricer
 from sim.policy.batch import record_shape
 from sim.policy.block_manager import BlockAllocator
+from sim.policy.build import model_allocator
 from sim.policy.scheduler import make_scheduler
 
 
@@ -83,18 +84,30 @@ def device_info(device: str, cuda_graphs: bool = True) -> dict:
 SWEEP_MAX_MODEL_LEN = 4096  # the longest request a sweep workload runs (512 blocks of 16 hold 8,192 tokens)
 
 
-def profile_policy(num_blocks=512, block_size=16, **cfg):
+def profile_policy(num_blocks=512, block_size=16, spec=None, **cfg):
     """The scheduler (and block allocator) a sweep's engine runs: `cfg` is scheduler knobs (scheduler_config), with
-    roomy limits."""
-    cfg = {"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg}
-    return make_scheduler(scheduler_config(SWEEP_MAX_MODEL_LEN, **cfg), BlockAllocator(num_blocks, block_size))
+    roomy limits; `spec`: a hybrid model's spec, whose KV groups by attention kind the allocator keeps."""
+    cfg = scheduler_config(SWEEP_MAX_MODEL_LEN, **{"max_num_batched_tokens": 2048, "prefill_chunk_size": 2048, **cfg})
+    if spec is not None and spec.hybrid:
+        return make_scheduler(cfg, model_allocator(spec, num_blocks, block_size, SWEEP_MAX_MODEL_LEN,
+                                                   cfg.prefill_chunk_size))
+    return make_scheduler(cfg, BlockAllocator(num_blocks, block_size))
+
+
+def hybrid_spec(model):
+    """The spec of an executor model with layers of several kinds (executor.model.hybrid), else None."""
+    if not hasattr(model, "make_cache"):
+        return None
+    from executor.model.from_spec import model_spec
+
+    return model_spec(model.config)
 
 
 def profile_engine(model, device, num_blocks=512, block_size=16, use_graphs=None, **cfg) -> Engine:
     """An engine as the sweep builds one: `cfg` is scheduler knobs (scheduler_config) (+ `draft_rate`), with roomy limits;
     `use_graphs` as Engine takes it (None: CUDA graphs for decode, prompt and verify steps on a GPU)."""
     rate = cfg.pop("draft_rate", 1.0)
-    sched = profile_policy(num_blocks, block_size, **cfg)
+    sched = profile_policy(num_blocks, block_size, hybrid_spec(model), **cfg)
     # verify steps of speculative decoding: seeded random drafts, (almost) never accepted, the same every repeat;
     # `draft_rate` < 1: only some rows draft in a step, the others decode beside them
     drafter = RandomDrafter(model.config.vocab_size, rate=rate) if cfg.get("num_speculative_tokens") else None
@@ -191,7 +204,9 @@ class Sweep:
         self.load = CpuLoad()  # other processes' CPU while the sweep runs: a busy machine spoils a profile
         # through a parallel engine (each slice starts its process group): the parallel engines run no drafters
         self.parallel = parallel
-        self.runs = [r for r in workloads(quick) if not (parallel and r[0].get("num_speculative_tokens"))]
+        # parallel engines and hybrid models (executor.model.hybrid) run no drafters
+        drafting = not (parallel or hybrid_spec(model) is not None)
+        self.runs = [r for r in workloads(quick) if drafting or not r[0].get("num_speculative_tokens")]
         self.results: list[list[list[dict]]] = [[] for _ in self.runs]
         self.slice_of: list[list[int]] = [[] for _ in self.runs]  # the slice each repeat of a workload ran in
         self.units = [k for _ in range(repeats) for k in range(len(self.runs))]
@@ -221,7 +236,7 @@ class Sweep:
         self.num_slices += 1
         self.done = stop
 
-    def samples_and_speeds(self, experts=None) -> tuple[list[dict], list[float]]:
+    def samples_and_speeds(self, experts=None, window=None) -> tuple[list[dict], list[float]]:
         """One record per distinct step of the sweep: its shape and its median time over the repeats. Run in
         slices, each repeat's time is first divided by its slice's speed (below), so that a shape measured only
         in a slow or a fast minute is not priced at that minute's speed."""
@@ -237,7 +252,7 @@ class Sweep:
                             "time_s": statistics.median(times), "repeat_times_s": times,
                             "repeat_forward_s": [s.get("forward_s") for s in steps]})
                 slices.append(where)
-        speed = self.slice_speeds(out, slices, experts)
+        speed = self.slice_speeds(out, slices, experts, window)
         for s, where in zip(out, slices):
             s["time_s"] = statistics.median(t / speed[j] for t, j in zip(s["repeat_times_s"], where))
             forward = s.pop("repeat_forward_s")
@@ -245,7 +260,7 @@ class Sweep:
                 s["forward_s"] = statistics.median(t / speed[j] for t, j in zip(forward, where))
         return out, speed
 
-    def slice_speeds(self, samples: list[dict], slices: list[list[int]], experts=None) -> list[float]:
+    def slice_speeds(self, samples: list[dict], slices: list[list[int]], experts=None, window=None) -> list[float]:
         """How fast the machine ran in each slice, relative to the mean over slices: the median, over the slice's
         steps, of measured over predicted time, with the fit of the raw medians. The slices of
         `validate --profile-alongside` sit between the executor runs and the machine's speed moved 0.8-1.5x between
@@ -254,9 +269,9 @@ class Sweep:
         All ones when the sweep ran at once."""
         if self.num_slices < 2:
             return [1.0] * max(1, self.num_slices)
-        first = fit_samples(samples, experts)
+        first = fit_samples(samples, experts, window)
         pricer = StepPricer(FittedCostModel(first["coefs"], knot=first["knot"], ramp_knot=first["ramp_knot"],
-                                            experts=experts))
+                                            experts=experts, window=window))
         ratios: list[list[float]] = [[] for _ in range(self.num_slices)]
         for s, where in zip(samples, slices):
             pred = pricer.record_s(s)
@@ -271,11 +286,12 @@ class Sweep:
         communication the executor's parallel engines use measured on the CPU (executor/distributed/comm_bench.py)."""
         self.run_until(1.0)
         experts = routed_experts(model_spec)  # a mixture of experts' routing: the fit's experts_touched term
-        samples, speed = self.samples_and_speeds(experts)
+        window = attention_window(model_spec)  # sliding-window layers: the fit's window terms
+        samples, speed = self.samples_and_speeds(experts, window)
         host = {**device_info(self.device, self.cuda_graphs), "other_processes_cores": round(self.load.mean_others, 2),
                 "other_processes_busy_share": round(self.load.busy_share, 2)}
         prof = {"model": model_spec, "host": host, "measured": measure_device(self.device),
-                "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples, experts),
+                "sweep_s": self.elapsed_s, "slice_speed": speed, "fit": fit_samples(samples, experts, window),
                 "samples": samples}
         if self.parallel:
             prof["parallel"] = self.parallel  # it prices steps of this layout as they are, no composition
@@ -301,14 +317,15 @@ def profile(model, corpus: list[int], device: str, model_spec: dict, quick: bool
     return prof
 
 
-def fit_samples(samples: list[dict], experts=None) -> dict:
+def fit_samples(samples: list[dict], experts=None, window=None) -> dict:
     """The step-cost fit of a profile's stored samples (each step's shape and median time), and as its `forward`
     the same fit of the steps' time in the model runner (what a parallel layout splits; the rest is host work);
-    `experts`: a mixture of experts' routing (sim.cost.fitted.routed_experts)."""
+    `experts`: a mixture of experts' routing (sim.cost.fitted.routed_experts); `window`: a model's sliding window
+    (sim.cost.fitted.attention_window)."""
     shapes = [record_shape(s) for s in samples]
-    out = fit(shapes, [s["time_s"] for s in samples], experts=experts)
+    out = fit(shapes, [s["time_s"] for s in samples], experts=experts, window=window)
     if all(s.get("forward_s") for s in samples):
-        out["forward"] = fit(shapes, [s["forward_s"] for s in samples], experts=experts)
+        out["forward"] = fit(shapes, [s["forward_s"] for s in samples], experts=experts, window=window)
     return out
 
 
@@ -340,7 +357,8 @@ def refit(prof: dict) -> dict:
             raise TypeError(f"samples[{i}]: time_s and forward_s are step times in seconds, finite and at least "
                             f"{MIN_STEP_S:g}")
         _check_sample_shape(smp, f"samples[{i}]")
-    fitted = {**prof, "fit": fit_samples(samples, routed_experts(prof.get("model")))}
+    model = prof.get("model")
+    fitted = {**prof, "fit": fit_samples(samples, routed_experts(model), attention_window(model))}
     kernels = refine_profile(fitted)
     if kernels is not None:
         fitted["kernels"] = kernels

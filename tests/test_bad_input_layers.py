@@ -122,8 +122,33 @@ EXECUTOR_CASES = {
 
 
 @pytest.mark.parametrize("model", list(EXECUTOR_CASES.values()), ids=list(EXECUTOR_CASES))
-def test_the_executor_refuses_a_kind_it_cannot_run_in_one_line(tmp_path, model):
-    data = {"name": "layers", "model": model, "hardware": "cpu", "workload": WORKLOAD,
-            "executor": {"random_weights": True}}
+def test_the_executor_serves_every_layer_kind(tmp_path, model):
+    """Each kind runs on the executor's hybrid model (executor/model/hybrid.py), random weights, three requests."""
+    workload = {**WORKLOAD, "arrival": {"process": "poisson", "rate": 100.0}}  # a serve replays arrivals in real time
+    data = {"name": "layers", "model": model, "hardware": "cpu", "workload": workload,
+            "executor": {"random_weights": True, "threads": 1}, "serving": {"max_model_len": 256},
+            "kv_cache": {"num_blocks": 64}}
     path = write(tmp_path / "s.yaml", data)
-    one_line_error(invoke("serve", path, "-q"), path, "model", "the executor")
+    r = invoke("serve", path, "-q", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output[-800:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["requests"]["completed"] == 3
+
+
+REFUSED = {  # (model, other sections, the key the error names)
+    "gemma-norms": ({**SMALL, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16,
+                     "layer_norms": 4}, {}, "model"),
+    "nvfp4": ({**TINY, "weight_dtype": "nvfp4"}, {}, "model"),
+    "dense-mlp-bias": ({**SMALL, "mlp_bias": True}, {}, "model"),
+    "hybrid-tp": ({**SMALL, "attention_sinks": True}, {"parallel": {"tensor_parallel_size": 2}}, "parallel"),
+    "hybrid-int8": ({**SMALL, **LINEAR, "layer_types": TYPES, "weight_dtype": "int8"}, {}, "model.weight_dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED.values()), ids=list(REFUSED))
+def test_the_executor_refuses_what_it_cannot_run_in_one_line(tmp_path, case):
+    model, sections, key = case
+    data = {"name": "layers", "model": model, "hardware": "cpu", "workload": WORKLOAD,
+            "executor": {"random_weights": True}, **sections}
+    path = write(tmp_path / "s.yaml", data)
+    one_line_error(invoke("serve", path, "-q"), path, key, "the executor")

@@ -20,6 +20,8 @@ CONFIGS = {
     "llama3-tied": dict(num_kv_heads=2, rope_scaling=llama3_rope_scaling(), tie_word_embeddings=True,
                         rope_theta=500000.0),
     "linear": dict(num_kv_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "yarn": dict(num_kv_heads=2, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128}),
 }
 
 
@@ -83,7 +85,7 @@ def test_rope_scaling_changes_frequencies():
     assert ((llama3 < base) & (llama3 > base / 8)).any()  # a smoothed middle band
     torch.testing.assert_close(rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0}), base / 4)
     with pytest.raises(NotImplementedError):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+        rope_inv_freq(16, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -17,7 +17,7 @@ from tests.helpers import run, scenario
 TRUE = {"step": 0.03, "new_tokens": 4e-4, "decode_seqs": 1e-3, "prefill_seqs": 5e-3, "has_prefill": 0.02,
         "batched_prefill": 0.015, "has_verify": 0.01, "sampled": 2e-4, "attn_pairs": 2e-8, "kv_tokens": 3e-6,
         "prefill_kv": 2e-6,
-        "few_tokens": 0.0, "ramp_tokens": 0.0, "experts_touched": 0.0}
+        "few_tokens": 0.0, "ramp_tokens": 0.0, "experts_touched": 0.0, "window_kv": 0.0, "window_pairs": 0.0}
 
 
 def synthetic(n=400, noise=0.02, seed=0, truth=None):
@@ -84,7 +84,8 @@ def test_fit_finds_the_gemm_ramp():
 def test_decode_time_equals_step_time_of_the_decode_shape():
     for m in (FittedCostModel(TRUE), FittedCostModel({**TRUE, "few_tokens": 1e-3}, knot=12),
               FittedCostModel({**TRUE, "ramp_tokens": 2e-4}, knot=4, ramp_knot=64),
-              FittedCostModel({**TRUE, "experts_touched": 3e-5}, knot=4, experts=RoutedExperts(8, 2, 3))):
+              FittedCostModel({**TRUE, "experts_touched": 3e-5}, knot=4, experts=RoutedExperts(8, 2, 3)),
+              FittedCostModel({**TRUE, "window_kv": 2e-6, "window_pairs": 1e-8}, knot=4, window=128)):
         for b, s in [(1, 17), (7, 3000), (64, 65536)]:
             assert m.decode_time(b, s) == m.step_time(shape_of([1] * b, [s // b] * (b - 1) + [s - (s // b) * (b - 1)]))
 
@@ -203,3 +204,31 @@ def test_routed_experts_of_a_model():
     assert mixtral == RoutedExperts(8, 2, 32)
     assert routed_experts(catalog_model("Mixtral-8x7B").model_dump()) == mixtral  # as a profile records it
     assert routed_experts(catalog_model("Llama-3-8B")) is None and routed_experts(None) is None
+
+
+def test_a_sliding_window_fit_prices_keys_up_to_the_window():
+    """gpt-oss-like layers: full ones read every key, sliding ones at most W. The window terms are recovered beside
+    the full ones, a decode step's price stops growing with its context past W in the windowed layers, and a
+    model without such layers prices as before."""
+    from sim.cost.fitted import attention_window, window_pairs
+
+    truth = FittedCostModel({**TRUE, "kv_tokens": 1.5e-6, "attn_pairs": 1e-8, "window_kv": 1.5e-6,
+                             "window_pairs": 1e-8}, window=400)
+    shapes, times = synthetic(truth=truth)
+    result = fit(shapes, times, window=400)
+    assert result["heldout"]["mape"] < min(0.03, fit(shapes, times)["heldout"]["mape"])  # than priced as full
+    fitted = FittedCostModel(result["coefs"], knot=result["knot"], ramp_knot=result["ramp_knot"], window=400)
+    for b, c in [(1, 100), (8, 900), (24, 1000)]:  # decode steps below and past the window
+        assert fitted.decode_time(b, b * c) == pytest.approx(truth.decode_time(b, b * c), rel=0.03)
+    grow = [truth.decode_time(8, 8 * c) - truth.decode_time(8, 8 * (c - 1)) for c in (40, 900)]
+    assert grow[1] == pytest.approx(grow[0] / 2, rel=1e-6)  # past the window only the full layers' keys add
+    assert window_pairs(1, 10, 10, 64) == 55 and window_pairs(1, 10, 110, 64) == 640  # short prompt; 10 past W
+    assert window_pairs(2, 20, 220, 64) == 1280 and window_pairs(1, 100, 100, 64) == 64 * 65 / 2 + 36 * 64
+    plain = FittedCostModel({**TRUE, "window_kv": 1.5e-6})  # no window: the terms price nothing
+    assert plain.step_time(shape_of([1, 30], [900, 30], None, 1)) == FittedCostModel(TRUE).step_time(
+        shape_of([1, 30], [900, 30], None, 1))
+    from sim.config.models import catalog_model
+
+    assert attention_window(catalog_model("gpt-oss-120b")) == 128
+    assert attention_window(catalog_model("gpt-oss-120b").model_dump()) == 128
+    assert attention_window(catalog_model("Llama-3-8B")) is None and attention_window(None) is None

@@ -96,7 +96,8 @@ class ModelRunner:
             ids.append(tokens[r][-1])
         query_lens = [n for _, n, _ in rows] + [1] * len(batch.padding)
         context_lens = [c for _, _, c in rows] + [self._padding_ctx[r] for r in batch.padding]
-        tables = [r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
+        # a hybrid allocator's requests hold per-kind tables of bundles (sim/policy/hybrid_allocator.py)
+        tables = [r.group_tables or r.block_table for r, _, _ in rows] + [r.block_table for r in batch.padding]
         num_decode = len(batch.decode)
         sampling_rows = [i for i, (r, n, ctx) in enumerate(rows) if ctx >= r.num_tokens]
         counts = [rows[i][1] if i < num_decode else 1 for i in sampling_rows]
@@ -122,8 +123,12 @@ class ModelRunner:
         """The step's forward, eager: final hidden states of the logit rows (`step.counts` per sampling row).
         A pipeline stage's (executor.distributed.pipeline): `hidden`, the residual stream from the stage before,
         instead of the token ids; `final=False`: the residual stream after this stage's layers, every row."""
-        meta = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables,
-                                       self.kv_cache.block_size, self.device, num_decode_rows=step.num_decode)
+        if getattr(self.kv_cache, "hybrid", False):  # per group of layers (executor.model.hybrid_cache)
+            meta = self.kv_cache.step_metadata(step.query_lens, step.context_lens, step.block_tables, self.device,
+                                               step.num_decode)
+        else:
+            meta = AttentionMetadata.build(step.query_lens, step.context_lens, step.block_tables,
+                                           self.kv_cache.block_size, self.device, num_decode_rows=step.num_decode)
         positions = meta.positions()
         if step.tree_parents is not None:
             self._attend_trees(step, meta, positions)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from executor.model.llama import LlamaConfig, moe_block
-from executor.model.moe import SparseMoeBlock, grouped_swiglu, sort_by_expert
+from executor.model.moe import SparseMoeBlock, sort_by_expert
 
 
 def check_moe_parallel(config: LlamaConfig, tp: int) -> None:
@@ -112,8 +112,7 @@ class ExpertParallelMoe(TensorParallelMoe):
         mine = torch.cat(theirs)
         by_expert = torch.argsort(mine, stable=True)
         y = torch.empty_like(received)
-        y[by_expert] = grouped_swiglu(received[by_expert], torch.bincount(mine, minlength=local).tolist(),
-                                      self.experts.gate_up_proj, self.experts.down_proj)
+        y[by_expert] = self.experts.grouped(received[by_expert], torch.bincount(mine, minlength=local).tolist())
         back = _exchange(y, [len(e) for e in theirs], send)
         return torch.zeros_like(x).index_add_(0, rows, back * weights[lo:hi].flatten()[order, None])
 

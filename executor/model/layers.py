@@ -138,6 +138,35 @@ class Linear(nn.Linear):
         return state
 
 
+class BiasedLinear(Linear):
+    """A Linear with a bias (gpt-oss's attention and router, Qwen2's q, k and v) whose weight still takes Linear's CPU
+    fast paths: they multiply, the bias is added after (F.linear's path, which fuses it, ran 2-3x slower)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=True)
+
+    def fp32_cpu_weight(self) -> bool:
+        w = self.weight
+        return w.dtype == torch.float32 and w.device.type == "cpu"
+
+    def _fp32_cpu_inference(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (x.device.type == "cpu" and w.dtype == torch.float32 and x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and w.requires_grad))
+
+    def forward(self, x: torch.Tensor):
+        if self._use_native(x):
+            return self._native(x) + self.bias
+        if self._use_mkldnn(x):  # oneDNN's product of the prepacked weight, without the bias
+            return self._dense(x) + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
+    """A projection: a BiasedLinear where it has a bias, else a Linear."""
+    return BiasedLinear(in_features, out_features) if bias else Linear(in_features, out_features)
+
+
 def tune_native_rows(model: nn.Module) -> dict[tuple, int]:
     """Make every fp32 CPU projection's kernel copies now (the first step to need oneDNN's otherwise reorders every
     weight inside a served step: 4.4 s on a 0.5B model) and, per shape, set the most rows up to which the native
@@ -211,7 +240,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim/2], with HF's "linear" or "llama3" scaling."""
+    """Inverse rotary frequencies [head_dim/2], with HF's "linear", "llama3" or "yarn" scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -229,7 +258,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, DeepSeek): frequencies above `beta_fast` rotations over the original context kept, those below
+    `beta_slow` interpolated by `factor`, a linear ramp between (over the dimension index, optionally truncated)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` into the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (0.1 · ln(factor) + 1, or DeepSeek's mscale ratio); 1.0 otherwise."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale 0.1 · mscale · ln(factor) + 1 (1 for factor ≤ 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -258,8 +322,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)  # YaRN scales cos and sin; 1.0 for every other kind
+        self.register_buffer("cos", freqs.cos() if factor == 1.0 else freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() if factor == 1.0 else freqs.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim/2], broadcastable over heads."""

@@ -10,16 +10,24 @@ tokens where this torch or the shapes do not allow it); each pair's output, scal
 added back to its token. Every block counts the tokens each expert computed (`take_counts`): the engine's step
 trace records them.
 
-Not modelled here: DeepSeek's grouped top-k routing (expert groups, a correction bias) and its multi-head latent
-attention; the block is built from the MoE fields of LlamaConfig (executor/model/llama.py).
+Routers (`router`): "softmax" as above; "topk_softmax" (gpt-oss): the top-k router logits (the router has a bias)
+and a softmax over those k alone; "deepseek" (DeepSeek-V2): softmax in fp32, the top-k probabilities (`topk_method`
+"greedy", or "group_limited_greedy": only experts of the `topk_group` expert groups with the highest best expert)
+scaled by `routed_scaling_factor`, not renormalized. Expert activations: SwiGLU, or gpt-oss's clamped SwiGLU
+("clamped_swiglu": gate clamped above at `swiglu_limit`, up to ±limit, (up + 1) · gate · sigmoid(alpha · gate)), with a
+bias per expert on both projections where `bias`. DeepSeek's sigmoid scoring with a correction bias (V3) is not
+modelled; the block is built from the MoE fields of LlamaConfig (executor/model/llama.py) or of a HybridConfig
+(executor/model/hybrid.py).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.model.layers import MLP, Linear
+from executor.model.layers import MLP, Linear, linear
 
 # Switch off to run the routed experts as a loop over experts (for comparisons).
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -34,50 +42,112 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), experts
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the top-k logits, then a softmax over those k (weights in the logits' dtype)."""
+    values, experts = torch.topk(logits, top_k, dim=-1)
+    return F.softmax(values, dim=1, dtype=values.dtype), experts
+
+
+def route_deepseek(logits: torch.Tensor, top_k: int, scaling: float, method: str = "greedy", n_group: int = 1,
+                   topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing: fp32 softmax, the top-k probabilities (group-limited: among the `topk_group` groups whose
+    best expert scores highest) times `scaling`."""
+    scores = logits.float().softmax(dim=-1)
+    if method == "group_limited_greedy":
+        groups = scores.view(scores.shape[0], n_group, -1)
+        keep = torch.zeros_like(groups[..., 0]).scatter_(1, groups.amax(-1).topk(topk_group, dim=-1).indices, 1.0)
+        scores = (groups * keep[..., None]).flatten(1)
+    weights, experts = torch.topk(scores, top_k, dim=-1, sorted=False)
+    return weights * scaling, experts
+
+
 def _grouped_mm_fits(x: torch.Tensor, down: torch.Tensor) -> bool:
     # the grouped kernel wants every row and weight stride (hidden, intermediate) a multiple of 16 bytes
     align = 16 // x.element_size()
     return USE_GROUPED_MM and down.shape[1] % align == 0 and down.shape[2] % align == 0
 
 
-def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of rows `x` [N, H] grouped by expert (`counts[e]` consecutive rows for expert e) through expert
-    weights `gate_up` [E, 2I, H] and `down` [E, H, I]: [N, H]."""
+@dataclass(frozen=True)
+class Activation:
+    """An expert's gated activation: SwiGLU ("silu"), or gpt-oss's clamped SwiGLU with its alpha and limit."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = Activation()
+
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                   act: Activation = SWIGLU, biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The gated FFN of rows `x` [N, H] grouped by expert (`counts[e]` consecutive rows for expert e) through expert
+    weights `gate_up` [E, 2I, H] and `down` [E, H, I] (and per expert `biases` [E, 2I], [E, H]): [N, H]."""
     if not _grouped_mm_fits(x, down):
-        return _looped_swiglu(x, counts, gate_up, down)
+        return _looped_swiglu(x, counts, gate_up, down, act, biases)
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    h = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)
+    ids = None
+    if biases is not None:  # each row's expert's bias
+        ids = torch.repeat_interleave(torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device))
+        h = h + biases[0][ids]
+    gate, up = h.chunk(2, dim=-1)
+    out = torch._grouped_mm(act(gate, up), down.transpose(1, 2), offs=offs)
+    return out if ids is None else out + biases[1][ids]
 
 
-def _looped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _looped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                   act: Activation = SWIGLU, biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """grouped_swiglu as one pair of matmuls per expert that got rows."""
     out = x.new_empty(x.shape[0], down.shape[1])
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            b_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
+            gate, up = F.linear(x[start:start + n], gate_up[e], b_up).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(act(gate, up), down[e], b_down)
             start += n
     return out
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, as transformers ≥ 5 stores them (one tensor per projection)."""
+    """The routed experts' weights, as transformers ≥ 5 stores them (one tensor per projection, gate rows before up
+    rows), with per-expert biases where `bias` (gpt-oss)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 act: Activation = SWIGLU):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.act = act
 
     @property
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    def weights(self, experts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of the experts (all of them, or those listed): an MXFP4 block dequantizes them here."""
+        if experts is None:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up_proj[experts], self.down_proj[experts]
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts' FFN of rows x [N, H] grouped by expert (`counts[e]` consecutive rows for expert e)."""
+        biases = None if self.gate_up_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
+        return grouped_swiglu(x, counts, *self.weights(), self.act, biases)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Σ over each token's choices of weight · expert(x): x [T, H], weights and expert ids [T, k]."""
         order, counts = sort_by_expert(experts, self.num_experts)
-        y = grouped_swiglu(x[order // experts.shape[1]], counts, self.gate_up_proj, self.down_proj)
+        y = self.grouped(x[order // experts.shape[1]], counts)
         return torch.zeros_like(x).index_add_(0, order // experts.shape[1], y * weights.flatten()[order, None])
 
 
@@ -89,6 +159,19 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, torch.bincount(flat, minlength=num_experts).tolist()
 
 
+@dataclass(frozen=True)
+class Routing:
+    """A router's rule: "softmax" (Mixtral, Qwen; renormalized where the block's norm_topk_prob), "topk_softmax"
+    (gpt-oss) or "deepseek" (`method` greedy or group_limited_greedy over `n_group` groups, `topk_group` kept, the
+    weights times `scaling`)."""
+
+    kind: str = "softmax"
+    scaling: float = 1.0
+    method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+
+
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of a decoder layer: router (`gate`), routed `experts`, and optionally a `shared_expert` (a
     SwiGLU MLP every token runs) scaled by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE). Names are Hugging Face's
@@ -96,22 +179,33 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool = True, shared_intermediate_size: int = 0, shared_expert_gate: bool = False,
-                 local_experts: int | None = None):
+                 local_experts: int | None = None, *, routing: Routing | None = None, bias: bool = False,
+                 act: Activation = SWIGLU):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be 1 to num_experts ({num_experts})")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.routing = routing or Routing()
+        self.gate = linear(hidden_size, num_experts, bias)
         self.experts = Experts(num_experts if local_experts is None else local_experts, hidden_size,
-                               intermediate_size)
+                               intermediate_size, bias, act)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         self.register_buffer("counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k], expert ids [T, k]) of hidden states x [T, H], by the block's router."""
+        r = self.routing
+        if r.kind == "softmax":
+            return route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if r.kind == "topk_softmax":
+            return route_topk_softmax(self.gate(x), self.top_k)
+        return route_deepseek(self.gate(x), self.top_k, r.scaling, r.method, r.n_group, r.topk_group)
+
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """The block's output for hidden states x [T, H] (`fused`: the dense MLP's native elementwise switch,
         taken by the shared expert)."""
-        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, experts = self.route(x)
         self.counts += torch.bincount(experts.flatten(), minlength=self.num_experts)
         out = self.routed(x, weights, experts)
         if self.shared_expert is not None:

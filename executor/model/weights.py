@@ -110,14 +110,27 @@ def load_transformers_model(path_or_dir, gguf_file: str | None = None):
     return model.eval(), tokenizer
 
 
-def load_hf_model(path_or_dir, gguf_file: str | None = None, attn_backend="sdpa"):
-    """(our LlamaModel in fp32 with the weights, the HF config, the tokenizer).
+def load_hf_model(path_or_dir, gguf_file: str | None = None, attn_backend="sdpa", mxfp4_experts: str = "load"):
+    """(our LlamaModel — or a HybridModel for gpt-oss, Qwen3-Next and DeepSeek-V2 — in fp32 with the weights, the HF
+    config, the tokenizer).
 
     `path_or_dir` is a local HF directory (safetensors) or, with `gguf_file` or a `.gguf`
-    path, a GGUF file. Each call returns a fresh LlamaModel; the transformers load is cached.
+    path, a GGUF file. Each call returns a fresh model; the transformers load is cached. A checkpoint of MXFP4
+    experts (gpt-oss) is dequantized at load (`mxfp4_experts="load"`: transformers does, on a CPU), or with
+    "packed" keeps the experts' bytes and dequantizes the touched ones each step (executor/model/mxfp4.py).
     """
+    from executor.model import families, mxfp4
+    from executor.model.hybrid import HybridModel
+
     directory, gguf_file = _split_path(path_or_dir, gguf_file)
     hf_model, tokenizer = load_transformers_model(str(directory), gguf_file)
+    if getattr(hf_model.config, "model_type", None) in families.FAMILIES:  # gpt-oss, Qwen3-Next, DeepSeek-V2
+        model = HybridModel(families.from_hf(hf_model.config), attn_backend=attn_backend)
+        families.load_hf_state_dict(model, hf_model.state_dict())
+        if mxfp4_experts == "packed" and gguf_file is None and mxfp4.checkpoint_is_mxfp4(directory):
+            mxfp4.pack_experts(model)  # gpt-oss's experts kept as their MXFP4 bytes, dequantized per step
+            mxfp4.load_packed_experts(model, directory)
+        return model.eval(), hf_model.config, tokenizer
     config = LlamaConfig.from_hf(hf_model.config)
     model = LlamaModel(config, attn_backend=attn_backend)
     model.load_hf_state_dict(hf_model.state_dict())

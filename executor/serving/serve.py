@@ -21,7 +21,6 @@ from executor.distributed.launch import STOPPED, WorkerError
 from executor.model.cache_engine import KVCache
 from executor.model.llama import LlamaConfig, LlamaModel
 from executor.speculative.build import make_drafter
-from sim.config import layers
 from sim.config.client import slides
 from sim.config.errors import ConfigError
 from sim.config.models import ModelSpec, catalog_model
@@ -51,7 +50,7 @@ def load_model(plan: Plan, device: str) -> Loaded:
     `executor.random_weights`, the scenario's architecture with seeded random weights."""
     from executor.model.weights import load_hf_model, smollm2_gguf_path
 
-    check_executable(plan.model)
+    check_executable(plan)
     dtype = base_dtype(plan, device)
     if plan.executor.random_weights:
         model = random_model(plan, device, dtype)
@@ -74,27 +73,11 @@ def load_model(plan: Plan, device: str) -> Loaded:
     return Loaded(model, tokenizer, eos[0] if isinstance(eos, list) else eos)
 
 
-# what the executor's layers compute: full attention (GQA) with dense or MoE MLPs, in these weight dtypes
-EXECUTED_KINDS = ("full",)
-EXECUTED_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+def check_executable(plan: Plan) -> None:
+    """A one-line ConfigError for what the executor cannot run of the plan's model (executor.model.from_spec)."""
+    from executor.model.from_spec import check_executable as check
 
-
-def check_executable(m: ModelSpec) -> None:
-    """A one-line ConfigError for a model whose layers the executor cannot run (its KV tensors for sliding windows,
-    chunked local and linear attention, MLA, sinks and FP4 weights come later); the simulator plans them."""
-    kinds = sorted(set(layers.kind_counts(m)) - set(EXECUTED_KINDS))
-    if kinds:
-        counts = layers.kind_counts(m)
-        what = ", ".join(f"{counts[k]} {k}" for k in kinds)
-        raise ConfigError(f"the executor runs full-attention layers only; {m.name} has {what} layers; allowed: "
-                          "`infersim run` (the simulator plans them), or a model of full-attention layers", "model")
-    extras = [k for k in ("attention_sinks", "attn_output_gate", "attention_bias", "qkv_bias", "mlp_bias")
-              if getattr(m, k)] + (["4-norm layers (Gemma)"] if m.layer_norms != 2 else [])
-    dtypes = {m.weight_dtype, m.expert_weight_dtype or m.weight_dtype} - set(EXECUTED_DTYPES)
-    if extras or dtypes:
-        what = extras[0] if extras else f"{sorted(dtypes)[0]} weights"
-        raise ConfigError(f"the executor's layers have no {what} ({m.name}); allowed: `infersim run` (the simulator "
-                          "plans it), or a model without it", "model")
+    check(plan)
 
 
 def base_dtype(plan: Plan, device: str) -> torch.dtype:
@@ -148,9 +131,13 @@ def _check_shape(m: ModelSpec, weights: ModelSpec) -> None:
 def random_model(plan: Plan, device: str = "cpu", dtype: torch.dtype | None = None) -> LlamaModel:
     """The scenario's architecture with seeded random weights (executor.seed; executor.model.tiny's initialisation), made
     on `device`."""
+    from executor.model.from_spec import model_config
+    from executor.model.from_spec import random_model as hybrid_random_model
     from executor.model.tiny import tiny_model
 
     m = plan.model
+    if type(model_config(m)) is not LlamaConfig:  # another attention kind, sinks, biases, gates, latent attention
+        return hybrid_random_model(m, plan.executor.seed, device, dtype)
     shared = m.shared_expert_intermediate_size or m.num_shared_experts * (m.moe_intermediate_size or
                                                                           m.intermediate_size)
     config = LlamaConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,

@@ -10,7 +10,8 @@ from sim.config.hardware import measured_devices
 
 # the fitted step-cost model's terms, in the order of its feature vector (sim.cost.fitted)
 FEATURES = ("step", "new_tokens", "decode_seqs", "prefill_seqs", "has_prefill", "batched_prefill", "has_verify",
-            "sampled", "attn_pairs", "kv_tokens", "prefill_kv", "few_tokens", "ramp_tokens", "experts_touched")
+            "sampled", "attn_pairs", "kv_tokens", "prefill_kv", "few_tokens", "ramp_tokens", "experts_touched",
+            "window_kv", "window_pairs")
 _OLD_TERMS = ("seqs",)  # an older profile's single per-sequence term
 MAX_KNOT = 4096
 MIN_STEP_S = 1e-7  # the fastest step a fit may predict: real engine steps take microseconds or more

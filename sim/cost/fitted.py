@@ -6,6 +6,7 @@ time = c_step + c_token·new tokens + c_decode·decoding sequences + c_prefill·
        + c_sample·sampled rows + c_pair·attention (query, key) pairs + c_kv·KV tokens read
        + c_prefill_kv·the prompt chunks' context + c_few·max(0, knot − new tokens) + c_ramp·min(new tokens, ramp_knot)
        + c_experts·MoE layers × the experts the step's tokens touch (a mixture of experts only)
+       + c_window_kv·keys a sliding-window layer reads + c_window_pairs·its (query, key) pairs (sliding windows only)
 
 Each term is one kind of work: the fixed cost of a step (weights read once, launch and Python
 overhead), linear layers per token, per-sequence bookkeeping (a decode row and a prompt chunk cost
@@ -30,6 +31,14 @@ per expert a step touches: its weights are read once and its grouped matmul laun
 serves. The touched experts are the expectation under uniform routing (sim.cost.routing.distinct_experts), in the fit
 as in the simulator, which knows no routing; through expert parallelism the fit prices the layout it measured (each
 rank's share of the experts, the all-to-alls: per token and per step).
+A model with sliding-window layers (gpt-oss) reads at most W keys a query there: the kv_tokens and attn_pairs terms
+price its full layers' attention and window_kv / window_pairs its windowed layers' — the same counts with each row's
+context capped at W. The features see a step's totals only (a BatchShape: the simulator's decode set keeps the sum
+of its rows' contexts, not each), so a group of rows is counted at its mean context: n · min(c̄, W) keys, and a
+prompt chunk's queries at positions c̄ − n̄ + 1 … c̄ each min(p, W) — exact for rows of one context, an upper bound
+(min is concave) otherwise; fitted and priced alike. A linear-attention layer (Gated DeltaNet) reads no context: its
+state update is work per row and per token, which a profile of the model itself prices through decode_seqs,
+prefill_seqs and new_tokens, and its full layers' attention through the context terms; it needs no term of its own.
 Fitted by non-negative least squares on relative error, so short decode steps weigh as much as long
 prefills.
 """
@@ -41,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.config.layers import kind_counts
 from sim.config.models import ModelSpec
 from sim.config.moe import moe_layers
 from sim.config.profile import FEATURES, ProfileFile, read_profile
@@ -61,7 +71,7 @@ PART_OF = {"step": "overhead_s", "new_tokens": "linear_s", "decode_seqs": "overh
            "has_prefill": "overhead_s", "batched_prefill": "overhead_s", "has_verify": "overhead_s",
            "sampled": "lm_head_s", "attn_pairs": "attention_s", "kv_tokens": "attention_s",
            "prefill_kv": "attention_s", "few_tokens": "linear_s", "ramp_tokens": "linear_s",
-           "experts_touched": "experts_s"}
+           "experts_touched": "experts_s", "window_kv": "attention_s", "window_pairs": "attention_s"}
 FEW, RAMP = FEATURES.index("few_tokens"), FEATURES.index("ramp_tokens")
 
 
@@ -88,14 +98,48 @@ def routed_experts(model: ModelSpec | dict | None) -> RoutedExperts | None:
     return RoutedExperts(model.num_experts, model.num_experts_per_tok, moe_layers(model))
 
 
-def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0, experts: RoutedExperts | None = None
-             ) -> tuple[float, ...]:
+def attention_window(model: ModelSpec | dict | None) -> int | None:
+    """The window W of a model's sliding-window layers (its spec, or a profile's record of it); None without any."""
+    if isinstance(model, dict):
+        model = ModelSpec.model_validate(model) if model.get("sliding_window") else None
+    if model is None or "sliding_window" not in kind_counts(model):
+        return None
+    return model.sliding_window
+
+
+def window_keys(rows: int, context: float, window: int) -> float:
+    """Keys `rows` decode rows of mean context `context` read in a sliding-window layer (each at most `window`)."""
+    return rows * min(context / rows, window) if rows else 0.0
+
+
+def window_pairs(rows: int, tokens: float, context: float, window: int) -> float:
+    """(query, key) pairs of `rows` prompt chunks of `tokens` new tokens and `context` tokens after them in all, in a
+    sliding-window layer: each chunk at the mean, its queries at positions a … c attending min(p, W) keys."""
+    if not rows:
+        return 0.0
+    n, c = tokens / rows, context / rows
+    a = c - n + 1
+    if c <= window:
+        return rows * (a + c) * n / 2
+    if a >= window:
+        return rows * n * window
+    return rows * ((a + window) * (window - a + 1) / 2 + (c - window) * window)
+
+
+def features(shape: BatchShape, knot: int = 0, ramp_knot: int = 0, experts: RoutedExperts | None = None,
+             window: int | None = None) -> tuple[float, ...]:
     """The fit's feature vector of a step (FEATURES order)."""
     p = shape.num_prefill
+    wkv = wpairs = 0
+    if window is not None:
+        d = shape.num_seqs - p
+        decode = window_keys(d, shape.sum_context - shape.prefill_context, window)
+        wkv = decode + window_keys(p, shape.prefill_context, window)
+        wpairs = decode + window_pairs(p, shape.prefill_tokens, shape.prefill_context, window)
     return (1, shape.num_new_tokens, shape.num_seqs - p, p, 1 if p else 0, 1 if p and shape.num_seqs > p else 0,
             1 if shape.num_verify else 0, shape.num_sampled, shape.attn_pairs, shape.sum_context, shape.prefill_context,
             max(0, knot - shape.num_new_tokens), min(shape.num_new_tokens, ramp_knot),
-            experts.touched(shape.num_new_tokens) if experts is not None else 0)
+            experts.touched(shape.num_new_tokens) if experts is not None else 0, wkv, wpairs)
 
 
 def parts_of(terms: dict[str, float]) -> dict[str, float]:
@@ -120,6 +164,7 @@ class FittedCostModel:
     knot: int = 0  # tokens below which a step costs c_few more per missing token (see the module docstring)
     ramp_knot: int = 0  # tokens up to which each costs c_ramp more
     experts: RoutedExperts | None = None  # a mixture of experts' routing (the experts_touched term)
+    window: int | None = None  # the sliding window of a model with such layers (the window terms)
 
     def __post_init__(self):
         coefs = _upgrade(self.coefs)
@@ -127,12 +172,13 @@ class FittedCostModel:
 
     def step_time(self, shape: BatchShape) -> float:
         # the fit's own feature vector, so the priced form cannot drift from the fitted one
-        return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot, self.experts)))
+        return sum(c * x for c, x in zip(self._c, features(shape, self.knot, self.ramp_knot, self.experts,
+                                                            self.window)))
 
     def terms(self, shape: BatchShape) -> dict[str, float]:
         """Each term's seconds in this step (coefficient × feature), by name in FEATURES order: their sum in that
         order is step_time."""
-        x = features(shape, self.knot, self.ramp_knot, self.experts)
+        x = features(shape, self.knot, self.ramp_knot, self.experts, self.window)
         return dict(zip(FEATURES, [c * v for c, v in zip(self._c, x)]))
 
     def step_cost(self, shape: BatchShape) -> StepCost:
@@ -142,11 +188,16 @@ class FittedCostModel:
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
         # no prefill or verify terms: adding 0.0 is exact
-        c0, ct, cd, _, _, _, _, csa, cpair, ckv, _, cfew, cramp, ctouched = self._c
+        c0, ct, cd, _, _, _, _, csa, cpair, ckv, _, cfew, cramp, ctouched, cwkv, cwpairs = self._c
         t = (c0 + ct * num_seqs + cd * num_seqs + csa * num_seqs + cpair * sum_context + ckv * sum_context
              + (cfew * (self.knot - num_seqs) if num_seqs < self.knot else 0.0)
              + cramp * min(num_seqs, self.ramp_knot))
-        return t + ctouched * self.experts.touched(num_seqs) if self.experts is not None else t
+        if self.experts is not None:
+            t = t + ctouched * self.experts.touched(num_seqs)
+        if self.window is not None:  # a decode row's pairs are its keys
+            keys = window_keys(num_seqs, sum_context, self.window)
+            t = t + cwkv * keys + cwpairs * keys
+        return t
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
         return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
@@ -156,12 +207,14 @@ class FittedCostModel:
         if factor == 1.0:
             return self
         return FittedCostModel({k: v * factor for k, v in self.coefs.items()}, {**self.meta, "scale": factor},
-                               self.knot, self.ramp_knot, self.experts)
+                               self.knot, self.ramp_knot, self.experts, self.window)
 
     @classmethod
     def from_profile(cls, prof: ProfileFile) -> "FittedCostModel":
-        """The profile's fit, with the routing of the model it measured."""
-        return cls(dict(prof.coefs), prof.data, prof.knot, prof.ramp_knot, routed_experts(prof.data.get("model")))
+        """The profile's fit, with the routing and the sliding window of the model it measured."""
+        model = prof.data.get("model")
+        return cls(dict(prof.coefs), prof.data, prof.knot, prof.ramp_knot, routed_experts(model),
+                   attention_window(model))
 
     @classmethod
     def load(cls, path: Path, key_path: str = "cost_model.profile") -> "FittedCostModel":
@@ -174,18 +227,19 @@ def load_profile(path: Path, model, key_path: str = "cost_model.profile") -> Fit
 
 
 def fit(shapes: list[BatchShape], times: list[float], holdout_every: int = 5,
-        experts: RoutedExperts | None = None) -> dict:
+        experts: RoutedExperts | None = None, window: int | None = None) -> dict:
     """Fit the coefficients (non-negative, relative-error least squares) on all but every
     `holdout_every`-th sample, for each pair of candidate knots (few_tokens, ramp_tokens), keeping the pair with
     the least training error; report MAPE and R² on the held-out samples and on everything. `experts`: the
-    routing of the mixture of experts measured (its experts_touched term)."""
+    routing of the mixture of experts measured (its experts_touched term); `window`: its sliding window (the window
+    terms)."""
     from scipy.optimize import nnls
 
     y = np.asarray(times, float)
     held = np.zeros(len(y), bool)
     held[::holdout_every] = True
     train = ~held if held.sum() < len(y) else held
-    x = np.array([features(s, experts=experts) for s in shapes], float)
+    x = np.array([features(s, experts=experts, window=window) for s in shapes], float)
     tokens = x[:, FEATURES.index("new_tokens")]
     best = None
     for knot, ramp_knot in itertools.product(KNOTS, RAMP_KNOTS):
