@@ -303,7 +303,7 @@ MIXED = {"seed": 3, "arrival": {"process": "poisson", "rate": 6.0}, "num_request
          "prompt_len": {"dist": "lognormal", "median": 300, "sigma": 1.0, "max": 3000},
          "output_len": {"dist": "lognormal", "median": 200, "sigma": 0.8, "max": 1500}}
 HYBRIDS = {
-    "gpt-oss-tight-swap": ("gpt-oss-20b", {"kv_cache": {"num_blocks": 900, "preemption": "swap", "swap_space_gib": 1}}),
+    "gpt-oss-tight-swap": ("gpt-oss-20b", {"kv_cache": {"num_blocks": 500, "preemption": "swap", "swap_space_gib": 1}}),
     "gpt-oss-chunked-prefix": ("gpt-oss-20b", {"kv_cache": {"num_blocks": 900, "enable_prefix_caching": True},
                                                "serving": {"enable_chunked_prefill": True,
                                                            "max_num_batched_tokens": 512},
