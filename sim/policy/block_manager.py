@@ -172,8 +172,19 @@ class FreeBlockQueue:
         self.size -= 1
 
     def pop(self) -> int:
-        """One block handed out (the decode fast path's call, as on a plain list)."""
-        return self.take(1)[0]
+        """One block handed out (the decode fast path's call, as on a plain list): take(1) without its list."""
+        popleft, stamp = self.queue.popleft, self.stamp
+        block, s = popleft()
+        while stamp[block] != s:  # taken back by a prefix hit, or freed again since
+            block, s = popleft()
+        stamp[block] = s + 1
+        kv = self.kv
+        kv.ref[block] = 1
+        hash_of = kv.hash_of
+        if hash_of and block in hash_of:
+            del kv.cached[hash_of.pop(block)]
+        self.size -= 1
+        return block
 
     def take(self, n: int) -> list[int]:
         """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
