@@ -223,6 +223,7 @@ class KernelCostModel(PricesStages):
         self._head: dict[tuple, float] = {}
         self._comm: dict[tuple, float] = {}
         self._decode_base: dict[int, float] = {}
+        self._decode_affine: dict[int, tuple[float, float] | None] = {}  # by rows: (base, per KV token), None: eager
         self._fixed_parts: dict[tuple[int, ...], tuple] = {}
 
     def _attention(self, kernels: DeviceKernels, blocks: StepBlocks, refined: float) -> None:
@@ -472,21 +473,32 @@ class KernelCostModel(PricesStages):
         """Whether a step of `num_seqs` decodes runs eagerly (its launches may set its time: no affine run)."""
         return self.engine is not None and not self.engine.in_graph(num_seqs, True)
 
+    def _affine(self, num_seqs: int) -> tuple[float, float] | None:
+        """A decode step of `num_seqs` rows as (base, seconds per KV token): `base + context * per_kv` (None: not
+        affine, a pipelined or eager step), cached by rows (the simulator asks at every run of decode steps)."""
+        try:
+            return self._decode_affine[num_seqs]
+        except KeyError:
+            c = None if self.pp > 1 or self._eager_decode(num_seqs) else (self._base(num_seqs),
+                                                                           self.per_kv_token_s(num_seqs))
+            self._decode_affine[num_seqs] = c
+            return c
+
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        if self.pp > 1 or self._eager_decode(num_seqs):
+        c = self._affine(num_seqs)
+        if c is None:
             return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
-        t = self._base(num_seqs) + sum_context * self.per_kv_token_s(num_seqs)
+        t = c[0] + sum_context * c[1]
         return t + window_reads_s(self.window_rates(num_seqs), sum_context, num_seqs) if self.windows else t
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
-        if self.pp > 1 or self._eager_decode(num_seqs):
+        c = self._affine(num_seqs)
+        if c is None:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
         if self.windows:
-            return windowed_decode_run(self._base(num_seqs), self.per_kv_token_s(num_seqs),
-                                       self.window_rates(num_seqs), num_seqs, sum_context, clock, k_max, until,
-                                       step_end)
-        return affine_decode_run(self._base(num_seqs), self.per_kv_token_s(num_seqs), num_seqs, sum_context, clock,
-                                 k_max, until, step_end)
+            return windowed_decode_run(c[0], c[1], self.window_rates(num_seqs), num_seqs, sum_context, clock, k_max,
+                                       until, step_end)
+        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end)
 
 
 def replace_rows(a: GroupAttention, dp: int) -> GroupAttention:

@@ -172,23 +172,38 @@ class FreeBlockQueue:
         self.size -= 1
 
     def pop(self) -> int:
-        """One block handed out (the decode fast path's call, as on a plain list)."""
-        return self.take(1)[0]
+        """One block handed out (the decode fast path's call, as on a plain list): take(1) without its list."""
+        popleft, stamp = self.queue.popleft, self.stamp
+        block, s = popleft()
+        while stamp[block] != s:  # taken back by a prefix hit, or freed again since
+            block, s = popleft()
+        stamp[block] = s + 1
+        kv = self.kv
+        kv.ref[block] = 1
+        hash_of = kv.hash_of
+        if hash_of and block in hash_of:
+            del kv.cached[hash_of.pop(block)]
+        self.size -= 1
+        return block
 
     def take(self, n: int) -> list[int]:
         """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
         popleft, stamp, kv = self.queue.popleft, self.stamp, self.kv
-        ref, hash_of, out = kv.ref, kv.hash_of, []
-        add = out.append
-        for _ in range(n):
+        ref, hash_of = kv.ref, kv.hash_of
+        # the first n entries still current, in queue order: taken back by a prefix hit, or freed again since, are not
+        out = [b for b, s in (popleft() for _ in range(n)) if stamp[b] == s]
+        while len(out) < n:
             block, s = popleft()
-            while stamp[block] != s:  # taken back by a prefix hit, or freed again since
-                block, s = popleft()
-            stamp[block] = s + 1
+            if stamp[block] == s:
+                out.append(block)
+        for block in out:
+            stamp[block] += 1
             ref[block] = 1
-            if hash_of and block in hash_of:
-                del kv.cached[hash_of.pop(block)]
-            add(block)
+        if hash_of:
+            cached = kv.cached
+            for block in out:
+                if block in hash_of:
+                    del cached[hash_of.pop(block)]
         self.size -= n
         return out
 

@@ -94,9 +94,10 @@ class DecodeSet:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
         due, bs = self._due, self.block_size
-        while self._cursor <= upto:
-            step = self._cursor
-            bucket = due.pop(step, None)
+        step, pop_due, take = self._cursor, due.pop, free_blocks.pop
+        left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
+        while step <= upto:
+            bucket = pop_due(step, None)
             if bucket:
                 if len(bucket) > 1:
                     bucket.sort()
@@ -105,15 +106,19 @@ class DecodeSet:
                     tag, r = entry
                     if r.decode_tag != tag:
                         continue
-                    if not free_blocks:
+                    if not left:
                         if i + 1 < len(bucket):
                             due[step] = bucket[i + 1:]
                         self._reschedule(step + bs, granted)
+                        self._cursor = step
                         return r
-                    r.block_table.append(free_blocks.pop())
+                    r.block_table.append(take())
+                    left -= 1
                     granted.append(entry)
                 self._reschedule(step + bs, granted)
-            self._cursor += 1
+            step += 1
+        if step > self._cursor:
+            self._cursor = step
         return None
 
     def _reschedule(self, step: int, entries: list) -> None:

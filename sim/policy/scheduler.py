@@ -56,6 +56,9 @@ class Scheduler(BaseScheduler):
         budget, chunked = self.cfg.max_num_batched_tokens, self.cfg.enable_chunked_prefill
         if self.cfg.mixed_batches:  # the decodes first, prompts (or their chunks) in what is left of the budget
             preempted = self._grow_decodes(budget)
+            if self._decodes_alone(preempted):
+                self.steps_since_admission += 1
+                return self._decode_batch()
             budget -= self._decode_tokens()
             prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
             if prefill:
@@ -76,6 +79,21 @@ class Scheduler(BaseScheduler):
         swapped_in, received = self._resume(budget - self._decode_tokens(), preempted)
         self.steps_since_admission += 1
         return self._batch([], True, preempted, swapped_in, received)
+
+    def _decodes_alone(self, preempted: list[Request]) -> bool:
+        """Whether a mixed step holds the decodes and nothing else, settled without the general path: nothing
+        preempted, prefilling, swapped, received or admissible (no request waiting, or the first one not seen yet)."""
+        waiting = self.waiting
+        return not (preempted or self.prefilling or self.swapped or self.handoff.ready or self.speculative) and (
+            not waiting or waiting[0].arrival_s > self.visible_until) and bool(self.decoding.members)
+
+    def _decode_batch(self) -> ScheduledBatch:
+        """_batch of a step of the decodes alone (one token each, attending to its whole context)."""
+        members = self.decoding.members
+        b = len(members)
+        ctx = self.decoding.sum_computed + b
+        return ScheduledBatch(BatchShape(b, b, ctx, ctx, b, 0, 0, 0, 0, 0), list(members) if self.eager else [],
+                              [], True, True, [], [], [], [], [])
 
     def _resume(self, budget: int, preempted: list[Request]) -> tuple[list[Request], list[Request]]:
         """Within `budget` tokens, swapped-out requests back in, then hand-offs whose KV has arrived (none in a step
