@@ -3,12 +3,14 @@
 A search spec names a base scenario, a target (a rate the deployment must carry, SLOs on TTFT/TPOT quantiles) and a
 space: dotted scenario keys, each with the values to try. Every combination is a configuration. Those that cannot
 run (the model does not fit, TP does not divide the heads, more devices than allowed) are pruned with their reason
-before anything is simulated. For each of the others, its capacity: the highest arrival rate on a geometric grid at
-which the workload's first `max_requests` requests, their arrival gaps scaled to that rate, still meet the SLOs
-(counting rejected requests as misses), found by an exponential then a binary search on the grid, each probe
-stopped as soon as enough requests have missed to decide it. The grid and the search depend on the configuration
-alone, so the results are the same in any order, on any backend. Then: cost per hour and per million output tokens
-at capacity, latency at the target rate, the Pareto fronts, the recommendation and why each other one lost.
+before anything is simulated. The others are searched cheapest first, and those that cost more per hour than the
+cheapest found to carry the target are pruned unsearched (search.prune_costlier). For each of the others, its
+capacity: the highest arrival rate on a geometric grid at which the workload's first `max_requests` requests, their
+arrival gaps scaled to that rate, still meet the SLOs (counting rejected requests as misses), found by an
+exponential then a binary search on the grid, each probe stopped as soon as enough requests have missed to decide
+it. The grid and the search depend on the configuration alone, so the results are the same in any order, on any
+backend. Then: cost per hour and per million output tokens at capacity, latency at the target rate, the Pareto
+fronts, the recommendation and why each other one lost.
 """
 from __future__ import annotations
 
