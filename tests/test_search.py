@@ -145,7 +145,8 @@ def test_bad_specs_are_one_line_errors():
                        ({**spec(), "space": {"pools": [[1]]}}, "space.pools"),
                        ({**spec(replicas=[1]), "target": {"rate": -1}}, "target.rate"),
                        ({**spec(replicas=[1]), "scenario": {**BASE, "slo": {}}}, "target.slo"),
-                       ({**spec(replicas=list(range(1, 200)), hardware=["a"] * 60)}, "space")]:
+                       ({**spec(replicas=list(range(1, 200)), hardware=["a"] * 60)}, "space"),
+                       ({**spec(replicas=[1]), "search": {"prune_costlier": "maybe"}}, "search.prune_costlier")]:
         with pytest.raises(ConfigError) as e:
             parse_search_spec(bad)
         assert e.value.key_path == where
