@@ -71,7 +71,8 @@ def show(search, result) -> None:
                 open_in_whatif(search, result.rows[rows[p["curve_number"]][p["point_index"]]])
     st.dataframe(rows_table(result).style.format(precision=3, na_rep="-"))
     c1, c2 = st.columns([3, 1])
-    labels = {r.label: r for _, r in ok}
+    # also those pruned unsearched (costlier, a repeat, over max_devices): they have a plan (devices), so they run
+    labels = {r.label: r for r in result.rows if r.status == "ok" or r.devices}
     if labels:
         pick = c1.selectbox("Configuration", list(labels), index=list(labels).index(best.label) if best else 0,
                             key="search.open.pick")

@@ -14,35 +14,53 @@ BACKENDS = ("local", "ray")
 
 
 def map_unordered(fn: Callable, items: Sequence, backend: str = "local", workers: int | None = None,
-                  address: str | None = None) -> Iterator[tuple[int, object]]:
-    """(index, fn(items[index])) as tasks finish. `local`: `workers` processes (default: the cores; 1 runs in this
-    process); `ray`: tasks on the cluster at `address` (None: a local Ray started here)."""
+                  address: str | None = None, wanted: Callable[[int], bool] | None = None
+                  ) -> Iterator[tuple[int, object]]:
+    """(index, fn(items[index])) as tasks finish, started in the items' order. `local`: `workers` processes (default:
+    the cores; 1 runs in this process); `ray`: tasks on the cluster at `address` (None: a local Ray started here).
+    `wanted(index)`, asked as the item is about to start (every result yielded before then already seen by the
+    caller), skips it when False: nothing is yielded for it."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}", "--backend")
     if address is not None and backend != "ray":
         raise ConfigError(f"{address!r} is a Ray cluster's address: only with --backend ray", "--address")
+    starts = (i for i in range(len(items)) if wanted is None or wanted(i))  # asked lazily, as each would start
     if backend == "ray":
-        yield from _ray(fn, items, address)
+        yield from _ray(fn, items, starts, address)
         return
     workers = min(workers or os.cpu_count() or 1, len(items)) or 1
     if workers == 1:
-        for i, item in enumerate(items):
-            yield i, fn(item)
+        for i in starts:
+            yield i, fn(items[i])
         return
     # spawn: workers start clean (the parent may hold threads, e.g. a progress bar's, that fork would copy mid-state)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = {pool.submit(fn, item): i for i, item in enumerate(items)}
-        try:
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    yield pending.pop(f), f.result()
-        finally:
-            for f in pending:
+        yield from _windowed(pool.submit, lambda f: f.result(), _wait_local, fn, items, starts, workers)
+
+
+def _wait_local(pending) -> list:
+    return list(wait(pending, return_when=FIRST_COMPLETED)[0])
+
+
+def _windowed(submit: Callable, result: Callable, wait_some: Callable, fn: Callable, items: Sequence,
+              starts: Iterator[int], window: int) -> Iterator[tuple[int, object]]:
+    """At most `window` tasks in flight, the next started as one finishes (so `starts` asks `wanted` late)."""
+    pending: dict = {}
+    try:
+        while True:
+            while len(pending) < window and (i := next(starts, None)) is not None:
+                pending[submit(fn, items[i])] = i
+            if not pending:
+                return
+            for f in wait_some(pending):
+                yield pending.pop(f), result(f)
+    finally:
+        for f in pending:
+            if hasattr(f, "cancel"):
                 f.cancel()
 
 
-def _ray(fn: Callable, items: Sequence, address: str | None) -> Iterator[tuple[int, object]]:
+def _ray(fn: Callable, items: Sequence, starts: Iterator[int], address: str | None) -> Iterator[tuple[int, object]]:
     check_address(address)
     try:
         import ray
@@ -57,11 +75,9 @@ def _ray(fn: Callable, items: Sequence, address: str | None) -> Iterator[tuple[i
             raise ConfigError(f"cannot reach a Ray cluster at {address}: {e}", "--address") from None
     try:
         task = ray.remote(fn)
-        refs = {task.remote(item): i for i, item in enumerate(items)}
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1)
-            for ref in ready:
-                yield refs.pop(ref), ray.get(ref)
+        window = max(1, int(ray.cluster_resources().get("CPU", 1)))  # the cluster's cores busy, no more
+        yield from _windowed(lambda f, item: task.remote(item), ray.get,
+                             lambda refs: ray.wait(list(refs), num_returns=1)[0], fn, items, starts, window)
     finally:
         if started:
             ray.shutdown()

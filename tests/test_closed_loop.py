@@ -188,7 +188,7 @@ def loop_spec(**over) -> dict:
     base = users(16, think=1.0, num_requests=400)
     base["slo"] = {"ttft_s": 0.5, "tpot_s": 0.04, "quantile": 0.9}
     return {"name": "u", "scenario": base, "target": {"users": 40}, "space": {"replicas": [1, 2]},
-            "search": {"max_requests": 400, "precision": 0.1}, **over}
+            "search": {"max_requests": 400, "precision": 0.1, "prune_costlier": False}, **over}
 
 
 def test_a_closed_loop_s_capacity_is_the_most_users_within_the_slos(tmp_path):
@@ -212,7 +212,8 @@ def test_a_closed_loop_s_capacity_is_the_most_users_within_the_slos(tmp_path):
     assert not run_probe(plan, probe(int(one.missed_at_rps)), users=int(one.missed_at_rps))[0]
     same = [(s.prompt_len, s.output_len) for s in probe(3)]  # every count of users sees the same requests
     assert sorted(same) == sorted((s.prompt_len, s.output_len) for s in probe(30)) and len(same) == 400
-    short = run_search(parse_search_spec(loop_spec(search={"max_requests": 60, "precision": 0.1})), workers=1)
+    short = run_search(parse_search_spec(loop_spec(search={"max_requests": 60, "precision": 0.1,
+                                                           "prune_costlier": False})), workers=1)
     limited = short.rows[1]
     assert limited.probe_limited and limited.capacity_rps <= 60 / STEADY_ROUNDS
     assert "too few to show a sustained load" in limited.reason and short.recommended is None

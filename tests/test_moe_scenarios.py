@@ -79,7 +79,7 @@ def test_the_search_sweeps_data_and_expert_parallelism():
     search = parse_search_spec({"name": "t", "scenario": base, "target": {"rate": 4.0},
                                 "space": {"parallel.data_parallel_size": [1, 2, 3],
                                           "parallel.enable_expert_parallel": [False, True]},
-                                "search": {"max_requests": 200, "precision": 0.2}})
+                                "search": {"max_requests": 200, "precision": 0.2, "prune_costlier": False}})
     by = {r.label: r for r in run_search(search, workers=1).rows}
     assert set(by) == {f"dp={d} ep={e}" for d in (1, 2, 3) for e in ("False", "True")}
     assert by["dp=3 ep=True"].status == "pruned" and "does not divide the 128 experts" in by["dp=3 ep=True"].reason

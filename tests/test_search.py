@@ -25,9 +25,9 @@ BASE = {"model": "Llama-2-7B", "hardware": "A100-80GB",
         "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "quantile": 0.9}}
 
 
-def spec(**space) -> dict:
+def spec(prune_costlier: bool = True, **space) -> dict:
     return {"name": "t", "scenario": BASE, "target": {"rate": 3.0}, "space": space,
-            "search": {"max_requests": 600, "precision": 0.1}}
+            "search": {"max_requests": 600, "precision": 0.1, "prune_costlier": prune_costlier}}
 
 
 def test_configurations_apply_dotted_keys_and_prune_what_cannot_run():
@@ -54,7 +54,7 @@ def test_apply_sets_keys_pools_ratios_and_model_dtype():
 
 
 def test_capacity_is_the_last_grid_rate_that_meets_the_slos():
-    search = parse_search_spec(spec(replicas=[1, 2]))
+    search = parse_search_spec(spec(replicas=[1, 2], prune_costlier=False))
     result = run_search(search, workers=1)
     one, two = result.rows
     assert two.capacity_rps > 1.5 * one.capacity_rps
@@ -80,10 +80,32 @@ def test_the_recommendation_is_the_cheapest_that_carries_the_target_and_the_othe
     able = [r for r in result.rows if r.status == "ok" and r.capacity_rps >= 3.0]
     assert best is not None and best.usd_per_hour == min(r.usd_per_hour for r in able)
     for r in result.rows:
-        if r is not best:
+        if r.status == "pruned":  # costlier than the recommendation: never searched
+            assert r.usd_per_hour > best.usd_per_hour and r.probes == 0 and "search.prune_costlier" in r.reason
+        elif r is not best:
             assert r.reason.startswith(("SLO missed", "carries the target", "as cheap"))
     assert any(r.pareto for r in result.rows) and best.meets_at_target
     assert json.dumps(result.to_json())
+
+
+def test_configurations_costlier_than_the_cheapest_that_carries_the_target_are_not_searched():
+    """Pruning by cost changes nothing but the rows it prunes: every configuration as cheap as the recommendation or
+    cheaper has the row a full search gives it (Pareto marks included), every costlier one is pruned, saying why."""
+    space = {"hardware": ["L4", "A100-80GB", "H100-SXM"], "replicas": [1, 2]}
+    full = run_search(parse_search_spec(spec(prune_costlier=False, **space)), workers=1)
+    quick = run_search(parse_search_spec(spec(**space)), workers=1)
+    best = full.recommended
+    assert quick.recommended.label == best.label and quick.probes < full.probes
+    costlier = 0
+    for a, b in zip(full.to_json()["rows"], quick.to_json()["rows"]):
+        if a["usd_per_hour"] <= best.usd_per_hour:
+            assert a == b
+        else:
+            costlier += 1
+            assert b["status"] == "pruned" and b["probes"] == 0 and b["capacity_rps"] == 0
+            assert b["reason"] == (f"not searched: ${a['usd_per_hour']:.2f}/h, more than ${best.usd_per_hour:.2f}/h, "
+                                   "the cheapest that carries the target (search.prune_costlier)")
+    assert costlier >= 2
 
 
 def test_a_tie_in_cost_and_capacity_goes_to_the_configuration_further_from_its_slos():
@@ -106,9 +128,12 @@ def test_a_tie_in_cost_and_capacity_goes_to_the_configuration_further_from_its_s
 
 
 def test_same_results_in_one_process_in_several_and_on_ray():
+    """Also the rows pruned as costlier: the same whether a costlier one was searched (beside the one that carries
+    the target, in another worker) or skipped."""
     search = parse_search_spec(spec(hardware=["A100-80GB", "H100-SXM"], pools=[None, [1, 1]]))
     rows = lambda r: [{k: v for k, v in row.items()} for row in r.to_json()["rows"]]  # noqa: E731
     one = rows(run_search(search, workers=1))
+    assert sum("search.prune_costlier" in r["reason"] for r in one) == 3
     two = rows(run_search(search, workers=2))
     ray = rows(run_search(search, backend="ray"))
     assert one == two == ray
@@ -120,7 +145,8 @@ def test_bad_specs_are_one_line_errors():
                        ({**spec(), "space": {"pools": [[1]]}}, "space.pools"),
                        ({**spec(replicas=[1]), "target": {"rate": -1}}, "target.rate"),
                        ({**spec(replicas=[1]), "scenario": {**BASE, "slo": {}}}, "target.slo"),
-                       ({**spec(replicas=list(range(1, 200)), hardware=["a"] * 60)}, "space")]:
+                       ({**spec(replicas=list(range(1, 200)), hardware=["a"] * 60)}, "space"),
+                       ({**spec(replicas=[1]), "search": {"prune_costlier": "maybe"}}, "search.prune_costlier")]:
         with pytest.raises(ConfigError) as e:
             parse_search_spec(bad)
         assert e.value.key_path == where

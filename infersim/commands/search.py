@@ -3,12 +3,14 @@
 A search spec names a base scenario, a target (a rate the deployment must carry, SLOs on TTFT/TPOT quantiles) and a
 space: dotted scenario keys, each with the values to try. Every combination is a configuration. Those that cannot
 run (the model does not fit, TP does not divide the heads, more devices than allowed) are pruned with their reason
-before anything is simulated. For each of the others, its capacity: the highest arrival rate on a geometric grid at
-which the workload's first `max_requests` requests, their arrival gaps scaled to that rate, still meet the SLOs
-(counting rejected requests as misses), found by an exponential then a binary search on the grid, each probe
-stopped as soon as enough requests have missed to decide it. The grid and the search depend on the configuration
-alone, so the results are the same in any order, on any backend. Then: cost per hour and per million output tokens
-at capacity, latency at the target rate, the Pareto fronts, the recommendation and why each other one lost.
+before anything is simulated. The others are searched cheapest first, and those that cost more per hour than the
+cheapest found to carry the target are pruned unsearched (search.prune_costlier). For each of the others, its
+capacity: the highest arrival rate on a geometric grid at which the workload's first `max_requests` requests, their
+arrival gaps scaled to that rate, still meet the SLOs (counting rejected requests as misses), found by an
+exponential then a binary search on the grid, each probe stopped as soon as enough requests have missed to decide
+it. The grid and the search depend on the configuration alone, so the results are the same in any order, on any
+backend. Then: cost per hour and per million output tokens at capacity, latency at the target rate, the Pareto
+fronts, the recommendation and why each other one lost.
 """
 from __future__ import annotations
 
@@ -80,6 +82,9 @@ class SearchSettings(StrictModel):
     min_rate: PositiveFloat = Field(0.01, le=1e6, description="the grid's lowest rate (requests/s)")
     max_rate: PositiveFloat = Field(1e5, le=1e7, description="the grid's highest rate (requests/s)")
     max_devices: PositiveInt | None = Field(None, le=1_000_000, description="prune configurations with more devices")
+    prune_costlier: bool = Field(True, description="skip configurations that cost more per hour than the cheapest "
+                                                   "one found to carry the target (false: search every one, for the "
+                                                   "whole Pareto front)")
 
     @model_validator(mode="after")
     def _ordered(self) -> "SearchSettings":
@@ -524,33 +529,58 @@ def run_search(search: Search, backend: str = "local", workers: int | None = Non
                progress: Callable[[int, int], None] | None = None, cancel=None, address: str | None = None
                ) -> SearchResult:
     """Search every configuration on `backend` ("local": processes on this machine; "ray": a Ray cluster at
-    `address`, or a local one); `progress(done, total)` as configurations finish; `cancel` (a threading.Event) stops
-    the search between configurations (ConfigError)."""
+    `address`, or a local one), cheapest first, skipping (with search.prune_costlier) those costlier than the
+    cheapest found to carry the target; `progress(done, total)` as configurations finish; `cancel` (a
+    threading.Event) stops the search between configurations (ConfigError)."""
     t0 = time.perf_counter()
     probes = probes_of(search)
-    rows: list[ConfigResult | None] = [None] * len(probes)
-    todo, seen = [], {}
-    for i, probe in enumerate(probes):  # pruned before anything is simulated; a repeated deployment once
-        key = json.dumps({k: v for k, v in probe.data.items() if k != "name"}, sort_keys=True)
-        row, plan = prune(probe)
-        if plan is None:
-            rows[i] = row
-        elif key in seen:
-            rows[i] = replace(row, status="pruned", reason=f"the same deployment as {probes[seen[key]].label}")
-        else:
-            seen[key] = i
-            todo.append(i)
+    rows = pruned_rows(probes)
+    todo = sorted((i for i, r in enumerate(rows) if r.status == "ok"), key=lambda i: (rows[i].usd_per_hour, i))
+    cheapest = [math.inf]  # $/h of the cheapest configuration found to carry the target so far
+    costlier = search.settings.prune_costlier
     done = len(probes) - len(todo)
-    for j, row in map_unordered(search_one, [probes[i] for i in todo], backend, workers, address):
+    for j, row in map_unordered(search_one, [probes[i] for i in todo], backend, workers, address,
+                                wanted=lambda j: not costlier or rows[todo[j]].usd_per_hour <= cheapest[0]):
         rows[todo[j]] = row
+        if row.capacity_rps >= search.target_rate:
+            cheapest[0] = min(cheapest[0], row.usd_per_hour)
         done += 1
         if progress:
             progress(done, len(probes))
         if cancel is not None and cancel.is_set():
             raise ConfigError("search cancelled")
+    for i in todo:  # skipped, or searched before a cheaper one was found: pruned alike, whatever the backend's order
+        if costlier and rows[i].usd_per_hour > cheapest[0]:
+            rows[i] = replace(rows[i], status="pruned", reason=f"not searched: ${rows[i].usd_per_hour:.2f}/h, more "
+                              f"than ${cheapest[0]:.2f}/h, the cheapest that carries the target "
+                              "(search.prune_costlier)", **CLEAR)
+    if progress:
+        progress(len(probes), len(probes))
     result = rank(search, rows)
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+# what a searched row found, cleared when the row is pruned for its cost after all
+CLEAR = {f: ConfigResult.__dataclass_fields__[f].default for f in (
+    "capacity_rps", "missed_at_rps", "usd_per_million_tokens", "ttft_p90_s", "tpot_p90_s", "e2e_p90_s",
+    "meets_at_target", "probe_limited", "probes")}
+
+
+def pruned_rows(probes: list[Probe]) -> list[ConfigResult]:
+    """Every configuration's row before anything is simulated: pruned with the reason if it cannot run, or as a
+    repeat of an earlier one's deployment (e.g. `replicas` beside `pools`); status ok with its devices and $/h
+    otherwise."""
+    rows, seen = [], {}
+    for i, probe in enumerate(probes):
+        key = json.dumps({k: v for k, v in probe.data.items() if k != "name"}, sort_keys=True)
+        row, plan = prune(probe)
+        if plan is not None and key in seen:
+            row = replace(row, status="pruned", reason=f"the same deployment as {probes[seen[key]].label}")
+        elif plan is not None:
+            seen[key] = i
+        rows.append(row)
+    return rows
 
 
 def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
