@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # judges the slowdown beside a burner: a busy machine fails it
 
 SCENARIO = {"name": "busy-check", "model": "SmolLM2-135M", "hardware": "cpu",
             "serving": {"max_num_seqs": 4, "max_model_len": 256, "max_num_batched_tokens": 256},
