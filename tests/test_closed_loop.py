@@ -281,7 +281,7 @@ def test_the_executor_keeps_the_users_loop_and_rejects_what_the_simulator_reject
     reqs = {r.id: r for r in requests}
     assert len(reqs) == 18 and all(r.is_done for r in requests) and in_flight(requests) <= 3
     # a request the engine refuses ends when the replay sends it, a loop's turn after its arrival time
-    assert_users_take_the_units_in_order(specs, requests, 3, abs=2e-3)
+    assert_users_take_the_units_in_order(specs, requests, 3, abs=5e-3)  # the replay's wall clock: a busy CI is late
     rejected = {r.id for r in requests if r.status is Status.REJECTED}
     assert rejected == {s.id for s in specs if s.prompt_len + s.output_len > 64} != set()
     assert {q.id for q in simulate(plan, specs).requests if q.status is Status.REJECTED} == rejected

@@ -10,9 +10,13 @@ from executor.core.build import make_engine
 from executor.core.prompts import corpus_ids, prompt_ids
 from executor.distributed.pipeline import pipeline
 from executor.distributed.tensor_parallel import tensor_parallel
+from sim.config import environment
 from tests.parallel_workloads import outputs, policy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not environment.long_tests(), reason="four SmolLM2 loads over 5 processes, ~45 s; the "
+                                 "tiny model's twins (tests/test_executor_tensor_parallel.py, test_executor_pipeline.py) "
+                                 "run by default: INFERSIM_LONG=1 pytest ...")]
 
 LENGTHS = [(40, 6), (150, 3), (9, 10), (90, 5), (230, 2), (61, 8)]  # (prompt, output): mixed steps
 
