@@ -46,7 +46,7 @@ from sim.simulator.cluster import sim_records, simulate
 from tests.helpers import assert_itl_is_the_token_gaps
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = settings(derandomize=True, database=None, deadline=None, max_examples=120,
+FAST = settings(derandomize=True, database=None, deadline=None, max_examples=80,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 EXPLORE = environment.explore_examples()  # examples of the long exploration (0: skip it)
 # figures averaged over the samples taken at engine events, which runs of decode steps make coarser
