@@ -443,16 +443,33 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
     after the last (`quick_sweep`: the short sweep) — write that profile there and predict with it instead of
     `profile`: a profile is a snapshot of the machine's speed while it was measured, and this one is measured
     in the same minutes as the runs."""
-    from executor.serving.serve import set_threads
-
     if alongside is not None and real_from:
         raise ConfigError("--profile-alongside measures a profile while the executor runs: not with --real-from",
                           "--profile-alongside")
     if not real_from:
         check_graphs([plan for plan, _ in plans], None if alongside else profile, device)
     load = load or model_loader(device)
-    # a speculative scenario also runs without speculation (in <out>/plain/), next to it so that both see the
-    # machine in the same state: their ratio is the speedup validated
+    jobs, main, plain = _validation_jobs(plans, real_from)
+    if real_from:
+        results = [_recorded_runs(folder, plan) for plan, _, folder in jobs]
+    else:
+        specs = [generate_requests(plan.workload, plan.base_dir) for plan, _, _ in jobs]
+        sweep = alongside_sweep([plan for plan, _, _ in jobs], load, device, quick_sweep) \
+            if alongside is not None else None
+        results = _executor_runs(jobs, specs, (main, plain), load, device, threads, max(1, runs), sweep)
+        if sweep is not None:
+            from calibration.profile import write_profile
+
+            write_profile(alongside, sweep.profile(jobs[0][0].model.model_dump()))
+            profile = alongside
+    return [score(plan, profile, results[m], device, out, None if p is None else results[p])
+            for (plan, out), m, p in zip(plans, main, plain)]
+
+
+def _validation_jobs(plans: list, real_from: list | None) -> tuple[list, list[int], list[int | None]]:
+    """The executor runs of `plans`: (plan, output folder, recorded runs' folder) each, and per plan the index of
+    its job and of its plain twin's. A speculative scenario also runs without speculation (in <out>/plain/), next
+    to it so that both see the machine in the same state: their ratio is the speedup validated."""
     jobs, main, plain = [], [], []
     for k, (plan, out) in enumerate(plans):
         main.append(len(jobs))
@@ -463,40 +480,39 @@ def validate_many(plans: list, profile: Path, device: str = "cpu", threads: int 
                          real_from[k] / "plain" if real_from else None))
         else:
             plain.append(None)
+    return jobs, main, plain
 
-    def recorded_runs(folder: Path, plan: Plan) -> list:
-        # run1/, run2/, ... as `validate --out` writes them; anything else there (run1.png, runs.tar.gz) is not a run
-        runs = sorted((f for f in folder.glob("run*") if f.name[3:].isdigit()), key=lambda f: int(f.name[3:]))
-        if not runs:
-            raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
-        specs = generate_requests(plan.workload, plan.base_dir)
-        return [read_run(f, specs) for f in runs]
 
-    if real_from:
-        results = [recorded_runs(folder, plan) for plan, _, folder in jobs]
-    else:
-        results = [[] for _ in jobs]
-        specs = [generate_requests(plan.workload, plan.base_dir) for plan, _, _ in jobs]
-        sweep = alongside_sweep([plan for plan, _, _ in jobs], load, device, quick_sweep) \
-            if alongside is not None else None
-        slices = max(1, runs) * len(jobs) + 1  # one before each executor run, one after the last
-        for i in range(max(1, runs)):
-            for n, k in enumerate(run_order(main, plain, i)):
-                plan, out, _ = jobs[k]
-                loaded = load(plan)
-                set_threads(plan, threads)  # before the sweep, which times steps too
-                if sweep is not None:
-                    sweep.run_until((i * len(jobs) + n + 1) / slices)
-                print_stage(f"{plan.name}: executor run {i + 1} of {max(1, runs)}")
-                results[k].append(run_real(plan, specs[k], device, threads, loaded,
-                                           None if out is None else out / f"run{i + 1}"))
-        if sweep is not None:
-            from calibration.profile import write_profile
+def _recorded_runs(folder: Path, plan: Plan) -> list:
+    """The runs `validate --out` recorded in `folder` (run1/, run2/, ...), read against the plan's requests."""
+    # anything else there (run1.png, runs.tar.gz) is not a run
+    runs = sorted((f for f in folder.glob("run*") if f.name[3:].isdigit()), key=lambda f: int(f.name[3:]))
+    if not runs:
+        raise ConfigError(f"no recorded runs (run1/, ...) in {folder}", "--real-from")
+    specs = generate_requests(plan.workload, plan.base_dir)
+    return [read_run(f, specs) for f in runs]
 
-            write_profile(alongside, sweep.profile(jobs[0][0].model.model_dump()))
-            profile = alongside
-    return [score(plan, profile, results[m], device, out, None if p is None else results[p])
-            for (plan, out), m, p in zip(plans, main, plain)]
+
+def _executor_runs(jobs: list, specs: list, pairs: tuple, load, device: str, threads: int | None, runs: int,
+                   sweep) -> list[list]:
+    """Every job run `runs` times on the executor on its requests (`specs`), interleaved (run_order over `pairs`:
+    the main and plain job indices), each run written to <out>/run<i>/; with an alongside `sweep`, a slice of it
+    before every run. Per job, its runs."""
+    from executor.serving.serve import set_threads
+
+    results = [[] for _ in jobs]
+    slices = runs * len(jobs) + 1  # one before each executor run, one after the last
+    for i in range(runs):
+        for n, k in enumerate(run_order(*pairs, i)):
+            plan, out, _ = jobs[k]
+            loaded = load(plan)
+            set_threads(plan, threads)  # before the sweep, which times steps too
+            if sweep is not None:
+                sweep.run_until((i * len(jobs) + n + 1) / slices)
+            print_stage(f"{plan.name}: executor run {i + 1} of {runs}")
+            results[k].append(run_real(plan, specs[k], device, threads, loaded,
+                                       None if out is None else out / f"run{i + 1}"))
+    return results
 
 
 def print_stage(text: str) -> None:

@@ -70,6 +70,11 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
         _fail(e)
 
 
+def _http_bound(flag: str, low: float, high: float, help: str):
+    """A bound of serve --http's front, within [low, high]: None (the server's default) unless given."""
+    return typer.Option(None, flag, min=low, max=high, help=f"--http: {help}")
+
+
 @app.command()
 def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
           out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the report and the step trace"),
@@ -91,40 +96,31 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
           api_key: Optional[str] = typer.Option(None, "--api-key", help="--http: clients must send Authorization: "
                                                 "Bearer KEY; /health and /metrics stay open (default: "
                                                 "$INFERSIM_API_KEY, else no key)"),
-          max_request_bytes: Optional[int] = typer.Option(None, "--max-request-bytes", min=1024, max=1 << 30,
-                                                          help="--http: larger request bodies get 413 unread "
-                                                          "(default 4 MiB)"),
-          max_connections: Optional[int] = typer.Option(None, "--max-connections", min=1, max=1_000_000,
-                                                        help="--http: past this many open connections a request "
-                                                        "gets 503 (default 1024)"),
-          request_timeout: Optional[float] = typer.Option(None, "--request-timeout", min=0.1, max=3600.0,
-                                                          help="--http: seconds a connection has to send a whole "
-                                                          "request, headers and body (default 30)"),
-          stall_timeout: Optional[float] = typer.Option(None, "--stall-timeout", min=0.1, max=3600.0,
-                                                        help="--http: a response its client reads nothing of for "
-                                                        "this many seconds is dropped, its KV freed (default 30)"),
-          shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", min=0.0, max=3600.0,
-                                                           help="--http: on SIGTERM or Ctrl-C, seconds requests in "
-                                                           "flight get to finish before they are cancelled "
-                                                           "(default 30)")) -> None:
+          max_request_bytes: Optional[int] = _http_bound("--max-request-bytes", 1024, 1 << 30, "larger request "
+                                                         "bodies get 413 unread (default 4 MiB)"),
+          max_connections: Optional[int] = _http_bound("--max-connections", 1, 1_000_000, "past this many open "
+                                                       "connections a request gets 503 (default 1024)"),
+          request_timeout: Optional[float] = _http_bound("--request-timeout", 0.1, 3600.0, "seconds a connection has "
+                                                         "to send a whole request, headers and body (default 30)"),
+          stall_timeout: Optional[float] = _http_bound("--stall-timeout", 0.1, 3600.0, "a response its client reads "
+                                                       "nothing of for this many seconds is dropped, its KV freed "
+                                                       "(default 30)"),
+          shutdown_timeout: Optional[float] = _http_bound("--shutdown-timeout", 0.0, 3600.0, "on SIGTERM or Ctrl-C, "
+                                                          "seconds requests in flight get to finish before they are "
+                                                          "cancelled (default 30)")) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
     its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
-    from infersim.commands.serve import serve_scenario
+    from infersim.commands.serve import check_serve_flags, serve_scenario
 
     front = {"api_key": api_key, "max_request_bytes": max_request_bytes, "max_connections": max_connections,
              "request_timeout_s": request_timeout, "stall_timeout_s": stall_timeout,
              "shutdown_timeout_s": shutdown_timeout}
     try:
+        check_serve_flags(http, profile, served_model, front)
         if http:
-            if profile is not None:
-                raise ConfigError("--profile measures a replay's speculative overhead: not with --http", "--profile")
             _serve_http(scenario, host, port, device, threads, out, quiet, served_model, front)
             return
-        given = [k for k, v in {"served_model": served_model, **front}.items() if v is not None]
-        if given:
-            flag = "--" + given[0].removesuffix("_s").replace("_", "-")
-            raise ConfigError(f"{flag} is a setting of an HTTP server: only with --http", flag)
         require_executor("serve")
         from executor.distributed.launch import WorkerError
     except ConfigError as e:

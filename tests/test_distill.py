@@ -8,7 +8,7 @@ import torch
 from executor.model.attention import AttentionMetadata
 from executor.model.cache_engine import KVCache
 from executor.model.tiny import tiny_model
-from executor.training.speculative import dense_hidden, distill, draft_vocab, teacher_targets
+from executor.training.speculative import dense_hidden, distill, draft_vocab, teacher_data, teacher_targets
 from tests.test_engine import prompts
 
 torch.set_num_threads(1)
@@ -31,6 +31,22 @@ def test_draft_vocab_ranks_by_frequency_and_keeps_eos(teacher):
     data = teacher_targets(teacher, [[5, 5, 5, 7, 9], [5, 7, 11]], k=4)
     vocab = draft_vocab(data, 3, always=[2])
     assert vocab[0] == 2 and vocab[1] == 5 and len(vocab) == 3
+
+
+def test_teacher_data_keeps_long_enough_pairs_with_their_groups(teacher):
+    # what distill, train-medusa (min_len 2) and train-eagle (min_len 3) train on
+    prompts = [[5, 6], [7], [8, 9, 10], [11], [12, 13]] + [[20 + i, 21] for i in range(11)]
+    answers = [[1], [], [2, 3], [4], [14]] + [[30 + i] for i in range(11)]
+    groups = ["a", "b", "a", "c", "d"] + [f"g{i}" for i in range(11)]
+    data, vocab, held = teacher_data(teacher, prompts, answers, groups, eos=2, vocab_size=20, min_len=3,
+                                     keep_hidden=True)
+    kept = [p + a for p, a in zip(prompts, answers) if len(p + a) >= 3]
+    assert data.sequences == kept and [5, 6, 1] in kept and [11, 4] not in kept
+    assert data.prompt_lens == [2, 3] + [2] * 12 and data.hidden is not None
+    assert vocab[0] == 2 and len(vocab) == 20
+    assert held == [0, 1, 9]  # every 8th group of the kept sequences, whole: "a" (two of them) and "g6"
+    short, _, _ = teacher_data(teacher, prompts, answers, groups, eos=None, vocab_size=8)
+    assert short.sequences == [p + a for p, a in zip(prompts, answers) if p + a != [7]] and short.hidden is None
 
 
 def test_distill_lowers_the_held_out_loss(teacher):

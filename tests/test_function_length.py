@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sim", "executor", "calibration", "infersim", "dashboard")
-MAX_LINES = 80
+MAX_LINES = 60
 
 
 def long_functions(root: Path = ROOT, limit: int = MAX_LINES) -> list[str]:
@@ -23,7 +23,7 @@ def long_functions(root: Path = ROOT, limit: int = MAX_LINES) -> list[str]:
     return found
 
 
-def test_no_function_is_longer_than_80_lines():
+def test_no_function_is_longer_than_60_lines():
     offenders = long_functions()
     assert not offenders, f"functions over {MAX_LINES} lines (extract named steps): " + "; ".join(offenders)
 

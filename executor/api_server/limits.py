@@ -43,64 +43,69 @@ def _timeout_response() -> bytes:
 TIMEOUT_RESPONSE = _timeout_response()
 
 
-def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the request deadline, the stall deadline and the send buffer of `limits`."""
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with the request deadline, the stall deadline and the send buffer of its `limits`
+    (a subclass per server sets them: guarded_protocol)."""
 
-    class GuardedH11(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
-            transport.set_write_buffer_limits(high=limits.send_buffer_bytes)  # unsent bytes it may hold, as the kernel
-            self.read_timer = self.stall_timer = None
+    limits = ServerLimits()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+        transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)  # unsent bytes it may hold, as the kernel
+        self.read_timer = self.stall_timer = None
+        self._arm_read()
+
+    def _arm_read(self) -> None:
+        """The next request must arrive whole within request_timeout_s."""
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+        self.armed_cycle = self.cycle
+        self.read_timer = self.loop.call_later(self.limits.request_timeout_s, self._read_expired)
+
+    def _read_expired(self) -> None:
+        self.read_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing():
+            return
+        if cycle is self.armed_cycle or (cycle.more_body and not cycle.response_started):
+            if cycle is not self.armed_cycle:  # a request begun and not finished: say why it ends
+                self.transport.write(TIMEOUT_RESPONSE)
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
             self._arm_read()
 
-        def _arm_read(self) -> None:
-            """The next request must arrive whole within request_timeout_s."""
-            if self.read_timer is not None:
-                self.read_timer.cancel()
-            self.armed_cycle = self.cycle
-            self.read_timer = self.loop.call_later(limits.request_timeout_s, self._read_expired)
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stall_timer is None:
+            self.stall_timer = self.loop.call_later(self.limits.stall_timeout_s, self._stalled)
 
-        def _read_expired(self) -> None:
-            self.read_timer = None
-            cycle = self.cycle
-            if self.transport.is_closing():
-                return
-            if cycle is self.armed_cycle or (cycle.more_body and not cycle.response_started):
-                if cycle is not self.armed_cycle:  # a request begun and not finished: say why it ends
-                    self.transport.write(TIMEOUT_RESPONSE)
-                self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_read()
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self.stall_timer is None:
-                self.stall_timer = self.loop.call_later(limits.stall_timeout_s, self._stalled)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self.stall_timer is not None:
-                self.stall_timer.cancel()
-                self.stall_timer = None
-
-        def _stalled(self) -> None:
-            """The client read nothing for stall_timeout_s: drop the connection (its handler ends the request)."""
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
             self.stall_timer = None
-            if self.cycle is not None:
-                self.cycle.scope[STALLED_KEY] = True
-            self.transport.abort()
 
-        def connection_lost(self, exc) -> None:
-            for timer in (self.read_timer, self.stall_timer):
-                if timer is not None:
-                    timer.cancel()
-            self.read_timer = self.stall_timer = None
-            super().connection_lost(exc)
+    def _stalled(self) -> None:
+        """The client read nothing for stall_timeout_s: drop the connection (its handler ends the request)."""
+        self.stall_timer = None
+        if self.cycle is not None:
+            self.cycle.scope[STALLED_KEY] = True
+        self.transport.abort()
 
-    return GuardedH11
+    def connection_lost(self, exc) -> None:
+        for timer in (self.read_timer, self.stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self.read_timer = self.stall_timer = None
+        super().connection_lost(exc)
+
+
+def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the request deadline, the stall deadline and the send buffer of `limits`."""
+    return type("GuardedH11", (GuardedH11,), {"limits": limits})

@@ -44,7 +44,35 @@ def _check_kv_dtype(kv_dtype: str | None) -> None:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; allowed: None (the model's dtype) or 'int8'")
 
 
-class KVCache:
+class CacheTensor:
+    """What a cache's one tensor `data` (its blocks along dim 2) and `kv_dtype` say of it, for every KV cache."""
+
+    data: torch.Tensor
+    kv_dtype: str | None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype (int8 for an int8 cache; `compute_dtype` is what attention reads)."""
+        return self.data.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == "int8"
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class KVCache(CacheTensor):
     """Block pools for K and V of every layer (int8 rows with their scales where kv_dtype is "int8")."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -88,27 +116,6 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return self.data.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[2]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The storage dtype (int8 for an int8 cache; `compute_dtype` is what attention reads)."""
-        return self.data.dtype
-
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype == "int8"
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_pool, v_pool) of a layer, each `[num_blocks, block_size, num_kv_heads, head_dim]` (views)."""

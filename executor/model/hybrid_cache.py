@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.model.attention import AttentionMetadata, _token_positions
+from executor.model.cache_engine import CacheTensor
 
 ATTENTION_KINDS = ("full", "sliding_window", "chunked_local")
 
@@ -71,7 +72,7 @@ def group_layers(layer_kinds: list[tuple[str, int]], group_size: int) -> tuple[t
     return kinds, tuple(slots)
 
 
-class HybridKVCache:
+class HybridKVCache(CacheTensor):
     """Page tensors of a hybrid model's KV cache (see the module docstring); `data` [slots, 1, num_blocks, page]."""
 
     hybrid = True
@@ -83,26 +84,6 @@ class HybridKVCache:
         self.kv_dtype = None
         self.compute_dtype = dtype
         self.data = torch.zeros(layout.group_size, 1, num_blocks, layout.page_elements, dtype=dtype, device=device)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[2]
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def quantized(self) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
     def page(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s pages, [num_blocks, page elements] (a view)."""

@@ -220,35 +220,24 @@ extern "C" void linear_small(const float *x, int64_t M, int64_t K, const float *
 
 /* VL bytes at p, signed (s8) or unsigned (u8), widened to int32 lanes: one vpmovsxbd / vpmovzxbd (GCC's
    __builtin_convertvector of byte vectors compiles to scalar extracts and inserts). */
-static inline vwi widen_s8(const uint8_t *p) {
+template <bool is_signed>
+static inline vwi widen8(const uint8_t *p) {
   vwi r;
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+  const __m128i b = _mm_loadu_si128((const __m128i *)p);
+  const __m512i v = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   memcpy(&r, &v, sizeof r);
 #elif defined(__AVX2__)
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+  const __m256i v = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
   memcpy(&r, &v, sizeof r);
 #else
-  for (int j = 0; j < VL; j++) r[j] = (int8_t)p[j];
+  for (int j = 0; j < VL; j++) r[j] = is_signed ? (int32_t)(int8_t)p[j] : (int32_t)p[j];
 #endif
   return r;
 }
 
-static inline vwi widen_u8(const uint8_t *p) {
-  vwi r;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-  memcpy(&r, &v, sizeof r);
-#elif defined(__AVX2__)
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-  memcpy(&r, &v, sizeof r);
-#else
-  for (int j = 0; j < VL; j++) r[j] = p[j];
-#endif
-  return r;
-}
-
-static inline vw s8_to_float(const uint8_t *p) { return __builtin_convertvector(widen_s8(p), vw); }
+static inline vw s8_to_float(const uint8_t *p) { return __builtin_convertvector(widen8<true>(p), vw); }
 static const int64_t QPREFETCH = 4096, QPREFETCH_ALONE = 32768;  /* bytes ahead, as linear_small's */
 
 /* NR fp16 values (a group's scales or mins of one panel) as two vectors of floats. */
@@ -398,7 +387,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
           if (KS > 1 && k >= k1) break;
           const uint8_t *pk = panel + k * VL;
           prefetch_stream(pk, k, VL, pf, pf_step, alone);
-          const vwi v = widen_u8(pk);
+          const vwi v = widen8<false>(pk);
           const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
 #pragma GCC unroll 4
           for (int i = 0; i < MR; i++) {
@@ -421,7 +410,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
     for (int64_t k = k0; k < k1; k++) {
       const uint8_t *pk = panel + k * VL;
       prefetch_stream(pk, k, VL, pf, pf_step, alone);
-      const vwi v = widen_u8(pk);
+      const vwi v = widen8<false>(pk);
       const vw w0 = __builtin_convertvector(v & 15, vw) * s0 + m0;
       const vw w1 = __builtin_convertvector(v >> 4, vw) * s1 + m1;
 #pragma GCC unroll 16
@@ -747,7 +736,7 @@ extern "C" void dequantize_panels(const uint8_t *panels, const void *scales, int
       load_halves(sm, s0, s1);
       load_halves(sm + NR, m0, m1);
       for (int64_t k = k0; k < (k0 + gs < K ? k0 + gs : K); k++) {
-        const vwi v = widen_u8(panel + k * VL);
+        const vwi v = widen8<false>(panel + k * VL);
         storew(t, __builtin_convertvector(v & 15, vw) * s0 + m0);
         storew(t + VL, __builtin_convertvector(v >> 4, vw) * s1 + m1);
         memcpy(out + k * N + b * NR, t, nn * sizeof(float));

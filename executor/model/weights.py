@@ -165,3 +165,13 @@ def load_trained(folder: Path, name: str, hidden_size: int, missing: str) -> tup
     if meta["hidden_size"] != hidden_size:
         raise ValueError(f"{folder} holds a {name} for hidden size {meta['hidden_size']}, the target has {hidden_size}")
     return meta, load_file(str(weights))
+
+
+def load_own_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], shared: tuple[str, ...], what: str,
+                     folder: Path) -> None:
+    """Load a drafter's trained `tensors` (from load_trained) into `module`: the parameters it shares with its target
+    (names starting with `shared`) may be absent, nothing else; ValueError naming `what` and `folder` when they do
+    not fit."""
+    missing, unexpected = module.load_state_dict(tensors, strict=False)
+    if unexpected or [m for m in missing if not m.startswith(shared)]:
+        raise ValueError(f"{what} weights in {folder} do not fit: missing {missing}, unexpected {unexpected}")

@@ -27,7 +27,7 @@ from torch import nn
 from executor.model.attention import AttentionMetadata
 from executor.model.layers import Linear, RMSNorm
 from executor.model.llama import LlamaModel
-from executor.model.weights import load_trained, save_trained
+from executor.model.weights import load_own_weights, load_trained, save_trained
 from executor.speculative.draft_kv import PagedDraftCache
 from executor.speculative.drafter import Drafter
 from executor.speculative.verify import tree_mask
@@ -97,9 +97,8 @@ def load_eagle(folder: Path, target: LlamaModel) -> EagleHead:
     """A head saved by `infersim train-eagle`, on the target it was trained for."""
     meta, tensors = load_trained(folder, NAME, target.config.hidden_size, "train one with `infersim train-eagle")
     head = EagleHead(target, meta["vocab"])
-    missing, unexpected = head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    if unexpected or [m for m in missing if not m.startswith(("model.embed_tokens", "model.lm_head"))]:
-        raise ValueError(f"EAGLE weights in {folder} do not fit: missing {missing}, unexpected {unexpected}")
+    load_own_weights(head, {k: v.float() for k, v in tensors.items()}, ("model.embed_tokens", "model.lm_head"),
+                     "EAGLE", folder)
     head.meta = meta
     return head.eval()
 

@@ -19,24 +19,20 @@ import torch
 import torch.nn.functional as F
 
 from executor.core.cpu_load import CpuLoad
-from executor.core.prompts import corpus_ids
 from executor.model.layers import apply_rope
 from executor.speculative.eagle import EagleHead, default_eagle_dir
 from executor.speculative.medusa import TOPK
 from executor.training.speculative import (
     DistillData,
     _cosine_steps,
-    _load_smollm2,
     _soft,
     _vocab_columns,
     _warn_if_busy,
-    cached_answers,
     choose_tree,
-    draft_vocab,
-    held_out,
+    fit,
     stage,
-    teacher_targets,
-    training_prompts,
+    target_answers,
+    teacher_data,
 )
 
 
@@ -168,38 +164,31 @@ def train_eagle(target, data: DistillData, vocab: list[int], minutes: float, ste
         with torch.no_grad():
             return chain_loss(head, held_batch, steps).item()
 
-    before = best = held_loss()
+    def batch_loss() -> torch.Tensor:
+        first = int(torch.randint(max(1, len(by_length) - batch + 1), (1,), generator=gen))
+        return chain_loss(head, _batch(data, by_length[first:first + batch], col, seq_len, prompt_weight), steps)
+
+    before = held_loss()
     ranks_before = chain_rank_probs(head, data, held, steps)
-    best_state, best_step = {k: v.clone() for k, v in head.trainable_state_dict().items()}, 0
     log(f"held-out: loss {before:.3f}, first-choice acceptance by depth "
         + ", ".join(f"{r[0]:.3f}" for r in ranks_before) + " before training")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     by_length = sorted(train_idx, key=lambda i: len(data.sequences[i]))  # batches of similar lengths: little padding
-    t0, cpu0, step = time.perf_counter(), time.process_time(), 0
-    for step in _cosine_steps(opt, lr, minutes, max_steps):
-        first = int(torch.randint(max(1, len(by_length) - batch + 1), (1,), generator=gen))
-        loss = chain_loss(head, _batch(data, by_length[first:first + batch], col, seq_len, prompt_weight), steps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % eval_every == 0:
-            h = held_loss()
-            if h < best:
-                best, best_state, best_step = h, {k: v.clone() for k, v in head.trainable_state_dict().items()}, step
-            log(f"step {step}: loss {loss.item():.3f}, held-out {h:.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
-    head.load_state_dict(best_state, strict=False)
+    cpu0 = time.process_time()
+    run = fit(opt, _cosine_steps(opt, lr, minutes, max_steps), batch_loss, held_loss, before,
+              head.trainable_state_dict, lambda state: head.load_state_dict(state, strict=False), eval_every, log,
+              clip=params)
     for p in params:
         p.requires_grad_(False)
     head.eval()
     ranks = chain_rank_probs(head, data, held, steps)
-    log(f"held-out after {step} steps (best at step {best_step}): loss {best:.3f}, first-choice acceptance by depth "
-        + ", ".join(f"{r[0]:.3f}" for r in ranks))
-    return head, {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
+    log(f"held-out after {run.step} steps (best at step {run.best_step}): loss {run.best:.3f}, first-choice "
+        "acceptance by depth " + ", ".join(f"{r[0]:.3f}" for r in ranks))
+    return head, {"steps": run.step, "best_step": run.best_step, "train_minutes": (time.perf_counter() - run.t0) / 60,
                   "train_cpu_minutes": (time.process_time() - cpu0) / 60,  # on a shared machine: what it got
                   "unrolled_steps": steps, "train_sequences": len(train_idx),
-                  "heldout_loss_before": before, "heldout_loss_after": best,
+                  "heldout_loss_before": before, "heldout_loss_after": run.best,
                   "heldout_rank_probs_before": ranks_before, "heldout_rank_probs": ranks}
 
 
@@ -244,17 +233,11 @@ def train_eagle_command(out: Path | None, vocab_size: int, minutes: float, max_n
     shipped folder)."""
     out = out or default_eagle_dir()
     load = CpuLoad()
-    target, tok, eos = _load_smollm2(threads)
-    prompts, groups = training_prompts(tok, corpus_ids(tok))
-    stage(f"the target's answers to {len(prompts)} prompts (generated once, then cached)")
-    answers = cached_answers(target, prompts, eos, max_new)
+    target, eos, prompts, groups, answers = target_answers(threads, max_new)
     stage(f"training an EAGLE head ({steps} chained steps) for up to {minutes:g} minutes, then choosing its drafts")
     t0 = time.perf_counter()
-    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 2]
-    data = teacher_targets(target, [p + a for p, a, _ in kept], keep_hidden=True)
-    data.prompt_lens = [len(p) for p, _, _ in kept]
-    vocab = draft_vocab(data, vocab_size, [eos])
-    head, record = train_eagle(target, data, vocab, minutes, steps, held=held_out([g for _, _, g in kept]))
+    data, vocab, held = teacher_data(target, prompts, answers, groups, eos, vocab_size, min_len=3, keep_hidden=True)
+    head, record = train_eagle(target, data, vocab, minutes, steps, held=held)
     record["draft_step_ratio"] = draft_step_ratio(target, head)
     summary = pick_drafts(record, profile)
     _warn_if_busy(load, "training (its drafts are chosen from timed steps)")

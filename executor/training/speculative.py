@@ -238,6 +238,42 @@ def _cosine_steps(opt: torch.optim.Optimizer, lr: float, minutes: float, max_ste
         yield step
 
 
+@dataclass
+class Fit:
+    """A training run: its last step, the lowest held-out loss and the step it was measured at, and when it began
+    (time.perf_counter)."""
+
+    step: int
+    best: float | list[float]
+    best_step: int
+    t0: float
+
+
+def fit(opt: torch.optim.Optimizer, steps, batch_loss, held_loss, best, state_of, restore, every: int, log,
+        clip: list | None = None, total=float) -> Fit:
+    """Train: an optimizer step on `batch_loss()` for each of `steps` (_cosine_steps: it sets the learning rate),
+    gradients clipped to norm 1 over `clip` where given. Every `every` steps the held-out loss (`held_loss()`,
+    compared by `total` of it, starting from `best`) is measured and logged and the best weights (`state_of()`)
+    kept: a small corpus is memorised well before the budget ends. Those weights are `restore`d at the end."""
+    best_state, best_step = {k: v.clone() for k, v in state_of().items()}, 0
+    t0, step = time.perf_counter(), 0
+    for step in steps:
+        loss = batch_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(clip, 1.0)
+        opt.step()
+        if step % every == 0:
+            h = held_loss()
+            if total(h) < total(best):
+                best, best_state, best_step = h, {k: v.clone() for k, v in state_of().items()}, step
+            log(f"step {step}: loss {loss.item():.3f}, held-out {total(h):.3f} "
+                f"({(time.perf_counter() - t0) / 60:.1f} min)")
+    restore(best_state)
+    return Fit(step, best, best_step, t0)
+
+
 def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx: list[int], minutes: float,
           batch: int = 8, seq_len: int = 256, lr: float = 1e-3, seed: int = 0, max_steps: int | None = None,
           prompt_weight: float = 0.2, eval_every: int = 25, log=print) -> dict:
@@ -257,32 +293,24 @@ def train(student: DraftModel, data: DistillData, train_idx: list[int], held_idx
         with torch.no_grad():
             return distill_loss(student, *held).item()
 
-    loss_before = best = held_loss()
-    best_state, best_step = {k: v.clone() for k, v in student.trainable_state_dict().items()}, 0
+    def batch_loss() -> torch.Tensor:
+        pick = torch.randint(len(train_idx), (batch,), generator=gen).tolist()
+        return distill_loss(student, *_batch(data, [train_idx[i] for i in pick], col, seq_len, prompt_weight))
+
+    loss_before = held_loss()
     before = agreement(student, data, held_idx)
     log(f"held-out: loss {loss_before:.3f}, agreement with the teacher's argmax {before:.3f} before training")
-    t0, step = time.perf_counter(), 0
-    for step in _cosine_steps(opt, lr, minutes, max_steps):
-        pick = torch.randint(len(train_idx), (batch,), generator=gen).tolist()
-        loss = distill_loss(student, *_batch(data, [train_idx[i] for i in pick], col, seq_len, prompt_weight))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % eval_every == 0:
-            h = held_loss()
-            if h < best:
-                best, best_state, best_step = h, {k: v.clone() for k, v in student.trainable_state_dict().items()}, step
-            log(f"step {step}: loss {loss.item():.3f}, held-out {h:.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
-    student.model.load_state_dict(best_state, strict=False)
+    run = fit(opt, _cosine_steps(opt, lr, minutes, max_steps), batch_loss, held_loss, loss_before,
+              student.trainable_state_dict, lambda state: student.model.load_state_dict(state, strict=False),
+              eval_every, log, clip=params)
     for p in params:
         p.requires_grad_(False)
     student.eval()
     after = agreement(student, data, held_idx)
-    log(f"held-out after {step} steps (best at step {best_step}): loss {best:.3f}, agreement {after:.3f}")
-    return {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
+    log(f"held-out after {run.step} steps (best at step {run.best_step}): loss {run.best:.3f}, agreement {after:.3f}")
+    return {"steps": run.step, "best_step": run.best_step, "train_minutes": (time.perf_counter() - run.t0) / 60,
             "agreement_before": before, "agreement_after": after, "heldout_loss_before": loss_before,
-            "heldout_loss_after": best}
+            "heldout_loss_after": run.best}
 
 
 def held_out(groups: list) -> list[int]:
@@ -290,6 +318,18 @@ def held_out(groups: list) -> list[int]:
     their answers share too much to test generalisation)."""
     held = set(list(dict.fromkeys(groups))[::8])
     return [i for i, g in enumerate(groups) if g in held]
+
+
+def teacher_data(teacher: LlamaModel, prompts: list[list[int]], answers: list[list[int]], groups: list,
+                 eos: int | None, vocab_size: int, min_len: int = 2,
+                 keep_hidden: bool = False) -> tuple[DistillData, list[int], list[int]]:
+    """What a drafter trains on: the teacher's targets over each prompt + answer at least `min_len` tokens long (its
+    hidden states too with `keep_hidden`; `prompt_lens` where the answers start), the draft vocabulary they give,
+    and the indices of the held-out sequences (whole groups, held_out)."""
+    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) >= min_len]
+    data = teacher_targets(teacher, [p + a for p, a, _ in kept], keep_hidden=keep_hidden)
+    data.prompt_lens = [len(p) for p, _, _ in kept]
+    return data, draft_vocab(data, vocab_size, [eos]), held_out([g for _, _, g in kept])
 
 
 def distill(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, layers: list[int], vocab_size: int,
@@ -300,14 +340,10 @@ def distill(teacher: LlamaModel, prompts: list[list[int]], eos: int | None, laye
     check_layers(teacher, layers)
     t0 = time.perf_counter()
     answers = answers if answers is not None else generate(teacher, prompts, max_new, eos)
-    groups = groups or list(range(len(prompts)))
-    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 1]
-    sequences = [p + a for p, a, _ in kept]
-    data = teacher_targets(teacher, sequences)
-    data.prompt_lens = [len(p) for p, _, _ in kept]
-    vocab = draft_vocab(data, vocab_size, [eos])
+    data, vocab, held = teacher_data(teacher, prompts, answers, groups or list(range(len(prompts))), eos,
+                                     vocab_size)
+    sequences = data.sequences
     student = make_student(teacher, layers, vocab)
-    held = held_out([g for _, _, g in kept])
     held_set = set(held)
     record = train(student, data, [i for i in range(len(sequences)) if i not in held_set], held, minutes,
                    max_steps=max_steps, log=log)
@@ -367,29 +403,22 @@ def train_medusa(target: LlamaModel, data: DistillData, num_heads: int, vocab: l
         with torch.no_grad():
             return loss_of(hx, h_cols, h_probs).tolist()
 
-    before = best = held_loss()
-    best_state, best_step = {k: v.clone() for k, v in heads.blocks.state_dict().items()}, 0
+    def batch_loss() -> torch.Tensor:
+        pick = torch.randint(x.shape[0], (batch,), generator=gen)
+        return loss_of(x[pick], cols[:, pick], probs[:, pick]).sum()
+
+    before = held_loss()
     opt = torch.optim.AdamW(heads.blocks.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    t0, step = time.perf_counter(), 0
-    for step in _cosine_steps(opt, lr, minutes, max_steps):
-        pick = torch.randint(x.shape[0], (batch,), generator=gen)
-        loss = loss_of(x[pick], cols[:, pick], probs[:, pick]).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 100 == 0:  # keep the best heads on held-out answers (they overfit a small corpus too)
-            h = held_loss()
-            if sum(h) < sum(best):
-                best, best_state, best_step = h, {k: v.clone() for k, v in heads.blocks.state_dict().items()}, step
-            log(f"step {step}: loss {loss.item():.3f}, held-out {sum(h):.3f} ({(time.perf_counter() - t0) / 60:.1f} min)")
-    heads.blocks.load_state_dict(best_state)
+    # the best heads on held-out answers kept, every 100 steps (they overfit a small corpus too)
+    run = fit(opt, _cosine_steps(opt, lr, minutes, max_steps), batch_loss, held_loss, before,
+              heads.blocks.state_dict, heads.blocks.load_state_dict, 100, log, total=sum)
     heads.eval()
     ranks = medusa_rank_probs(heads, hx, h_ids)
-    log("held-out KL per head " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(before, best))
+    log("held-out KL per head " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(before, run.best))
         + "; top-1 accuracy per head " + ", ".join(f"{r[0]:.3f}" for r in ranks))
-    return heads, {"steps": step, "best_step": best_step, "train_minutes": (time.perf_counter() - t0) / 60,
-                   "train_positions": x.shape[0], "heldout_kl_before": before, "heldout_kl_after": best,
+    return heads, {"steps": run.step, "best_step": run.best_step, "train_minutes": (time.perf_counter() - run.t0) / 60,
+                   "train_positions": x.shape[0], "heldout_kl_before": before, "heldout_kl_after": run.best,
                    "heldout_rank_probs": ranks}
 
 
@@ -436,6 +465,15 @@ def cached_answers(teacher: LlamaModel, prompts: list[list[int]], eos: int | Non
     except OSError:
         pass  # no writable cache: the next command generates them again
     return answers
+
+
+def target_answers(threads: int | None, max_new: int) -> tuple[LlamaModel, int | None, list, list, list]:
+    """SmolLM2-135M, its EOS token id, the training prompts with their groups, and its answers to them (cached):
+    (target, eos, prompts, groups, answers)."""
+    target, tok, eos = _load_smollm2(threads)
+    prompts, groups = training_prompts(tok, corpus_ids(tok))
+    stage(f"the target's answers to {len(prompts)} prompts (generated once, then cached)")
+    return target, eos, prompts, groups, cached_answers(target, prompts, eos, max_new)
 
 
 def distill_command(out: Path | None, layers: list[int], vocab_size: int, minutes: float, max_new: int,
@@ -521,17 +559,11 @@ def train_medusa_command(out: Path | None, num_heads: int, vocab_size: int, minu
     """`infersim train-medusa`: Medusa heads for SmolLM2-135M and the candidate tree chosen for them."""
     out = out or default_medusa_dir()
     load = CpuLoad()
-    target, tok, eos = _load_smollm2(threads)
-    prompts, groups = training_prompts(tok, corpus_ids(tok))
-    stage(f"the target's answers to {len(prompts)} prompts (generated once, then cached)")
-    answers = cached_answers(target, prompts, eos, max_new)
+    target, eos, prompts, groups, answers = target_answers(threads, max_new)
     stage(f"training {num_heads} Medusa heads for up to {minutes:g} minutes, then choosing their tree")
     t0 = time.perf_counter()
-    kept = [(p, a, g) for p, a, g in zip(prompts, answers, groups) if len(p + a) > 1]
-    data = teacher_targets(target, [p + a for p, a, _ in kept], keep_hidden=True)
-    data.prompt_lens = [len(p) for p, _, _ in kept]
-    vocab = draft_vocab(data, vocab_size, [eos])
-    heads, record = train_medusa(target, data, num_heads, vocab, minutes, held=held_out([g for _, _, g in kept]))
+    data, vocab, held = teacher_data(target, prompts, answers, groups, eos, vocab_size, keep_hidden=True)
+    heads, record = train_medusa(target, data, num_heads, vocab, minutes, held=held)
     summary = pick_tree(record, profile)
     record.update({"teacher": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
                    "made": time.strftime("%Y-%m-%d %H:%M"), "total_minutes": (time.perf_counter() - t0) / 60})

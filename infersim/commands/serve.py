@@ -21,22 +21,15 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
                    quiet: bool = False, plots: bool = True, profile: Path | None = None) -> dict:
     """Load, run on the executor, report. Returns report.json's content. `profile` (default: the scenario's
     cost_model.profile, if any): the fitted step costs the speculative overhead is measured against."""
-    import torch
-
-    from calibration.speculative import draft_cost, write_speculative_yaml
     from executor.distributed.launch import WorkerError
     from executor.serving.disaggregated import serve_pools
-    from executor.serving.serve import check_device, serve, write_traces
+    from executor.serving.serve import check_device, serve
 
     check_device(device)
     plan = load_plan(path)
     check_checkpoint(plan, path)
     prepare_out(out)
-    cost = None  # checked before the run, which takes minutes
-    if profile is not None:
-        cost = load_profile(profile, plan.model, "--profile")
-    elif plan.cost.profile is not None:
-        cost = make_cost_model(plan)
+    cost = _overhead_cost(plan, profile)  # checked before the run, which takes minutes
     check_drafters([(path, plan)])
     warn_threads(plan, threads)
     err = Console(stderr=True)
@@ -50,21 +43,60 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     except ConfigError as e:
         raise e.with_file(str(path)) from None
     except WorkerError as e:  # a worker process died: what completed before it, and one line
-        if getattr(e, "requests", None) is None:  # it died starting up (a model load, a spawn): nothing was served
-            raise WorkerError(f"{e}, before any request was served", e.rank) from None
-        done = sum(r.status.value == "finished" for r in e.requests)
-        if out is not None:
-            write_traces(out, e.engine, e.requests)
-            if plan.pools is not None:  # disaggregated: the report of what completed, and the KV transfers
-                partial = records_from_requests(e.requests)
-                write_outputs(out, build_report(plan, partial, e.engine.traces, e.engine.wall_s, engine="executor",
-                                                extra=e.engine.sections), partial, e.engine.traces, plots=False)
-                e.engine.write_transfers(out)
-        where = f" (their traces in {out})" if out is not None else ""
-        raise WorkerError(f"{e}; {done} of {len(e.requests)} requests completed before it{where}", e.rank) from None
+        raise _worker_failed(e, plan, out) from None
     warning = load.warning("this serve")
     if warning and not quiet:
         err.print(warning, style="yellow", highlight=False)
+    report = _served_report(plan, records, traces, wall, engine, device, load, cost)
+    if out is not None:
+        _write_served(out, report, plan, records, traces, engine, requests, plots)
+    if not quiet:
+        print_summary(report, Console())
+        if out is not None:
+            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
+                            + (", transfers.jsonl" if plan.pools is not None else "")
+                            + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
+                               if "speculative" in report else ""))
+    return report
+
+
+def _overhead_cost(plan, profile: Path | None):
+    """The fitted step costs a speculative serve's overhead is measured against: `profile`'s, else the scenario's
+    cost_model.profile's, else None."""
+    if profile is not None:
+        return load_profile(profile, plan.model, "--profile")
+    if plan.cost.profile is not None:
+        return make_cost_model(plan)
+    return None
+
+
+def _worker_failed(e, plan, out: Path | None):
+    """A worker process of the serve died (WorkerError `e`): what completed before it written to `out` (traces; a
+    disaggregated run's report and transfers too), and the WorkerError to raise, saying so in one line."""
+    from executor.distributed.launch import WorkerError
+    from executor.serving.serve import write_traces
+
+    if getattr(e, "requests", None) is None:  # it died starting up (a model load, a spawn): nothing was served
+        return WorkerError(f"{e}, before any request was served", e.rank)
+    done = sum(r.status.value == "finished" for r in e.requests)
+    if out is not None:
+        write_traces(out, e.engine, e.requests)
+        if plan.pools is not None:  # disaggregated: the report of what completed, and the KV transfers
+            partial = records_from_requests(e.requests)
+            write_outputs(out, build_report(plan, partial, e.engine.traces, e.engine.wall_s, engine="executor",
+                                            extra=e.engine.sections), partial, e.engine.traces, plots=False)
+            e.engine.write_transfers(out)
+    where = f" (their traces in {out})" if out is not None else ""
+    return WorkerError(f"{e}; {done} of {len(e.requests)} requests completed before it{where}", e.rank)
+
+
+def _served_report(plan, records, traces, wall: float, engine, device: str, load, cost) -> dict:
+    """report.json of a serve: the simulator's report with engine "executor", the executor's settings and the
+    machine's load meanwhile, and a speculative serve's measured drafter (its cost against `cost`'s steps)."""
+    import torch
+
+    from calibration.speculative import draft_cost
+
     report = build_report(plan, records, traces, wall, engine="executor",
                           extra={"executor": {"device": device, "threads": torch.get_num_threads(),
                                               "attention": plan.executor.attention,
@@ -77,21 +109,34 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
         report["speculative"]["request_rates"] = request_rates(records.speculation, records.output_len)
         if hasattr(engine.drafter, "rank_probs"):  # Medusa's heads, an EAGLE head: measured per depth
             report["speculative"][plan.speculative.rank_probs_key] = engine.drafter.rank_probs()
-    if out is not None:
-        write_outputs(out, report, records, traces, plots=plots)
-        write_traces(out, engine, requests)
-        if plan.pools is not None:
-            engine.write_transfers(out)
-        if "speculative" in report:
-            write_speculative_yaml(out / "speculative.yaml", plan, report["speculative"])
-    if not quiet:
-        print_summary(report, Console())
-        if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
-                            + (", transfers.jsonl" if plan.pools is not None else "")
-                            + (", speculative.yaml (the measured drafter, for the scenario's speculative: section)"
-                               if "speculative" in report else ""))
     return report
+
+
+def _write_served(out: Path, report: dict, plan, records, traces, engine, requests, plots: bool) -> None:
+    """A serve's files in `out`: the report, requests.csv and plots, the step and request traces, a disaggregated
+    run's KV transfers, a speculative run's measured drafter (speculative.yaml)."""
+    from calibration.speculative import write_speculative_yaml
+    from executor.serving.serve import write_traces
+
+    write_outputs(out, report, records, traces, plots=plots)
+    write_traces(out, engine, requests)
+    if plan.pools is not None:
+        engine.write_transfers(out)
+    if "speculative" in report:
+        write_speculative_yaml(out / "speculative.yaml", plan, report["speculative"])
+
+
+def check_serve_flags(http: bool, profile: Path | None, served_model: str | None, front: dict) -> None:
+    """serve's flags fit its mode: --profile only replaying, the HTTP server's settings (`served_model`, the
+    bounds in `front`, None where not given) only with --http."""
+    if http:
+        if profile is not None:
+            raise ConfigError("--profile measures a replay's speculative overhead: not with --http", "--profile")
+        return
+    given = [k for k, v in {"served_model": served_model, **front}.items() if v is not None]
+    if given:
+        flag = "--" + given[0].removesuffix("_s").replace("_", "-")
+        raise ConfigError(f"{flag} is a setting of an HTTP server: only with --http", flag)
 
 
 def http_server(path: Path, device: str = "cpu", threads: int | None = None, served_model: str | None = None,

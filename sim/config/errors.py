@@ -31,3 +31,12 @@ def _printable(text: str) -> str:
     """`text` with control characters escaped (a key holding a newline or a terminal escape would break the one
     line, or rewrite the user's terminal)."""
     return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def catalog_entry(catalog: dict, name: str, what: str, instead: str, key_path: str):
+    """The entry of `catalog` named `name`, case-insensitively; else a ConfigError naming the `what` unknown and
+    listing what is allowed: the catalog's names, then `instead` (what a scenario may give in its place)."""
+    for known, entry in catalog.items():
+        if known.lower() == name.lower():
+            return entry
+    raise ConfigError(f"unknown {what} {name!r}; allowed: {', '.join(catalog)}{instead}", key_path)

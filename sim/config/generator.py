@@ -4,8 +4,9 @@ a seed."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -76,6 +77,40 @@ def plan_requests(plan) -> list[RequestSpec]:
     return generate_requests(plan.workload, plan.base_dir, plan.client)
 
 
+@dataclass
+class _Streams:
+    """Independent random streams of one seed (SeedSequence.spawn, in this order): changing one draw (a length
+    distribution, adding bursts) leaves the others unchanged."""
+
+    arrival: np.random.Generator
+    prompt: np.random.Generator
+    output: np.random.Generator
+    burst_prompt: np.random.Generator
+    burst_output: np.random.Generator
+    prefix: np.random.Generator
+    conversation: np.random.Generator
+    users: np.random.Generator
+
+    @classmethod
+    def of(cls, seed: int) -> "_Streams":
+        """The eight streams of `seed`."""
+        return cls(*(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(8)))
+
+
+@dataclass
+class _Columns:
+    """A workload's draws before the bursts' arrivals join them: `arrivals` (without the bursts'), `prompt` and
+    `output` lengths (with them), a later turn's answer lengths (`more_outputs(rng, n)`), a Mooncake trace's
+    hash_ids per row (`chains`) and the load stages' (stage, delay) per request (`staged`)."""
+
+    arrivals: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    more_outputs: Callable
+    chains: list | None = None
+    staged: list | None = None
+
+
 def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
     """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order.
 
@@ -83,72 +118,88 @@ def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> lis
     stream and the bursts use independent child generators of `seed`, so changing a length
     distribution or adding bursts leaves the other draws unchanged.
     """
-    rng_arr, rng_p, rng_o, rng_bp, rng_bo, rng_prefix, rng_conv, rng_users = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(8))
+    streams = _Streams.of(cfg.seed)
     traces = Traces(base_dir)
     n_burst = sum(b.count for b in cfg.bursts)
-    chains = None  # a Mooncake trace's hash_ids, per kept row
-    if cfg.trace is not None:
-        tr, key = cfg.trace, "workload.trace"
-        t, prompt, output = traces.load(tr.path, f"{key}.path")
-        end = tr.end_s if tr.end_s is not None else np.inf
-        rows = np.flatnonzero((t >= tr.start_s) & (t < end))
-        rows = rows[np.argsort(t[rows], kind="stable")][:tr.max_requests]
-        if len(rows) == 0:
-            raise ConfigError(f"the window [{tr.start_s}, {'end' if tr.end_s is None else tr.end_s}) s selects no requests "
-                              f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", key)
-        if cfg.closed_loop is not None:  # the rows in the trace's order; the users send them
-            arrivals = np.zeros(len(rows))
-        else:
-            span = float(t[rows[-1]] - t[rows[0]])  # rows in time order
-            # before numpy divides: a time_scale of 1e-308 overflows there, a RuntimeWarning on the user's stderr
-            _check_span(span / tr.time_scale, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the "
-                        f"trace's {span:.4g} s")
-            arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
-        if len(rows) + n_burst > MAX_REQUESTS:
-            raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
-                              f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")
-        # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
-        kept_output = np.maximum(output[rows], 1)
-        rows = np.concatenate((rows, rng_bp.choice(rows, size=n_burst)))
-        prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
-        hash_ids = traces.hash_ids(tr.path, f"{key}.path")
-        if hash_ids is not None:
-            chains = [hash_ids[r] for r in rows.tolist()]
-        if tr.prompt_len is not None:
-            prompt = traces.draw(tr.prompt_len, rng_p, len(rows), f"{key}.prompt_len")
-        if tr.output_len is not None:
-            output = traces.draw(tr.output_len, rng_o, len(rows), f"{key}.output_len")
-            more_outputs = lambda rng, n: traces.draw(tr.output_len, rng, n, f"{key}.output_len")  # noqa: E731
-        else:  # a later turn's answer: one of the kept rows'
-            more_outputs = lambda rng, n: kept_output[rng.integers(0, len(kept_output), n)]  # noqa: E731
-    else:
-        staged = None
-        if cfg.closed_loop is not None:  # the users' think times make the arrivals (_closed_loop)
-            arrivals = np.zeros(cfg.num_requests)
-        elif cfg.load_stages is not None:
-            arrivals, *staged = stage_arrivals(cfg.load_stages, rng_arr)
-        else:
-            arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, rng_arr)
-            _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate "
-                        f"{cfg.arrival.rate:g}/s arrive")
-        n, kp, ko = len(arrivals), "workload.prompt_len", "workload.output_len"
-        prompt = np.concatenate((traces.draw(cfg.prompt_len, rng_p, n, kp),
-                                 traces.draw(cfg.prompt_len, rng_bp, n_burst, kp)))
-        output = np.concatenate((traces.draw(cfg.output_len, rng_o, n, ko),
-                                 traces.draw(cfg.output_len, rng_bo, n_burst, ko)))
-        more_outputs = lambda rng, n: traces.draw(cfg.output_len, rng, n, ko)  # noqa: E731
-    arrivals = np.concatenate([arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
+    cols = (_trace_columns(cfg, traces, n_burst, streams) if cfg.trace is not None
+            else _synthetic_columns(cfg, traces, n_burst, streams))
+    arrivals = np.concatenate([cols.arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
-    columns = (arrivals[order].tolist(), prompt[order].tolist(), output[order].tolist())
-    specs = _request_specs(cfg, columns, order, chains, rng_prefix, traces, rng_p)
+    columns = (arrivals[order].tolist(), cols.prompt[order].tolist(), cols.output[order].tolist())
+    specs = _request_specs(cfg, columns, order, cols.chains, streams.prefix, traces, streams.prompt)
     if cfg.load_stages is not None:
-        return _with_stages(specs, *staged)
+        return _with_stages(specs, *cols.staged)
     if cfg.conversation is not None:
-        return _conversations(specs, cfg.conversation, rng_conv, more_outputs, traces, cfg.closed_loop, rng_users)
+        return _conversations(specs, cfg.conversation, streams.conversation, cols.more_outputs, traces, cfg.closed_loop,
+                              streams.users)
     if cfg.closed_loop is not None:
-        return _closed_loop(specs, cfg.closed_loop, rng_users)
+        return _closed_loop(specs, cfg.closed_loop, streams.users)
     return specs
+
+
+def _trace_rows(tr, t: np.ndarray) -> np.ndarray:
+    """The rows of a trace's window (workload.trace start_s, end_s), in time order (stable), the first max_requests."""
+    end = tr.end_s if tr.end_s is not None else np.inf
+    rows = np.flatnonzero((t >= tr.start_s) & (t < end))
+    rows = rows[np.argsort(t[rows], kind="stable")][:tr.max_requests]
+    if len(rows) == 0:
+        raise ConfigError(f"the window [{tr.start_s}, {'end' if tr.end_s is None else tr.end_s}) s selects no requests "
+                          f"from '{tr.path}' (its rows span 0..{t.max():.1f} s)", "workload.trace")
+    return rows
+
+
+def _trace_columns(cfg: WorkloadConfig, traces: Traces, n_burst: int, streams: _Streams) -> _Columns:
+    """A trace's window: its rows' arrivals (scaled by time_scale; all 0 for a closed loop, whose users send them)
+    and lengths (or lengths drawn from prompt_len / output_len), bursts copying the lengths of random kept rows."""
+    tr, key = cfg.trace, "workload.trace"
+    t, prompt, output = traces.load(tr.path, f"{key}.path")
+    rows = _trace_rows(tr, t)
+    if cfg.closed_loop is not None:  # the rows in the trace's order; the users send them
+        arrivals = np.zeros(len(rows))
+    else:
+        span = float(t[rows[-1]] - t[rows[0]])  # rows in time order
+        # before numpy divides: a time_scale of 1e-308 overflows there, a RuntimeWarning on the user's stderr
+        _check_span(span / tr.time_scale, f"{key}.time_scale", f"time_scale {tr.time_scale:g} stretches the "
+                    f"trace's {span:.4g} s")
+        arrivals = (t[rows] - t[rows[0]]) / tr.time_scale
+    if len(rows) + n_burst > MAX_REQUESTS:
+        raise ConfigError(f"{len(rows):,} trace rows and {n_burst:,} burst requests; allowed: at most "
+                          f"{MAX_REQUESTS:,} requests in one run", "workload.bursts")
+    # burst requests copy the lengths of randomly chosen kept rows, keeping prompt/output paired
+    kept_output = np.maximum(output[rows], 1)
+    rows = np.concatenate((rows, streams.burst_prompt.choice(rows, size=n_burst)))
+    prompt, output = np.maximum(prompt[rows], 1), np.maximum(output[rows], 1)
+    hash_ids = traces.hash_ids(tr.path, f"{key}.path")
+    chains = [hash_ids[r] for r in rows.tolist()] if hash_ids is not None else None
+    if tr.prompt_len is not None:
+        prompt = traces.draw(tr.prompt_len, streams.prompt, len(rows), f"{key}.prompt_len")
+    if tr.output_len is not None:
+        output = traces.draw(tr.output_len, streams.output, len(rows), f"{key}.output_len")
+        more_outputs = lambda rng, n: traces.draw(tr.output_len, rng, n, f"{key}.output_len")  # noqa: E731
+    else:  # a later turn's answer: one of the kept rows'
+        more_outputs = lambda rng, n: kept_output[rng.integers(0, len(kept_output), n)]  # noqa: E731
+    return _Columns(arrivals, prompt, output, more_outputs, chains=chains)
+
+
+def _synthetic_columns(cfg: WorkloadConfig, traces: Traces, n_burst: int, streams: _Streams) -> _Columns:
+    """Drawn requests: arrivals (the arrival process, the load stages', or all 0 for a closed loop's users) and
+    lengths from prompt_len / output_len, the bursts' lengths from their own streams."""
+    staged = None
+    if cfg.closed_loop is not None:  # the users' think times make the arrivals (_closed_loop)
+        arrivals = np.zeros(cfg.num_requests)
+    elif cfg.load_stages is not None:
+        arrivals, *staged = stage_arrivals(cfg.load_stages, streams.arrival)
+    else:
+        arrivals = _synthetic_arrivals(cfg.arrival, cfg.num_requests, cfg.duration_s, streams.arrival)
+        _check_span(arrivals, "workload.arrival.rate", f"{len(arrivals):,} requests at rate "
+                    f"{cfg.arrival.rate:g}/s arrive")
+    n, kp, ko = len(arrivals), "workload.prompt_len", "workload.output_len"
+    prompt = np.concatenate((traces.draw(cfg.prompt_len, streams.prompt, n, kp),
+                             traces.draw(cfg.prompt_len, streams.burst_prompt, n_burst, kp)))
+    output = np.concatenate((traces.draw(cfg.output_len, streams.output, n, ko),
+                             traces.draw(cfg.output_len, streams.burst_output, n_burst, ko)))
+    more_outputs = lambda rng, n: traces.draw(cfg.output_len, rng, n, ko)  # noqa: E731
+    return _Columns(arrivals, prompt, output, more_outputs, staged=staged)
 
 
 def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chains: list | None,

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from sim.config.errors import ConfigError
+from sim.config.errors import catalog_entry
 from sim.config.schema_base import StrictModel
 
 GiB = 1024**3
@@ -111,11 +111,8 @@ HARDWARE_CATALOG["cpu"] = _measured_cpu(HARDWARE_CATALOG["cpu"])
 
 def catalog_hardware(name: str, key_path: str = "hardware") -> HardwareSpec:
     """Look a device up by name, case-insensitively."""
-    for known, spec in HARDWARE_CATALOG.items():
-        if known.lower() == name.lower():
-            return spec
-    raise ConfigError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE_CATALOG)}, or an explicit "
-                      "spec (peak_flops, memory_bandwidth, memory_gib, ...)", key_path)
+    return catalog_entry(HARDWARE_CATALOG, name, "hardware",
+                         ", or an explicit spec (peak_flops, memory_bandwidth, memory_gib, ...)", key_path)
 
 
 KERNELS_FILE = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"

@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from sim.config import layers, moe
-from sim.config.errors import ConfigError
+from sim.config.errors import catalog_entry
 from sim.config.schema_base import StrictModel
 
 WeightDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4"]
@@ -316,8 +316,5 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
 
 def catalog_model(name: str, key_path: str = "model") -> ModelSpec:
     """Look a model up by name, case-insensitively."""
-    for known, spec in MODEL_CATALOG.items():
-        if known.lower() == name.lower():
-            return spec
-    raise ConfigError(f"unknown model {name!r}; allowed: {', '.join(MODEL_CATALOG)}, an explicit "
-                      "architecture, or {hf_config: path/to/config.json}", key_path)
+    return catalog_entry(MODEL_CATALOG, name, "model", ", an explicit architecture, or {hf_config: path/to/config.json}",
+                         key_path)

@@ -156,6 +156,8 @@ def check_tree(tree: list[tuple[int, ...]], num_heads: int, topk: int) -> None:
 
 
 HEAD_METHODS = ("eagle", "mtp")  # drafters of one decoder layer over the target's hidden states
+CandidateTree = list[list[NonNegativeInt]]  # each node the path of candidate ranks from the root, parents first
+RankProbs = list[list[NonNegativeFloat]]  # per depth, the chance of each candidate rank, the last entry none of them
 
 
 class SpeculativeConfig(StrictModel):
@@ -178,18 +180,18 @@ class SpeculativeConfig(StrictModel):
                                     "to the scenario; default ~/.cache/infersim/drafts/smollm2-135m)")
     medusa_heads: str | None = Field(None, min_length=1, description="medusa: folder written by `infersim train-medusa` "
                                      "(relative to the scenario; default: the heads shipped for SmolLM2-135M)")
-    medusa_tree: list[list[NonNegativeInt]] | None = Field(
+    medusa_tree: CandidateTree | None = Field(
         None, description="medusa: the candidate tree, each node the path of candidate ranks from the root, "
                           "parents first, e.g. [[0], [1], [0, 0]]; verify rows have 1 + its nodes tokens")
-    medusa_rank_probs: list[list[NonNegativeFloat]] | None = Field(
+    medusa_rank_probs: RankProbs | None = Field(
         None, description="simulator, medusa: per depth, the chance the token that follows has each candidate "
                           "rank, the last entry none of them (`infersim serve` measures it); required to simulate")
     eagle_head: str | None = Field(None, min_length=1, description="eagle, mtp: folder written by `infersim train-eagle` "
                                    "(relative to the scenario; default: the head shipped for SmolLM2-135M)")
-    eagle_tree: list[list[NonNegativeInt]] | None = Field(
+    eagle_tree: CandidateTree | None = Field(
         None, description="eagle, mtp: a candidate tree instead of a chain (paths of candidate ranks from the root, "
                           "parents first, e.g. [[0], [1], [0, 0]]); default: the chain of num_speculative_tokens")
-    eagle_rank_probs: list[list[NonNegativeFloat]] | None = Field(
+    eagle_rank_probs: RankProbs | None = Field(
         None, description="simulator, eagle and mtp: per draft position (tree depth), the chance the token that "
                           "follows has each rank among the head's candidates there, the last entry none of them; "
                           "a row's first entry is that position's acceptance in a chain (`infersim serve` measures "

@@ -72,42 +72,14 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
     all_replicas = replicas
     if plan.pools is not None:  # the decode pool holds the long-lived KV: the kv_cache section is its
         replicas = [r for r in replicas if r.pool == "decode"]
-    usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
-    engines = (plan.pools.decode if plan.pools is not None else plan).virtual_engines
-    out_tok_s = m["throughput"]["output_tokens_per_s"]
-    pool_plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
-    usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.devices_per_replica for p in pool_plans)
     report = {
-        "scenario": {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
-                     "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
-                     "pipeline_parallel_size": plan.pipeline_parallel_size,
-                     "router": plan.router, "batching": plan.scheduler.batching,
-                     "kv_allocator": plan.kv_allocator, "config": plan.source},
+        "scenario": scenario_section(plan),
         "engine": engine,
         **m,
         "latency_definitions": describe_definitions(plan.client),
-        "kv_cache": {
-            "peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
-            "mean_utilization": float(np.mean([u["mean"] for u in usage])),
-            "reserved_unused_fraction": float(np.mean([u["reserved_unused"] for u in usage])),
-            "preemptions": int(sum(r.num_preemptions for r in replicas)),
-            "num_blocks": replicas[0].num_blocks, "block_size": replicas[0].block_size,
-            "bytes_per_token": plan.kv_bytes_per_token,
-            # a pipeline's virtual engines each hold num_blocks (kv_cache.num_blocks is per engine): the replica's
-            # room is their sum, as memory_gib.kv_cache counts it
-            "engines_per_replica": engines,
-            "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size * engines,
-            **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
-            **(kv_groups_section(plan, replicas) if plan.kv_groups is not None else {}),
-        },
-        "memory_gib": {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
-                       # one device's: a replica's data-parallel ranks each hold 1 / DP of its blocks
-                       "kv_cache": (plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
-                                    if plan.kv_groups is None else plan.num_blocks * plan.virtual_engines *
-                                    plan.block_bytes) / GiB / plan.data_parallel_size,
-                       "device": plan.hardware.memory_gib},
-        "cost": {"usd_per_hour": usd_per_hour,
-                 "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None},
+        "kv_cache": kv_cache_section(plan, replicas),
+        "memory_gib": memory_section(plan),
+        "cost": cost_section(plan, m["throughput"]["output_tokens_per_s"]),
         "engine_steps": int(sum(len(r.step_end) for r in all_replicas)),
         "wall_time_s": wall_time_s,
     }
@@ -118,27 +90,87 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
         report["scenario"]["replicas"] = plan.pools.prefill.replicas + plan.pools.decode.replicas
         report["pools"] = {name: pool_section(p, [r for r in all_replicas if r.pool == name], report["duration_s"])
                            for name, p in (("prefill", plan.pools.prefill), ("decode", plan.pools.decode))}
-    loop, shown = plan.workload.closed_loop, measured(records)  # a client's warm-ups are in no figure
-    if loop is not None:
-        # the users waiting on the deployment, on average (the rest were thinking)
-        report["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
-                                 "mean_in_flight": mean_in_flight(shown, report["duration_s"])}
-    if plan.workload.max_concurrency is not None:
-        report["max_concurrency"] = client_section(plan.workload.max_concurrency, shown, report["duration_s"])
-    if plan.client is not None:
-        report["client"] = transport_section(plan.client, records)
+    report.update(workload_sections(plan, records, report["duration_s"]))
     if plan.pipeline_parallel_size > 1:
-        busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
-        duration = report["duration_s"]
-        report["pipeline"] = {
-            "stages": plan.pipeline_parallel_size, "virtual_engines": plan.virtual_engines,
-            # share of the stages' time spent computing: 1 - the bubble (and the idle time between requests)
-            "stage_utilization": float(np.mean([sum(b) / (len(b) * duration) for b in busy])) if duration else 0.0}
+        report["pipeline"] = pipeline_section(plan, replicas, report["duration_s"])
     if plan.workload.load_stages is not None:
         report["stages"] = stage_sections(plan, records)
     if extra:
         report.update(extra)
     return report
+
+
+def scenario_section(plan: Plan) -> dict:
+    """report.json's scenario section: what was run, on what, laid out how."""
+    return {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
+            "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
+            "pipeline_parallel_size": plan.pipeline_parallel_size,
+            "router": plan.router, "batching": plan.scheduler.batching,
+            "kv_allocator": plan.kv_allocator, "config": plan.source}
+
+
+def kv_cache_section(plan: Plan, replicas: list) -> dict:
+    """report.json's kv_cache section: the replicas' peak and time-weighted KV use, preemptions and capacity."""
+    usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
+    engines = (plan.pools.decode if plan.pools is not None else plan).virtual_engines
+    return {
+        "peak_utilization": max(r.peak_blocks / r.num_blocks for r in replicas),
+        "mean_utilization": float(np.mean([u["mean"] for u in usage])),
+        "reserved_unused_fraction": float(np.mean([u["reserved_unused"] for u in usage])),
+        "preemptions": int(sum(r.num_preemptions for r in replicas)),
+        "num_blocks": replicas[0].num_blocks, "block_size": replicas[0].block_size,
+        "bytes_per_token": plan.kv_bytes_per_token,
+        # a pipeline's virtual engines each hold num_blocks (kv_cache.num_blocks is per engine): the replica's
+        # room is their sum, as memory_gib.kv_cache counts it
+        "engines_per_replica": engines,
+        "capacity_tokens": replicas[0].num_blocks * replicas[0].block_size * engines,
+        **(prefix_cache_section(replicas) if plan.enable_prefix_caching else {}),
+        **(kv_groups_section(plan, replicas) if plan.kv_groups is not None else {}),
+    }
+
+
+def memory_section(plan: Plan) -> dict:
+    """report.json's memory_gib section: one device's weights, activations and KV cache, and its memory."""
+    return {"weights": plan.weight_bytes / GiB, "activations": plan.activation_bytes / GiB,
+            # one device's: a replica's data-parallel ranks each hold 1 / DP of its blocks
+            "kv_cache": (plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
+                         if plan.kv_groups is None else plan.num_blocks * plan.virtual_engines *
+                         plan.block_bytes) / GiB / plan.data_parallel_size,
+            "device": plan.hardware.memory_gib}
+
+
+def cost_section(plan: Plan, out_tok_s: float) -> dict:
+    """report.json's cost section: the devices' price per hour (both pools' when disaggregated) and per million
+    output tokens at the run's throughput."""
+    pool_plans = [plan.pools.prefill, plan.pools.decode] if plan.pools is not None else [plan]
+    usd_per_hour = sum(p.hardware.price_per_hour * p.replicas * p.devices_per_replica for p in pool_plans)
+    return {"usd_per_hour": usd_per_hour,
+            "usd_per_million_output_tokens": usd_per_hour / 3600 / out_tok_s * 1e6 if out_tok_s else None}
+
+
+def workload_sections(plan: Plan, records: RequestRecords, duration_s: float) -> dict:
+    """report.json's sections of how the workload's client sent: closed_loop, max_concurrency and client, where
+    the workload has them."""
+    loop, shown = plan.workload.closed_loop, measured(records)  # a client's warm-ups are in no figure
+    out = {}
+    if loop is not None:
+        # the users waiting on the deployment, on average (the rest were thinking)
+        out["closed_loop"] = {"users": loop.users, "think_time_s": loop.think_time_s,
+                              "mean_in_flight": mean_in_flight(shown, duration_s)}
+    if plan.workload.max_concurrency is not None:
+        out["max_concurrency"] = client_section(plan.workload.max_concurrency, shown, duration_s)
+    if plan.client is not None:
+        out["client"] = transport_section(plan.client, records)
+    return out
+
+
+def pipeline_section(plan: Plan, replicas: list, duration_s: float) -> dict:
+    """report.json's pipeline section: the stages, virtual engines, and the share of the stages' time spent
+    computing."""
+    busy = {id(r.pipeline_busy_s): r.pipeline_busy_s for r in replicas if r.pipeline_busy_s}.values()
+    return {"stages": plan.pipeline_parallel_size, "virtual_engines": plan.virtual_engines,
+            # share of the stages' time spent computing: 1 - the bubble (and the idle time between requests)
+            "stage_utilization": float(np.mean([sum(b) / (len(b) * duration_s) for b in busy])) if duration_s else 0.0}
 
 
 def prefix_cache_section(replicas: list) -> dict:
@@ -319,73 +351,113 @@ def print_summary(report: dict, console=None) -> None:
     from rich.console import Console
 
     console = console or Console()
-    s = report["scenario"]
     rq = report["requests"]
-    tp = s.get("tensor_parallel_size", 1)
-    console.print(f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}"
-                  + (f" × TP{tp}" if tp > 1 else "") + (f" × PP{s['pipeline_parallel_size']}"
-                                                         if s.get("pipeline_parallel_size", 1) > 1 else "") + "  "
-                  f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
+    console.print(scenario_line(report))
     console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
                   + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))
     client = report.get("client")
     console.print(latency_table(report, f", {report['latency_definitions']['word']}" if client else ""))
     print_stages(report, console)
     th = report["throughput"]
-    kv = report["kv_cache"]
-    slo = report["slo"]
-    cost = report["cost"]
     console.print(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
                   f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s")
-    e2e = f", E2E ≤ {_fmt(slo['e2e_s'])} ms" if slo.get("e2e_s") is not None else ""
-    console.print(f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms"
-                  f"{e2e}): {_slo_verdict(slo, rq)}; attainment {report['slo_attainment'] * 100:.1f}%")
-    console.print(f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
-                  f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
-                  f"{kv['capacity_tokens']} tokens"
-                  + (f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv
-                     else ""))
-    gate = report.get("max_concurrency")
-    if gate:
-        w = gate["client_wait_s"]
-        console.print(f"max concurrency {gate['limit']}: {gate['requests_waited']} requests waited at the client for "
-                      f"a slot (mean {w['mean']:.3g} s, p90 {w['p90']:.3g} s), latencies count from sending; "
-                      f"{gate['mean_in_flight']:.1f} in flight on average")
-    if client:
-        console.print(client_line(client))
-    loop = report.get("closed_loop")
-    if loop:
-        console.print(f"closed loop: {loop['users']} users, think time {loop['think_time_s']:g} s; "
-                      f"{loop['mean_in_flight']:.1f} requests in flight on average")
-    conv = report.get("conversations")
-    if conv:
-        console.print(f"conversations: {conv['conversations']}, {conv['answered']} with every turn answered, "
-                      f"{conv['turns_mean']:.2f} turns on average; TTFT p50 first turns "
-                      f"{_fmt(conv['first_turn_ttft_s']['p50'])} ms, later turns {_fmt(conv['later_turn_ttft_s']['p50'])} "
-                      f"ms; first arrival to last token p50 {_seconds(conv['duration_s']['p50'])}")
+    console.print(slo_line(report))
+    console.print(kv_line(report["kv_cache"]))
+    _print_sections(report, console, (("max_concurrency", concurrency_line), ("client", client_line),
+                                      ("closed_loop", closed_loop_line), ("conversations", conversations_line)))
     for name, pool in report.get("pools", {}).items():
-        console.print(f"{name} pool: {pool['replicas']}× {pool['hardware']}"
-                      + (f" × TP{pool['tensor_parallel_size']}" if pool["tensor_parallel_size"] > 1 else "")
-                      + (f" × PP{pool['pipeline_parallel_size']}" if pool["pipeline_parallel_size"] > 1 else "")
-                      + f", busy {pool['utilization'] * 100:.1f}%, KV peak {pool['kv_peak_utilization'] * 100:.1f}%, "
-                      f"{pool['preemptions']} preemptions")
-    kvt = report.get("kv_transfer")
-    if kvt:
-        console.print(f"KV transfer: {kvt['transfers']} transfers, {kvt['bytes'] / 2**30:.2f} GiB; on the link "
-                      f"p50 {_fmt(kvt['transfer_s']['p50'])} ms, p99 {_fmt(kvt['transfer_s']['p99'])} ms; hand-off to "
-                      f"transfer (decode instance's next step, its memory, the link) p50 {_fmt(kvt['wait_s']['p50'])} ms, p99 {_fmt(kvt['wait_s']['p99'])} ms")
-    spec = report.get("speculative")
-    if spec:
-        console.print(f"speculative: {spec['accepted']}/{spec['drafted']} drafts accepted, α {spec['alpha']:.3f}, "
-                      f"{spec['mean_accepted_length']:.2f} accepted per verify step, drafts on "
-                      f"{(spec['proposal_rate'] or 0) * 100:.0f}% of decode steps"
-                      + (f"; drafting {spec['draft_s_per_step'] * 1e3:.2f} ms per step + "
-                         f"{spec['draft_s_per_seq'] * 1e3:.2f} ms per request" if "draft_s_per_step" in spec else "")
-                      + (f" + {spec['draft_s_per_token'] * 1e6:.1f} µs per token caught up"
-                         if "draft_s_per_token" in spec else "")
-                      + (f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile" if "verify_cost_ratio" in spec
-                         else ""))
+        console.print(pool_line(name, pool))
+    _print_sections(report, console, (("kv_transfer", kv_transfer_line), ("speculative", speculative_line)))
     _print_cost_model(report.get("cost_model"), console)
+    cost = report["cost"]
     per_m = cost["usd_per_million_output_tokens"]
     console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
                   + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")
+
+
+def _print_sections(report: dict, console, lines: tuple) -> None:
+    """Each (key, line) of `lines` whose section the report has (and is not empty): that section's line."""
+    for key, line in lines:
+        section = report.get(key)
+        if section:
+            console.print(line(section))
+
+
+def _layout(tp: int, pp: int) -> str:
+    """ × TPn × PPm, each where it is over 1."""
+    return (f" × TP{tp}" if tp > 1 else "") + (f" × PP{pp}" if pp > 1 else "")
+
+
+def scenario_line(report: dict) -> str:
+    """The summary's first line: the scenario, its model on what, and how it was run."""
+    s = report["scenario"]
+    return (f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}"
+            + _layout(s.get("tensor_parallel_size", 1), s.get("pipeline_parallel_size", 1)) + "  "
+            f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
+
+
+def slo_line(report: dict) -> str:
+    """The SLO, whether it was met, and the share of requests within it."""
+    slo = report["slo"]
+    e2e = f", E2E ≤ {_fmt(slo['e2e_s'])} ms" if slo.get("e2e_s") is not None else ""
+    return (f"SLO (p{slo['quantile'] * 100:g} TTFT ≤ {_fmt(slo['ttft_s'])} ms, TPOT ≤ {_fmt(slo['tpot_s'])} ms"
+            f"{e2e}): {_slo_verdict(slo, report['requests'])}; attainment {report['slo_attainment'] * 100:.1f}%")
+
+
+def kv_line(kv: dict) -> str:
+    """The kv_cache section in one line."""
+    hits = f", prefix cache hits {kv['prefix_cache_hit_rate'] * 100:.1f}%" if "prefix_cache_hit_rate" in kv else ""
+    return (f"KV cache: peak {kv['peak_utilization'] * 100:.1f}%, mean {kv['mean_utilization'] * 100:.1f}%, "
+            f"reserved-unused {kv['reserved_unused_fraction'] * 100:.1f}%, {kv['preemptions']} preemptions, "
+            f"{kv['capacity_tokens']} tokens{hits}")
+
+
+def concurrency_line(gate: dict) -> str:
+    """The max_concurrency section in one line."""
+    w = gate["client_wait_s"]
+    return (f"max concurrency {gate['limit']}: {gate['requests_waited']} requests waited at the client for "
+            f"a slot (mean {w['mean']:.3g} s, p90 {w['p90']:.3g} s), latencies count from sending; "
+            f"{gate['mean_in_flight']:.1f} in flight on average")
+
+
+def closed_loop_line(loop: dict) -> str:
+    """The closed_loop section in one line."""
+    return (f"closed loop: {loop['users']} users, think time {loop['think_time_s']:g} s; "
+            f"{loop['mean_in_flight']:.1f} requests in flight on average")
+
+
+def conversations_line(conv: dict) -> str:
+    """The conversations section in one line."""
+    first, later = conv["first_turn_ttft_s"]["p50"], conv["later_turn_ttft_s"]["p50"]
+    return (f"conversations: {conv['conversations']}, {conv['answered']} with every turn answered, "
+            f"{conv['turns_mean']:.2f} turns on average; TTFT p50 first turns {_fmt(first)} ms, later turns "
+            f"{_fmt(later)} ms; first arrival to last token p50 {_seconds(conv['duration_s']['p50'])}")
+
+
+def pool_line(name: str, pool: dict) -> str:
+    """One pool of a disaggregated cluster in one line."""
+    return (f"{name} pool: {pool['replicas']}× {pool['hardware']}"
+            + _layout(pool["tensor_parallel_size"], pool["pipeline_parallel_size"])
+            + f", busy {pool['utilization'] * 100:.1f}%, KV peak {pool['kv_peak_utilization'] * 100:.1f}%, "
+            f"{pool['preemptions']} preemptions")
+
+
+def kv_transfer_line(kvt: dict) -> str:
+    """The kv_transfer section (disaggregated serving) in one line."""
+    link, wait = kvt["transfer_s"], kvt["wait_s"]
+    return (f"KV transfer: {kvt['transfers']} transfers, {kvt['bytes'] / 2**30:.2f} GiB; on the link "
+            f"p50 {_fmt(link['p50'])} ms, p99 {_fmt(link['p99'])} ms; hand-off to transfer (decode instance's next "
+            f"step, its memory, the link) p50 {_fmt(wait['p50'])} ms, p99 {_fmt(wait['p99'])} ms")
+
+
+def speculative_line(spec: dict) -> str:
+    """The speculative section in one line: acceptance, and the drafter's measured cost where there is one."""
+    costs = (f"; drafting {spec['draft_s_per_step'] * 1e3:.2f} ms per step + "
+                f"{spec['draft_s_per_seq'] * 1e3:.2f} ms per request" if "draft_s_per_step" in spec else "")
+    if "draft_s_per_token" in spec:
+        costs += f" + {spec['draft_s_per_token'] * 1e6:.1f} µs per token caught up"
+    if "verify_cost_ratio" in spec:
+        costs += f"; verify steps {spec['verify_cost_ratio']:.3f}x the profile"
+    return (f"speculative: {spec['accepted']}/{spec['drafted']} drafts accepted, α {spec['alpha']:.3f}, "
+            f"{spec['mean_accepted_length']:.2f} accepted per verify step, drafts on "
+            f"{(spec['proposal_rate'] or 0) * 100:.0f}% of decode steps{costs}")
