@@ -79,6 +79,16 @@ def test_latent_attention_is_read_whole_on_every_tensor_parallel_rank():
     assert latent.prefill_flops_per_pair == 2 * 128 * (192 + 128) / 8  # decompressed
 
 
+def test_each_data_parallel_rank_pads_its_own_share_to_its_cuda_graph():
+    plan = moe_plan("DeepSeek-V3", "H200", data_parallel_size=8, enable_expert_parallel=True)
+    cost, top = make_cost_model(plan), plan.engine.max_graph_tokens
+    padded = plan.engine.graph_tokens(33, True)  # 33 decodes a rank replay the next captured size
+    assert padded > 33 and decode(cost, 8 * 33).linear_s == cost.linear_s(padded)
+    # 8 ranks of the largest captured size each replay it (as vLLM's graphs are a rank's); one more a rank: eager
+    assert decode(cost, 8 * top).linear_s == cost.linear_s(top)
+    assert decode(cost, 8 * (top + 1)).linear_s == cost.linear_s(top + 1)
+
+
 def test_a_dense_model_s_profile_prices_no_experts_nor_data_parallel_ranks():
     smol_moe = {"base": "SmolLM2-135M", "name": "SmolLM2-MoE", "num_experts": 4, "num_experts_per_tok": 2}
     data = scenario(model=smol_moe, hardware="cpu", cost_model={"profile": PROFILE}, serving={"max_model_len": 4096})
