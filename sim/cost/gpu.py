@@ -17,7 +17,7 @@ collectives (sim/cost/nccl.py) for its communication, and the host's overhead pe
   inference-sim/inference-sim defaults.yaml, trained_physics_coefficients β₇ and β₆, Apache-2.0).
 
 A replica's data-parallel ranks run 1 / DP of the step's tokens, sequences, sampling rows and context each, side by
-side (sim/config/expert_parallel.py). `Refinement` scales each part and replaces the overheads: what a profile of the
+side (sim/config/expert_parallel.py), each padding its share to its own CUDA graph. `Refinement` scales each part and replaces the overheads: what a profile of the
 same device measured end to end refines the kernel model with. Decode steps price as base(batch) + context × the
 per-token KV cost (plus, for windowed layers, the window-bounded reads), so runs of them stay exact and
 allocation-free.
