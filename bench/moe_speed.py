@@ -16,9 +16,9 @@ import argparse
 import os
 import time
 
+from sim.config.generator import generate_requests
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
-from sim.config.workload import generate_requests
 from sim.report.metrics import compute_metrics
 from sim.simulator.cluster import sim_records, simulate
 

@@ -1,5 +1,5 @@
-"""A mixture of experts' step price (sim/cost/moe.py, moe_kernels.py for the models it prices; MoE and MLA blocks in
-the step composition, sim/cost/blocks.py, for those with sliding, chunked or linear layers): experts priced on the tokens they receive and the weights a step touches,
+"""A mixture of experts' step price (MoE and MLA blocks in the step composition, sim/cost/blocks.py, priced by the
+roofline and the GPU kernel model alike): experts priced on the tokens they receive and the weights a step touches,
 all-to-all dispatch and combine, latent attention, the grouped GEMM fit; and what the published results say, as
 tests."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from sim.config.models import MODEL_CATALOG
 from sim.cost import routing
 from sim.cost.build import make_cost_model, tensor_parallel_blocks
 from sim.cost.comm import Interconnect
-from sim.cost.moe import MoECostModel
-from sim.cost.moe_kernels import attention_flops_per_key
+from sim.cost.gpu import KernelCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.policy.batch import shape_of
 from tests.helpers import plan_of, run, scenario
 
@@ -35,7 +35,7 @@ def decode(cost, batch: int, context: int = 1000):
 @pytest.mark.parametrize("cost_type", ["roofline", "auto"])
 def test_a_decode_reads_the_experts_its_tokens_touch(cost_type):
     cost = make_cost_model(moe_plan(cost_model={"type": cost_type}, tensor_parallel_size=2))
-    assert isinstance(cost, MoECostModel)
+    assert isinstance(cost, RooflineCostModel if cost_type == "roofline" else KernelCostModel)  # one class a source
     one, many = decode(cost, 1).experts_s, decode(cost, 256).experts_s
     touched = routing.distinct_experts(8, 2, 1) / routing.distinct_experts(8, 2, 256)  # 2 of Mixtral's 8, then all
     assert touched == pytest.approx(0.25, rel=1e-3)
@@ -73,12 +73,20 @@ def test_latent_attention_is_read_whole_on_every_tensor_parallel_rank():
     # 64 decodes of 4000 tokens: TP ranks each read every row's latent; DP ranks each read their 8 rows'
     assert decode(eight, 64, 4000).attention_s > 4 * decode(one, 64, 4000).attention_s
     m = MODEL_CATALOG["DeepSeek-V3"]
-    assert attention_flops_per_key(m, decode=True) == 2 * 128 * (2 * 512 + 64)  # absorbed: heads meet the latent
-    assert attention_flops_per_key(m, decode=False) == 2 * 128 * (192 + 128)  # decompressed
-    latent = tensor_parallel_blocks(m, 8).full  # the composition's MLA block, per device of 8: the same FLOPs
-    assert latent.kind == "mla" and latent.kv_heads == 1
-    assert latent.decode_flops_per_key == 2 * 128 * (2 * 512 + 64) / 8
-    assert latent.prefill_flops_per_pair == 2 * 128 * (192 + 128) / 8
+    latent = tensor_parallel_blocks(m, 8).full  # the MLA block on one device of 8
+    assert latent.kind == "mla" and latent.kv_heads == 1 and latent.kv_bytes_per_token == m.kv_bytes_per_token / 61
+    assert latent.decode_flops_per_key == 2 * 128 * (2 * 512 + 64) / 8  # absorbed: heads meet the latent
+    assert latent.prefill_flops_per_pair == 2 * 128 * (192 + 128) / 8  # decompressed
+
+
+def test_each_data_parallel_rank_pads_its_own_share_to_its_cuda_graph():
+    plan = moe_plan("DeepSeek-V3", "H200", data_parallel_size=8, enable_expert_parallel=True)
+    cost, top = make_cost_model(plan), plan.engine.max_graph_tokens
+    padded = plan.engine.graph_tokens(33, True)  # 33 decodes a rank replay the next captured size
+    assert padded > 33 and decode(cost, 8 * 33).linear_s == cost.linear_s(padded)
+    # 8 ranks of the largest captured size each replay it (as vLLM's graphs are a rank's); one more a rank: eager
+    assert decode(cost, 8 * top).linear_s == cost.linear_s(top)
+    assert decode(cost, 8 * (top + 1)).linear_s == cost.linear_s(top + 1)
 
 
 def test_a_dense_model_s_profile_prices_no_experts_nor_data_parallel_ranks():

@@ -63,9 +63,9 @@ def test_all_reduce_is_priced_by_the_links_topology(hardware, hops):
     per_all_reduce = 2 * (n - 1) / n * tokens * m.hidden_size * 2 / hw.interconnect_bandwidth \
         + all_reduce_hops * hw.interconnect_latency_s
     gather = (n - 1) / n * m.vocab_size * 4 / hw.interconnect_bandwidth
-    assert cost.comm_time(tokens, 0) == pytest.approx(2 * m.num_layers * per_all_reduce + gather_hops *
+    assert cost.communication_s(tokens, 0) == pytest.approx(2 * m.num_layers * per_all_reduce + gather_hops *
                                                       hw.interconnect_latency_s)
-    assert cost.comm_time(tokens, 1) - cost.comm_time(tokens, 0) == pytest.approx(gather)
+    assert cost.communication_s(tokens, 1) - cost.communication_s(tokens, 0) == pytest.approx(gather)
 
 
 def test_more_devices_through_a_switch_keep_lowering_latency_at_batch_one():

@@ -117,7 +117,7 @@ def test_the_roofline_s_tensor_parallel_communication_is_its_own_part():
         model="Llama-3-8B", hardware="H100-SXM", parallel={"tensor_parallel_size": 4})
     shape = shape_of([1] * 16, [1000] * 16)
     assert one.step_cost(shape).communication_s == 0.0
-    assert four.step_cost(shape).communication_s == four.comm_time(16, 16) > 0
+    assert four.step_cost(shape).communication_s == four.communication_s(16, 16) > 0
     assert four.step_cost(shape).attention_s == pytest.approx(one.step_cost(shape).attention_s / 4)
 
 

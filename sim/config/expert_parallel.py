@@ -40,6 +40,11 @@ class ExpertLayout:
         """Devices the routed experts are spread over whole (1: each expert sliced over TP instead)."""
         return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
 
+    @property
+    def expert_slices(self) -> int:
+        """Devices each routed expert is sliced over: the tensor-parallel ranks, or none with expert parallelism."""
+        return 1 if self.enable_expert_parallel else self.tensor_parallel_size
+
     def weight_bytes(self, model: ModelSpec, sparse_kernels: bool) -> float:
         """Weight bytes on one device (2:4 weights compressed only where `sparse_kernels` run them)."""
         tp = self.tensor_parallel_size

@@ -252,8 +252,7 @@ def step_blocks(model, sharding: Sharding, expert_layout: ExpertLayout, kv_bytes
                              layer_passes(model, layer, sharding, act_bytes, fused_add))
                    for layer, n in distinct_blocks(model))
     moe_layers = sum(b.count for b in blocks if b.layer.ffn.kind == "moe")
-    slices = 1 if expert_layout.enable_expert_parallel else sharding.tp  # sliced over TP, or whole over EP
-    width = expert_width(model) // slices
+    width = expert_width(model) // expert_layout.expert_slices
     experts = ExpertLoad(model.num_experts if moe_layers else 0, model.num_experts_per_tok,
                          expert_layout.enable_expert_parallel, expert_layout.ep_size,
                          expert_layout.data_parallel_size, load_imbalance)

@@ -5,7 +5,7 @@ from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
 from sim.config.models import ModelSpec
-from sim.config.moe import has_experts, uses_mla
+from sim.config.moe import has_experts, kv_bytes_per_device_token, uses_mla
 from sim.config.plan import Plan
 from sim.config.sharding import shard
 from sim.cost.blocks import StepBlocks, step_blocks
@@ -13,8 +13,6 @@ from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
 from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
 from sim.cost.kernels import KERNEL_ENGINES, DeviceKernels, engine_kernels, kernel_report, load_accuracy, load_kernels
-from sim.cost.moe import MoECostModel
-from sim.cost.moe_kernels import KernelParts, RooflineParts
 from sim.cost.nccl import NcclCollectives, engine_collectives
 from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
@@ -32,8 +30,6 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     else the GPU kernel model where the device's kernels were measured (sim/cost/gpu.py), else the roofline; the last
     two price the model's blocks on one device of the plan's layout (sim/cost/blocks.py)."""
     c = plan.cost
-    if priced_apart(plan) and c.source != "profile":
-        return moe_cost_model(plan)
     if c.source == "kernels":
         return kernel_cost_model(plan)
     if c.profile is not None:
@@ -52,43 +48,6 @@ def make_cost_model(plan: Plan) -> StepCostModel:
                              step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
                              per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S),
                              block_bytes=plan.block_bytes, sequence_parallel=plan.sequence_parallel)
-
-
-def priced_apart(plan: Plan) -> bool:
-    """Whether the plan's steps go to MoECostModel (sim/cost/moe.py): a mixture of experts, latent attention or
-    data-parallel ranks over full-attention layers alone — the models it priced before typed blocks, kept on it so
-    their reports stay as they were (the composition prices their parts in another order and, with its fused norms,
-    rotary and LM head, within -1.2% to +2.9% of it). Models with sliding, chunked or linear layers go through the
-    composition, which prices each kind."""
-    return (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1) and not plan.model.hybrid
-
-
-def moe_cost_model(plan: Plan) -> MoECostModel:
-    """A mixture-of-experts, latent-attention or data-parallel replica's steps (sim/cost/moe.py), priced by the GPU
-    kernel model where the device's kernels were measured, else by the roofline. (A profile of the same model prices
-    its steps as it measured them; one of another model is refused by the profile reader.)"""
-    c, m, hw = plan.cost, plan.model, plan.hardware
-    if c.refinement is not None:
-        raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
-                          "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
-                          "no profile", "cost_model.type")
-    layout = dict(tensor_parallel_size=plan.tensor_parallel_size, data_parallel_size=plan.data_parallel_size,
-                  expert_parallel=plan.enable_expert_parallel, load_imbalance=c.expert_load_imbalance,
-                  block_bytes=plan.block_size * plan.kv_bytes_per_token, host_bandwidth=hw.host_bandwidth)
-    if c.source == "kernels":
-        kernels = device_kernels(plan)
-        stage_layers = -(-m.num_layers // plan.pipeline_parallel_size)
-        parts = KernelParts(m, kernels, hw, plan.kv_bytes_per_token / stage_layers, plan.tensor_parallel_size,
-                            plan.enable_expert_parallel)
-        return MoECostModel(m, parts, _collectives(plan, kernels), **layout,
-                            step_overhead_s=_given(c.step_overhead_s, VLLM_STEP_OVERHEAD_S),
-                            per_seq_overhead_s=_given(c.per_seq_overhead_s, VLLM_PER_SEQ_OVERHEAD_S),
-                            engine=plan.engine, eager_collectives=_collectives(plan, kernels, graph=False))
-    parts = RooflineParts(m, hw, c.compute_efficiency, c.memory_efficiency, plan.tensor_parallel_size,
-                          plan.sequence_parallel, plan.enable_expert_parallel)
-    return MoECostModel(m, parts, Interconnect.of(hw), **layout,
-                        step_overhead_s=_given(c.step_overhead_s, ROOFLINE_STEP_OVERHEAD_S),
-                        per_seq_overhead_s=_given(c.per_seq_overhead_s, ROOFLINE_PER_SEQ_OVERHEAD_S))
 
 
 def plan_blocks(plan: Plan) -> StepBlocks:
@@ -131,7 +90,7 @@ def tensor_parallel_blocks(model: ModelSpec, tensor_parallel_size: int = 1) -> S
     no engine): how calibration prices a measured model on a catalog GPU."""
     sharding = shard(model, tensor_parallel_size)
     return step_blocks(model, sharding, ExpertLayout(tensor_parallel_size, 1, False),
-                       sharding.kv_bytes(model.kv_bytes_per_token / model.num_layers), model.act_bytes)
+                       kv_bytes_per_device_token(model, sharding) / model.num_layers, model.act_bytes)
 
 
 def kernel_cost_model(plan: Plan) -> KernelCostModel:

@@ -4,7 +4,7 @@ engine release does; this turns it into seconds):
 - CUDA graphs: a step run from a captured graph computes its padded size (the next captured one) in every kernel
   inside the graph — the decoder layers' GEMMs, passes and all-reduces — while the LM head runs on the rows sampled;
 - all-reduce: the engine's own peer-to-peer one- or two-shot all-reduce over NVLink below its message limit, NCCL
-  above it and on PCIe (`EngineCollectives`);
+  above it and on PCIe (sim/cost/nccl.py: `CustomAllReduce`);
 - host work: scheduling, input preparation and sampling take `step_s` + `per_seq_s` a sequence (+ `prefill_s` in a
   step with a prompt); with async scheduling (vLLM from 0.14, SGLang's and TensorRT-LLM's overlap schedulers) the
   host prepares the next step while the device runs this one, so only what exceeds the device's work shows
@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.config.engines import EngineProfile
-from sim.cost.comm import Collectives
 
 
 @dataclass(frozen=True)
@@ -38,31 +37,6 @@ class HostCost:
         if not self.async_scheduling:
             return host
         return host - device_s if host > device_s else 0.0
-
-
-class EngineCollectives:
-    """An engine's collectives: its custom all-reduce (`custom_s(nbytes, devices)`, None where not measured for that
-    many devices) for messages up to `max_bytes` on a switched link, `nccl`'s for the rest and for every other
-    collective."""
-
-    def __init__(self, nccl: Collectives, custom_s, max_bytes: float):
-        self.nccl, self.custom_s, self.max_bytes = nccl, custom_s, max_bytes
-
-    def all_reduce_s(self, nbytes: float, devices: int) -> float:
-        if nbytes <= self.max_bytes:
-            t = self.custom_s(nbytes, devices)
-            if t is not None:
-                return t
-        return self.nccl.all_reduce_s(nbytes, devices)
-
-    def gather_s(self, nbytes: float, devices: int) -> float:
-        return self.nccl.gather_s(nbytes, devices)
-
-    def send_s(self, nbytes: float) -> float:
-        return self.nccl.send_s(nbytes)
-
-    def all_to_all_s(self, nbytes: float, devices: int) -> float:
-        return self.nccl.all_to_all_s(nbytes, devices)
 
 
 # The host's time per kernel of a step run outside a CUDA graph: Python module calls, PyTorch's dispatch and

@@ -17,7 +17,7 @@ collectives (sim/cost/nccl.py) for its communication, and the host's overhead pe
   inference-sim/inference-sim defaults.yaml, trained_physics_coefficients β₇ and β₆, Apache-2.0).
 
 A replica's data-parallel ranks run 1 / DP of the step's tokens, sequences, sampling rows and context each, side by
-side (sim/config/expert_parallel.py). `Refinement` scales each part and replaces the overheads: what a profile of the
+side (sim/config/expert_parallel.py), each padding its share to its own CUDA graph. `Refinement` scales each part and replaces the overheads: what a profile of the
 same device measured end to end refines the kernel model with. Decode steps price as base(batch) + context × the
 per-token KV cost (plus, for windowed layers, the window-bounded reads), so runs of them stay exact and
 allocation-free.
@@ -343,10 +343,12 @@ class KernelCostModel(PricesStages):
 
     def _device_parts(self, tokens: int, sampled: int, decode_only: bool) -> tuple[float, float, float, float]:
         """(linear, LM head, experts, communication) of a step's tokens: the layers over the CUDA graph's padded size,
-        a data-parallel rank's share."""
-        graphed = padded_tokens(self.engine, tokens, decode_only)
-        in_graph = self.engine is None or self.engine.in_graph(tokens, decode_only)
+        a data-parallel rank's share (each rank replays its own graphs, padding its own share)."""
         dp = self.dp
+        rank = self.rank_tokens(tokens)
+        graphed = padded_tokens(self.engine, tokens, decode_only) if dp == 1 else \
+            padded_tokens(self.engine, rank, decode_only) * dp
+        in_graph = self.engine is None or self.engine.in_graph(rank, decode_only)
         linear = self.linear_s(graphed if dp == 1 else graphed / dp)
         head = self.lm_head_s(tokens, sampled) if dp == 1 else self.lm_head_s(tokens / dp, sampled / dp)
         return linear, head, self.experts_s(graphed), self.communication_s(graphed, sampled, in_graph)
@@ -421,7 +423,8 @@ class KernelCostModel(PricesStages):
         f = self._fixed_parts[key] = ((device + overhead) + swap, self.attention_floor_s(seqs, prefill),
                                       self.per_kv_token_s(rows), linear, head, comm, overhead, swap, overhead + swap,
                                       send, back, (self.pp - 1) * send,
-                                      launch_floor_s(self.engine, tokens, prefill == 0, self.kernels_per_step),
+                                      launch_floor_s(self.engine, self.rank_tokens(tokens), prefill == 0,
+                                                     self.kernels_per_step),
                                       self.window_rates(rows) if self.windows else (), experts)
         return f
 
@@ -471,7 +474,11 @@ class KernelCostModel(PricesStages):
 
     def _eager_decode(self, num_seqs: int) -> bool:
         """Whether a step of `num_seqs` decodes runs eagerly (its launches may set its time: no affine run)."""
-        return self.engine is not None and not self.engine.in_graph(num_seqs, True)
+        return self.engine is not None and not self.engine.in_graph(self.rank_tokens(num_seqs), True)
+
+    def rank_tokens(self, tokens: int) -> int:
+        """The new tokens of a step's busiest data-parallel rank (the step's own with one rank)."""
+        return tokens if self.dp == 1 else -(-tokens // self.dp)
 
     def _affine(self, num_seqs: int) -> tuple[float, float] | None:
         """A decode step of `num_seqs` rows as (base, seconds per KV token): `base + context * per_kv` (None: not

@@ -82,8 +82,7 @@ class RooflineCostModel:
         own = m.expert_weight_dtype is not None and m.expert_weight_dtype != m.weight_dtype
         dequant = 1 + DEQUANT_OVERHEAD if (m.expert_weight_dtype in QUANTIZED if own else
                                            m.dequantizes(hw.peak_flops)) else 1.0
-        slices = 1 if blocks.expert_layout.enable_expert_parallel else blocks.sharding.tp
-        params = expert_params(m)
+        slices, params = blocks.expert_layout.expert_slices, expert_params(m)
         self.s_per_expert_row = blocks.moe_layers * 2 * params / linear_flops / slices * dequant
         self.s_per_expert_weights = blocks.moe_layers * params * m.bytes_per_expert_param(sparse) / bw / slices
 
@@ -105,7 +104,7 @@ class RooflineCostModel:
                               g.layers * g.state_flops_per_token / flops / dp) for g in blocks.bounded)
 
     # -- the parts --------------------------------------------------------------------------------------------------
-    def comm_time(self, tokens: int, sampled: int) -> float:
+    def communication_s(self, tokens: int, sampled: int) -> float:
         """Communication in a step of `tokens` new tokens, `sampled` of them sampling: tensor parallelism's
         collectives over a rank's rows, expert parallelism's all-to-alls."""
         dp = self.dp
@@ -129,10 +128,12 @@ class RooflineCostModel:
     def attention_s(self, shape: BatchShape) -> float:
         """max(FLOPs, K/V and state bytes) of the step's attention, a rank's share."""
         if not self.bounded:
-            if self.mla:
+            if self.mla:  # vLLM runs MLA's prompt chunks (decompressed) and decode rows (absorbed) as two kernels
                 decode_ctx = shape.sum_context - shape.prefill_context
-                compute = (shape.attn_pairs - decode_ctx) * self.s_per_attn_pair + decode_ctx * self.s_per_decode_key
-                return max(compute, shape.sum_context * self.s_per_kv_token)
+                pairs = shape.attn_pairs - decode_ctx
+                prompt = max((pairs if pairs > 0 else 0) * self.s_per_attn_pair,
+                             shape.prefill_context * self.s_per_kv_token)
+                return prompt + decode_ctx * max(self.s_per_decode_key, self.s_per_kv_token)
             return max(shape.attn_pairs * self.s_per_attn_pair, shape.sum_context * self.s_per_kv_token)
         return self._bounded_attention_s(shape)
 
@@ -159,7 +160,7 @@ class RooflineCostModel:
         t = linear + attention + self.step_overhead_s + (seqs if dp == 1 else seqs / dp) * self.per_seq_overhead_s
         if self.moe:
             t = t + self.experts_s(tokens)
-        return t + self.comm_time(tokens, sampled) if self.parallel else t
+        return t + self.communication_s(tokens, sampled) if self.parallel else t
 
     def step_time(self, shape: BatchShape) -> float:
         return self._time(shape.num_new_tokens, shape.num_seqs, shape.num_sampled, self.attention_s(shape)) \
@@ -179,7 +180,7 @@ class RooflineCostModel:
         experts = self.experts_s(tokens) if self.moe else 0.0
         if self.moe:
             t = t + experts
-        comm = self.comm_time(tokens, sampled) if self.parallel else 0.0
+        comm = self.communication_s(tokens, sampled) if self.parallel else 0.0
         if self.parallel:
             t = t + comm
         swap = shape.swap_blocks * self.s_per_swap_block
@@ -206,7 +207,7 @@ class RooflineCostModel:
         per_ctx = max(self.s_per_decode_key, self.s_per_kv_token)
         overhead, per_seq = self.step_overhead_s, (b if dp == 1 else b / dp) * self.per_seq_overhead_s
         experts = self.experts_s(b) if self.moe else 0.0  # x + 0.0 == x: a dense model's steps stay bit-identical
-        comm = self.comm_time(b, b) if self.parallel else 0.0
+        comm = self.communication_s(b, b) if self.parallel else 0.0
         s, k, append = sum_context, 0, step_end.append
         while k < k_max:
             clock += linear + s * per_ctx + overhead + per_seq + experts + comm
