@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sim.report.png import COLORS, Canvas, label, limits, nice_ticks
+from sim.report.png import COLORS, Canvas, font, label, limits, nice_ticks
 
 
 @pytest.mark.parametrize("lo, hi, bins, ticks, decimals", [
@@ -50,3 +50,12 @@ def test_empty_data_still_draws_a_chart(tmp_path):
     ax.plot(np.zeros(0), np.zeros(0), label="nothing")
     ax.title, ax.xlabel, ax.ylabel, ax.legend = "empty", "ms", "fraction", True
     assert Image.open(fig.save(tmp_path / "empty.png")).size == (360, 270)
+
+
+def test_x_labels_fit_side_by_side():
+    fig = Canvas(4, 3)
+    ax = fig.subplots(1, left=0.2, right=0.95, bottom=0.2, top=0.9)[0]
+    ticks, decimals = ax._xticks((1e-5, 3e-5), font(10))
+    widths = [fig.draw.textlength(label(v, decimals), font=font(10)) for v in ticks]
+    assert len(ticks) >= 2 and sum(widths) < ax.box[2] - ax.box[0]
+    assert label(2e-5, decimals) == "2e-05"

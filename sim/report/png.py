@@ -44,7 +44,7 @@ def nice_ticks(lo: float, hi: float, bins: int) -> tuple[list[float], int]:
 
 def label(v: float, decimals: int) -> str:
     """A tick's label: fixed decimals, or three significant digits for very large or small numbers."""
-    if decimals > 6 or abs(v) >= 1e7:
+    if decimals > 4 or abs(v) >= 1e7:
         return f"{v:.3g}"
     text = f"{v:.{decimals}f}"
     return text[1:] if text.startswith("-") and float(text) == 0 else text
@@ -90,8 +90,8 @@ class Axes:
         sx = (right - left) / (xlim[1] - xlim[0])
         sy = (bottom - top) / (ylim[1] - ylim[0])
         small, tick = font(10), 3.5 * PT * SCALE
-        # as many intervals as labels of 10 points fit, three font sizes apart across, two up, at most 9 (matplotlib's)
-        xticks, xd = nice_ticks(*xlim, max(1, min(9, int((right - left) / (PT * SCALE) / 30))))
+        # as many intervals as labels of 10 points fit, three font sizes apart across (_xticks), two up, at most 9
+        xticks, xd = self._xticks(xlim, small)
         yticks, yd = nice_ticks(*ylim, max(1, min(9, int((bottom - top) / (PT * SCALE) / 20))))
         for v in xticks:
             px = left + (v - xlim[0]) * sx
@@ -115,6 +115,17 @@ class Axes:
         self.canvas.vertical_text(left - tick - width - 8 * SCALE, (top + bottom) / 2, self.ylabel, small)
         if self.legend:
             self._draw_legend()
+
+    def _xticks(self, xlim: tuple[float, float], f: ImageFont.FreeTypeFont) -> tuple[list[float], int]:
+        """The x ticks: fewer than matplotlib's count where their labels would not fit side by side."""
+        left, _, right, _ = self.box
+        bins = max(1, min(9, int((right - left) / (PT * SCALE) / 30)))
+        while True:
+            ticks, decimals = nice_ticks(*xlim, bins)
+            wide = sum(self.canvas.draw.textlength(label(v, decimals), font=f) + 8 * SCALE for v in ticks)
+            if wide <= right - left or bins == 1:
+                return ticks, decimals
+            bins -= 1
 
     def _draw_legend(self) -> None:
         """The labelled lines' colors and labels in a box at the upper right."""
