@@ -493,8 +493,21 @@ def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="p
         _fail(e)
 
 
+def _command_name(info) -> str:
+    return info.name or info.callback.__name__.lower().replace("_", "-")  # typer's own rule
+
+
 def main() -> None:
-    app()
+    """Run the command line. The command it names is built alone (typer first builds every command's parameters
+    from its signature: most of the CLI's own start-up); anything else (--help, a typo) meets the whole app."""
+    named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
+    if not named:
+        app()
+        return
+    one = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True, help=app.info.help)
+    one.callback()(lambda: None)  # a group still (with one command and no callback, typer drops the command's name)
+    one.registered_commands = named
+    one()
 
 
 if __name__ == "__main__":

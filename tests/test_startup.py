@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("numpy", "pydantic", "yaml", "rich", "simpy", "torch", "matplotlib", "scipy", "pandas", "transformers",
+HEAVY = ("numpy", "pydantic", "yaml", "rich", "simpy", "torch", "matplotlib", "PIL", "scipy", "pandas", "transformers",
          "plotly", "streamlit", "calibration", "executor", "dashboard", "sim.config.plan", "infersim.api",
          "infersim.commands")
 

@@ -19,7 +19,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from sim.config.schema_base import StrictModel
+from sim.config.schema_base import ON_USE, StrictModel
 
 TOOLS = ("none", "genai_perf", "aiperf", "vllm_bench", "guidellm", "inference_perf")
 MAX_WARMUP_REQUESTS = 100_000
@@ -58,6 +58,8 @@ class RampUpConfig(StrictModel):
     """vLLM's `--ramp-up-strategy`, `--ramp-up-start-rps`, `--ramp-up-end-rps`: request i is sent at the rate
     start + (end - start) i / (n - 1) (linear) or start (end / start)^(i / (n - 1)) (exponential)."""
 
+    model_config = ON_USE
+
     strategy: Literal["linear", "exponential"]
     start_rps: float = Field(gt=0, le=1e6)
     end_rps: float = Field(gt=0, le=1e6)
@@ -65,6 +67,8 @@ class RampUpConfig(StrictModel):
 
 class ClientConfig(StrictModel):
     """Who sends the workload, and how long a request takes to reach the engine and its tokens to come back."""
+
+    model_config = ON_USE
 
     tool: Literal["none", "genai_perf", "aiperf", "vllm_bench", "guidellm", "inference_perf"] = Field(
         "none", description="the benchmark client: how it sends and how it defines the report's latencies (none: "

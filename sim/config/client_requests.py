@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from sim.config.client import ResolvedClient, TransportConfig
-from sim.config.workload import ArrivalConfig, RequestSpec, WorkloadConfig
+from sim.config.workload import ArrivalConfig, RequestSpec, WorkloadConfig, with_columns
 
 CLIENT_STREAM = 8  # the seed's child stream for the client's draws: generate_requests spawns streams 0-7
 
@@ -22,7 +22,7 @@ def with_client(cfg: WorkloadConfig, specs: list[RequestSpec], client: ResolvedC
                                np.random.SeedSequence(cfg.seed, spawn_key=(CLIENT_STREAM,)).spawn(2))
     if client.tool == "vllm_bench" and cfg.arrival is not None and cfg.trace is None and specs:
         times = vllm_schedule(len(specs), cfg.arrival, client, rng_schedule).tolist()
-        specs = [replace(s, arrival_s=t) for s, t in zip(specs, times)]
+        specs = with_columns(specs, arrival_s=times)
     specs = _with_warmups(specs, client.warmup_requests)
     if client.transport is not None:
         specs = _with_transport(specs, client.transport, rng_times)
@@ -74,5 +74,4 @@ def _with_transport(specs: list[RequestSpec], t: TransportConfig, rng) -> list[R
     prompt = np.fromiter((s.prompt_len for s in specs), float, n)
     ins, fronts = (t.request_s * draw[0]).tolist(), ((t.frontend_s + t.prompt_token_s * prompt) * draw[1]).tolist()
     outs, closes = (t.token_s * draw[2]).tolist(), (t.close_s * draw[3]).tolist()
-    return [replace(s, in_s=a, front_s=f, out_s=b, close_s=c)
-            for s, a, f, b, c in zip(specs, ins, fronts, outs, closes)]
+    return with_columns(specs, in_s=ins, front_s=fronts, out_s=outs, close_s=closes)

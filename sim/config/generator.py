@@ -4,7 +4,7 @@ a seed."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +17,14 @@ from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
 from sim.config.prompt_pool import pool_specs
 from sim.config.stages import stage_arrivals, stage_bounds
 from sim.config.traces import MOONCAKE_BLOCK_TOKENS, Traces
-from sim.config.workload import ArrivalConfig, ClosedLoopConfig, ConversationConfig, RequestSpec, WorkloadConfig
+from sim.config.workload import (
+    ArrivalConfig,
+    ClosedLoopConfig,
+    ConversationConfig,
+    RequestSpec,
+    WorkloadConfig,
+    with_columns,
+)
 
 
 def _synthetic_arrivals(a: ArrivalConfig, n: int | None, duration: float | None, rng) -> np.ndarray:
@@ -216,7 +223,7 @@ def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chain
         chains = [chains[k] for k in order.tolist()]
         return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
     if cfg.shared_prefix is None:
-        return [RequestSpec(i, *row) for i, row in enumerate(zip(*columns))]
+        return list(map(RequestSpec, range(len(order)), *columns))
     sp = cfg.shared_prefix
     if sp.prompts_per_prefix is not None:
         lengths = traces.draw(cfg.prompt_len, rng_p, sp.num_prefixes * sp.prompts_per_prefix, "workload.prompt_len")
@@ -237,7 +244,7 @@ def _with_stages(specs: list[RequestSpec], stage: np.ndarray, delay: np.ndarray)
     """`specs` (in send order) with the stage each is sent in and its delay after the stage before it ended."""
     _check_span(np.array([s.arrival_s for s in specs[-1:]]), "workload.load_stages",
                 f"{len(specs):,} requests over the stages arrive")
-    return [replace(s, stage=k, stage_delay_s=d) for s, k, d in zip(specs, stage.tolist(), delay.tolist())]
+    return with_columns(specs, stage=stage.tolist(), stage_delay_s=delay.tolist())
 
 
 def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
@@ -247,7 +254,7 @@ def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[
     waited, think = _user_starts(np.zeros(n), loop, rng)
     _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
                 f"{loop.think_time_s:g} s on average arrive")
-    return [replace(s, arrival_s=0.0, think_s=float(t), users=loop.users) for s, t in zip(specs, think.tolist())]
+    return with_columns(specs, arrival_s=[0.0] * n, think_s=think.tolist(), users=[loop.users] * n)
 
 
 def _user_starts(spans: np.ndarray, loop: ClosedLoopConfig, rng) -> tuple[np.ndarray, np.ndarray]:

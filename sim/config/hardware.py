@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat
+from pydantic import ConfigDict, Field, NonNegativeFloat, PositiveFloat
 
 from sim.config.errors import catalog_entry
 from sim.config.schema_base import StrictModel
@@ -17,6 +17,8 @@ GiB = 1024**3
 class HardwareSpec(StrictModel):
     """One device: dense peak FLOP/s per dtype, memory, and the links around it."""
 
+    # built when a spec is first validated: the catalog's entries are built unvalidated (tests/test_catalogs.py)
+    model_config = ConfigDict(defer_build=True)
     name: str = "custom"
     peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "fp8", "int4", "fp4"],
                      Annotated[float, Field(ge=1e6)]] = Field(
@@ -49,7 +51,7 @@ def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6
          topology="switch", fp4=None, int8=None):
     rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": int8 or fp8_int8} | ({"fp8": fp8_int8} if fp8 else {}) \
         | ({"fp4": fp4} if fp4 else {})
-    return HardwareSpec(
+    return HardwareSpec.model_construct(
         name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
         interconnect_bandwidth=link, interconnect_latency_s=link_latency, interconnect_topology=topology,
         host_bandwidth=host_bw, price_per_hour=price, sparse_tensor_cores=True)
@@ -89,7 +91,7 @@ HARDWARE_CATALOG: dict[str, HardwareSpec] = {h.name: h for h in [
          host_bw=50e9, topology="ring", fp4=1871.2e12),  # Blackwell Server Edition
     # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
     # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
-    HardwareSpec(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
+    HardwareSpec.model_construct(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
                  peak_flops={"fp32": 115e9, "fp16": 30e9, "bf16": 30e9},
                  interconnect_bandwidth=9e9, host_bandwidth=9e9, price_per_hour=0.1),
 ]}

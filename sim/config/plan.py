@@ -23,7 +23,6 @@ from sim.config.engines import (
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout, expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
-from sim.config.hf_config import load_hf_config
 from sim.config.kv_groups import KVGroups
 from sim.config.memory import Layout, memory_budget
 from sim.config.models import ModelSpec, WeightDtype, catalog_model
@@ -317,6 +316,8 @@ CHECKPOINT_OVERRIDES = ("weight_dtype", "kv_dtype", "sparsity")  # keys a checkp
 def resolve_model(raw: str | dict, base_dir: Path) -> tuple[ModelSpec, Path | None]:
     """The model's architecture, and the folder of its checkpoint where the scenario names one."""
     if isinstance(raw, dict) and "hf_config" in raw:
+        from sim.config.hf_config import load_hf_config  # a checkpoint's config.json: most scenarios name none
+
         extra = set(raw) - {"hf_config", *CHECKPOINT_OVERRIDES}
         if extra:
             raise ConfigError(f"unknown key {sorted(extra)[0]!r} beside hf_config; allowed: hf_config, "

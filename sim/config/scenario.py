@@ -19,7 +19,7 @@ from pydantic import (
 from sim.config.engines import EngineConfig
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_REPLICAS
-from sim.config.schema_base import StrictModel
+from sim.config.schema_base import ON_USE, OnUse, StrictModel
 from sim.config.workload import WorkloadConfig
 
 RouterName = Literal["round_robin", "least_outstanding", "cache_aware", "session"]  # sim.policy.router's routers
@@ -164,6 +164,8 @@ class SpeculativeConfig(StrictModel):
     """Speculative decoding (vLLM's speculative_config): each step a drafter proposes up to
     num_speculative_tokens tokens for every decoding request and the target model checks them all in
     that step, keeping the accepted prefix plus one token of its own."""
+
+    model_config = ON_USE
 
     method: Literal["ngram", "draft_model", "medusa", "eagle", "mtp"] = Field(
         "ngram", description="ngram: prompt lookup, drafts copied from the prompt and the text so far; "
@@ -330,6 +332,8 @@ class PoolConfig(StrictModel):
     """One pool of a disaggregated cluster (DistServe, Splitwise): its own devices, count, parallelism, serving knobs
     and router. Keys left out take the scenario's; `serving` and `kv_cache` override only the keys they set."""
 
+    model_config = ON_USE
+
     replicas: PositiveInt = Field(1, le=MAX_REPLICAS, description="instances in the pool")
     hardware: str | dict[str, Any] | None = Field(None, description="default: the scenario's hardware")
     router: RouterName | None = Field(None, description="which instance of the pool "
@@ -353,6 +357,8 @@ class KVTransferConfig(StrictModel):
 class PoolsConfig(StrictModel):
     """Disaggregated serving: prompts run on the prefill pool, which hands each request with its KV to a decode
     instance once that has memory for it; the decode pool generates the rest of the output."""
+
+    model_config = ON_USE
 
     prefill: PoolConfig
     decode: PoolConfig
@@ -387,8 +393,8 @@ class Scenario(StrictModel):
     slo: SLOConfig = SLOConfig()
     cost_model: CostModelConfig = CostModelConfig()
     executor: ExecutorConfig = ExecutorConfig()
-    speculative: SpeculativeConfig | None = None
-    pools: PoolsConfig | None = Field(None, description="disaggregated prefill and decode pools instead of one "
+    speculative: Annotated[SpeculativeConfig | None, OnUse()] = None
+    pools: Annotated[PoolsConfig | None, OnUse()] = Field(None, description="disaggregated prefill and decode pools instead of one "
                                       "replica set (then replicas is set per pool)")
 
     @field_validator("engine", mode="before")

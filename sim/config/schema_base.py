@@ -1,11 +1,13 @@
 """Base class for everything a user writes: unknown keys are errors, not silently ignored, no number is
 infinite or NaN (a .inf budget or rate would turn into overflows and NaN figures far from the key that caused them),
-and no number is given as true/false (YAML reads `yes` and `on` as true, which pydantic would take as 1)."""
+and no number is given as true/false (YAML reads `yes` and `on` as true, which pydantic would take as 1).
+`OnUse` marks a section most scenarios leave out, whose validator is built the first time one is given."""
 from functools import lru_cache
 from types import UnionType
 from typing import Annotated, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, model_validator
+from pydantic_core import core_schema
 
 
 @lru_cache(maxsize=None)
@@ -37,3 +39,33 @@ class StrictModel(BaseModel):
             if bools:
                 return {**data, **bools}
         return data
+
+# the config of a section's model validated through OnUse: nothing built at import
+ON_USE = ConfigDict(defer_build=True)
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (a section's, a list's items, an Optional's)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in _models_in(a)]
+
+
+class OnUse:
+    """`Annotated[Section | None, OnUse()]`: the field is validated by a TypeAdapter of its annotation, built the first
+    time a scenario gives it (its models, with ON_USE, build nothing at import). pydantic otherwise builds every nested
+    model's schema into its parent's at import, the sections no common run writes included. The checks, errors and
+    key paths are the same: pydantic carries a ValidationError raised in a validator with its locations; the field's
+    annotation (what the error messages and the dashboard read) is unchanged."""
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        adapter: list[TypeAdapter] = []
+
+        def validate(value):
+            if not adapter:
+                for model in _models_in(source):  # their own validators and serializers too: model_dump needs them
+                    model.model_rebuild()
+                adapter.append(TypeAdapter(source))
+            return adapter[0].validate_python(value)
+
+        return core_schema.no_info_plain_validator_function(validate)

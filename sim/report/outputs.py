@@ -213,29 +213,34 @@ def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
 
 
 def write_requests_csv(path: Path, rec: RequestRecords, extra: dict[str, list] | None = None) -> None:
-    """One row per request; `extra`: more columns, a value per request each (an endpoint replay's ITLs, errors)."""
+    """One row per request; `extra`: more columns, a value per request each (an endpoint replay's ITLs, errors).
+    Each column is formatted whole and the csv writer takes the rows at once (a row at a time, numpy's scalars cost
+    more than the file)."""
     lat = per_request_latency(rec)
     extra = extra or {}
     if rec.warmup is not None and rec.warmup.any():  # workload.client's warm-up requests, in no other figure
         extra = {**extra, "warmup": rec.warmup.astype(int).tolist()}
-    first, finish = rec.first_token_s, rec.finish_s
+    n = len(rec.id)
+    spec = rec.speculation if rec.speculation is not None else np.zeros((n, 4), np.int64)
+    conv = rec.conversation if rec.conversation is not None else np.full(n, -1)
 
-    def num(x: float) -> str:
-        return "" if math.isnan(x) else f"{x:.6f}"
+    def ints(a: np.ndarray) -> list[int]:
+        return a.astype(np.int64).tolist()
 
+    def num(a: np.ndarray) -> list[str]:  # NaN (undefined: rejected, one token) as an empty field
+        return ["" if x != x else f"{x:.6f}" for x in a.tolist()]
+
+    columns = [ints(rec.id), ints(rec.replica), [f"{x:.6f}" for x in rec.arrival_s.tolist()], ints(rec.prompt_len),
+               ints(rec.output_len), ["completed" if c else "rejected" for c in rec.completed.tolist()],
+               rec.reject_reason, num(rec.first_token_s), num(rec.finish_s), num(lat["ttft"]), num(lat["tpot"]),
+               num(lat["e2e"]), ints(rec.num_preemptions), ints(spec[:, 0]), ints(spec[:, 1]),
+               [c if c >= 0 else "" for c in ints(conv)], *extra.values()]
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "status", "reject_reason",
                     "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "drafted", "accepted", "conversation",
                     *extra])
-        spec = rec.speculation if rec.speculation is not None else np.zeros((len(rec.id), 4), np.int64)
-        conv = rec.conversation if rec.conversation is not None else np.full(len(rec.id), -1)
-        for i in range(len(rec.id)):
-            w.writerow([int(rec.id[i]), int(rec.replica[i]), f"{rec.arrival_s[i]:.6f}", int(rec.prompt_len[i]),
-                        int(rec.output_len[i]), "completed" if rec.completed[i] else "rejected",
-                        rec.reject_reason[i], num(first[i]), num(finish[i]), num(lat["ttft"][i]),
-                        num(lat["tpot"][i]), num(lat["e2e"][i]), int(rec.num_preemptions[i]), int(spec[i, 0]),
-                        int(spec[i, 1]), int(conv[i]) if conv[i] >= 0 else "", *(col[i] for col in extra.values())])
+        w.writerows(zip(*columns))
 
 
 def check_finite(report: dict) -> None:
@@ -259,7 +264,7 @@ def write_outputs(out_dir: Path, report: dict, records: RequestRecords, replicas
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     write_requests_csv(out_dir / "requests.csv", records)
     if plots:
-        from sim.report.plots import write_plots  # matplotlib is slow to import; only when plotting
+        from sim.report.plots import write_plots  # Pillow: only when plotting
         write_plots(out_dir, records, replicas)
 
 
