@@ -79,6 +79,17 @@ class ArrivalBook:
             if self.gate.offer(i):
                 heapq.heappush(self.later, (at + self.specs[i].think_s, self.specs[i].id, i))
 
+    def send_all(self) -> list[float]:
+        """A book whose every arrival is known, with a client's transport: send every request now, in order (each
+        reaches the engine through the front ends just as if sent at its time), so that a clock need not stop at the
+        sendings. Returns their times, in order."""
+        assert self.known and self.transport, "only a book whose every sending is known can send them ahead"
+        sent = [self.specs[i].arrival_s for i in self.first]
+        for i, at in zip(self.first, sent):
+            self._send(i, at, 0.0, [])
+        self.nxt = len(self.first)
+        return sent
+
     def _first_s(self) -> float:
         """When the next first turn is due (inf: none, or it waits for the warm-ups or for a slot ahead of it)."""
         if self.nxt >= len(self.first):
