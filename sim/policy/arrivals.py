@@ -101,7 +101,7 @@ class ArrivalBook:
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
-        t = self._first_s()
+        t = self._first_s() if self.nxt < len(self.first) else math.inf  # none left: the book sent them all
         for heap in (self.later, self.ends, self.transit):
             if heap and heap[0][0] < t:
                 t = heap[0][0]
@@ -132,7 +132,7 @@ class ArrivalBook:
         out: list[Send] = []
         first = self.first
         while True:
-            t_first = self._first_s()
+            t_first = self._first_s() if self.nxt < len(first) else math.inf
             t_later = self.later[0][0] if self.later else math.inf
             t_end = self.ends[0][0] if self.ends else math.inf
             t_transit = self.transit[0][0] if self.transit else math.inf
