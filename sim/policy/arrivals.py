@@ -101,7 +101,13 @@ class ArrivalBook:
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
-        t = self._first_s() if self.nxt < len(self.first) else math.inf  # none left: the book sent them all
+        if self.nxt >= len(self.first):  # none left, or the book sent them all ahead
+            t = math.inf
+        else:  # every time known: no warm-up or slot holds the next back, nothing shifts it
+            t = self.specs[self.first[self.nxt]].arrival_s if self.known else self._first_s()
+        if self.known:  # nothing comes later or ends into it: the first turns and those on their way alone
+            transit = self.transit
+            return transit[0][0] if transit and transit[0][0] < t else t
         for heap in (self.later, self.ends, self.transit):
             if heap and heap[0][0] < t:
                 t = heap[0][0]

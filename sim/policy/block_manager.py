@@ -65,7 +65,7 @@ class BlockAllocator:
 
     def admit_blocks(self, computed: int, num_tokens: int, held: int) -> int:
         """Blocks a waiting request holding `held` blocks (of a cached prefix) takes for `num_tokens` slots."""
-        return max(0, self.blocks_for(num_tokens) - held)
+        return max(0, -(-num_tokens // self.block_size) - held)  # blocks_for, inline: asked at every step
 
     def align_chunk(self, req: Request, computed: int, n: int) -> int:
         """A prompt chunk of `n` tokens as this allocator needs it cut (unchanged here)."""

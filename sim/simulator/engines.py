@@ -110,7 +110,7 @@ class Arrivals:
     """The workload's arrival book (sim.policy.arrivals) on SimPy's clock: each request sent at its time to
     `admit(req)` (False: rejected, so it ends now). The book is told of every request that ends (Done.on_end) and
     what that makes due is taken in after every other event of the instant (SameInstant), so the order SimPy took
-    the instant's events in does not matter. `next_arrival()` is the earliest arrival known now (the replicas' bulk
+    the instant's events in does not matter. `book.next_s()` is the earliest arrival known now (the replicas' bulk
     decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
@@ -128,9 +128,6 @@ class Arrivals:
         self.flushing = False  # a look at the end of this instant is booked
         if not self.known:
             done.on_end = self.ended
-
-    def next_arrival(self) -> float:
-        return self.book.next_s()
 
     def start(self, admit: Callable[[Request], bool]) -> None:
         self.admit = admit
