@@ -137,8 +137,12 @@ class ArrivalBook:
         """Everything due by `now`, in time order: requests reaching the engine, and later turns rejected unsent."""
         out: list[Send] = []
         first = self.first
+        known = self.known
         while True:
-            t_first = self._first_s() if self.nxt < len(first) else math.inf
+            if self.nxt >= len(first):
+                t_first = math.inf
+            else:  # known: next_s's first turn
+                t_first = self.specs[first[self.nxt]].arrival_s if known else self._first_s()
             t_later = self.later[0][0] if self.later else math.inf
             t_end = self.ends[0][0] if self.ends else math.inf
             t_transit = self.transit[0][0] if self.transit else math.inf
