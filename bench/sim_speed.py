@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.metrics import compute_metrics
@@ -49,7 +49,7 @@ def one_run(bulk: bool, scenario: dict = SCENARIO) -> tuple[float, dict, int, in
     """(wall s, metrics, engine steps, output tokens) of one run end to end."""
     t0 = time.perf_counter()
     plan = make_plan(parse_scenario(scenario))
-    specs = generate_requests(plan.workload, plan.base_dir)
+    specs = plan_requests(plan)  # as `infersim run` sends them: through the engine's front end
     result = simulate(plan, specs, bulk=bulk)
     metrics = compute_metrics(sim_records(result))
     wall = time.perf_counter() - t0
