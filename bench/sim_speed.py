@@ -4,16 +4,29 @@ times, metrics) on one core. Also runs the same simulation stepping every engine
 side by side, to show what advancing runs of identical decode steps at once buys; and a speculative
 (Medusa) scenario, whose verify steps are simulated one at a time, to show that rate too.
 
-Usage: python bench/sim_speed.py [--repeats N]
+`--against REV_OR_TREE` times `simulate()` side by side with another tree (a folder, or a commit checked out in a
+detached worktree for the run), each in a fresh process with its own code, the trees alternating round by round: CPU
+time and wall of the plain scenario on both (this tree plans it as the engine it names by default, vLLM, serves it:
+chunked prefill, async scheduling's one-step lag, each request's client transport), and on this tree the same
+scenario with `engine: infersim` too (synchronous, the project's own defaults: the plan the code before the engine
+work made of it). Ends with the ratios to the other tree (over 1: slower here), one per line `name: value`.
+
+Usage: python bench/sim_speed.py [--repeats N] [--against REV_OR_TREE [--rounds R]]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-from sim.config.generator import generate_requests
+from sim.config.generator import plan_requests
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.metrics import compute_metrics
@@ -36,19 +49,93 @@ def one_run(bulk: bool, scenario: dict = SCENARIO) -> tuple[float, dict, int, in
     """(wall s, metrics, engine steps, output tokens) of one run end to end."""
     t0 = time.perf_counter()
     plan = make_plan(parse_scenario(scenario))
-    specs = generate_requests(plan.workload, plan.base_dir)
+    specs = plan_requests(plan)  # as `infersim run` sends them: through the engine's front end
     result = simulate(plan, specs, bulk=bulk)
     metrics = compute_metrics(sim_records(result))
     wall = time.perf_counter() - t0
     return wall, metrics, sum(len(r.step_end) for r in result.replicas), sum(r.num_generated for r in result.requests)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# one tree's simulate() timed in a fresh process with its own code: argv scenario (JSON), repeats; prints JSON
+CHILD = """
+import json, sys, time
+from sim.config.plan import make_plan
+from sim.config.scenario import parse_scenario
+from sim.simulator.cluster import simulate
+try:
+    from sim.config.generator import plan_requests
+except ImportError:  # a tree from before the client's transport
+    from sim.config.generator import generate_requests
+    def plan_requests(plan):
+        return generate_requests(plan.workload, plan.base_dir)
+plan = make_plan(parse_scenario(json.loads(sys.argv[1])))
+specs = plan_requests(plan)
+simulate(plan, specs)  # warm-up: the cost model's caches, the first calls
+cpu, wall = [], []
+for _ in range(int(sys.argv[2])):
+    c0, t0 = time.process_time(), time.perf_counter()
+    result = simulate(plan, specs)
+    cpu.append(time.process_time() - c0)
+    wall.append(time.perf_counter() - t0)
+print(json.dumps({"cpu_s": min(cpu), "wall_s": min(wall), "steps": sum(len(r.step_end) for r in result.replicas),
+                  "completed": sum(r.finish_s is not None for r in result.requests)}))
+"""
+VARIANTS = {"base": ("base", SCENARIO), "default_plan": ("this", SCENARIO),
+            "same_plan": ("this", {**SCENARIO, "engine": "infersim"})}
+
+
+def time_tree(tree: Path, scenario: dict, repeats: int) -> dict:
+    """simulate()'s best CPU time and wall of `repeats` in a fresh process on `tree`'s code, its steps and completions."""
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(scenario), str(repeats)], cwd=tree, check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def tree_of(rev_or_tree: str, scratch: Path) -> Path:
+    """A folder as it is, or a commit checked out (git archive) under `scratch`."""
+    if Path(rev_or_tree).is_dir():
+        return Path(rev_or_tree).resolve()
+    tree = scratch / "tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev_or_tree], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def against(rev_or_tree: str, rounds: int, repeats: int) -> None:
+    """The plain scenario on the other tree and both variants here, alternating round by round; the ratios."""
+    scratch = Path(tempfile.mkdtemp(prefix="sim_speed_"))
+    try:
+        trees = {"base": tree_of(rev_or_tree, scratch), "this": ROOT}
+        runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+        for i in range(rounds):
+            for name in list(VARIANTS) if i % 2 == 0 else list(reversed(VARIANTS)):
+                tree, scenario = VARIANTS[name]
+                runs[name].append(r := time_tree(trees[tree], scenario, repeats))
+                print(f"round {i + 1} {name}: cpu {r['cpu_s']:.3f} s, wall {r['wall_s']:.3f} s, {r['steps']} steps, "
+                      f"{r['completed']} completed (load average {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        shutil.rmtree(scratch)
+    med = {name: {m: statistics.median(r[m] for r in v) for m in ("cpu_s", "wall_s")} for name, v in runs.items()}
+    for name in VARIANTS:
+        print(f"{name}_cpu_s: {med[name]['cpu_s']:.3f}")
+    for name in ("same_plan", "default_plan"):
+        for m in ("cpu", "wall"):
+            print(f"{name}_{m}_ratio: {med[name][m + '_s'] / med['base'][m + '_s']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--against", help="a tree or a commit to time side by side with this one")
+    ap.add_argument("--rounds", type=int, default=3, help="with --against: rounds of the trees, alternating")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, as the target says
+    if args.against:
+        against(args.against, args.rounds, args.repeats)
+        return
     one_run(True)  # warm-up: imports, trace parse
     fast, slow = [], []
     for _ in range(args.repeats):  # interleaved, so machine noise hits both alike

@@ -79,6 +79,17 @@ class ArrivalBook:
             if self.gate.offer(i):
                 heapq.heappush(self.later, (at + self.specs[i].think_s, self.specs[i].id, i))
 
+    def send_all(self) -> list[float]:
+        """A book whose every arrival is known, with a client's transport: send every request now, in order (each
+        reaches the engine through the front ends just as if sent at its time), so that a clock need not stop at the
+        sendings. Returns their times, in order."""
+        assert self.known and self.transport, "only a book whose every sending is known can send them ahead"
+        sent = [self.specs[i].arrival_s for i in self.first]
+        for i, at in zip(self.first, sent):
+            self._send(i, at, 0.0, [])
+        self.nxt = len(self.first)
+        return sent
+
     def _first_s(self) -> float:
         """When the next first turn is due (inf: none, or it waits for the warm-ups or for a slot ahead of it)."""
         if self.nxt >= len(self.first):
@@ -90,7 +101,13 @@ class ArrivalBook:
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
-        t = self._first_s()
+        if self.nxt >= len(self.first):  # none left, or the book sent them all ahead
+            t = math.inf
+        else:  # every time known: no warm-up or slot holds the next back, nothing shifts it
+            t = self.specs[self.first[self.nxt]].arrival_s if self.known else self._first_s()
+        if self.known:  # nothing comes later or ends into it: the first turns and those on their way alone
+            transit = self.transit
+            return transit[0][0] if transit and transit[0][0] < t else t
         for heap in (self.later, self.ends, self.transit):
             if heap and heap[0][0] < t:
                 t = heap[0][0]
@@ -120,8 +137,12 @@ class ArrivalBook:
         """Everything due by `now`, in time order: requests reaching the engine, and later turns rejected unsent."""
         out: list[Send] = []
         first = self.first
+        known = self.known
         while True:
-            t_first = self._first_s()
+            if self.nxt >= len(first):
+                t_first = math.inf
+            else:  # known: next_s's first turn
+                t_first = self.specs[first[self.nxt]].arrival_s if known else self._first_s()
             t_later = self.later[0][0] if self.later else math.inf
             t_end = self.ends[0][0] if self.ends else math.inf
             t_transit = self.transit[0][0] if self.transit else math.inf

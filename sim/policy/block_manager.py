@@ -5,7 +5,6 @@ max_model_len slot at admission, and the reserved-but-unused part is the waste p
 """
 from __future__ import annotations
 
-from collections import deque
 from functools import lru_cache
 
 from sim.policy.decode_set import DecodeSet
@@ -66,7 +65,7 @@ class BlockAllocator:
 
     def admit_blocks(self, computed: int, num_tokens: int, held: int) -> int:
         """Blocks a waiting request holding `held` blocks (of a cached prefix) takes for `num_tokens` slots."""
-        return max(0, self.blocks_for(num_tokens) - held)
+        return max(0, -(-num_tokens // self.block_size) - held)  # blocks_for, inline: asked at every step
 
     def align_chunk(self, req: Request, computed: int, n: int) -> int:
         """A prompt chunk of `n` tokens as this allocator needs it cut (unchanged here)."""
@@ -140,12 +139,19 @@ class BlockAllocator:
 class FreeBlockQueue:
     """The free blocks of a prefix-caching allocator, least recently freed first (vLLM's free block queue): a block
     freed with a cached prefix in it stays findable until it is handed out again, so the blocks freed longest ago
-    go first. `pop()` hands one out (evicting its prefix) as the decode fast path pops from a plain list."""
+    go first. `pop()` hands one out (evicting its prefix) as the decode fast path pops from a plain list.
+
+    The queue is two lists read from `head` on (each entry a block and the stamp it was queued with), so that a
+    prompt's blocks are handed out and freed by slices, checked in C; an entry is current while its block's stamp is
+    still its own: taking a block (a hit, or handed out) or freeing it again makes its entry stale."""
 
     def __init__(self, kv: "PrefixCachingAllocator", blocks: list[int]):
         self.kv = kv
-        self.queue: deque[tuple[int, int]] = deque((b, 0) for b in blocks)
-        self.stamp = [0] * kv.num_blocks  # an entry is stale once its block is taken (a hit) or freed again
+        self.blocks = list(blocks)
+        self.stamps = [0] * len(blocks)
+        self.head = 0
+        self.stamp = [0] * kv.num_blocks  # each block's current entry's stamp; -1: none (in use)
+        self.next_stamp = 1
         self.size = len(blocks)
 
     def __len__(self) -> int:
@@ -153,31 +159,46 @@ class FreeBlockQueue:
 
     def __iter__(self):
         """The free blocks, least recently freed first."""
-        stamp = self.stamp
-        return (b for b, s in self.queue if stamp[b] == s)
+        stamp, h = self.stamp, self.head
+        return (b for b, s in zip(self.blocks[h:], self.stamps[h:]) if stamp[b] == s)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries in the queue, stale ones included."""
+        return len(self.blocks) - self.head
 
     def extend(self, blocks: list[int]) -> None:
         """Blocks freed, in the order they should be handed out again."""
+        first = self.next_stamp
+        self.next_stamp = first + len(blocks)
+        stamps = range(first, self.next_stamp)
         stamp = self.stamp
-        for b in blocks:
-            stamp[b] += 1
-        self.queue.extend(zip(blocks, [stamp[b] for b in blocks]))
+        for b, s in zip(blocks, stamps):
+            stamp[b] = s
+        self.blocks += blocks
+        self.stamps += stamps
         self.size += len(blocks)
-        if len(self.queue) > 4 * len(stamp) + 64:  # hits leave stale entries: a hot prefix freed and found again
-            self.queue = deque((b, s) for b, s in self.queue if stamp[b] == s)
+        if self.head > len(stamp):  # the entries handed out: dropped now and then
+            del self.blocks[:self.head], self.stamps[:self.head]
+            self.head = 0
+        if len(self.blocks) - self.head > 4 * len(stamp) + 64:  # hits leave stale entries: a hot prefix freed again
+            live = [(b, s) for b, s in zip(self.blocks[self.head:], self.stamps[self.head:]) if stamp[b] == s]
+            self.blocks, self.stamps, self.head = [b for b, _ in live], [s for _, s in live], 0
 
     def revive(self, block: int) -> None:
         """A free block with a cached prefix comes back into use (a prefix hit); its queue entry goes stale."""
-        self.stamp[block] += 1
+        self.stamp[block] = -1
         self.size -= 1
 
     def pop(self) -> int:
         """One block handed out (the decode fast path's call, as on a plain list): take(1) without its list."""
-        popleft, stamp = self.queue.popleft, self.stamp
-        block, s = popleft()
-        while stamp[block] != s:  # taken back by a prefix hit, or freed again since
-            block, s = popleft()
-        stamp[block] = s + 1
+        blocks, stamps, stamp, h = self.blocks, self.stamps, self.stamp, self.head
+        block = blocks[h]
+        while stamp[block] != stamps[h]:  # taken back by a prefix hit, or freed again since
+            h += 1
+            block = blocks[h]
+        self.head = h + 1
+        stamp[block] = -1
         kv = self.kv
         kv.ref[block] = 1
         hash_of = kv.hash_of
@@ -188,16 +209,21 @@ class FreeBlockQueue:
 
     def take(self, n: int) -> list[int]:
         """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
-        popleft, stamp, kv = self.queue.popleft, self.stamp, self.kv
+        blocks, stamps, stamp, h = self.blocks, self.stamps, self.stamp, self.head
+        out = blocks[h:h + n]
+        if [stamp[b] for b in out] == stamps[h:h + n]:  # the next n entries all current: the usual case
+            h += n
+        else:  # the first n current ones: taken back by a prefix hit, or freed again since, are not
+            out = []
+            while len(out) < n:
+                if stamp[blocks[h]] == stamps[h]:
+                    out.append(blocks[h])
+                h += 1
+        self.head = h
+        kv = self.kv
         ref, hash_of = kv.ref, kv.hash_of
-        # the first n entries still current, in queue order: taken back by a prefix hit, or freed again since, are not
-        out = [b for b, s in (popleft() for _ in range(n)) if stamp[b] == s]
-        while len(out) < n:
-            block, s = popleft()
-            if stamp[block] == s:
-                out.append(block)
         for block in out:
-            stamp[block] += 1
+            stamp[block] = -1
             ref[block] = 1
         if hash_of:
             cached = kv.cached
@@ -278,7 +304,13 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def release(self, block_table: list[int]) -> None:
         # the last blocks first: a prompt's tail is the part other requests are least likely to share
-        ref, freed = self.ref, []
+        ref = self.ref
+        if [ref[b] for b in block_table].count(1) == len(block_table):  # none shared: all freed
+            for block in block_table:
+                ref[block] = 0
+            self.free_blocks.extend(block_table[::-1])
+            return
+        freed = []
         add = freed.append
         for block in reversed(block_table):
             left = ref[block] = ref[block] - 1

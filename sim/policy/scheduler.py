@@ -52,7 +52,8 @@ class Scheduler(BaseScheduler):
 
     # -- one step -------------------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch:
-        self.window_frees = self.kv.window_frees
+        if self.kv.hybrid:
+            self.window_frees = self.kv.window_frees
         budget, chunked = self.cfg.max_num_batched_tokens, self.cfg.enable_chunked_prefill
         if self.cfg.mixed_batches:  # the decodes first, prompts (or their chunks) in what is left of the budget
             preempted = self._grow_decodes(budget)
@@ -71,7 +72,9 @@ class Scheduler(BaseScheduler):
         preempted: list[Request] = []
         if not self.swapped:  # a step that prefills runs prompts alone (SGLang; vLLM V0 without chunked prefill)
             prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
-            admitted = self._admit(budget - sum(n for _, n in prefill), chunked=chunked) if not preempted else []
+            if prefill:
+                budget -= sum(n for _, n in prefill)
+            admitted = self._admit(budget, chunked=chunked) if not preempted else []
             if prefill or admitted:
                 self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
                 return self._batch(prefill + admitted, False, preempted, [])
@@ -250,6 +253,8 @@ class Scheduler(BaseScheduler):
         slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
         visible, reserve = self.visible_until, self.reservation
         room = reserve.room() if reserve is not None else 0
+        kv = self.kv
+        aligns, admit_blocks = kv.hybrid, kv.admit_blocks  # only a hybrid model's chunks are cut to its blocks
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
@@ -263,8 +268,9 @@ class Scheduler(BaseScheduler):
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
             n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
-            n = self.kv.align_chunk(r, computed, n)
-            need = revive + self.kv.admit_blocks(computed, computed + n, held)
+            if aligns:
+                n = kv.align_chunk(r, computed, n)
+            need = revive + admit_blocks(computed, computed + n, held)
             if n > budget or need > free or not n:
                 break
             free -= need

@@ -36,8 +36,10 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)
     arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency, slides(plan.client),
                         plan.replicas)
-    replicas, pipelines = make_engines(env, plan, arrivals.next_arrival, bulk, done, spec_draw,
-                                       arrivals_known=arrivals.known)
+    # with no early stop, an engine's steps before the next arrival need no events (Replica.ahead)
+    replicas, pipelines = make_engines(env, plan, arrivals.book.next_s, bulk, done, spec_draw,
+                                       ahead=arrivals.known and watch is None, arrivals_known=arrivals.known,
+                                       sends=arrivals.sends)
     router = make_router(plan.router)
     arrivals.start(lambda req: replicas[router.pick(replicas, req)].add(req))
     run_env(env, done.stop)

@@ -75,10 +75,11 @@ def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
 
 def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], float], bulk: bool,
                  on_finish: Callable[[Request, float], None], spec_draw: int = 0, first_index: int = 0,
-                 hand_off: Plan | None = None, **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
+                 hand_off: Plan | None = None, ahead: bool = False, **hooks) -> tuple[list[Replica], list[Pipeline | None]]:
     """The plan's replicas as SimPy engines (a pipelined replica: one per virtual engine, sharing its stages), and
-    each replica's pipeline. `hand_off`: a prefill pool's decode pool (make_policy); `hooks`: the disaggregated
-    hand-off callbacks (see Replica)."""
+    each replica's pipeline. `hand_off`: a prefill pool's decode pool (make_policy); `ahead`: nothing but the book's
+    arrivals reaches the engines, which may run ahead of SimPy's clock up to the next (one without a pipeline);
+    `hooks`: the disaggregated hand-off callbacks and the book's sendings (see Replica)."""
     cost = make_cost_model(plan)
     pricer = make_pricer(plan, cost)
     engines = plan.virtual_engines  # per replica: 1, or the batches a pipelined replica keeps in flight
@@ -86,7 +87,8 @@ def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], 
     replicas = [Replica(env, first_index + i, make_policy(plan, eager=not bulk, hand_off=hand_off),
                         pricer, next_arrival, bulk=bulk, on_finish=on_finish,
                         speculation=speculation_model(plan, i, spec_draw, cost), pipeline=pipelines[i // engines],
-                        async_scheduling=plan.engine is not None and plan.engine.async_scheduling, **hooks)
+                        async_scheduling=plan.engine is not None and plan.engine.async_scheduling,
+                        ahead=ahead and pipelines[i // engines] is None, **hooks)
                 for i in range(plan.replicas * engines)]
     for i, pipeline in enumerate(pipelines):
         if pipeline is not None:
@@ -108,7 +110,7 @@ class Arrivals:
     """The workload's arrival book (sim.policy.arrivals) on SimPy's clock: each request sent at its time to
     `admit(req)` (False: rejected, so it ends now). The book is told of every request that ends (Done.on_end) and
     what that makes due is taken in after every other event of the instant (SameInstant), so the order SimPy took
-    the instant's events in does not matter. `next_arrival()` is the earliest arrival known now (the replicas' bulk
+    the instant's events in does not matter. `book.next_s()` is the earliest arrival known now (the replicas' bulk
     decode stops short of it)."""
 
     def __init__(self, env: simpy.Environment, specs: list[RequestSpec], done: Done,
@@ -119,13 +121,13 @@ class Arrivals:
         self.requests: list[Request] = []
         self.admit: Callable[[Request], bool] | None = None
         self.known = self.book.known  # every arrival time known from the start
+        # every request sent ahead where the book knows them all, so that no event waits at a sending; the replicas
+        # keep stopping their runs at these times (Replica.sends)
+        self.sends = self.book.send_all() if self.known and self.book.transport else None
         self.alarms: list[float] = []  # heap: times a timeout will look at the book
         self.flushing = False  # a look at the end of this instant is booked
         if not self.known:
             done.on_end = self.ended
-
-    def next_arrival(self) -> float:
-        return self.book.next_s()
 
     def start(self, admit: Callable[[Request], bool]) -> None:
         self.admit = admit

@@ -36,7 +36,7 @@ class Replica:
                  on_finish: Callable[[Request, float], None] | None = None, speculation=None, pipeline=None,
                  on_handoff: Callable[[Replica, list[Request]], None] | None = None,
                  on_reserve: Callable[[Replica, list[Request]], None] | None = None, arrivals_known: bool = True,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, ahead: bool = False, sends=None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -58,6 +58,12 @@ class Replica:
         self.arrivals_known = arrivals_known
         # the engine schedules a step while the one before it runs: an arrival joins the step after next
         self.async_scheduling = async_scheduling
+        # nothing reaches this engine but the book's arrivals (every one known, no hand-offs, no early stop): a step
+        # or run that ends before the next one needs no SimPy event, the engine's clock runs ahead of SimPy's
+        self.ahead = ahead
+        # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still stops at
+        # each, as it did when the book stopped there, so the KV samples and busy time are the same bit for bit
+        self.sends = sends
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -158,8 +164,9 @@ class Replica:
                 self.busy_s += clock - self.clock
                 if batch.preempted:
                     self._end_runs(batch.preempted, step - 1)
-                wait = clock - env.now
-                yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
+                if not self.ahead or clock >= self.next_arrival():
+                    wait = clock - env.now
+                    yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
                 finished = self._complete(batch, step, clock)
             self.clock = clock
             last = step + k - 1
@@ -176,7 +183,12 @@ class Replica:
         """SimPy process body: a run of identical decode steps from step `step`, up to the next arrival (or queue
         expiry), as one event; cut short at the step in flight if interrupted. Returns (steps taken, their end)."""
         sched, pricer, env = self.scheduler, self.pricer, self.env
-        horizon = min(self.next_arrival(), sched.next_expiry()) if timeouts else self.next_arrival()
+        arrival = self.next_arrival()
+        horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
+        if self.sends is not None:  # the next sending after this clock
+            i = bisect_right(self.sends, self.clock)
+            if i < len(self.sends) and self.sends[i] < horizon:
+                horizon = self.sends[i]
         self.run_horizon = horizon
         b, s = batch.shape.num_seqs, batch.shape.sum_context
         # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off,
@@ -189,6 +201,9 @@ class Replica:
         run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
         k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
         self.step_decodes_all.extend(bytes([1]) * k)
+        if self.ahead and clock < arrival:  # nothing can cut it short
+            self.busy_s += clock - self.clock
+            return k, clock
         self.in_run = k > 1
         try:
             yield env.timeout(max(0.0, clock - env.now))
