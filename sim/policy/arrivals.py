@@ -95,16 +95,13 @@ class ArrivalBook:
         if self.nxt >= len(self.first):
             return math.inf
         spec = self.specs[self.first[self.nxt]]
-        if spec.warmup:
+        if spec.warmup or self.known:  # known: no warm-up or slot holds it back, nothing shifts it
             return spec.arrival_s
         return math.inf if self.warming or self.held else spec.arrival_s + self.shift
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
-        if self.nxt >= len(self.first):  # none left, or the book sent them all ahead
-            t = math.inf
-        else:  # every time known: no warm-up or slot holds the next back, nothing shifts it
-            t = self.specs[self.first[self.nxt]].arrival_s if self.known else self._first_s()
+        t = self._first_s()
         if self.known:  # nothing comes later or ends into it: the first turns and those on their way alone
             transit = self.transit
             return transit[0][0] if transit and transit[0][0] < t else t
@@ -137,12 +134,8 @@ class ArrivalBook:
         """Everything due by `now`, in time order: requests reaching the engine, and later turns rejected unsent."""
         out: list[Send] = []
         first = self.first
-        known = self.known
         while True:
-            if self.nxt >= len(first):
-                t_first = math.inf
-            else:  # known: next_s's first turn
-                t_first = self.specs[first[self.nxt]].arrival_s if known else self._first_s()
+            t_first = self._first_s()
             t_later = self.later[0][0] if self.later else math.inf
             t_end = self.ends[0][0] if self.ends else math.inf
             t_transit = self.transit[0][0] if self.transit else math.inf
