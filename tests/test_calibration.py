@@ -72,8 +72,9 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
         for key in ("sim", "error_pct", "error_at_run_speed_pct"):
             assert row[key] == pytest.approx(v["metrics"][name][key], rel=1e-6, abs=1e-6), (name, key)
 
-    # a profile twice too slow: the headline TPOT error grows by ~100 points, the error at the runs' step
-    # speed does not move (each run's measured ratio halves and cancels the doubling)
+    # a profile twice too slow: the predicted TPOT about doubles (so its error grows by ~100 points of the real one,
+    # which a loaded machine inflates: judged on the prediction), the error at the runs' step speed does not move
+    # (each run's measured ratio halves and cancels the doubling)
     slow = dict(data, fit=dict(data["fit"], coefs={k: 2 * c for k, c in data["fit"]["coefs"].items()}))
     slow_prof = tmp_path / "slow.json"
     slow_prof.write_text(json.dumps(slow))
@@ -84,7 +85,7 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
     x = json.loads((twice / "validation.json").read_text())
     assert [a["all"] for a in x["step_time_ratio"]] == pytest.approx([a["all"] / 2 for a in w["step_time_ratio"]])
     tpot, base = x["metrics"]["tpot_p50"], w["metrics"]["tpot_p50"]
-    assert tpot["error_pct"] > base["error_pct"] + 50
+    assert tpot["sim"] > 1.5 * base["sim"] and tpot["error_pct"] > base["error_pct"]
     assert tpot["error_at_run_speed_pct"] == pytest.approx(base["error_at_run_speed_pct"], rel=1e-6, abs=1e-6)
     r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(tmp_path)])
     assert r.exit_code == 2 and "no recorded runs" in r.output
