@@ -60,25 +60,21 @@ def compare(reals: list[dict], sim: dict) -> dict:
 
 
 def write_cdf_plot(path: Path, real: RequestRecords, sim: RequestRecords) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """TTFT, TPOT and E2E CDFs of the real run and the simulation overlaid, one panel each (1170 x 324 pixels)."""
+    from sim.report.plots import cdf  # the plots' Pillow import only where a plot is drawn
+    from sim.report.png import Canvas
 
     lr, ls = per_request_latency(real), per_request_latency(sim)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key in zip(axes, ("ttft", "tpot", "e2e")):
+    fig = Canvas(13, 3.6)
+    for ax, key in zip(fig.subplots(3, left=0.051, right=0.989, bottom=0.16, top=0.901, wspace=0.181),
+                       ("ttft", "tpot", "e2e")):
         for lat, label in ((lr, "real"), (ls, "sim")):
-            x = np.sort(lat[key][~np.isnan(lat[key])])
-            if len(x):
-                ax.plot(x * 1000, np.arange(1, len(x) + 1) / len(x), label=label)
-        ax.set(title=key.upper(), xlabel="ms", ylabel="fraction of requests")
-        ax.grid(alpha=0.3)
-        if ax.lines:  # no completed request: an empty panel, no legend
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+            x, fraction = cdf(lat[key])
+            if len(x):  # no completed request: an empty panel, no legend entry
+                ax.plot(x * 1000, fraction, label=label)
+        ax.title, ax.xlabel, ax.ylabel = key.upper(), "ms", "fraction of requests"
+        ax.legend, ax.legend_pt, ax.legend_loc = True, 10, "best"
+    fig.save(path)
 
 
 # the percentiles validation.json keeps of each latency, real and simulated: the CDF overlays' data (dashboard)

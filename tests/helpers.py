@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+from PIL import Image
 
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
@@ -149,3 +150,11 @@ def tiny_tokenizer(folder, vocab_size: int = 1000):
 def words(n: int, start: int = 0) -> str:
     """Text of exactly `n` tokens for tiny_tokenizer."""
     return " ".join(f"w{6 + (start + i) % 900}" for i in range(n))
+
+
+def png_size(path) -> tuple[int, int]:
+    """The pixel size of a PNG file that decodes whole (a truncated or corrupt one raises)."""
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        image.load()
+        return image.size

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.helpers import png_size
 from tests.test_bad_input_more import BASE, MAX_CHARS, invoke, one_line_error, scenario, write
 
 SHOWN = pytest.mark.filterwarnings("error::RuntimeWarning", "error::UserWarning")  # Python shows these by default
@@ -86,4 +87,4 @@ def test_compare_where_nothing_completes_draws_no_legend(tmp_path):
     path = write(tmp_path / "s.yaml", {**BASE, "serving": {"max_model_len": 8}})  # 8 + 8 tokens: none fits
     r = invoke("compare", path, "--sweep", "replicas=1,2", "-q", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "out" / "cdf.png").is_file()
+    assert png_size(tmp_path / "out" / "cdf.png") == (1430, 418)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from infersim.cli import app
 from sim.cost.fitted import FittedCostModel
 from sim.policy.batch import shape_of
-from tests.helpers import tiny_checkpoint, write_tiny_scenario
+from tests.helpers import png_size, tiny_checkpoint, write_tiny_scenario
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
         row = v["metrics"][name]
         assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None and row["spread_pct"] >= 0
         assert row["real"] == pytest.approx(sum(row["real_runs"]) / 2)
-    assert (out / "latency_cdf_sim_vs_real.png").exists()
+    assert png_size(out / "latency_cdf_sim_vs_real.png") == (1170, 324)  # 13 x 3.6 inches at 90 dpi
 
     # the recorded runs re-scored without running: the same real values, the same prediction
     again = tmp_path / "again"

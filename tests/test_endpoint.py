@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from tests.helpers import tiny_checkpoint, tiny_tokenizer, write_tiny_scenario
+from tests.helpers import png_size, tiny_checkpoint, tiny_tokenizer, write_tiny_scenario
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_validate_against_the_endpoint_replays_the_workload_and_compares(served,
         assert row["real"] > 0 and row["sim"] > 0 and row["error_pct"] is not None
     assert result["endpoint"]["model"] == "tiny" and "infersim" in result["endpoint"]["engine"]
     saved = json.loads((out / "validation.json").read_text())
-    assert saved["metrics"] == result["metrics"] and (out / "latency_cdf_sim_vs_real.png").exists()
+    assert saved["metrics"] == result["metrics"] and png_size(out / "latency_cdf_sim_vs_real.png") == (1170, 324)
     rows = list(csv.DictReader((out / "requests.csv").open()))
     assert len(rows) == 24 and all(r["status"] == "completed" and r["error"] == "" for r in rows)
     assert all(len(r["itl_s"].split()) == int(r["output_tokens"]) - 1 for r in rows)

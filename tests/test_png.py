@@ -59,3 +59,83 @@ def test_x_labels_fit_side_by_side():
     widths = [fig.draw.textlength(label(v, decimals), font=font(10)) for v in ticks]
     assert len(ticks) >= 2 and sum(widths) < ax.box[2] - ax.box[0]
     assert label(2e-5, decimals) == "2e-05"
+
+
+def near(image: np.ndarray, color) -> np.ndarray:
+    """Where the image has `color` (within antialiasing's rounding), as a boolean mask."""
+    return np.abs(image - np.array(color)).sum(axis=2) < 12
+
+
+def test_points_stand_alone_and_level_lines_are_dashed(tmp_path):
+    fig = Canvas(4, 3, dpi=110)
+    ax = fig.subplots(1, left=0.1, right=0.9, bottom=0.1, top=0.9)[0]
+    ax.scatter([0.0, 1.0], [0.5, 0.5], s=64, color=COLORS[0])
+    ax.vline(2.0, color=COLORS[1])  # past the points: the x limits take it in, its line near the right edge
+    ax.hline(0.5, color=COLORS[2], dashed=False)
+    image = np.asarray(Image.open(fig.save(tmp_path / "x.png")).convert("RGB")).astype(int)
+    assert image.shape == (330, 440, 3)  # 4 x 3 inches at 110 dpi
+    left, top, right, bottom = (round(v / 2) for v in ax.box)
+    dashed = near(image, COLORS[1]).any(axis=0)
+    column = int(np.flatnonzero(dashed)[0])
+    assert right - 0.1 * (right - left) < column < right
+    inked = near(image[top + 4:bottom - 4, column - 1:column + 2], COLORS[1]).any(axis=1)
+    assert 0.5 < inked.mean() < 0.9  # dashes: mostly ink, with gaps
+    level = np.flatnonzero(near(image, COLORS[2]).sum(axis=1) > 0.9 * (right - left))
+    assert len(level) and abs(level.mean() - (top + bottom) / 2) < 3  # solid, across the axes at y = 0.5
+    dots = near(image, COLORS[0])
+    assert dots[:, : left + (right - left) // 4].sum() > 20 and dots[:, (right - left) // 2:].sum() > 20
+    assert not dots[:, left + (right - left) // 8: left + (right - left) // 3].any()  # no line joins the points
+
+
+def test_a_point_with_a_nan_coordinate_stays_out_of_the_limits():
+    ax = Canvas(4, 3).subplots(1, left=0.1, right=0.9, bottom=0.1, top=0.9)[0]
+    ax.scatter([0.0, 1.0, 100.0], [0.0, 1.0, np.nan])
+    ax.hline(5.0)
+    x, y = ax.series[0].extent()
+    assert x.tolist() == [0.0, 1.0] and y.tolist() == [0.0, 1.0]
+    assert ax.series[1].extent()[1].tolist() == [5.0]
+
+
+@pytest.mark.parametrize("loc, side", [("upper right", "right"), ("best", "left")])
+def test_the_best_legend_goes_where_the_data_leaves_room(tmp_path, loc, side):
+    fig = Canvas(4, 3)
+    ax = fig.subplots(1, left=0.1, right=0.9, bottom=0.1, top=0.9)[0]
+    x = np.linspace(0.5, 1.0, 60)
+    ax.plot(x, np.arange(60) % 2, label="zigzag")
+    ax.plot([0.0], [0.5], label="point")  # stretches the x axis to 0: the left half stays empty
+    ax.legend, ax.legend_loc = True, loc
+    image = np.asarray(Image.open(fig.save(tmp_path / "x.png")).convert("RGB")).astype(int)
+    left, top, right, bottom = (round(v / 2) for v in ax.box)
+    edge = left + np.flatnonzero(near(image[top:bottom, left:right], (204, 204, 204)).sum(axis=0) > 15)  # box sides
+    assert len(edge)
+    middle = (left + right) / 2
+    assert (edge > middle).all() if side == "right" else (edge < middle).all()
+
+
+def test_a_title_over_the_axes(tmp_path):
+    fig = Canvas(4, 3)
+    fig.subplots(1, left=0.1, right=0.9, bottom=0.1, top=0.85)
+    blank = np.asarray(Image.open(fig.save(tmp_path / "a.png")).convert("L"))
+    fig = Canvas(4, 3)
+    fig.subplots(1, left=0.1, right=0.9, bottom=0.1, top=0.85)
+    fig.title, fig.title_pt = "a title", 10
+    titled = np.asarray(Image.open(fig.save(tmp_path / "b.png")).convert("L"))
+    assert (blank[:25] == 255).all() and (titled[:25] < 128).any()
+
+
+def test_a_font_without_matplotlib(monkeypatch):
+    import importlib.util
+
+    from PIL import ImageFont
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert font.__wrapped__(10).getlength("0.5") > 0  # the system's DejaVu Sans, found by Pillow
+    truetype = ImageFont.truetype
+
+    def no_file(source, *args, **kwargs):
+        if isinstance(source, str):
+            raise OSError("cannot open resource")
+        return truetype(source, *args, **kwargs)
+
+    monkeypatch.setattr(ImageFont, "truetype", no_file)
+    assert font.__wrapped__(10, 110).getlength("0.5") > 0  # no font file anywhere: Pillow's own

@@ -15,6 +15,7 @@ from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.capacity import scaled
+from tests.helpers import png_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,6 +162,7 @@ def test_cli_search_writes_the_table_json_and_plot(tmp_path):
     assert r.exit_code == 0, r.output
     assert "recommended:" in r.output
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"search.json", "search.md", "pareto.png"}
+    assert png_size(tmp_path / "out" / "pareto.png") == (1210, 462)  # 11 x 4.2 inches at 110 dpi
     (tmp_path / "bad.yaml").write_text("scenario: x.yaml\nspace: {replicas: [1]}\n")
     r = CliRunner().invoke(app, ["search", str(tmp_path / "bad.yaml")])
     assert r.exit_code == 2 and "x.yaml" in r.output and "Traceback" not in r.output
@@ -182,7 +184,7 @@ def test_cli_compare_two_files_and_a_sweep(tmp_path):
     assert r.exit_code == 0, r.output
     swept = json.loads((tmp_path / "s" / "compare.json").read_text())
     assert swept["serving.max_num_seqs=4"]["ttft_s"]["p90"] > swept["serving.max_num_seqs=64"]["ttft_s"]["p90"]
-    assert (tmp_path / "s" / "cdf.png").exists()
+    assert png_size(tmp_path / "s" / "cdf.png") == (1430, 418)  # 13 x 3.8 inches at 110 dpi
     r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "max_num_seqs"])
     assert r.exit_code == 2 and "--sweep" in r.output
 

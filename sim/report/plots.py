@@ -14,11 +14,11 @@ MARGINS = {"left": 0.06, "right": 0.99, "bottom": 0.17, "top": 0.91, "wspace": 0
 WIDE_MARGINS = {"left": 0.09, "right": 0.99, "bottom": 0.17, "top": 0.96}
 
 
-def _cdf(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The empirical CDF of x in ms, at most MAX_POINTS points of it."""
+def cdf(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The empirical CDF of x (NaN left out): at most MAX_POINTS of its sorted values and the fraction at each."""
     x = np.sort(x[~np.isnan(x)])
     pick = np.unique(np.linspace(0, len(x) - 1, min(len(x), MAX_POINTS)).astype(np.int64))
-    return x[pick] * 1000, (pick + 1) / max(len(x), 1)
+    return x[pick], (pick + 1) / max(len(x), 1)
 
 
 def _thin(a: np.ndarray) -> np.ndarray:
@@ -34,7 +34,8 @@ def write_plots(out_dir: Path, rec: RequestRecords, replicas: list) -> list[Path
         if key == "itl":
             ax.plot(rec.itl.cdf_s * 1000, rec.itl.cdf_fraction, label=title)
         else:
-            ax.plot(*_cdf(lat[key]), label=title)
+            x, fraction = cdf(lat[key])
+            ax.plot(x * 1000, fraction, label=title)
         ax.title, ax.xlabel = title, "ms"
         ax.ylabel = "fraction of requests" if key != "itl" else "fraction of gaps"
     paths = [fig.save(out_dir / "latency_cdf.png")]
