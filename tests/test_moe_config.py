@@ -111,11 +111,8 @@ def test_hf_configs_read_as_the_catalog_entries(tmp_path, name):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(HF[name]))
     spec, ref = load_hf_config(path), MODEL_CATALOG[name]
-    # read from its config.json a Qwen3 counts its q/k norms (2 × head_dim a layer); the catalog's Qwen3-MoE entries,
-    # older than the flag, leave them out and keep their reports
-    norms = spec.num_layers * 2 * spec.head_size if spec.qk_norm and not ref.qk_norm else 0
-    assert (spec.num_params - norms, spec.active_params - norms, spec.kv_bytes_per_token, spec.weight_dtype) == \
-        (ref.num_params, ref.active_params, ref.kv_bytes_per_token, ref.weight_dtype)
+    assert (spec.num_params, spec.active_params, spec.kv_bytes_per_token, spec.weight_dtype, spec.qk_norm) == \
+        (ref.num_params, ref.active_params, ref.kv_bytes_per_token, ref.weight_dtype, ref.qk_norm)
 
 
 def test_qwen2_moe_shared_expert_and_its_gate(tmp_path):
@@ -124,7 +121,9 @@ def test_qwen2_moe_shared_expert_and_its_gate(tmp_path):
     spec = load_hf_config(tmp_path / "config.json")
     assert spec.shared_expert_gate and moe.shared_expert_params(spec) == 3 * 2048 * 5632 + 2048
     qkv_bias = (32 + 2 * 4) * 128  # Qwen2-MoE's q, k and v biases
-    assert spec.active_params == MODEL_CATALOG["Qwen3-30B-A3B"].active_params + 48 * (3 * 2048 * 5632 + 2048 + qkv_bias)
+    qk_norms = 2 * 128  # Qwen3's per-head q and k norms, which Qwen2-MoE has not
+    assert spec.active_params == \
+        MODEL_CATALOG["Qwen3-30B-A3B"].active_params + 48 * (3 * 2048 * 5632 + 2048 + qkv_bias - qk_norms)
 
 
 @pytest.mark.parametrize("change, needle", [
