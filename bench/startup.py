@@ -54,7 +54,10 @@ def tiny_scenario() -> str:
     """The Vidur-sized scenario cut to 10 requests (a run that is mostly start-up), in a scratch file."""
     PYCACHE.mkdir(parents=True, exist_ok=True)
     path = PYCACHE / "vidur_10_requests.yaml"
-    path.write_text(Path(VIDUR).read_text().replace("num_requests: 10000", "num_requests: 10"))
+    text = Path(VIDUR).read_text()
+    if "num_requests: 10000" not in text:
+        raise SystemExit(f"{VIDUR}: no 'num_requests: 10000' to cut to 10")
+    path.write_text(text.replace("num_requests: 10000", "num_requests: 10"))
     return str(path)
 
 
