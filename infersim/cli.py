@@ -3,6 +3,7 @@ when that command runs, so that `infersim --help` or `infersim run` loads nothin
 Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -497,9 +498,24 @@ def _command_name(info) -> str:
     return info.name or info.callback.__name__.lower().replace("_", "-")  # typer's own rule
 
 
+# the commands that never load torch (whose BLAS threads OPENBLAS_NUM_THREADS could also bound)
+SIMULATOR_ONLY = ("run", "search", "compare", "step-cost", "models", "hardware")
+
+
+def library_defaults(command: str) -> dict[str, str]:
+    """Environment defaults for the libraries `command` loads, set before it imports them (a user's own wins)."""
+    # no third-party pydantic plugins hook our schemas: skips reading every installed package's entry points
+    defaults = {"PYDANTIC_DISABLE_PLUGINS": "__all__"}
+    if command in SIMULATOR_ONLY:  # numpy's small arrays need no OpenBLAS thread pool, which takes ~50 ms to start
+        defaults["OPENBLAS_NUM_THREADS"] = "1"
+    return defaults
+
+
 def main() -> None:
     """Run the command line. The command it names is built alone (typer first builds every command's parameters
     from its signature: most of the CLI's own start-up); anything else (--help, a typo) meets the whole app."""
+    for key, value in library_defaults(sys.argv[1] if len(sys.argv) > 1 else "").items():
+        os.environ.setdefault(key, value)
     named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
     if not named:
         app()

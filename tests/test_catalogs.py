@@ -31,3 +31,26 @@ def test_a_catalog_entry_breaking_a_check_would_fail_here():
     bad = ModelSpec.model_construct(**{**MODEL_CATALOG["Llama-2-7B"].model_dump(), "num_kv_heads": 5})
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelSpec.model_validate(bad.model_dump())
+
+
+def test_the_cpu_entry_reads_its_profile_on_its_first_lookup_alone(monkeypatch):
+    from sim.config import hardware
+    from sim.config.errors import catalog_entry
+
+    entries, read = {name: hardware.HARDWARE_CATALOG[name] for name in ("A100-80GB", "cpu")}, []
+    monkeypatch.setattr(hardware, "_measured_cpu", lambda spec: read.append(spec.name) or spec.model_copy(
+        update={"memory_bandwidth": 1e9}))
+    catalog = hardware._Catalog(dict(entries))
+    assert catalog_entry(catalog, "a100-80gb", "hardware", "", "hardware") is entries["A100-80GB"]
+    assert "cpu" in catalog and list(catalog) == ["A100-80GB", "cpu"] and read == []
+    assert catalog_entry(catalog, "CPU", "hardware", "", "hardware").memory_bandwidth == 1e9
+    assert catalog["cpu"].memory_bandwidth == 1e9 and read == ["cpu"]
+
+
+def test_the_catalog_cpu_takes_the_shipped_profile_figures():
+    import json
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).resolve().parents[1] / "calibration/profiles/cpu.json").read_text())["measured"]
+    cpu = HARDWARE_CATALOG["cpu"]
+    assert (cpu.peak_flops["fp32"], cpu.memory_bandwidth) == (measured["matmul_flops"], measured["memory_bandwidth"])

@@ -3,9 +3,14 @@ what a simulation needs, not the executor, the plots, the tables or another comm
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from infersim.cli import library_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("numpy", "pydantic", "yaml", "rich", "simpy", "torch", "matplotlib", "PIL", "scipy", "pandas", "transformers",
@@ -33,3 +38,25 @@ def test_run_imports_the_simulator_alone():
 
 def test_the_probe_sees_an_import():
     assert "rich" in loaded("import infersim.commands.catalogs")
+
+
+def blas_threads(command: str, **env: str) -> int:
+    """The threads of a fresh process after `infersim COMMAND --help` and then `import numpy` (OpenBLAS's pool)."""
+    probe = (f"import os, sys; sys.argv = ['infersim', '{command}', '--help']\nfrom infersim.cli import main\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\nimport numpy\nprint(len(os.listdir('/proc/self/task')))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "", **env})
+    return int(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2, reason="Linux, 2+ cores")
+def test_simulator_commands_start_numpy_without_a_blas_thread_pool():
+    assert blas_threads("run") == 1
+    assert blas_threads("serve") > 1  # torch's commands keep OpenBLAS's default
+    assert blas_threads("run", OPENBLAS_NUM_THREADS="2") == 2  # a user's own setting wins
+
+
+def test_library_defaults_by_command():
+    assert library_defaults("run") == {"PYDANTIC_DISABLE_PLUGINS": "__all__", "OPENBLAS_NUM_THREADS": "1"}
+    assert "OPENBLAS_NUM_THREADS" not in library_defaults("serve")
+    assert "OPENBLAS_NUM_THREADS" not in library_defaults("--help")

@@ -1,6 +1,8 @@
 """One error type for bad user input: the CLI prints it as one line and exits with code 2."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # what the CLI prints after "infersim: error: " stays within 300 characters
 MAX_LINE = 280
 
@@ -33,10 +35,10 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def catalog_entry(catalog: dict, name: str, what: str, instead: str, key_path: str):
+def catalog_entry(catalog: Mapping, name: str, what: str, instead: str, key_path: str):
     """The entry of `catalog` named `name`, case-insensitively; else a ConfigError naming the `what` unknown and
     listing what is allowed: the catalog's names, then `instead` (what a scenario may give in its place)."""
-    for known, entry in catalog.items():
+    for known in catalog:  # by name: a lazy catalog builds only the entry it returns
         if known.lower() == name.lower():
-            return entry
+            return catalog[known]
     raise ConfigError(f"unknown {what} {name!r}; allowed: {', '.join(catalog)}{instead}", key_path)
