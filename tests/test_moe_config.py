@@ -212,7 +212,9 @@ def test_bad_layouts_are_one_line_errors(model, hardware, parallel, where, needl
     ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {tensor_parallel_size: 2, data_parallel_size: 3, "
      "enable_expert_parallel: true}\n", "parallel.data_parallel_size", "does not divide the 8 experts"),
     ("model: Llama-3-8B\nhardware: H100-SXM\nparallel: {enable_expert_parallel: true}\n",
-     "parallel.enable_expert_parallel", "is dense")])
+     "parallel.enable_expert_parallel", "is dense"),
+    ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {data_parallel_size: 3}\n", "parallel.data_parallel_size",
+     "does not divide the experts' width 14336")])
 def test_bad_moe_scenarios_exit_2_with_one_line(tmp_path, text, where, needle):
     from typer.testing import CliRunner
 
