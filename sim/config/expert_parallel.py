@@ -40,7 +40,7 @@ class ExpertLayout:
 
     @property
     def ep_size(self) -> int:
-        """Devices the routed experts are spread over whole (1: each expert sliced over TP instead)."""
+        """Devices the routed experts are spread over whole (1: each expert sliced over TP × DP instead)."""
         return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
 
     @property
@@ -110,20 +110,20 @@ def _check_sliced_over_ranks(model: ModelSpec, layout: ExpertLayout) -> None:
     width, n = moe.expert_width(model), layout.expert_slices
     if width % n:
         ok = [d for d in range(1, 65) if width % d == 0]
+        whole = ", or enable_expert_parallel: true" if model.num_experts % n == 0 else ""
         raise ConfigError(f"without enable_expert_parallel each routed expert is sliced over tensor_parallel_size "
                           f"{layout.tensor_parallel_size} × data_parallel_size {layout.data_parallel_size} = {n} "
                           f"devices, which does not divide the experts' width {width} of {model.name}; allowed: TP × "
-                          f"DP among {', '.join(map(str, ok))}, or enable_expert_parallel: true",
-                          "parallel.data_parallel_size")
+                          f"DP among {', '.join(map(str, ok))}{whole}", "parallel.data_parallel_size")
 
 
 def does_not_fit_a_rank(model: ModelSpec, layout: ExpertLayout, weight_bytes: float, usable: float) -> ConfigError:
     """The error of a data-parallel replica whose every rank cannot hold what each rank holds whole: the attention
     and dense layers (a mixture of experts' routed experts are spread over all the replica's devices)."""
     tp, dp = layout.tensor_parallel_size, layout.data_parallel_size
-    held = f"{model.name}'s attention and dense layers (its routed experts spread over all {tp * dp} devices)" \
-        if model.num_experts else f"all of {model.name}"
-    return ConfigError(f"each of the {dp} data-parallel ranks holds {held} over its {tp} device(s): "
+    held = f"{model.name}'s attention and dense layers (experts over all {tp * dp})" if model.num_experts \
+        else f"all of {model.name}"
+    return ConfigError(f"each of the {dp} data-parallel ranks holds {held} on its {tp} device(s): "
                        f"{weight_bytes / 2**30:.1f} GiB of weights a device, {usable / 2**30:.1f} GiB usable; allowed: "
-                       "a larger tensor_parallel_size (fewer, wider ranks), quantized weights (weight_dtype "
-                       "fp8/int8/int4), or a bigger device", "parallel.data_parallel_size")
+                       "a larger tensor_parallel_size, quantized weights or a bigger device",
+                       "parallel.data_parallel_size")
