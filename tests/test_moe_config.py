@@ -167,12 +167,35 @@ def test_a_data_parallel_replica_runs_its_ranks_batches_as_one_engine():
     assert four.scheduler.prefill_chunk_size == one.scheduler.prefill_chunk_size
 
 
+def test_without_expert_parallelism_data_parallel_ranks_slice_every_expert_over_all_devices():
+    # vLLM's FusedMoEParallelConfig.make: MoE tp_size = DP × TP, ep_size 1
+    one = plan_of(moe_scenario("Qwen3-30B-A3B", "H100-SXM", tensor_parallel_size=2))
+    four = plan_of(moe_scenario("Qwen3-30B-A3B", "H100-SXM", tensor_parallel_size=2, data_parallel_size=4))
+    ep = plan_of(moe_scenario("Qwen3-30B-A3B", "H100-SXM", tensor_parallel_size=2, data_parallel_size=4,
+                              enable_expert_parallel=True))
+    routed = moe.decoder_params(one.model).routed * one.model.bytes_per_linear_param()
+    assert four.expert_layout.expert_slices == 8 and one.expert_layout.expert_slices == 2
+    assert one.weight_bytes - four.weight_bytes == pytest.approx(routed / 2 - routed / 8)  # a quarter of the experts
+    assert four.weight_bytes == pytest.approx(ep.weight_bytes)  # 1/8 of each expert or 16 whole of 128: same bytes
+    assert four.num_blocks == ep.num_blocks > 4 * one.num_blocks  # 4 ranks' KV, each with more room than one's
+
+
+def test_a_model_whose_rank_could_not_hold_it_whole_fits_with_its_experts_sliced_over_the_ranks():
+    dp = plan_of(moe_scenario("DeepSeek-V3", "H200", data_parallel_size=8))  # 671B in fp8: once refused on 141 GB
+    assert dp.weight_bytes < dp.model.weight_bytes / 6  # a rank no longer holds the whole model (625 GiB)
+    assert dp.weight_bytes / 2**30 == pytest.approx(93.8, abs=0.1) and dp.num_blocks > 0
+
+
 @pytest.mark.parametrize("model, hardware, parallel, where, needle", [
     ("Llama-3-8B", "H100-SXM", {"enable_expert_parallel": True}, "parallel.enable_expert_parallel", "is dense"),
     ("Mixtral-8x7B", "H100-SXM", {"tensor_parallel_size": 2, "data_parallel_size": 3, "enable_expert_parallel": True},
      "parallel.data_parallel_size", "expert-parallel size 6"),
-    ("DeepSeek-V3", "H200", {"data_parallel_size": 8}, "parallel.data_parallel_size",
-     "without enable_expert_parallel each of the 8 data-parallel ranks holds all of DeepSeek-V3"),
+    ("DeepSeek-V3", "H100-SXM", {"data_parallel_size": 8}, "parallel.data_parallel_size",
+     "each of the 8 data-parallel ranks holds DeepSeek-V3's attention and dense layers"),
+    ("Llama-3-70B", "H100-SXM", {"data_parallel_size": 2}, "parallel.data_parallel_size",
+     "each of the 2 data-parallel ranks holds all of Llama-3-70B"),
+    ("Mixtral-8x7B", "H100-SXM", {"data_parallel_size": 3}, "parallel.data_parallel_size",
+     "does not divide the experts' width 14336 of Mixtral-8x7B"),
     ("Mixtral-8x7B", "H100-SXM", {"data_parallel_size": 2, "pipeline_parallel_size": 2},
      "parallel.data_parallel_size", "pipeline stages")])
 def test_bad_layouts_are_one_line_errors(model, hardware, parallel, where, needle):
@@ -189,7 +212,9 @@ def test_bad_layouts_are_one_line_errors(model, hardware, parallel, where, needl
     ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {tensor_parallel_size: 2, data_parallel_size: 3, "
      "enable_expert_parallel: true}\n", "parallel.data_parallel_size", "does not divide the 8 experts"),
     ("model: Llama-3-8B\nhardware: H100-SXM\nparallel: {enable_expert_parallel: true}\n",
-     "parallel.enable_expert_parallel", "is dense")])
+     "parallel.enable_expert_parallel", "is dense"),
+    ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {data_parallel_size: 3}\n", "parallel.data_parallel_size",
+     "does not divide the experts' width 14336")])
 def test_bad_moe_scenarios_exit_2_with_one_line(tmp_path, text, where, needle):
     from typer.testing import CliRunner
 

@@ -65,6 +65,31 @@ def test_expert_parallelism_across_data_parallel_ranks_adds_a_dispatch_and_a_com
         comm(tensor_parallel_size=2)(tokens, tokens) > 0
 
 
+@pytest.mark.parametrize("cost_type", ["roofline", "auto"])
+def test_data_parallel_ranks_without_expert_parallelism_run_every_rank_s_tokens_through_their_slices(cost_type):
+    def cost(**parallel):
+        return make_cost_model(moe_plan("Qwen3-30B-A3B", cost_model={"type": cost_type}, **parallel))
+    dp, tp, alone = cost(data_parallel_size=4), cost(tensor_parallel_size=4), cost()
+    # the replica's 256 tokens gathered through a quarter of each expert: what one TP 4 device computes
+    assert decode(dp, 256).experts_s == pytest.approx(decode(tp, 256).experts_s)
+    assert decode(dp, 256).experts_s != pytest.approx(decode(alone, 64).experts_s)  # not a rank's 64 alone
+    assert dp.blocks.experts.of(256) == (256 * 8, routing.distinct_experts(128, 8, 256),
+                                         routing.busiest_expert_tokens(128, 8, 256))
+    assert decode(dp, 64).communication_s > 0 == decode(alone, 64).communication_s
+
+
+def test_without_expert_parallelism_the_ranks_gather_and_reduce_scatter_every_token_each_moe_layer():
+    def comm(**parallel):
+        return make_cost_model(moe_plan("Qwen3-30B-A3B", cost_model={"type": "roofline"}, **parallel)).communication_s
+    link, tokens = Interconnect.of(HARDWARE_CATALOG["H100-SXM"]), 64
+    hidden, logits = tokens * 2048 * 2, tokens * 128 * 2  # every token's bf16 hidden state and router logits
+    gathered = link.gather_s(hidden + logits, 4) + link.gather_s(hidden, 4)
+    assert comm(data_parallel_size=4)(tokens, tokens) == pytest.approx(48 * gathered)
+    # over each TP rank's DP peers (vLLM's DP group), beside TP's all-reduces of a rank's tokens
+    both = comm(tensor_parallel_size=2, data_parallel_size=4)(tokens, tokens)
+    assert both == pytest.approx(48 * gathered + comm(tensor_parallel_size=2)(tokens / 4, tokens / 4))
+
+
 def test_latent_attention_is_read_whole_on_every_tensor_parallel_rank():
     one = make_cost_model(moe_plan("DeepSeek-V3", "H200", cost_model={"type": "roofline"}, data_parallel_size=8,
                                    enable_expert_parallel=True))

@@ -30,7 +30,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 
 def test_the_moe_scenarios_say_what_they_answer():
     assert {p.stem for p in SCENARIOS} >= {"mixtral_8x7b_h100_tp2", "mixtral_8x7b_h100_ep2", "qwen3_30b_a3b_h100_tp1",
-                                           "qwen3_30b_a3b_h100_dp4_ep", "deepseek_v3_h200_tp8",
+                                           "qwen3_30b_a3b_h100_dp4_ep", "qwen3_30b_a3b_h100_dp4",
+                                           "deepseek_v3_h200_tp8",
                                            "deepseek_v3_h200_dp8_ep"}
     for p in SCENARIOS:
         assert p.read_text().startswith("# Question:"), p.name
@@ -55,6 +56,10 @@ def test_the_scenarios_comparisons(reports):
     q1, q4 = reports["qwen3_30b_a3b_h100_tp1"], reports["qwen3_30b_a3b_h100_dp4_ep"]
     assert q4["tpot_s"]["p50"] < q1["tpot_s"]["p50"]  # each card reads a quarter of the experts the step touched
     assert q4["cost"]["usd_per_hour"] == q1["cost"]["usd_per_hour"]  # four H100s either way
+    d4 = reports["qwen3_30b_a3b_h100_dp4"]  # DP 4 without EP: every expert sliced over the four cards (vLLM)
+    assert d4["memory_gib"]["weights"] == pytest.approx(q4["memory_gib"]["weights"])  # not the whole model a card
+    assert d4["kv_cache"]["capacity_tokens"] == q4["kv_cache"]["capacity_tokens"]
+    assert d4["tpot_s"]["p50"] < q1["tpot_s"]["p50"]  # a quarter of each touched expert a card, not every expert
 
 
 def test_models_lists_total_and_active_parameters():

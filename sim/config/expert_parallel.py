@@ -3,15 +3,18 @@ one device holds and how a replica of data-parallel ranks is simulated.
 
 - Weights on one device. Attention, the dense layers' MLPs and the shared experts are sharded over the tensor
   parallel ranks (Megatron); the router, the norms and MLA's down-projections (q_a, kv_a: ReplicatedLinear in vLLM)
-  are whole on every rank; the embedding and LM head are vocabulary-parallel. Routed experts: without expert
-  parallelism every expert is sliced over the tensor-parallel ranks like a dense MLP; with it, whole experts are
-  spread over the replica's tensor × data parallel devices (EP size = TP × DP), E / EP on each.
+  are whole on every rank; the embedding and LM head are vocabulary-parallel. Routed experts are spread over all of
+  the replica's TP × DP devices: with expert parallelism whole, E / EP on each (EP size = TP × DP); without it every
+  expert is sliced over them like a dense MLP (vLLM's FusedMoEParallelConfig.make flattens TP across DP in the MoE
+  layers: tp_size = DP × TP, ep_size 1; at DP 1 that is the TP ranks).
 - Data parallelism. Each of the replica's DP ranks (TP devices each) holds its own sequences and KV cache and runs
-  attention on them; with expert parallelism their tokens meet in the MoE layers, without it each rank holds the
-  whole model and runs alone. The simulator runs a replica's DP ranks as one engine over DP times a rank's batch
+  attention on them; in every MoE layer their tokens meet, with or without expert parallelism (vLLM's FusedMoE
+  gathers the DP ranks' hidden states and router logits before the experts and reduce-scatters the outputs back
+  whenever DP > 1). The simulator runs a replica's DP ranks as one engine over DP times a rank's batch
   (DP × max_num_seqs, DP × max_num_batched_tokens, DP × a rank's KV blocks) whose steps the cost model prices with
-  every rank's share of the batch (1 / DP of its tokens, sequences and context) running in parallel: the ranks are
-  taken as balanced, which vLLM's DP load balancer aims for, and a sequence never needs more than one rank's KV.
+  every rank's share of the batch (1 / DP of its tokens, sequences and context) running in parallel and the experts
+  over the replica's tokens: the ranks are taken as balanced, which vLLM's DP load balancer aims for, and a sequence
+  never needs more than one rank's KV.
 """
 from __future__ import annotations
 
@@ -37,13 +40,19 @@ class ExpertLayout:
 
     @property
     def ep_size(self) -> int:
-        """Devices the routed experts are spread over whole (1: each expert sliced over TP instead)."""
+        """Devices the routed experts are spread over whole (1: each expert sliced over TP × DP instead)."""
         return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
 
     @property
+    def expert_devices(self) -> int:
+        """Devices the routed experts are spread over, whole or sliced: every device of the replica (TP × DP)."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
     def expert_slices(self) -> int:
-        """Devices each routed expert is sliced over: the tensor-parallel ranks, or none with expert parallelism."""
-        return 1 if self.enable_expert_parallel else self.tensor_parallel_size
+        """Devices each routed expert is sliced over: none with expert parallelism, else every device of the replica
+        (vLLM flattens TP across the DP ranks in its MoE layers)."""
+        return 1 if self.enable_expert_parallel else self.expert_devices
 
     def weight_bytes(self, model: ModelSpec, sparse_kernels: bool) -> float:
         """Weight bytes on one device (2:4 weights compressed only where `sparse_kernels` run them)."""
@@ -53,14 +62,13 @@ class ExpertLayout:
         p = moe.decoder_params(model)
         latent = model.num_layers * moe.replicated_attention_params(model)
         replicated, sharded = p.router + p.norms + latent, p.attention - latent + p.dense_mlp + p.shared
-        experts = p.routed / self.ep_size if self.enable_expert_parallel else p.routed / tp
+        experts = p.routed / self.expert_devices  # E / EP whole experts or 1 / (TP × DP) of each: the same bytes
         lm_head = 0 if model.tie_word_embeddings else model.embedding_params
         embedding = (model.embedding_params + lm_head) * BYTES_PER_PARAM[model.act_dtype] / tp
         if model.expert_weight_dtype is not None:  # gpt-oss: MXFP4 experts, bf16 attention and router
             return (replicated + sharded / tp) * model.bytes_per_linear_param(sparse_kernels) + \
                 experts * model.bytes_per_expert_param(sparse_kernels) + embedding
         return (replicated + sharded / tp + experts) * model.bytes_per_linear_param(sparse_kernels) + embedding
-
 
     def replica_engine(self, scheduler, num_blocks: int, swap_blocks: int) -> tuple:
         """(scheduler knobs, KV blocks, swap blocks) of the one engine that simulates the replica's DP ranks: DP
@@ -91,13 +99,31 @@ def expert_layout(model: ModelSpec, parallel: ParallelConfig) -> ExpertLayout:
                               f"{model.num_experts} experts of {model.name}; allowed: TP × DP among "
                               f"{', '.join(map(str, ok))}", "parallel.data_parallel_size"
                               if layout.data_parallel_size > 1 else "parallel.tensor_parallel_size")
+    elif layout.data_parallel_size > 1 and model.num_experts:
+        _check_sliced_over_ranks(model, layout)
     return layout
 
 
+def _check_sliced_over_ranks(model: ModelSpec, layout: ExpertLayout) -> None:
+    """Without expert parallelism TP × DP must divide a routed expert's width (vLLM's FusedMoE divides it by the
+    flattened tp_size)."""
+    width, n = moe.expert_width(model), layout.expert_slices
+    if width % n:
+        ok = [d for d in range(1, 65) if width % d == 0]
+        whole = ", or enable_expert_parallel: true" if model.num_experts % n == 0 else ""
+        raise ConfigError(f"without enable_expert_parallel each routed expert is sliced over tensor_parallel_size "
+                          f"{layout.tensor_parallel_size} × data_parallel_size {layout.data_parallel_size} = {n} "
+                          f"devices, which does not divide the experts' width {width} of {model.name}; allowed: TP × "
+                          f"DP among {', '.join(map(str, ok))}{whole}", "parallel.data_parallel_size")
+
+
 def does_not_fit_a_rank(model: ModelSpec, layout: ExpertLayout, weight_bytes: float, usable: float) -> ConfigError:
-    """The error of a data-parallel replica without expert parallelism whose every rank would hold the whole model."""
-    return ConfigError(f"without enable_expert_parallel each of the {layout.data_parallel_size} data-parallel ranks "
-                       f"holds all of {model.name} over its {layout.tensor_parallel_size} device(s): "
+    """The error of a data-parallel replica whose every rank cannot hold what each rank holds whole: the attention
+    and dense layers (a mixture of experts' routed experts are spread over all the replica's devices)."""
+    tp, dp = layout.tensor_parallel_size, layout.data_parallel_size
+    held = f"{model.name}'s attention and dense layers (experts over all {tp * dp})" if model.num_experts \
+        else f"all of {model.name}"
+    return ConfigError(f"each of the {dp} data-parallel ranks holds {held} on its {tp} device(s): "
                        f"{weight_bytes / 2**30:.1f} GiB of weights a device, {usable / 2**30:.1f} GiB usable; allowed: "
-                       "enable_expert_parallel: true (experts spread over TP × DP devices), a larger "
-                       "tensor_parallel_size, or data_parallel_size 1", "parallel.data_parallel_size")
+                       "a larger tensor_parallel_size, quantized weights or a bigger device",
+                       "parallel.data_parallel_size")

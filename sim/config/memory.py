@@ -66,7 +66,7 @@ def memory_budget(model: ModelSpec, hw: HardwareSpec, kv: KVCacheConfig, layout:
     if of_free:
         kv_bytes *= kv.gpu_memory_utilization
     if kv_bytes <= 0:
-        if layout.expert.data_parallel_size > 1 and not layout.expert.enable_expert_parallel:
+        if layout.expert.data_parallel_size > 1:
             raise does_not_fit_a_rank(model, layout.expert, weight_bytes, usable)
         need = -(-model_bytes // max(usable - activation, 1.0))
         more = f"a tensor_parallel_size of {int(need)} or more, " if need <= 64 else ""

@@ -312,10 +312,12 @@ class ParallelConfig(StrictModel):
     pipeline_parallel_size: PositiveInt = Field(1, le=64, description="stages a replica's layers are split into, "
                                                 "each on its own tensor-parallel group of devices")
     data_parallel_size: PositiveInt = Field(1, le=64, description="attention data-parallel ranks in a replica "
-                                                                  "(vLLM's --data-parallel-size)")
+                                                                  "(vLLM's --data-parallel-size); their tokens meet "
+                                                                  "in a mixture of experts' MoE layers")
     enable_expert_parallel: bool = Field(False, description="experts sharded whole over the replica's tensor × "
                                                             "data parallel devices (all-to-all dispatch), instead of "
-                                                            "each expert sliced over tensor parallel ranks")
+                                                            "each expert sliced over them (all-gather and "
+                                                            "reduce-scatter across data-parallel ranks)")
     virtual_engines: PositiveInt | None = Field(None, le=64, description="with pipeline parallelism: batches in "
                                                 "flight (vLLM: one per stage; fewer leave stages idle: the bubble); "
                                                 "each has its own scheduler and share of the KV blocks")

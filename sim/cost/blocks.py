@@ -220,20 +220,31 @@ class StepBlocks:
 
     @property
     def dispatches(self) -> bool:
-        """Whether a MoE layer's tokens cross data-parallel ranks to their experts' devices (expert parallelism
-        over several ranks) and back: two all-to-alls a MoE layer."""
-        e = self.expert_layout
-        return bool(self.moe_layers) and e.enable_expert_parallel and e.data_parallel_size > 1
+        """Whether a MoE layer's tokens cross data-parallel ranks (every MoE layout with DP > 1 in vLLM) and back."""
+        return bool(self.moe_layers) and self.expert_layout.data_parallel_size > 1
 
     def dispatch_s(self, collectives, tokens: float) -> float:
-        """A step's dispatch and combine all-to-alls: each device sends its 1 / EP of the replica's routed rows, the
-        busiest receiving the imbalance times the mean. (Within one rank, EP = TP, every device already holds every
-        token: each runs its own experts and the layer's all-reduce combines them.)"""
+        """A step's dispatch and combine across the data-parallel ranks, a MoE layer each; with expert parallelism
+        two all-to-alls of the routed rows, without it an all-gather and a reduce-scatter of every token's hidden
+        state (`gather_combine_s`). (Within one rank every device already holds every token: each runs its own
+        experts or slices, and the layer's all-reduce combines them.)"""
         if not (self.dispatches and tokens):
             return 0.0
+        if not self.expert_layout.enable_expert_parallel:
+            return self.moe_layers * self.gather_combine_s(collectives, tokens)
         m, ep = self.model, self.expert_layout.ep_size
         routed = tokens * m.num_experts_per_tok / ep * self.experts.imbalance * (m.hidden_size * m.act_bytes)
         return 2 * self.moe_layers * collectives.all_to_all_s(routed, ep)
+
+    def gather_combine_s(self, collectives, tokens: float) -> float:
+        """One MoE layer's exchange with experts sliced over the DP ranks (vLLM's naive dispatch / combine, its
+        allgather_reducescatter backend): the replica's `tokens` hidden states and router logits gathered over each
+        TP rank's DP peers, the experts' partial outputs reduce-scattered back (a reduce-scatter moves an all-gather's
+        bytes); the TP all-reduce after the layer completes them."""
+        m, dp = self.model, self.expert_layout.data_parallel_size
+        hidden = tokens * m.hidden_size * m.act_bytes
+        return collectives.gather_s(hidden + tokens * m.num_experts * m.act_bytes, dp) + \
+            collectives.gather_s(hidden, dp)
 
     def kernels_per_layer(self, block: BlockWork) -> int:
         """Kernels one layer of `block` launches: its GEMMs and passes, attention, the experts' and the tensor-parallel
@@ -254,8 +265,7 @@ def step_blocks(model, sharding: Sharding, expert_layout: ExpertLayout, kv_bytes
     moe_layers = sum(b.count for b in blocks if b.layer.ffn.kind == "moe")
     width = expert_width(model) // expert_layout.expert_slices
     experts = ExpertLoad(model.num_experts if moe_layers else 0, model.num_experts_per_tok,
-                         expert_layout.enable_expert_parallel, expert_layout.ep_size,
-                         expert_layout.data_parallel_size, load_imbalance)
+                         expert_layout.enable_expert_parallel, expert_layout.ep_size, load_imbalance)
     return StepBlocks(model, sharding, expert_layout, blocks,
                       attention_groups(model, sharding, kv_bytes_per_token_layer), moe_layers,
                       ((2 * width, model.hidden_size), (model.hidden_size, width)), experts)

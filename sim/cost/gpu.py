@@ -10,8 +10,9 @@ collectives (sim/cost/nccl.py) for its communication, and the host's overhead pe
   layers), and a floor per layer when the step decodes; a linear-attention layer's fixed state read and written per
   decode row and per prompt chunk, its recurrence per prompt token;
 - LM head: the embedding lookup, the final norm and the vocabulary GEMM of the sampled rows (vocab-parallel);
-- communication: two all-reduces of the hidden states a layer (TP > 1) and the sampled rows' logits gathered; with
-  expert parallelism across data-parallel ranks a dispatch and a combine all-to-all a MoE layer;
+- communication: two all-reduces of the hidden states a layer (TP > 1) and the sampled rows' logits gathered; across
+  data-parallel ranks a MoE layer's dispatch and combine (all-to-alls with expert parallelism, else an all-gather and
+  a reduce-scatter);
 - overhead: the host's scheduling, input preparation and sampling: `step_overhead_s` + `per_seq_overhead_s` per
   sequence. Default: vLLM's, as BLIS fitted it to real vLLM runs on H100s (126 µs a step, 4.4 µs a request:
   inference-sim/inference-sim defaults.yaml, trained_physics_coefficients β₇ and β₆, Apache-2.0).
@@ -305,8 +306,8 @@ class KernelCostModel(PricesStages):
 
     def communication_s(self, tokens: int, sampled: int, graph: bool = True) -> float:
         """Tensor parallelism: two all-reduces of a rank's hidden states a layer, the sampled rows' fp32 logits
-        gathered; expert parallelism across ranks: the all-to-alls; `graph`: the step replays a CUDA graph (else the
-        engine's all-reduce runs eagerly)."""
+        gathered; data-parallel ranks: the MoE layers' exchanges (sim/cost/blocks.py); `graph`: the step replays a
+        CUDA graph (else the engine's all-reduce runs eagerly)."""
         if self.tp == 1 and not self.blocks.dispatches:
             return 0.0
         key = (tokens, sampled, graph)

@@ -37,8 +37,9 @@ class RooflineCostModel:
       layer, 2(n−1)/n · bytes / link bandwidth + 2(n−1) · link latency each over a ring (2 latencies through a
       switch), and the sampled rows' logits gathered from the vocab-parallel lm_head. Sequence parallelism splits the
       norm and residual traffic too (its reduce-scatter + all-gather move what the all-reduce did);
-    - data-parallel ranks each run 1 / DP of the step's tokens, sequences and context side by side; with expert
-      parallelism across them a dispatch and a combine all-to-all a MoE layer.
+    - data-parallel ranks each run 1 / DP of the step's tokens, sequences and context side by side and meet in the
+      MoE layers: with expert parallelism a dispatch and a combine all-to-all a MoE layer, without it an all-gather
+      and a reduce-scatter of every token, the experts sliced over all TP × DP devices.
     """
 
     def __init__(self, blocks: StepBlocks, hw: HardwareSpec, compute_efficiency: float = 0.6,
@@ -106,7 +107,7 @@ class RooflineCostModel:
     # -- the parts --------------------------------------------------------------------------------------------------
     def communication_s(self, tokens: int, sampled: int) -> float:
         """Communication in a step of `tokens` new tokens, `sampled` of them sampling: tensor parallelism's
-        collectives over a rank's rows, expert parallelism's all-to-alls."""
+        collectives over a rank's rows, the MoE layers' exchanges across data-parallel ranks."""
         dp = self.dp
         t = 0.0 if self.blocks.sharding.tp == 1 else \
             self.comm.time(tokens, sampled) if dp == 1 else self.comm.time(tokens / dp, sampled / dp)

@@ -28,15 +28,15 @@ def busiest_expert_tokens(experts: int, top_k: int, tokens: float, imbalance: fl
 
 @dataclass(frozen=True)
 class ExpertLoad:
-    """The routed experts' work on the busiest device of a replica: without expert parallelism each device holds a
-    slice of every expert and runs its data-parallel rank's tokens; with it each holds `ep_size` -th of the experts
-    whole and receives that share of the replica's routed rows, times the imbalance."""
+    """The routed experts' work on the busiest device of a replica, whose data-parallel ranks' tokens meet in every
+    MoE layer: without expert parallelism each device holds a slice of every expert and runs all the replica's
+    tokens through it; with it each holds `ep_size` -th of the experts whole and receives that share of the
+    replica's routed rows, times the imbalance."""
 
     num_experts: int
     top_k: int
     expert_parallel: bool  # experts whole over `ep_size` devices, else sliced over tensor parallelism
     ep_size: int
-    data_parallel_size: int
     imbalance: float = 1.0  # the busiest expert (or expert-parallel rank) over the mean
 
     def of(self, tokens: float) -> tuple[float, float, float]:
@@ -48,5 +48,4 @@ class ExpertLoad:
             touched = distinct_experts(e, k, tokens) / self.ep_size
             return tokens * k / self.ep_size * self.imbalance, touched, busiest_expert_tokens(e, k, tokens,
                                                                                               self.imbalance)
-        t = tokens / self.data_parallel_size  # a rank's own tokens through its own slices of every expert
-        return t * k, distinct_experts(e, k, t), busiest_expert_tokens(e, k, t, self.imbalance)
+        return tokens * k, distinct_experts(e, k, tokens), busiest_expert_tokens(e, k, tokens, self.imbalance)
