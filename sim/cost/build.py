@@ -66,8 +66,8 @@ def _given(value: float | None, default: float) -> float:
 def device_kernels(plan: Plan) -> DeviceKernels:
     """The kernels the plan's engine runs on its device: vLLM's, SGLang's or TensorRT-LLM's own where AIConfigurator
     measured them (sim/cost/kernels.py: engine_kernels), else the device's engine-agnostic fits."""
-    e, name = plan.engine, plan.hardware.name
-    k = engine_kernels(name, e.name, e.version) if e is not None and e.name in KERNEL_ENGINES else None
+    r, name = plan.engine.release if plan.engine is not None else None, plan.hardware.name
+    k = engine_kernels(name, r.engine, r.version) if r is not None and r.engine in KERNEL_ENGINES else None
     return k if k is not None else load_kernels()[0][name]
 
 

@@ -199,7 +199,7 @@ class KernelCostModel(PricesStages):
         self.blocks, self.model, self.kernels, self.refinement, self.engine = blocks, m, kernels, refinement, engine
         self.host = HostCost(refinement.step_overhead_s, refinement.per_seq_overhead_s, refinement.prefill_overhead_s,
                              engine is not None and engine.async_scheduling)
-        self.tp, self.pp, self.dp = blocks.sharding.tp, pipeline_parallel_size, blocks.data_parallel_size
+        self.tp, self.pp, self.dp = blocks.sharding.tp, pipeline_parallel_size, blocks.expert_layout.data_parallel_size
         self.layers = m.num_layers
         self.gemm, self.weight_bytes, self.compute_scale = linear_kernel(m, kernels, hw)
         self.expert_gemm, self.expert_bytes, self.expert_scale = expert_kernel(m, kernels, hw, self.gemm,
