@@ -41,7 +41,6 @@ from sim.cost.step import (
     affine_decode_run,
     decode_run,
     window_reads_s,
-    windowed_decode_run,
 )
 from sim.policy.batch import BatchShape
 
@@ -502,10 +501,8 @@ class KernelCostModel(PricesStages):
         c = self._affine(num_seqs)
         if c is None:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
-        if self.windows:
-            return windowed_decode_run(c[0], c[1], self.window_rates(num_seqs), num_seqs, sum_context, clock, k_max,
-                                       until, step_end)
-        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end)
+        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end,
+                                 self.window_rates(num_seqs) if self.windows else ())
 
 
 def replace_rows(a: GroupAttention, dp: int) -> GroupAttention:
