@@ -151,7 +151,8 @@ def _refined(plan: Plan, theta: tuple[float, ...]) -> Plan:
 
 
 def _dense_kernels(plan: Plan) -> bool:
-    return plan.cost.source == "kernels" and not (has_experts(plan.model) or uses_mla(plan.model)) and plan.data_parallel_size == 1
+    return plan.cost.source == "kernels" and not (has_experts(plan.model) or uses_mla(plan.model)) \
+        and plan.expert_layout.data_parallel_size == 1
 
 
 # the kernel model's linear, attention and communication parts each times a factor (dense models: a mixture of

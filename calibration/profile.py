@@ -413,9 +413,9 @@ def write_profile(path: Path, prof: dict) -> None:
 
 def layout_of(plan) -> dict | None:
     """A plan's parallel layout as a profile records it, or None for one device."""
-    if plan.tensor_parallel_size > 1:
-        ep = {"enable_expert_parallel": True} if plan.enable_expert_parallel else {}
-        return {"tensor_parallel_size": plan.tensor_parallel_size, **ep}
+    if plan.sharding.tp > 1:
+        ep = {"enable_expert_parallel": True} if plan.expert_layout.enable_expert_parallel else {}
+        return {"tensor_parallel_size": plan.sharding.tp, **ep}
     if plan.pipeline_parallel_size > 1:
         return {"pipeline_parallel_size": plan.pipeline_parallel_size}
     return None

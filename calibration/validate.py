@@ -538,19 +538,19 @@ def alongside_sweep(plans: list, load, device: str, quick: bool):
     first = plans[0]
     def shape(p):  # what one profile prices: the model, its compression, the layout
         m = p.model
-        return (m.num_layers, m.hidden_size, m.weight_dtype, m.kv_dtype, m.sparsity, p.tensor_parallel_size,
-                p.enable_expert_parallel)
+        return (m.num_layers, m.hidden_size, m.weight_dtype, m.kv_dtype, m.sparsity, p.sharding.tp,
+                p.expert_layout.enable_expert_parallel)
 
     for plan in plans:
         if shape(plan) != shape(first):
             m, f = plan.model, first.model
             raise ConfigError(f"--profile-alongside measures one model's profile through one layout, but {plan.name} "
                               f"runs {m.name} ({m.weight_dtype} weights, {m.kv_dtype or 'unquantized'} KV) at "
-                              f"tensor_parallel_size {plan.tensor_parallel_size} and {first.name} {f.name} "
-                              f"({f.weight_dtype}, {f.kv_dtype or 'unquantized'} KV) at {first.tensor_parallel_size}",
+                              f"tensor_parallel_size {plan.sharding.tp} and {first.name} {f.name} "
+                              f"({f.weight_dtype}, {f.kv_dtype or 'unquantized'} KV) at {first.sharding.tp}",
                               "--profile-alongside")
     loaded = load(first)
-    parallel = layout_of(first) if first.tensor_parallel_size > 1 else None  # a pipeline's: of one device
+    parallel = layout_of(first) if first.sharding.tp > 1 else None  # a pipeline's: of one device
     return Sweep(loaded.model, corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size), device, quick,
                  parallel=parallel)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 import typer.core
@@ -41,6 +41,23 @@ app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True,
                   help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
 MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
+# options several commands take alike: one declaration, the same flag and help everywhere
+Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
+Threads = Annotated[Optional[int], typer.Option("--threads", min=1, max=MAX_THREADS,
+                                                help="torch CPU threads (default: all cores)")]
+# the options of the commands that train a drafter (distill, train-medusa, train-eagle); each its own defaults
+VocabSize = Annotated[int, typer.Option("--vocab-size", min=16, help="tokens the drafter can propose")]
+TrainMinutes = Annotated[float, typer.Option("--train-minutes", min=0.0, max=MAX_MINUTES, help="training time budget")]
+MaxNew = Annotated[int, typer.Option("--max-new", min=1, help="longest answer of the target model generated to "
+                                     "train on")]
+DrafterProfile = Annotated[Optional[Path], typer.Option("--profile", help="fitted profile that prices each candidate "
+                                                        "tree or chain (default: calibration/profiles/cpu.json)")]
+Endpoint = Annotated[Optional[str], typer.Option("--endpoint", help="a running OpenAI-compatible server (URL, e.g. "
+                                                 "http://localhost:8000/v1) to measure instead of the executor")]
+EndpointModel = Annotated[Optional[str], typer.Option("--served-model", help="--endpoint: the model's name there "
+                                                      "(default: the one it serves)")]
+EndpointTokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="--endpoint: a local tokenizer (HF "
+                                                          "folder or GGUF) where the server has no /tokenize")]
 
 
 def _path(value: str) -> Path:
@@ -79,9 +96,8 @@ def _http_bound(flag: str, low: float, high: float, help: str):
 @app.command()
 def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
           out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the report and the step trace"),
-          device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
-          threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
-                                                help="torch CPU threads (default: all cores)"),
+          device: Device = "cpu",
+          threads: Threads = None,
           quiet: bool = typer.Option(False, "--quiet", "-q"),
           no_plots: bool = typer.Option(False, "--no-plots"),
           profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
@@ -151,11 +167,10 @@ def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int 
 
 
 @app.command()
-def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+def profile(device: Device = "cpu",
             model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
             out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o", parser=_path),
-            threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
-                                                  help="torch CPU threads (default: all cores)"),
+            threads: Threads = None,
             quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
             repeats: int = typer.Option(3, "--repeats", min=1, max=100, help="runs of each workload; a step's time is "
                                         "the median over them"),
@@ -164,15 +179,11 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
             scenario: Optional[Path] = typer.Option(None, "--scenario", help="profile the executor as this scenario "
                                                     "runs it: its model (random_weights too), its tensor- or "
                                                     "pipeline-parallel layout, its threads"),
-            endpoint: Optional[str] = typer.Option(None, "--endpoint", help="profile a running OpenAI-compatible "
-                                                   "server (URL, e.g. http://localhost:8000/v1) from its streams "
-                                                   "instead: the model it serves is --scenario's, else --model"),
-            served_model: Optional[str] = typer.Option(None, "--served-model", help="--endpoint: the model's name "
-                                                       "there (default: the one it serves)"),
-            tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="--endpoint: a local tokenizer (HF "
-                                                    "folder or GGUF) where the server has no /tokenize")) -> None:
-    """Time engine steps of many shapes on the executor (or a server's streams, --endpoint), fit the step-cost
-    model, write a profile JSON."""
+            endpoint: Endpoint = None,
+            served_model: EndpointModel = None,
+            tokenizer: EndpointTokenizer = None) -> None:
+    """Time engine steps of many shapes on the executor (or a server's streams, --endpoint: the model it serves is
+    --scenario's, else --model), fit the step-cost model, write a profile JSON."""
     try:
         if endpoint is not None:
             if refit or threads is not None or device != "cpu" or repeats != 3:
@@ -197,11 +208,10 @@ def profile(device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
 def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the draft model (default: "
                                                "~/.cache/infersim/drafts/smollm2-135m)"),
             layers: str = typer.Option("0,1", "--layers", help="teacher layers the student starts from, comma-separated"),
-            vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the draft can propose"),
-            minutes: float = typer.Option(10.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
-                                          help="training time budget"),
-            max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-            threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS)) -> None:
+            vocab_size: VocabSize = 8192,
+            minutes: TrainMinutes = 10.0,
+            max_new: MaxNew = 128,
+            threads: Threads = None) -> None:
     """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
     from infersim.commands.catalogs import model_catalog
     from infersim.commands.training import distill as train_draft
@@ -228,13 +238,11 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
 def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the heads (default: the "
                                                     "ones shipped in executor/data/medusa-smollm2-135m)"),
                  num_heads: int = typer.Option(3, "--heads", min=1, max=8, help="K: head d guesses d + 1 tokens on"),
-                 vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the heads can propose"),
-                 minutes: float = typer.Option(4.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
-                                               help="training time budget"),
-                 max_new: int = typer.Option(128, "--max-new", min=1, help="longest teacher answer generated"),
-                 threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
-                 profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
-                                                        "tree size (default: calibration/profiles/cpu.json)"),
+                 vocab_size: VocabSize = 8192,
+                 minutes: TrainMinutes = 4.0,
+                 max_new: MaxNew = 128,
+                 threads: Threads = None,
+                 profile: DrafterProfile = None,
                  retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
                                              "heads in --out again for --profile (after re-profiling)")) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
@@ -256,13 +264,11 @@ def train_eagle(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_
                                                    "one shipped in executor/data/eagle-smollm2-135m)"),
                 steps: int = typer.Option(3, "--steps", min=1, max=8, help="chain steps unrolled in training: the "
                                           "deepest draft it is trained for"),
-                vocab_size: int = typer.Option(8192, "--vocab-size", min=16, help="tokens the head can propose"),
-                minutes: float = typer.Option(12.0, "--train-minutes", min=0.0, max=MAX_MINUTES,
-                                              help="training time budget"),
-                max_new: int = typer.Option(128, "--max-new", min=1, help="longest target answer generated"),
-                threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
-                profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile that prices each "
-                                                       "chain or tree (default: calibration/profiles/cpu.json)")) -> None:
+                vocab_size: VocabSize = 8192,
+                minutes: TrainMinutes = 12.0,
+                max_new: MaxNew = 128,
+                threads: Threads = None,
+                profile: DrafterProfile = None) -> None:
     """Train an EAGLE head (one decoder layer over SmolLM2-135M's hidden states) and pick its chain or tree."""
     from infersim.commands.training import train_eagle as train_head
 
@@ -279,10 +285,10 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                                "that has real weights"),
              out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for validation.json and the CDF plot "
                                                 "(one subfolder per scenario when there are several)"),
-             device: str = typer.Option("cpu", "--device"),
+             device: Device = "cpu",
              profile_path: Optional[Path] = typer.Option(None, "--profile",
                                                          help="default: calibration/profiles/DEVICE.json"),
-             threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS),
+             threads: Threads = None,
              repeat: int = typer.Option(1, "--repeat", min=1, max=100, help="executor runs per scenario: real is their "
                                         "mean, and two or more report the real-vs-real spread"),
              real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
@@ -302,14 +308,9 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
              requests: Optional[int] = typer.Option(None, "--requests", min=2, help="--capacity: probe with this "
                                                     "many requests of the scenario's workload instead (a longer "
                                                     "probe judges keeping up more finely)"),
-             endpoint: Optional[str] = typer.Option(None, "--endpoint", help="replay the scenario against a running "
-                                                    "OpenAI-compatible server (URL) instead of the executor, and "
-                                                    "compare it with the simulation (--profile, else the "
-                                                    "scenario's cost model)"),
-             served_model: Optional[str] = typer.Option(None, "--served-model", help="--endpoint: the model's "
-                                                        "name there (default: the one it serves)"),
-             tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="--endpoint: a local tokenizer (HF "
-                                                     "folder or GGUF) where the server has no /tokenize"),
+             endpoint: Endpoint = None,
+             served_model: EndpointModel = None,
+             tokenizer: EndpointTokenizer = None,
              chat: bool = typer.Option(False, "--chat", help="--endpoint: send /v1/chat/completions (the server's "
                                        "chat template around each prompt) instead of /v1/completions"),
              timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="--endpoint: a request "
@@ -318,8 +319,8 @@ def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (o
                                                       "simulation per stage against a real run's published figures "
                                                       "(JSON: scenarios/gpu_validation/published/) instead")
              ) -> None:
-    """Run scenarios on the executor (or a server, --endpoint) and in the simulator; print real vs sim and the %
-    error per metric. With --published, score the simulation against a real run's published figures."""
+    """Run scenarios on the executor (or replay one against a server, --endpoint) and in the simulator (--profile,
+    else the scenario's cost model); print real vs sim and the % error per metric. With --published, score the simulation against a real run's published figures."""
     runs = [("--real-from", real_from), ("--profile-alongside", alongside), ("--threads", threads),
             ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None), ("--requests", requests),
             ("--device", device if device != "cpu" else None)]  # what only runs of the executor take

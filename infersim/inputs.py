@@ -159,7 +159,7 @@ def warn_threads(plan: Plan, threads: int | None) -> None:
     this process may run on: each step then waits on threads that share a core, and latencies come out many times
     those of the machine."""
     want = threads or plan.executor.threads
-    procs = plan.tensor_parallel_size * plan.pipeline_parallel_size  # each process of a parallel serve takes as many
+    procs = plan.sharding.tp * plan.pipeline_parallel_size  # each process of a parallel serve takes as many
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if want and want * procs > cores:
         where = ("--threads" if threads else "executor.threads") + f" {want}" + (f" x {procs} processes"

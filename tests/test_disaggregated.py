@@ -35,7 +35,7 @@ def test_each_pool_takes_the_scenarios_keys_and_overrides_its_own():
     assert p.hardware.name == "H100-SXM" and d.hardware.name == "A100-80GB"
     assert p.scheduler.max_num_batched_tokens == 4096 and p.scheduler.max_num_seqs == 64  # key by key
     assert d.scheduler.max_num_batched_tokens == 2048 and d.scheduler.enable_chunked_prefill
-    assert (p.tensor_parallel_size, d.tensor_parallel_size) == (1, 2)
+    assert (p.sharding.tp, d.sharding.tp) == (1, 2)
     # the link defaults to the slower hardware's interconnect, and a transfer spreads over the smaller replica's devices
     a100 = HARDWARE_CATALOG["A100-80GB"]
     assert plan.pools.kv_bandwidth == a100.interconnect_bandwidth and plan.pools.kv_links == 1

@@ -42,10 +42,10 @@ def test_what_the_scenario_sets_wins_over_the_engine_and_is_not_listed_as_assume
 def test_a_scenario_naming_no_engine_runs_vllm_on_a_gpu_and_infersim_on_the_cpu():
     data = scenario(**H100)
     data.pop("engine")
-    assert plan_of(data).engine.name == "vllm"
+    assert plan_of(data).engine.release.engine == "vllm"
     cpu = scenario(model="SmolLM2-135M", hardware="cpu")
     cpu.pop("engine")
-    assert plan_of(cpu).engine.name == "infersim"
+    assert plan_of(cpu).engine.release.engine == "infersim"
 
 
 def test_an_unknown_engine_or_release_is_one_line():
@@ -157,7 +157,7 @@ def test_a_bad_engine_is_one_line_naming_its_key(tmp_path, engine, key):
 
 def test_a_release_may_be_named_by_its_minor_version():
     assert release("vllm", "0.19").version == "0.19.0"
-    assert plan_of(scenario(**H100, engine={"name": "vllm", "version": 0.19})).engine.version == "0.19.0"
+    assert plan_of(scenario(**H100, engine={"name": "vllm", "version": 0.19})).engine.release.version == "0.19.0"
 
 
 def test_tensorrt_llm_reserves_each_request_to_its_last_token_and_never_preempts():

@@ -36,7 +36,7 @@ def test_sixteen_experiments_each_with_its_published_stages():
         pub = read_published(FOLDER / "published" / f"{path.stem}.json")
         assert path.read_text().startswith("# Source: github.com/inference-sim/training")
         assert [s.rate for s in plan.workload.load_stages.stages] == [s.rate for s in pub.stages]
-        assert plan.hardware.name == pub.hardware == "H100-SXM" and plan.tensor_parallel_size == pub.tensor_parallel_size
+        assert plan.hardware.name == pub.hardware == "H100-SXM" and plan.sharding.tp == pub.tensor_parallel_size
         assert plan.workload.output_len.value == pub.client["max_tokens"]
         stages += len(pub.stages)
     assert stages == 24

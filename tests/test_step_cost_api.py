@@ -27,7 +27,7 @@ def test_step_time_is_the_simulators_price_by_part(over):
     assert got["total_s"] == want
     assert math.fsum(got[p] for p in PARTS) == pytest.approx(got["total_s"], rel=1e-12)
     assert got["linear_s"] > 0 and got["attention_s"] > 0 and got["lm_head_s"] > 0 and got["overhead_s"] > 0
-    assert (got["communication_s"] > 0) == (plan_of(data).tensor_parallel_size * plan_of(data).pipeline_parallel_size
+    assert (got["communication_s"] > 0) == (plan_of(data).sharding.tp * plan_of(data).pipeline_parallel_size
                                             > 1)
     assert got["source"] == ("roofline" if over.get("hardware") == "L4" else "gpu_kernels")
 

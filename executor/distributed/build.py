@@ -20,13 +20,13 @@ TIMEOUT_S = 300.0  # the longest the driver waits on a worker in one step (a 204
 
 def parallel_threads(plan: Plan, threads: int | None = None) -> int:
     """torch threads per process: `threads`, else executor.threads, else the cores shared among the processes."""
-    world = plan.tensor_parallel_size * plan.pipeline_parallel_size
+    world = plan.sharding.tp * plan.pipeline_parallel_size
     return threads or plan.executor.threads or max(1, (os.cpu_count() or 1) // world)
 
 
 def check_parallel(plan: Plan, model: LlamaModel) -> None:
     """What the executor's parallel engines run, as one-line errors: TP or PP (not both yet), no speculation."""
-    tp, pp = plan.tensor_parallel_size, plan.pipeline_parallel_size
+    tp, pp = plan.sharding.tp, plan.pipeline_parallel_size
     if tp > 1 and pp > 1:
         raise ConfigError(f"the executor runs tensor or pipeline parallelism, not both (here {tp} x {pp}); the "
                           "simulator prices both", "parallel.pipeline_parallel_size")
@@ -55,11 +55,11 @@ def parallel_engine(plan: Plan, model: LlamaModel, sampling: SamplingParams, eos
     PipelineEngine over pipeline_parallel_size stages with virtual_engines batches in flight, `parallel_threads`
     torch threads a process."""
     # where the plan's layout meets the model: a mixture of experts sharded whole or sliced (moe_parallel.py)
-    model.config = replace(model.config, expert_parallel=plan.enable_expert_parallel)
+    model.config = replace(model.config, expert_parallel=plan.expert_layout.enable_expert_parallel)
     check_parallel(plan, model)
     n = parallel_threads(plan, threads)
-    if plan.tensor_parallel_size > 1:
-        with tensor_parallel(model, plan.tensor_parallel_size, n, TIMEOUT_S) as tp:
+    if plan.sharding.tp > 1:
+        with tensor_parallel(model, plan.sharding.tp, n, TIMEOUT_S) as tp:
             yield tp.engine(make_policy(plan, eager=True), sampling, eos_token_id), tp.group.pids
     else:
         with pipeline(model, plan.pipeline_parallel_size, n, TIMEOUT_S) as pipe:

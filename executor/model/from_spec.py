@@ -107,7 +107,7 @@ def check_executable(plan) -> None:
     if not (needs_hybrid(m) or m.kv_lora_rank):
         return
     kinds = ", ".join(sorted(set(kind_counts(m)) | ({"sinks"} if m.attention_sinks else set())))
-    parallel = plan.tensor_parallel_size * plan.pipeline_parallel_size > 1
+    parallel = plan.sharding.tp * plan.pipeline_parallel_size > 1
     for refused, key, allowed in ((parallel, "parallel", "one process (tensor and pipeline parallel size 1)"),
                                   (plan.speculative is not None, "speculative", "no speculative section"),
                                   (m.weight_dtype in ("int8", "int4", "fp8") or m.kv_dtype == "int8"

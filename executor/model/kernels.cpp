@@ -264,17 +264,21 @@ static inline void load_halves(const uint16_t *h, vw &a, vw &b) {
 #endif
 }
 
-/* always_inline: GCC's IPA takes a function of nothing but prefetches for a const one and deleted every call of it
-   before inlining, so no tile or attention task asked for its stream ahead (the int8 / int4 tiles at one row:
-   0.63-0.67x the time once they do, outputs unchanged) */
-__attribute__((always_inline)) static inline void prefetch_stream(const uint8_t *p, int64_t k, int64_t bytes_per_k,
-                                                                 const uint8_t *pf, int64_t pf_step, bool alone) {
+/* Row k of a quantized panel of `bytes_per_k` bytes a k, its stream ahead asked for on the way. always_inline:
+   GCC's IPA took a function of nothing but prefetches for a const one and deleted every call of it before
+   inlining, so no tile or attention task asked for its stream ahead (the int8 / int4 tiles at one row: 0.63-0.67x
+   the time once they do, outputs unchanged) */
+__attribute__((always_inline)) static inline const uint8_t *panel_row(const uint8_t *panel, int64_t k,
+                                                                      int64_t bytes_per_k, const uint8_t *pf,
+                                                                      int64_t pf_step, bool alone) {
+  const uint8_t *p = panel + k * bytes_per_k;
   if (pf) {
     __builtin_prefetch(pf + k * pf_step, 0, 2);
   } else if ((k * bytes_per_k) % 64 < bytes_per_k) {  /* once per cache line of the panel */
     if (alone) __builtin_prefetch(p + QPREFETCH_ALONE, 0, 1);
     else __builtin_prefetch(p + QPREFETCH);
   }
+  return p;
 }
 
 template <int MR>
@@ -330,8 +334,7 @@ static void tile_q8(const float *x, int64_t K, const uint8_t *panel, const void 
     for (int c = 0; c < KS; c++) {
       const int64_t k = k0 + c;
       if (KS > 1 && k >= K) break;
-      const uint8_t *pk = panel + k * NR;
-      prefetch_stream(pk, k, NR, pf, pf_step, alone);
+      const uint8_t *pk = panel_row(panel, k, NR, pf, pf_step, alone);
       const vw w0 = s8_to_float(pk), w1 = s8_to_float(pk + VL);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; i++) {
@@ -385,8 +388,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
         for (int c = 0; c < KS; c++) {
           const int64_t k = kc + c;
           if (KS > 1 && k >= k1) break;
-          const uint8_t *pk = panel + k * VL;
-          prefetch_stream(pk, k, VL, pf, pf_step, alone);
+          const uint8_t *pk = panel_row(panel, k, VL, pf, pf_step, alone);
           const vwi v = widen8<false>(pk);
           const vw q0 = __builtin_convertvector(v & 15, vw), q1 = __builtin_convertvector(v >> 4, vw);
 #pragma GCC unroll 4
@@ -408,8 +410,7 @@ static void tile_q4(const float *x, int64_t K, const uint8_t *panel, const void 
       continue;
     }
     for (int64_t k = k0; k < k1; k++) {
-      const uint8_t *pk = panel + k * VL;
-      prefetch_stream(pk, k, VL, pf, pf_step, alone);
+      const uint8_t *pk = panel_row(panel, k, VL, pf, pf_step, alone);
       const vwi v = widen8<false>(pk);
       const vw w0 = __builtin_convertvector(v & 15, vw) * s0 + m0;
       const vw w1 = __builtin_convertvector(v >> 4, vw) * s1 + m1;
@@ -782,7 +783,7 @@ static inline const float *block_rows(const Pool &p, int64_t block, int64_t jn, 
 }
 
 /* Ask for heads [h0, h0 + per) of every token row of a block ahead of use: a sequence's blocks are scattered over
-   the pool, so the hardware prefetcher cannot see the next one coming. always_inline: see prefetch_stream. */
+   the pool, so the hardware prefetcher cannot see the next one coming. always_inline: see panel_row. */
 __attribute__((always_inline)) static inline void prefetch_block(const Pool &p, int64_t block, int64_t h0,
                                                                 int64_t per) {
   const int64_t len = per * p.row();
@@ -791,6 +792,34 @@ __attribute__((always_inline)) static inline void prefetch_block(const Pool &p, 
     for (int64_t d = 0; d < len; d += 64) __builtin_prefetch(r + d);
   }
 }
+
+#ifdef __AVX2__
+/* The in-lane shuffles of a transpose in registers, at either vector width (overloads: __m256, __m512). */
+static inline __m256 unpacklo(__m256 a, __m256 b) { return _mm256_unpacklo_ps(a, b); }
+static inline __m256 unpackhi(__m256 a, __m256 b) { return _mm256_unpackhi_ps(a, b); }
+template <int IMM> static inline __m256 shuffle(__m256 a, __m256 b) { return _mm256_shuffle_ps(a, b, IMM); }
+#ifdef __AVX512F__
+static inline __m512 unpacklo(__m512 a, __m512 b) { return _mm512_unpacklo_ps(a, b); }
+static inline __m512 unpackhi(__m512 a, __m512 b) { return _mm512_unpackhi_ps(a, b); }
+template <int IMM> static inline __m512 shuffle(__m512 a, __m512 b) { return _mm512_shuffle_ps(a, b, IMM); }
+#endif
+
+/* The first two rounds of transposing N rows in registers, alike at both widths: every 128-bit lane of each four
+   rows r[j..j+3] becomes its 4 x 4 transpose, in r (t: scratch). Moving whole lanes, the rest, is each width's own. */
+template <int N, typename V>
+__attribute__((always_inline)) static inline void transpose_in_lanes(V *r, V *t) {
+  for (int j = 0; j < N; j += 2) {
+    t[j] = unpacklo(r[j], r[j + 1]);
+    t[j + 1] = unpackhi(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < N; j += 4) {
+    r[j] = shuffle<0x44>(t[j], t[j + 2]);
+    r[j + 1] = shuffle<0xEE>(t[j], t[j + 2]);
+    r[j + 2] = shuffle<0x44>(t[j + 1], t[j + 3]);
+    r[j + 3] = shuffle<0xEE>(t[j + 1], t[j + 3]);
+  }
+}
+#endif
 
 /* kt[d][16] = the block's keys [jn][D] (row stride tok) transposed, keys past jn zero. With AVX-512 in 16 x 16
    squares in registers (64 shuffles each instead of 256 scalar loads and stores, which cost more than the
@@ -801,16 +830,7 @@ static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int6
     for (int64_t c = 0; c < D; c += 16) {
       __m512 r[16], t[16];
       for (int j = 0; j < 16; j++) r[j] = j < jn ? _mm512_loadu_ps(kb + j * tok + c) : _mm512_setzero_ps();
-      for (int j = 0; j < 16; j += 2) {
-        t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
-        t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
-      }
-      for (int j = 0; j < 16; j += 4) {
-        r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
-        r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
-        r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-        r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
-      }
+      transpose_in_lanes<16>(r, t);
       for (int j = 0; j < 16; j += 8)
         for (int i = 0; i < 4; i++) {
           t[j + i] = _mm512_shuffle_f32x4(r[j + i], r[j + i + 4], 0x88);
@@ -831,16 +851,7 @@ static inline void transpose_keys(const float *kb, int64_t tok, int64_t jn, int6
         __m256 r[8], t[8];
         for (int j = 0; j < 8; j++)
           r[j] = 8 * half + j < jn ? _mm256_loadu_ps(kb + (8 * half + j) * tok + c) : _mm256_setzero_ps();
-        for (int j = 0; j < 8; j += 2) {
-          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-        }
-        for (int j = 0; j < 8; j += 4) {
-          r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
-          r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
-          r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-          r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
-        }
+        transpose_in_lanes<8>(r, t);
         for (int i = 0; i < 4; i++) {  /* row i: columns c + i (low lanes) and c + i + 4 (high lanes) */
           _mm256_storeu_ps(kt + (c + i) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
           _mm256_storeu_ps(kt + (c + i + 4) * 16 + 8 * half, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));

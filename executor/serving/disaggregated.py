@@ -433,7 +433,7 @@ def check_pools(plan: Plan) -> None:
         raise ConfigError("the executor's prefill pool is one instance (the driver process); the simulator prices "
                           "more", "pools.prefill.replicas")
     for name, p in (("prefill", pools.prefill), ("decode", pools.decode)):
-        if p.tensor_parallel_size * p.pipeline_parallel_size != 1:
+        if p.sharding.tp * p.pipeline_parallel_size != 1:
             raise ConfigError("the disaggregated executor runs instances of one process each; the simulator prices "
                               "tensor and pipeline parallel pools", f"pools.{name}.parallel")
     if plan.speculative is not None:

@@ -185,7 +185,7 @@ def check_kv_cache(plan: Plan, model: LlamaModel) -> None:
 def open_engine(plan: Plan, loaded: Loaded, device: str, threads: int | None = None) -> Iterator:
     """(the plan's engine, its worker processes' pids) for the block's duration: one Engine in this process, or with
     tensor or pipeline parallelism one over a process group (executor.distributed), torn down at the end."""
-    if plan.tensor_parallel_size * plan.pipeline_parallel_size == 1:
+    if plan.sharding.tp * plan.pipeline_parallel_size == 1:
         yield build_engine(plan, loaded, device), []
         return
     from executor.distributed.build import parallel_engine
@@ -375,18 +375,18 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
         raise ConfigError("disaggregated pools are served by executor.serving.disaggregated.serve_pools", "pools")
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
-    if plan.data_parallel_size != 1:
+    if plan.expert_layout.data_parallel_size != 1:
         raise ConfigError("the executor runs no attention data parallelism (its expert parallelism spans the tensor-"
                           "parallel ranks); allowed: data_parallel_size 1", "parallel.data_parallel_size")
     stage = stage or (lambda _: None)
-    parallel = plan.tensor_parallel_size * plan.pipeline_parallel_size > 1
+    parallel = plan.sharding.tp * plan.pipeline_parallel_size > 1
     pinned = parallel or set_threads(plan, threads)
     if loaded is None:
         stage("loading the model")
         loaded = load_model(plan, device)
     corpus = corpus_ids(loaded.tokenizer, loaded.model.config.vocab_size)
     if parallel:
-        stage(f"starting {plan.tensor_parallel_size * plan.pipeline_parallel_size} processes")
+        stage(f"starting {plan.sharding.tp * plan.pipeline_parallel_size} processes")
     threads_before = torch.get_num_threads()
     try:
         with open_engine(plan, loaded, device, threads) as (engine, workers):

@@ -81,7 +81,7 @@ def make_drafter(plan: Plan, target: LlamaModel, sampling: SamplingParams):
         except ValueError as e:
             raise ConfigError(str(e), "speculative.draft_model") from None
         return DraftModelDrafter(draft, sampling, num_blocks=max(16, plan.num_blocks // 4),
-                                 max_num_seqs=plan.scheduler.max_num_seqs, max_model_len=plan.max_model_len,
+                                 max_num_seqs=plan.scheduler.max_num_seqs, max_model_len=plan.scheduler.max_model_len,
                                  use_graphs=None if plan.executor.cuda_graphs else False)
     if spec.method == "medusa":
         from executor.speculative.medusa import MedusaDrafter, load_medusa

@@ -30,7 +30,7 @@ def profile_endpoint(endpoint: str, out: Path, served_model: str | None = None, 
     max_len = None
     if scenario is not None:
         plan = load_plan(scenario)
-        spec, max_len = plan.model, plan.max_model_len
+        spec, max_len = plan.model, plan.scheduler.max_model_len
     elif Path(model).exists():
         spec = load_hf_config(Path(model), "--model")
     else:

@@ -154,7 +154,7 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
         raise ConfigError(f"unknown device {device!r}; allowed: cpu, cuda", "--device")
     plan = load_plan(path)
     check_checkpoint(plan, path)
-    if plan.pools is not None or plan.replicas != 1 or plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+    if plan.pools is not None or plan.replicas != 1 or plan.sharding.tp * plan.pipeline_parallel_size > 1:
         raise ConfigError("serve --http runs one replica on one device: allowed: no pools, replicas: 1, no tensor "
                           "or pipeline parallelism", "replicas", str(path))
     if plan.speculative is not None:
@@ -167,8 +167,8 @@ def http_server(path: Path, device: str = "cpu", threads: int | None = None, ser
     except ConfigError as e:
         raise e.with_file(str(path)) from None
     info = client.info
-    served = Served(client, info["tokenizer"], served_model or plan.model.name, info["vocab_size"], plan.max_model_len,
-                    info["eos_token_id"])
+    served = Served(client, info["tokenizer"], served_model or plan.model.name, info["vocab_size"],
+                    plan.scheduler.max_model_len, info["eos_token_id"])
     return plan, OpenAIServer(served, limits or server_limits())
 
 

@@ -140,14 +140,6 @@ class EngineProfile:
     front_end: TransportConfig | None = None  # its API server's time between client and engine, where calibrated
 
     @property
-    def name(self) -> str:
-        return self.release.engine
-
-    @property
-    def version(self) -> str:
-        return self.release.version
-
-    @property
     def max_graph_tokens(self) -> int:
         """The largest step run from a CUDA graph (0: none)."""
         return self.cuda_graph_sizes[-1] if self.cuda_graph_sizes else 0

@@ -162,32 +162,8 @@ class Plan:
     client: ResolvedClient | None = None  # workload.client, resolved (_client_of)
 
     @property
-    def max_model_len(self) -> int:
-        return self.scheduler.max_model_len
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.sharding.tp
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.expert_layout.data_parallel_size
-
-    @property
-    def enable_expert_parallel(self) -> bool:
-        return self.expert_layout.enable_expert_parallel
-
-    @property
     def devices_per_replica(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.scheduler.max_num_batched_tokens
-
-    @property
-    def prefill_chunk_size(self) -> int:
-        return self.scheduler.prefill_chunk_size
+        return self.sharding.tp * self.pipeline_parallel_size * self.expert_layout.data_parallel_size
 
     @property
     def largest_stage_layers(self) -> int:
@@ -217,7 +193,7 @@ class Pools:
     @property
     def kv_links(self) -> int:
         """Device pairs a transfer spreads over: each device of the smaller replica sends or takes its shard."""
-        return min(p.tensor_parallel_size * p.pipeline_parallel_size for p in (self.prefill, self.decode))
+        return min(p.sharding.tp * p.pipeline_parallel_size for p in (self.prefill, self.decode))
 
     def transfer_s(self, num_tokens: int) -> float:
         """Time to move `num_tokens` tokens of KV from a prefill replica to a decode replica."""
@@ -253,9 +229,10 @@ def _make_pools(scenario: Scenario, base_dir: Path) -> Plan:
                 where = f"pools.{name}.{where}"
             raise ConfigError(e.message, where, e.file) from None
     p, d = plans["prefill"], plans["decode"]
-    if d.max_model_len < p.max_model_len:
-        raise ConfigError(f"{d.max_model_len} is less than the prefill pool's {p.max_model_len}: a request the "
-                          "prefill pool admits must fit a decode instance", "pools.decode.serving.max_model_len")
+    if d.scheduler.max_model_len < p.scheduler.max_model_len:
+        raise ConfigError(f"{d.scheduler.max_model_len} is less than the prefill pool's {p.scheduler.max_model_len}: a "
+                          "request the prefill pool admits must fit a decode instance",
+                          "pools.decode.serving.max_model_len")
     link = scenario.pools.kv_transfer
     bandwidth = link.bandwidth or min(p.hardware.interconnect_bandwidth, d.hardware.interconnect_bandwidth)
     latency = link.latency_s if link.latency_s is not None else \

@@ -45,10 +45,10 @@ class ServingConfig(StrictModel):
         "beside the running requests' whole lengths, so none is ever preempted (TensorRT-LLM's GUARANTEED_NO_EVICT "
         "capacity scheduler); false: admit on the prompt's blocks and preempt when decodes outgrow the cache (vLLM, "
         "SGLang). Default: the engine's (TensorRT-LLM on, the others off)")
-    mixed_batches: bool | None = Field(
-        None, description="prompts (or their chunks) run in the same step as the decodes; false: a step that prefills "
-        "runs prompts alone and the decodes wait (SGLang, vLLM V0). Default: the engine's (vLLM and TensorRT-LLM "
-        "on, SGLang off; infersim: on with chunked prefill)")
+    mixed_batches: bool | None = Field(None, description="prompts (or their chunks) run in the same step as the "
+                                       "decodes; false: a step that prefills runs prompts alone and the decodes wait "
+                                       "(SGLang, vLLM V0). Default: the engine's (vLLM and TensorRT-LLM on, SGLang "
+                                       "off; infersim: on with chunked prefill)")
     prefill_chunk_size: PositiveInt | None = Field(
         None, description="most prompt tokens of one request per step (default: the step budget)")
     waiting_served_ratio: NonNegativeFloat | None = Field(
@@ -160,6 +160,30 @@ CandidateTree = list[list[NonNegativeInt]]  # each node the path of candidate ra
 RankProbs = list[list[NonNegativeFloat]]  # per depth, the chance of each candidate rank, the last entry none of them
 
 
+def _drafter_folder(methods: str, command: str, shipped: str) -> Any:
+    """The Field of a trained drafter's folder key (medusa_heads, eagle_head)."""
+    return Field(None, min_length=1, description=f"{methods}: folder written by `infersim {command}` (relative to "
+                 f"the scenario; default: the {shipped} shipped for SmolLM2-135M)")
+
+
+def _candidate_tree(methods: str, default: str) -> Any:
+    """The Field of a tree drafter's candidate tree key (medusa_tree, eagle_tree)."""
+    return Field(None, description=f"{methods}: the candidate tree, each node the path of candidate ranks from the "
+                 f"root, parents first, e.g. [[0], [1], [0, 0]]; {default}")
+
+
+def _rank_probs(methods: str, per: str, chain: str) -> Any:
+    """The Field of a tree drafter's measured rank probabilities key (medusa_rank_probs, eagle_rank_probs)."""
+    return Field(None, description=f"simulator, {methods}: per {per}, the chance the token that follows has each "
+                 f"candidate rank, the last entry none of them{chain} (`infersim serve` measures it); required to "
+                 "simulate")
+
+
+def _draft_seconds(what: str) -> Any:
+    """The Field of a drafter's measured time key (draft_s_per_step, _per_seq, _per_token): at most a minute."""
+    return Field(0.0, le=60, description=f"simulator: the drafter's time {what}; `infersim serve` measures it")
+
+
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (vLLM's speculative_config): each step a drafter proposes up to
     num_speculative_tokens tokens for every decoding request and the target model checks them all in
@@ -180,24 +204,13 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest n-gram matched")
     draft_model: str | None = Field(None, min_length=1, description="draft_model: folder written by `infersim distill` (relative "
                                     "to the scenario; default ~/.cache/infersim/drafts/smollm2-135m)")
-    medusa_heads: str | None = Field(None, min_length=1, description="medusa: folder written by `infersim train-medusa` "
-                                     "(relative to the scenario; default: the heads shipped for SmolLM2-135M)")
-    medusa_tree: CandidateTree | None = Field(
-        None, description="medusa: the candidate tree, each node the path of candidate ranks from the root, "
-                          "parents first, e.g. [[0], [1], [0, 0]]; verify rows have 1 + its nodes tokens")
-    medusa_rank_probs: RankProbs | None = Field(
-        None, description="simulator, medusa: per depth, the chance the token that follows has each candidate "
-                          "rank, the last entry none of them (`infersim serve` measures it); required to simulate")
-    eagle_head: str | None = Field(None, min_length=1, description="eagle, mtp: folder written by `infersim train-eagle` "
-                                   "(relative to the scenario; default: the head shipped for SmolLM2-135M)")
-    eagle_tree: CandidateTree | None = Field(
-        None, description="eagle, mtp: a candidate tree instead of a chain (paths of candidate ranks from the root, "
-                          "parents first, e.g. [[0], [1], [0, 0]]); default: the chain of num_speculative_tokens")
-    eagle_rank_probs: RankProbs | None = Field(
-        None, description="simulator, eagle and mtp: per draft position (tree depth), the chance the token that "
-                          "follows has each rank among the head's candidates there, the last entry none of them; "
-                          "a row's first entry is that position's acceptance in a chain (`infersim serve` measures "
-                          "it); required to simulate")
+    medusa_heads: str | None = _drafter_folder("medusa", "train-medusa", "heads")
+    medusa_tree: CandidateTree | None = _candidate_tree("medusa", "required; verify rows have 1 + its nodes tokens")
+    medusa_rank_probs: RankProbs | None = _rank_probs("medusa", "depth", "")
+    eagle_head: str | None = _drafter_folder("eagle, mtp", "train-eagle", "head")
+    eagle_tree: CandidateTree | None = _candidate_tree("eagle, mtp", "default: the chain of num_speculative_tokens")
+    eagle_rank_probs: RankProbs | None = _rank_probs("eagle and mtp", "draft position (tree depth)",
+                                                     "; a row's first entry is that position's acceptance in a chain")
     disable_by_batch_size: PositiveInt | None = Field(None, description="no drafts while more than this many "
                                                       "requests decode (vLLM's speculative_disable_by_batch_size): "
                                                       "a big batch is compute-bound, drafts cost more than they save")
@@ -211,17 +224,15 @@ class SpeculativeConfig(StrictModel):
                                 "speculative.request_rates); each simulated request takes one pair for its life, so "
                                 "requests differ as on the executor (prompt lookup: one that copies its prompt "
                                 "drafts often and keeps most, one that does not rarely); instead of the two rates")
-    draft_s_per_step: NonNegativeFloat = Field(0.0, le=60, description="simulator: the drafter's time in a step it runs "
-                                               "for, whatever its batch and whether it finds drafts (ngram: the "
-                                               "search; draft_model: its γ forward passes; `infersim serve` "
-                                               "measures it)")
-    draft_s_per_seq: NonNegativeFloat = Field(0.0, le=60, description="simulator: the drafter's time per drafting request "
-                                              "per step (ngram: a search in the request's tokens; draft_model: its "
-                                              "share of the γ forward passes; `infersim serve` measures it)")
-    draft_s_per_token: NonNegativeFloat = Field(0.0, le=60, description="simulator, draft_model: the drafter's time per "
-                                                "token its model catches up on (a request's whole context at its "
-                                                "first draft, then the tokens decoded since its last; `infersim "
-                                                "serve` measures it)")
+    draft_s_per_step: NonNegativeFloat = _draft_seconds("in a step it runs for, whatever its batch and whether it "
+                                                        "finds drafts (ngram: the search; draft_model: its γ forward "
+                                                        "passes)")
+    draft_s_per_seq: NonNegativeFloat = _draft_seconds("per drafting request per step (ngram: a search in the "
+                                                       "request's tokens; draft_model: its share of the γ forward "
+                                                       "passes)")
+    draft_s_per_token: NonNegativeFloat = _draft_seconds("per token its model catches up on (draft_model: a "
+                                                         "request's whole context at its first draft, then the "
+                                                         "tokens decoded since its last)")
     draft_s_reference_step: NonNegativeFloat = Field(0.0, le=60, description="simulator: the draft_s_* times are at the "
                                                      "speed of a profile whose one-row decode step at context 256 "
                                                      "takes this long (`infersim serve --profile` writes it: the "

@@ -200,14 +200,6 @@ class StepBlocks:
     experts: ExpertLoad
 
     @property
-    def num_layers(self) -> int:
-        return self.model.num_layers
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.expert_layout.data_parallel_size
-
-    @property
     def full(self) -> AttentionGroup | None:
         """The full-attention (or MLA) layers: the group every decode row reads its whole context in."""
         g = self.groups[0]

@@ -33,15 +33,15 @@ def make_cost_model(plan: Plan) -> StepCostModel:
     if c.source == "kernels":
         return kernel_cost_model(plan)
     if c.profile is not None:
-        if plan.data_parallel_size > 1:
+        if plan.expert_layout.data_parallel_size > 1:
             raise ConfigError(f"{c.profile.path.name} fitted one engine's steps; it prices no data-parallel ranks; "
                               "allowed: data_parallel_size 1 with a profile, or no profile", "cost_model.profile")
         fitted = FittedCostModel.from_profile(c.profile)
-        if c.profile.parallel == (1, 1) and plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+        if c.profile.parallel == (1, 1) and plan.sharding.tp * plan.pipeline_parallel_size > 1:
             coefs, knot, ramp_knot = c.profile.forward
             fitted = ParallelFittedCostModel(fitted, FittedCostModel(coefs, knot=knot, ramp_knot=ramp_knot),
                                              MeasuredCollectives(c.profile.comm), plan.model,
-                                             plan.tensor_parallel_size, plan.pipeline_parallel_size)
+                                             plan.sharding.tp, plan.pipeline_parallel_size)
         return fitted.scaled(c.profile_scale)
     return RooflineCostModel(plan_blocks(plan), plan.hardware, compute_efficiency=c.compute_efficiency,
                              memory_efficiency=c.memory_efficiency,
@@ -66,8 +66,8 @@ def _given(value: float | None, default: float) -> float:
 def device_kernels(plan: Plan) -> DeviceKernels:
     """The kernels the plan's engine runs on its device: vLLM's, SGLang's or TensorRT-LLM's own where AIConfigurator
     measured them (sim/cost/kernels.py: engine_kernels), else the device's engine-agnostic fits."""
-    e, name = plan.engine, plan.hardware.name
-    k = engine_kernels(name, e.name, e.version) if e is not None and e.name in KERNEL_ENGINES else None
+    r, name = plan.engine.release if plan.engine is not None else None, plan.hardware.name
+    k = engine_kernels(name, r.engine, r.version) if r is not None and r.engine in KERNEL_ENGINES else None
     return k if k is not None else load_kernels()[0][name]
 
 
@@ -97,7 +97,8 @@ def kernel_cost_model(plan: Plan) -> KernelCostModel:
     """The GPU kernel model of the plan's device (its engine's measured kernels and, where its links are the catalog's,
     the NCCL collectives measured on its system), with the host overheads the scenario set or a profile refined."""
     k, c = device_kernels(plan), plan.cost
-    if c.refinement is not None and (has_experts(plan.model) or uses_mla(plan.model) or plan.data_parallel_size > 1):
+    if c.refinement is not None and (has_experts(plan.model) or uses_mla(plan.model)
+                                     or plan.expert_layout.data_parallel_size > 1):
         raise ConfigError(f"{c.profile.path.name} refines the kernel model's dense parts; a mixture of experts' "
                           "refinement is not modelled; allowed: cost_model.type auto (the profile's own fit), or "
                           "no profile", "cost_model.type")

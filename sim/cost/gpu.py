@@ -42,7 +42,6 @@ from sim.cost.step import (
     affine_decode_run,
     decode_run,
     window_reads_s,
-    windowed_decode_run,
 )
 from sim.policy.batch import BatchShape
 
@@ -200,7 +199,7 @@ class KernelCostModel(PricesStages):
         self.blocks, self.model, self.kernels, self.refinement, self.engine = blocks, m, kernels, refinement, engine
         self.host = HostCost(refinement.step_overhead_s, refinement.per_seq_overhead_s, refinement.prefill_overhead_s,
                              engine is not None and engine.async_scheduling)
-        self.tp, self.pp, self.dp = blocks.sharding.tp, pipeline_parallel_size, blocks.data_parallel_size
+        self.tp, self.pp, self.dp = blocks.sharding.tp, pipeline_parallel_size, blocks.expert_layout.data_parallel_size
         self.layers = m.num_layers
         self.gemm, self.weight_bytes, self.compute_scale = linear_kernel(m, kernels, hw)
         self.expert_gemm, self.expert_bytes, self.expert_scale = expert_kernel(m, kernels, hw, self.gemm,
@@ -503,10 +502,8 @@ class KernelCostModel(PricesStages):
         c = self._affine(num_seqs)
         if c is None:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
-        if self.windows:
-            return windowed_decode_run(c[0], c[1], self.window_rates(num_seqs), num_seqs, sum_context, clock, k_max,
-                                       until, step_end)
-        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end)
+        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end,
+                                 self.window_rates(num_seqs) if self.windows else ())
 
 
 def replace_rows(a: GroupAttention, dp: int) -> GroupAttention:

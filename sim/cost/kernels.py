@@ -112,7 +112,11 @@ class AttentionFit:
 
     def terms(self, heads: int, kv_heads: int, head_dim: int, kv_bytes_per_token: float) -> AttentionTerms:
         """The per-layer coefficients of a model shard's steps (heads and KV heads on one device)."""
-        return AttentionTerms(self, heads, kv_heads, head_dim, kv_bytes_per_token)
+        return AttentionTerms(self, kv_heads, kv_bytes_per_token, prefill_floor_s=self.prefill_floor_s,
+                              s_per_prefill_seq=self.prefill_s_per_seq_kv_head * kv_heads,
+                              s_per_prefill_pair=4 * heads * head_dim / self.prefill_flops,
+                              s_per_prefill_key=self.s_per_key(heads, kv_heads, head_dim),
+                              decode_floor_s=self.decode_floor_s, s_per_decode_row=self.decode_s_per_row_kv_head * kv_heads)
 
 
 @dataclass(frozen=True)
@@ -122,34 +126,14 @@ class AttentionTerms:
     and per KV token the decode rows read (which falls with the rows as they fill the GPU)."""
 
     fit: AttentionFit
-    heads: int
     kv_heads: int
-    head_dim: int
     kv_bytes_per_token: float
-
-    @property
-    def prefill_floor_s(self) -> float:
-        return self.fit.prefill_floor_s
-
-    @property
-    def s_per_prefill_seq(self) -> float:
-        return self.fit.prefill_s_per_seq_kv_head * self.kv_heads
-
-    @property
-    def s_per_prefill_pair(self) -> float:
-        return 4 * self.heads * self.head_dim / self.fit.prefill_flops
-
-    @property
-    def s_per_prefill_key(self) -> float:
-        return self.fit.s_per_key(self.heads, self.kv_heads, self.head_dim)
-
-    @property
-    def decode_floor_s(self) -> float:
-        return self.fit.decode_floor_s
-
-    @property
-    def s_per_decode_row(self) -> float:
-        return self.fit.decode_s_per_row_kv_head * self.kv_heads
+    prefill_floor_s: float
+    s_per_prefill_seq: float
+    s_per_prefill_pair: float
+    s_per_prefill_key: float
+    decode_floor_s: float
+    s_per_decode_row: float
 
     def per_kv_token_s(self, decode_rows: int) -> float:
         """Seconds per KV token read in a step of `decode_rows` decode rows."""

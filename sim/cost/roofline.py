@@ -46,7 +46,7 @@ class RooflineCostModel:
                  memory_efficiency: float = 0.8, step_overhead_s: float = 2e-3, per_seq_overhead_s: float = 2e-5,
                  block_bytes: float = 0.0, sequence_parallel: bool = False):
         model, n = blocks.model, blocks.sharding.tp
-        self.blocks, self.dp = blocks, blocks.data_parallel_size
+        self.blocks, self.dp = blocks, blocks.expert_layout.data_parallel_size
         act_bytes = model.act_bytes
         flops = hw.flops(model.act_dtype) * compute_efficiency
         bw = hw.memory_bandwidth * memory_efficiency

@@ -3,7 +3,9 @@ interface every cost source implements (`StepCostModel`), and the capability of 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from operator import add
 from typing import Protocol
 
 from sim.policy.batch import BatchShape
@@ -66,12 +68,14 @@ class StepCostModel(Protocol):
         stop after the step that reaches `until`. Returns (steps taken, clock)."""
 
 
-def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
-               step_end: list[float]) -> tuple[int, float]:
-    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
+def priced_run(advance: Callable, price: Callable, num_seqs: int, sum_context: int, clock: float, k_max: int,
+               until: float, step_end: list[float]) -> tuple[int, float]:
+    """The run loop of decode steps priced one call each: `price(num_seqs, sum_context)` is a step's price and
+    `advance(clock, price)` the clock after it (operator.add for seconds; a pipeline's passage for its stages).
+    Takes up to `k_max` steps, stopping after the one that reaches `until`. Returns (steps taken, clock)."""
     k = 0
     while k < k_max:
-        clock += cost.decode_time(num_seqs, sum_context)
+        clock = advance(clock, price(num_seqs, sum_context))
         step_end.append(clock)
         sum_context += num_seqs
         k += 1
@@ -80,13 +84,32 @@ def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: floa
     return k, clock
 
 
+def decode_run(cost: StepCostModel, num_seqs: int, sum_context: int, clock: float, k_max: int, until: float,
+               step_end: list[float]) -> tuple[int, float]:
+    """StepCostModel.decode_run for any cost model, one decode_time call per step."""
+    return priced_run(add, cost.decode_time, num_seqs, sum_context, clock, k_max, until, step_end)
+
+
+def window_reads_s(windows: tuple[tuple[int, float], ...], context: int, rows: int) -> float:
+    """Seconds `rows` decode rows of `context` tokens in all read in windowed layers, (window, seconds per K/V token)
+    each: every token of the context, or at most the window a row (sim/cost/blocks.py: window_reads)."""
+    t = 0
+    for window, per_token in windows:
+        cap = rows * window
+        t += (context if context < cap else cap) * per_token
+    return t
+
+
 def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: int, clock: float, k_max: int,
-                      until: float, step_end: list[float]) -> tuple[int, float]:
-    """decode_run for a model whose decode step is `base + context * per_kv` (decode_time with its per-batch part
-    hoisted: the same float operations, so the same step ends), without allocating per step."""
+                      until: float, step_end: list[float], windows: tuple[tuple[int, float], ...] = ()
+                      ) -> tuple[int, float]:
+    """decode_run for a model whose decode step is `base + context * per_kv`, plus `window_reads_s(windows, ...)`
+    where it has windowed layers: decode_time's float operations with its per-batch part hoisted, so the same step
+    ends, without allocating per step (nor a call, without windows)."""
     s, k, append = sum_context, 0, step_end.append
     while k < k_max:
-        clock += base + s * per_kv
+        t = base + s * per_kv
+        clock += t + window_reads_s(windows, s, num_seqs) if windows else t
         append(clock)
         s += num_seqs
         k += 1
@@ -112,29 +135,3 @@ class PricesStages(ABC):
     def decode_stages(self, num_seqs: int, sum_context: int) -> Stages:
         """The stages of a step of decodes alone (decode_time's shape)."""
         return self.pipeline_stages(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
-
-
-def window_reads_s(windows: tuple[tuple[int, float], ...], context: int, rows: int) -> float:
-    """Seconds `rows` decode rows of `context` tokens in all read in windowed layers, (window, seconds per K/V token)
-    each: every token of the context, or at most the window a row (sim/cost/blocks.py: window_reads)."""
-    t = 0
-    for window, per_token in windows:
-        cap = rows * window
-        t += (context if context < cap else cap) * per_token
-    return t
-
-
-def windowed_decode_run(base: float, per_kv: float, windows: tuple[tuple[int, float], ...], num_seqs: int,
-                        sum_context: int, clock: float, k_max: int, until: float, step_end: list[float]
-                        ) -> tuple[int, float]:
-    """decode_run for a model whose decode step is `(base + context * per_kv) + window_reads_s(windows, ...)`: the
-    same float operations as decode_time, without allocating per step."""
-    s, k, append = sum_context, 0, step_end.append
-    while k < k_max:
-        clock += (base + s * per_kv) + window_reads_s(windows, s, num_seqs)
-        append(clock)
-        s += num_seqs
-        k += 1
-        if clock >= until:
-            break
-    return k, clock

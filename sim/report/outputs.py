@@ -103,7 +103,7 @@ def build_report(plan: Plan, records: RequestRecords, replicas: list, wall_time_
 def scenario_section(plan: Plan) -> dict:
     """report.json's scenario section: what was run, on what, laid out how."""
     return {"name": plan.name, "model": plan.model.name, "hardware": plan.hardware.name,
-            "replicas": plan.replicas, "tensor_parallel_size": plan.tensor_parallel_size,
+            "replicas": plan.replicas, "tensor_parallel_size": plan.sharding.tp,
             "pipeline_parallel_size": plan.pipeline_parallel_size,
             "router": plan.router, "batching": plan.scheduler.batching,
             "kv_allocator": plan.kv_allocator, "config": plan.source}
@@ -135,7 +135,7 @@ def memory_section(plan: Plan) -> dict:
             # one device's: a replica's data-parallel ranks each hold 1 / DP of its blocks
             "kv_cache": (plan.num_blocks * plan.virtual_engines * plan.block_size * plan.kv_bytes_per_token
                          if plan.kv_groups is None else plan.num_blocks * plan.virtual_engines *
-                         plan.block_bytes) / GiB / plan.data_parallel_size,
+                         plan.block_bytes) / GiB / plan.expert_layout.data_parallel_size,
             "device": plan.hardware.memory_gib}
 
 
@@ -200,7 +200,7 @@ def pool_section(plan: Plan, replicas: list, duration_s: float) -> dict:
     usage = [kv_usage(r.samples, r.num_blocks, r.block_size) for r in replicas]
     devices = plan.replicas * plan.devices_per_replica
     return {"replicas": plan.replicas, "hardware": plan.hardware.name,
-            "tensor_parallel_size": plan.tensor_parallel_size, "pipeline_parallel_size": plan.pipeline_parallel_size,
+            "tensor_parallel_size": plan.sharding.tp, "pipeline_parallel_size": plan.pipeline_parallel_size,
             "devices": devices, "router": plan.router,
             # share of the run each engine spent in steps, averaged over the pool's engines
             "utilization": float(np.mean([r.busy_s for r in replicas]) / duration_s) if duration_s else 0.0,

@@ -33,7 +33,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     specs = plan_requests(plan) if specs is None else specs
     env = simpy.Environment()
     done = Done(env, progress, watch)
-    make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.max_model_len)
+    make = request_maker(plan.enable_prefix_caching, plan.block_size, plan.scheduler.max_model_len)
     arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency, slides(plan.client),
                         plan.replicas)
     # with no early stop, an engine's steps before the next arrival need no events (Replica.ahead)

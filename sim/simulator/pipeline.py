@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from sim.cost.pricer import StepPricer, equal_stages
-from sim.cost.step import Stages
+from sim.cost.step import Stages, priced_run
 
 
 @dataclass
@@ -43,21 +43,13 @@ class Pipeline:
     def decode_run(self, pricer: StepPricer, num_seqs: int, sum_context: int, clock: float, k_max: int,
                    until: float, step_end) -> tuple[int, float]:
         """StepCostModel.decode_run through the stages, for an engine that has them to itself (`alone`)."""
-        k = 0
-        while k < k_max:
-            clock = self.passage(pricer.decode_stages(num_seqs, sum_context), clock)
-            step_end.append(clock)
-            sum_context += num_seqs
-            k += 1
-            if clock >= until:
-                break
-        return k, clock
+        return priced_run(self.passage, pricer.decode_stages, num_seqs, sum_context, clock, k_max, until, step_end)
 
-    def passage(self, stages: Stages, start: float | None = None) -> float:
+    def passage(self, start: float, stages: Stages) -> float:
         """A step of these stages (each stage's time, the send between stages, the return to stage 0) entering stage
-        0 at `start` (default now): when it leaves the last stage."""
+        0 at `start`: when it leaves the last stage."""
         stage_times, send_s, back_s = stages
-        t = self.env.now if start is None else start
+        t = start
         free_at, busy_s, last = self.free_at, self.busy_s, self.num_stages - 1
         for i, stage_s in enumerate(stage_times):
             free = free_at[i]
@@ -71,4 +63,4 @@ class Pipeline:
     def traverse(self, step_s: float, tokens: int):
         """SimPy process body: one step of `step_s` over `tokens` tokens through every stage, split evenly."""
         stages = equal_stages(step_s, tokens, self.num_stages, self.send_s_per_token, self.send_latency_s)
-        yield self.env.timeout(self.passage(stages) - self.env.now)
+        yield self.env.timeout(self.passage(self.env.now, stages) - self.env.now)

@@ -220,7 +220,7 @@ class Replica:
         if self.pipeline is None:
             return self.clock + self.pricer.step_s(batch.shape, draft_s)
         # from the engine's clock, as a bulk run's steps are: env.now may differ from it in the last bit
-        return self.pipeline.passage(self.pricer.step_stages(batch.shape, draft_s), self.clock)
+        return self.pipeline.passage(self.clock, self.pricer.step_stages(batch.shape, draft_s))
 
     def _complete(self, batch, step: int, clock: float) -> list[Request]:
         """The scheduler's side of a step that ended at `clock`: drafts accepted, first tokens, hand-offs. Returns
