@@ -48,11 +48,15 @@ class BaseScheduler:
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason if it can never be served."""
-        reason = self._reject_reason(req)
+        return self._queue_unless(req, self._reject_reason(req), self.waiting.append)
+
+    @staticmethod
+    def _queue_unless(req: Request, reason: str | None, queue) -> bool:
+        """Reject `req` with `reason`, or (None) hand it to `queue`; whether it was queued."""
         if reason:
             req.status, req.reject_reason = Status.REJECTED, reason
             return False
-        self.waiting.append(req)
+        queue(req)
         return True
 
     def _reject_reason(self, req: Request) -> str | None:
@@ -122,12 +126,7 @@ class BaseScheduler:
         matched a stop string): finished with finish_reason "stop" (`reason` None) or rejected with `reason`. Call
         between steps."""
         if req in self.running:
-            if req in self.decoding:
-                self.decoding.leave(req)
-            del self.running[req]
-            self.prefilling.pop(req, None)
-            if self.reservation is not None:
-                self.reservation.release(req)
+            self._stop_running(req)
         elif req in self.swapped:
             self.swapped.remove(req)
             self.kv.free_host_blocks.extend(reversed(req.host_block_table))
@@ -140,6 +139,15 @@ class BaseScheduler:
             req.status, req.finish_reason = Status.FINISHED, "stop"
         else:
             req.status, req.reject_reason = Status.REJECTED, reason
+
+    def _stop_running(self, req: Request) -> None:
+        """Take a running request out of the running set (and the decodes, the prefills, the reservation)."""
+        if req in self.decoding:
+            self.decoding.leave(req)
+        del self.running[req]
+        self.prefilling.pop(req, None)
+        if self.reservation is not None:
+            self.reservation.release(req)
 
     @property
     def num_kv_tokens(self) -> int:

@@ -36,13 +36,18 @@ class DecodeSet:
 
     def join(self, r: Request, block_capacity: int | None) -> None:
         """Add a request whose counters are current; `block_capacity`: tokens its blocks hold."""
+        tag = self._enter(r)
+        if block_capacity is not None and self.block_size:
+            self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((tag, r))
+
+    def _enter(self, r: Request) -> int:
+        """Make r a member as of now, its finish on the heap; returns its tag."""
         r.sync_step = self.steps
         r.decode_tag = tag = next(self._tags)
         self.members[r] = None
         self.sum_computed += r.num_computed
         heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
-        if block_capacity is not None and self.block_size:
-            self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((tag, r))
+        return tag
 
     def sync(self, r: Request) -> None:
         d = self.steps - r.sync_step
@@ -159,11 +164,7 @@ class HybridDecodeSet(DecodeSet):
 
     def join(self, r: Request, block_capacity: int | None) -> None:
         """Add a request whose counters are current (its blocks come from the allocator's tables)."""
-        r.sync_step = self.steps
-        r.decode_tag = tag = next(self._tags)
-        self.members[r] = None
-        self.sum_computed += r.num_computed
-        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        tag = self._enter(r)
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
         # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already

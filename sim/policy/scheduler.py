@@ -39,12 +39,7 @@ class Scheduler(BaseScheduler):
     def add_prefilled(self, req: Request) -> bool:
         """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
         reject it with a reason if it can never be served here."""
-        reason = self.decode_reject_reason(req)
-        if reason:
-            req.status, req.reject_reason = Status.REJECTED, reason
-            return False
-        self.handoff.queue(req)
-        return True
+        return self._queue_unless(req, self.decode_reject_reason(req), self.handoff.queue)
 
     def reserve_transfers(self) -> list[Request]:
         """Decode instance: reserve blocks for queued hand-offs within max_num_seqs (`HandOff.reserve`)."""
@@ -185,12 +180,7 @@ class Scheduler(BaseScheduler):
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.num_draft = 0
-        if req in self.decoding:
-            self.decoding.leave(req)
-        del self.running[req]
-        self.prefilling.pop(req, None)
-        if self.reservation is not None:
-            self.reservation.release(req)
+        self._stop_running(req)
         if self.cfg.preemption == "swap" and req.num_generated and self.kv.can_swap_out(req):
             req.status = Status.SWAPPED
             req.swap_pairs = self.kv.swap_out(req)
