@@ -173,6 +173,11 @@ class BaseScheduler:
     def _schedule(self) -> ScheduledBatch:
         raise NotImplementedError
 
+    def schedule_decodes(self) -> tuple[int, int] | None:
+        """schedule() of a step of the decodes alone, where settled without forming a batch: their blocks granted,
+        the step's (rows, tokens of context). None where the policy forms the step (nothing changed then)."""
+        return None
+
     # -- after the step -------------------------------------------------------------------------
     def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = (),
                       accepted: dict[Request, int] | None = None) -> tuple[list[Request], list[Request]]:

@@ -25,6 +25,7 @@ class DecodeSet:
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
         self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
+        self._due_steps: list[int] = []  # heap of _due's steps (DecodeSet's own): grant_blocks visits only those
         self._cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
@@ -38,7 +39,7 @@ class DecodeSet:
         """Add a request whose counters are current; `block_capacity`: tokens its blocks hold."""
         tag = self._enter(r)
         if block_capacity is not None and self.block_size:
-            self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((tag, r))
+            self._book(self.steps + block_capacity - r.num_computed, [(tag, r)])
 
     def _enter(self, r: Request) -> int:
         """Make r a member as of now, its finish on the heap; returns its tag."""
@@ -93,46 +94,53 @@ class DecodeSet:
 
     def push_block_need(self, r: Request, block_capacity: int) -> None:
         """Record when a (synced) member next fills its blocks."""
-        self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((r.decode_tag, r))
+        self._book(self.steps + block_capacity - r.num_computed, [(r.decode_tag, r)])
+
+    def due_at(self, step: int) -> list:
+        """The calendar's entries for `step` not yet granted (stale ones included): at most that many blocks due."""
+        return self._due.get(step, ()) if step >= self._cursor else ()
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        due, bs = self._due, self.block_size
-        step, pop_due, take = self._cursor, due.pop, free_blocks.pop
+        due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
+        take = free_blocks.pop
         left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
-        while step <= upto:
-            bucket = pop_due(step, None)
-            if bucket:
-                if len(bucket) > 1:
-                    bucket.sort()
-                granted = []
-                for i, entry in enumerate(bucket):
-                    tag, r = entry
-                    if r.decode_tag != tag:
-                        continue
-                    if not left:
-                        if i + 1 < len(bucket):
-                            due[step] = bucket[i + 1:]
-                        self._reschedule(step + bs, granted)
-                        self._cursor = step
-                        return r
-                    r.block_table.append(take())
-                    left -= 1
-                    granted.append(entry)
-                self._reschedule(step + bs, granted)
-            step += 1
-        if step > self._cursor:
-            self._cursor = step
+        while heap and heap[0] <= upto:
+            step = heapq.heappop(heap)
+            if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
+                continue
+            bucket = due.pop(step)
+            if len(bucket) > 1:
+                bucket.sort()
+            granted = []
+            for i, entry in enumerate(bucket):
+                tag, r = entry
+                if r.decode_tag != tag:
+                    continue
+                if not left:
+                    if i + 1 < len(bucket):
+                        self._book(step, bucket[i + 1:])
+                    self._book(step + bs, granted)
+                    self._cursor = step
+                    return r
+                r.block_table.append(take())
+                left -= 1
+                granted.append(entry)
+            self._book(step + bs, granted)
+        if upto >= cursor:
+            self._cursor = upto + 1
         return None
 
-    def _reschedule(self, step: int, entries: list) -> None:
+    def _book(self, step: int, entries: list) -> None:
+        """Calendar entries (tag, member) due at `step`, after those booked there before."""
         if entries:
-            nxt = self._due.get(step)
-            if nxt is None:
+            bucket = self._due.get(step)
+            if bucket is None:
                 self._due[step] = entries
+                heapq.heappush(self._due_steps, step)
             else:
-                nxt.extend(entries)
+                bucket.extend(entries)
 
     def block_horizon(self, k: int, num_free: int) -> int:
         """Largest k' ≤ k such that the blocks members need during steps 2..k' fit in `num_free`."""

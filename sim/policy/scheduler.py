@@ -85,6 +85,19 @@ class Scheduler(BaseScheduler):
         return not (preempted or self.prefilling or self.swapped or self.handoff.ready or self.speculative) and (
             not waiting or waiting[0].arrival_s > self.visible_until) and bool(self.decoding.members)
 
+    def schedule_decodes(self) -> tuple[int, int] | None:
+        """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
+        short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
+        granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
+        dec, kv = self.decoding, self.kv
+        if kv.hybrid or not self._decodes_alone(()) or len(dec.due_at(dec.steps)) > len(kv.free_blocks):
+            return None
+        dec.grant_blocks(dec.steps, kv.free_blocks)
+        kv.note_peak()
+        self.steps_since_admission += 1
+        b = len(dec.members)
+        return b, dec.sum_computed + b
+
     def _decode_batch(self) -> ScheduledBatch:
         """_batch of a step of the decodes alone (one token each, attending to its whole context)."""
         members = self.decoding.members
