@@ -104,8 +104,9 @@ class DecodeSet:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
         due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
-        take = free_blocks.pop
-        left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
+        if heap and heap[0] <= upto:
+            take = free_blocks.pop
+            left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
         while heap and heap[0] <= upto:
             step = heapq.heappop(heap)
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)

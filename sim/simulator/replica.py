@@ -77,6 +77,8 @@ class Replica:
         # speculative: per step (end, decode rows, their accepted drafts, rows whose prompt ended), for token times
         self.token_log: list[tuple[float, list[Request], dict, list[Request]]] = []
         self.wakeup: simpy.Event | None = None
+        # (rows, context, clock, steps at most, until, step ends) -> (steps, clock): StepCostModel.decode_run's
+        self.run_decodes = pricer.decode_run if pipeline is None else partial(pipeline.decode_run, pricer)
         self.process = env.process(self.run())
 
     @property
@@ -228,15 +230,14 @@ class Replica:
             if i < len(self.sends) and self.sends[i] < horizon:
                 horizon = self.sends[i]
         self.run_horizon = horizon
-        # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off,
-        # a queue delay of 1e308 s, that the quotient overflows)
-        steps = (horizon - self.clock) / pricer.decode_time(b, s)
-        k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
-        k_max = sched.decode_horizon(max(k_max, 1))
         if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
             k_max = 1
-        run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
-        k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
+        else:
+            # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
+            # off, a queue delay of 1e308 s, that the quotient overflows)
+            steps = (horizon - self.clock) / pricer.decode_time(b, s)
+            k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
+        k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
         self.step_decodes_all.frombytes(ALL_DECODE[:k])
         return k, clock, arrival
 
