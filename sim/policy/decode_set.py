@@ -105,33 +105,37 @@ class DecodeSet:
         (step, join) order. Returns the first member left without one when the list runs dry."""
         due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
         if heap and heap[0] <= upto:
-            take = free_blocks.pop
+            take, pop_step = free_blocks.pop, heapq.heappop
             left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
         while heap and heap[0] <= upto:
-            step = heapq.heappop(heap)
+            step = pop_step(heap)
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 continue
             bucket = due.pop(step)
             if len(bucket) > 1:
                 bucket.sort()
-            granted = []
-            for i, entry in enumerate(bucket):
-                tag, r = entry
+            stale = False
+            for tag, r in bucket:
                 if r.decode_tag != tag:
-                    continue
-                if not left:
-                    if i + 1 < len(bucket):
-                        self._book(step, bucket[i + 1:])
-                    self._book(step + bs, granted)
-                    self._cursor = step
-                    return r
-                r.block_table.append(take())
-                left -= 1
-                granted.append(entry)
-            self._book(step + bs, granted)
+                    stale = True
+                elif not left:
+                    return self._run_dry(step, bucket, r)
+                else:
+                    r.block_table.append(take())
+                    left -= 1
+            self._book(step + bs, [e for e in bucket if e[1].decode_tag == e[0]] if stale else bucket)
         if upto >= cursor:
             self._cursor = upto + 1
         return None
+
+    def _run_dry(self, step: int, bucket: list, r: Request) -> Request:
+        """grant_blocks ran out of blocks at `step`, member r of its (sorted) bucket next: the members before r got
+        theirs (their next need booked), those after r keep theirs due at `step`, r's own entry is dropped."""
+        i = next(j for j, (_, m) in enumerate(bucket) if m is r)
+        self._book(step, bucket[i + 1:])
+        self._book(step + self.block_size, [e for e in bucket[:i] if e[1].decode_tag == e[0]])
+        self._cursor = step
+        return r
 
     def _book(self, step: int, entries: list) -> None:
         """Calendar entries (tag, member) due at `step`, after those booked there before."""

@@ -90,10 +90,14 @@ class Scheduler(BaseScheduler):
         short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
         granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
         dec, kv = self.decoding, self.kv
-        if kv.hybrid or not self._decodes_alone(()) or len(dec.due_at(dec.steps)) > len(kv.free_blocks):
+        if kv.hybrid or not self._decodes_alone(()):
             return None
-        dec.grant_blocks(dec.steps, kv.free_blocks)
-        kv.note_peak()
+        due = dec.due_at(dec.steps)
+        if due:  # none due: no block changes hands, the peak stands
+            if len(due) > len(kv.free_blocks):
+                return None
+            dec.grant_blocks(dec.steps, kv.free_blocks)
+            kv.note_peak()
         self.steps_since_admission += 1
         b = len(dec.members)
         return b, dec.sum_computed + b

@@ -192,32 +192,31 @@ class Replica:
     def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
         """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
         each up to the next arrival (or queue expiry) as one event, cut short at the step in flight if interrupted.
-        Where nothing could cut one short (Replica.ahead), the next follows at once while the scheduler takes the
-        decodes alone again (`schedule_decodes`): a finish, a sending or async scheduling's lag needs no pass through
-        the engine loop, and each run is accounted for (its KV sample, busy time) as if it had had one."""
+        Where nothing but the book's arrivals reaches the engine (Replica.ahead), the next run follows at once while
+        the scheduler takes the decodes alone again (`schedule_decodes`): a finish, a sending, or an arrival async
+        scheduling does not see yet needs no pass through the engine loop, and each run is accounted for (its KV
+        sample, busy time) as if it had had one."""
         sched, env = self.scheduler, self.env
         while True:
             k, clock, arrival = self._price_run(b, s, timeouts)
-            if self.ahead and clock < arrival:  # nothing can cut it short
-                self.busy_s += clock - self.clock
-                self._close(sched.advance_decode(k), step + k - 1, clock)
-                if self.async_scheduling:
-                    self._note_visible()
-                if timeouts or (shape := sched.schedule_decodes()) is None:
-                    return
-                b, s = shape
-                step += k
-                continue
-            self.in_run = k > 1
-            try:
-                yield env.timeout(max(0.0, clock - env.now))
-            except simpy.Interrupt as stop:
-                k, clock = self._cut_run(step, k, stop.cause)
-                yield env.timeout(max(0.0, clock - env.now))
-            self.in_run = False
+            if not self.ahead or clock >= arrival:  # an arrival (or anything, without ahead) may cut it short
+                self.in_run = k > 1
+                try:
+                    yield env.timeout(max(0.0, clock - env.now))
+                except simpy.Interrupt as stop:
+                    k, clock = self._cut_run(step, k, stop.cause)
+                    yield env.timeout(max(0.0, clock - env.now))
+                self.in_run = False
             self.busy_s += clock - self.clock
             self._close(sched.advance_decode(k), step + k - 1, clock)
-            return
+            if not self.ahead or timeouts:  # the engine loop's pass: queue timeouts, or whatever else reaches it
+                return
+            if self.async_scheduling:
+                self._note_visible()
+            if (shape := sched.schedule_decodes()) is None:
+                return
+            b, s = shape
+            step += k
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
