@@ -19,15 +19,13 @@ from sim.policy.scheduler import Scheduler
 MAX_BULK_STEPS = 4096
 # Speculative steps logged before their token times are written out: bounds the log's memory.
 TOKEN_LOG_STEPS = 1024
-# step_decodes_all of a run of decode steps: every step decoded every running request
-ALL_DECODE = bytes([1]) * MAX_BULK_STEPS
 
 
 class Replica:
     """Engine loop of one replica. Time advances by each step's price (sim/cost/pricer.py: StepPricer).
 
     Token times are not stored per token: each request keeps runs of steps (first step, last step)
-    and the replica keeps each step's end time and whether the step decoded every running request,
+    and the replica keeps each step's end time and the steps that decoded no running request (prompts alone),
     from which metrics rebuild every token's time. With speculative decoding, where a step yields each
     request its own number of tokens, every token's time is kept on its request instead, written from a log
     of the steps every so many steps and once the run is over (`settle_token_times`).
@@ -69,7 +67,8 @@ class Replica:
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
-        self.step_decodes_all = array("b")
+        # the steps that computed prompts alone (no chunked prefill); every other step decoded every running request
+        self.prompt_steps = array("q")
         # (time, running sequences, KV blocks used, KV tokens stored, waiting) after each event, flat
         self.samples = array("d")
         # each run of steps a request ran without preemption: (request id, first step, last step), flat
@@ -116,7 +115,6 @@ class Replica:
         done = find(ends, self.env.now, first, first + k) - first  # steps done by now
         kept = min(k, done + 1)
         del ends[first + kept:]
-        del self.step_decodes_all[first + kept:]
         return kept, ends[-1]
 
     def _end_runs(self, preempted: list[Request], last: int) -> None:
@@ -128,7 +126,7 @@ class Replica:
 
     def run(self):
         sched, env, spec = self.scheduler, self.env, self.speculation
-        handoff, step_end, decodes_all = sched.handoff, self.step_end, self.step_decodes_all
+        handoff, step_end = sched.handoff, self.step_end
         timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
             if timeouts:
@@ -162,7 +160,8 @@ class Replica:
                 continue
             clock = self._step_end(batch, draft_s)
             step_end.append(clock)
-            decodes_all.append(batch.decodes)
+            if not batch.decodes:
+                self.prompt_steps.append(step)
             self.busy_s += clock - self.clock
             if batch.preempted:
                 self._end_runs(batch.preempted, step - 1)
@@ -237,7 +236,6 @@ class Replica:
             steps = (horizon - self.clock) / pricer.decode_time(b, s)
             k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
         k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
-        self.step_decodes_all.frombytes(ALL_DECODE[:k])
         return k, clock, arrival
 
     def _step_end(self, batch, draft_s: float) -> float:
