@@ -169,6 +169,8 @@ class Replica:
                 wait = clock - env.now
                 yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
             self._close(self._complete(batch, step, clock), step, clock)
+            if (shape := self._next_decodes(timeouts)) is not None:
+                yield from self._decode_runs(*shape, step + 1, timeouts)
 
     def _note_visible(self) -> None:
         """Async scheduling: what arrived once the step that just ended was under way waits a step more."""
@@ -208,14 +210,20 @@ class Replica:
                 self.in_run = False
             self.busy_s += clock - self.clock
             self._close(sched.advance_decode(k), step + k - 1, clock)
-            if not self.ahead or timeouts:  # the engine loop's pass: queue timeouts, or whatever else reaches it
-                return
-            if self.async_scheduling:
-                self._note_visible()
-            if (shape := sched.schedule_decodes()) is None:
+            if (shape := self._next_decodes(timeouts)) is None:
                 return
             b, s = shape
             step += k
+
+    def _next_decodes(self, timeouts: bool) -> tuple[int, int] | None:
+        """The next step's (rows, context) where it is a bulk run of the decodes alone that the engine loop's pass
+        would schedule as such (Scheduler.schedule_decodes: their blocks granted) and nothing but the book's arrivals
+        reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
+        if not (self.ahead and self.bulk) or timeouts:
+            return None
+        if self.async_scheduling:
+            self._note_visible()
+        return self.scheduler.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
