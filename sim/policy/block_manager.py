@@ -290,6 +290,20 @@ class PrefixCachingAllocator(BlockAllocator):
         self.hit_tokens = 0
         self.shared_refs = 0  # references past the first to blocks held (their tokens are stored once)
 
+    # the free queue's own count, without a call of its __len__: asked at every event
+    @property
+    def num_free(self) -> int:
+        return self.free_blocks.size
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.free_blocks.size
+
+    def note_peak(self) -> None:
+        used = self.num_blocks - self.free_blocks.size
+        if used > self.peak_used:
+            self.peak_used = used
+
     @property
     def ref(self) -> list[int]:
         """Each block's references (the requests holding it)."""
