@@ -264,7 +264,8 @@ class BaseScheduler:
         self.kv.note_peak()
         dec.advance(k)
         self.steps_since_admission += k - 1
-        finished = [self._finish(r) for r in dec.pop_finished()]
+        done = dec.pop_finished()
+        finished = [self._finish(r) for r in done] if done else done  # most runs end with none
         if self.eager:
             self.sync_all()
         if self._after_steps is not None:

@@ -219,12 +219,13 @@ class FreeBlockQueue:
 
     def pop(self) -> int:
         """One block handed out (the decode fast path's call, as on a plain list): take(1) without its list."""
-        blocks, stamps, stamp, h = self.blocks, self.stamps, self.stamp, self.head
-        block = blocks[h]
+        h = self.head
+        block = self.blocks[h]
         if not self.tracking:
             self.head = h + 1
             self.size -= 1
             return block
+        blocks, stamps, stamp = self.blocks, self.stamps, self.stamp
         while stamp[block] != stamps[h]:  # taken back by a prefix hit, or freed again since
             h += 1
             block = blocks[h]
