@@ -160,7 +160,8 @@ class BaseScheduler:
             h = self.handoff
             return self.kv.filled_tokens(tokens + sum(r.num_computed for q in (h.receiving, h.ready) for r in q))
         if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
-            return max(0, tokens - self.kv.shared_refs * self.kv.block_size)
+            tokens -= self.kv.shared_refs * self.kv.block_size
+            return tokens if tokens > 0 else 0  # max(0, tokens) without the call: asked at every event
         return tokens
 
     # -- one step -------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ class BaseScheduler:
             dec.advance(1)
         for r, n in batch.prefill:
             r.num_computed += n
-            if self.prefix_caching:
+            if self.prefix_caching and r.block_hashes:  # a prompt without hashes registers nothing
                 self.kv.register(r)
             if r.num_computed < r.num_tokens:
                 continue  # a prompt chunk: no token yet
