@@ -11,7 +11,10 @@ chunked prefill, async scheduling's one-step lag, each request's client transpor
 scenario with `engine: infersim` too (synchronous, the project's own defaults: the plan the code before the engine
 work made of it). Ends with the ratios to the other tree (over 1: slower here), one per line `name: value`.
 
-Usage: python bench/sim_speed.py [--repeats N] [--against REV_OR_TREE [--rounds R]]
+`--scenario FILE` times that scenario instead of the Azure hour (the Vidur-sized run:
+bench/scenarios/vidur_llama2_7b_a100.yaml).
+
+Usage: python bench/sim_speed.py [--repeats N] [--against REV_OR_TREE [--rounds R] [--scenario FILE]]
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from sim.config.generator import plan_requests
 from sim.config.plan import make_plan
@@ -81,8 +86,12 @@ for _ in range(int(sys.argv[2])):
 print(json.dumps({"cpu_s": min(cpu), "wall_s": min(wall), "steps": sum(len(r.step_end) for r in result.replicas),
                   "completed": sum(r.finish_s is not None for r in result.requests)}))
 """
-VARIANTS = {"base": ("base", SCENARIO), "default_plan": ("this", SCENARIO),
-            "same_plan": ("this", {**SCENARIO, "engine": "infersim"})}
+
+
+def variants(scenario: dict) -> dict[str, tuple[str, dict]]:
+    """The runs of --against: the scenario on the other tree, and here as it is and as `engine: infersim` plans it."""
+    return {"base": ("base", scenario), "default_plan": ("this", scenario),
+            "same_plan": ("this", {**scenario, "engine": "infersim"})}
 
 
 def time_tree(tree: Path, scenario: dict, repeats: int) -> dict:
@@ -103,22 +112,24 @@ def tree_of(rev_or_tree: str, scratch: Path) -> Path:
     return tree
 
 
-def against(rev_or_tree: str, rounds: int, repeats: int) -> None:
+def against(rev_or_tree: str, rounds: int, repeats: int, scenario: dict = SCENARIO) -> None:
     """The plain scenario on the other tree and both variants here, alternating round by round; the ratios."""
+    plans = variants(scenario)
+    print(f"scenario: {scenario['name']}", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="sim_speed_"))
     try:
         trees = {"base": tree_of(rev_or_tree, scratch), "this": ROOT}
-        runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+        runs: dict[str, list[dict]] = {name: [] for name in plans}
         for i in range(rounds):
-            for name in list(VARIANTS) if i % 2 == 0 else list(reversed(VARIANTS)):
-                tree, scenario = VARIANTS[name]
-                runs[name].append(r := time_tree(trees[tree], scenario, repeats))
+            for name in list(plans) if i % 2 == 0 else list(reversed(plans)):
+                tree, data = plans[name]
+                runs[name].append(r := time_tree(trees[tree], data, repeats))
                 print(f"round {i + 1} {name}: cpu {r['cpu_s']:.3f} s, wall {r['wall_s']:.3f} s, {r['steps']} steps, "
                       f"{r['completed']} completed (load average {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         shutil.rmtree(scratch)
     med = {name: {m: statistics.median(r[m] for r in v) for m in ("cpu_s", "wall_s")} for name, v in runs.items()}
-    for name in VARIANTS:
+    for name in plans:
         print(f"{name}_cpu_s: {med[name]['cpu_s']:.3f}")
     for name in ("same_plan", "default_plan"):
         for m in ("cpu", "wall"):
@@ -130,11 +141,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--against", help="a tree or a commit to time side by side with this one")
     ap.add_argument("--rounds", type=int, default=3, help="with --against: rounds of the trees, alternating")
+    ap.add_argument("--scenario", type=Path, help="with --against: this scenario file instead of the Azure hour "
+                    "(bench/scenarios/vidur_llama2_7b_a100.yaml: the Vidur-sized run)")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, as the target says
     if args.against:
-        against(args.against, args.rounds, args.repeats)
+        scenario = yaml.safe_load(args.scenario.read_text()) if args.scenario else SCENARIO
+        against(args.against, args.rounds, args.repeats, scenario)
         return
     one_run(True)  # warm-up: imports, trace parse
     fast, slow = [], []

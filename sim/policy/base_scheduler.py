@@ -48,11 +48,15 @@ class BaseScheduler:
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason if it can never be served."""
-        reason = self._reject_reason(req)
+        return self._queue_unless(req, self._reject_reason(req), self.waiting.append)
+
+    @staticmethod
+    def _queue_unless(req: Request, reason: str | None, queue) -> bool:
+        """Reject `req` with `reason`, or (None) hand it to `queue`; whether it was queued."""
         if reason:
             req.status, req.reject_reason = Status.REJECTED, reason
             return False
-        self.waiting.append(req)
+        queue(req)
         return True
 
     def _reject_reason(self, req: Request) -> str | None:
@@ -122,12 +126,7 @@ class BaseScheduler:
         matched a stop string): finished with finish_reason "stop" (`reason` None) or rejected with `reason`. Call
         between steps."""
         if req in self.running:
-            if req in self.decoding:
-                self.decoding.leave(req)
-            del self.running[req]
-            self.prefilling.pop(req, None)
-            if self.reservation is not None:
-                self.reservation.release(req)
+            self._stop_running(req)
         elif req in self.swapped:
             self.swapped.remove(req)
             self.kv.free_host_blocks.extend(reversed(req.host_block_table))
@@ -141,6 +140,15 @@ class BaseScheduler:
         else:
             req.status, req.reject_reason = Status.REJECTED, reason
 
+    def _stop_running(self, req: Request) -> None:
+        """Take a running request out of the running set (and the decodes, the prefills, the reservation)."""
+        if req in self.decoding:
+            self.decoding.leave(req)
+        del self.running[req]
+        self.prefilling.pop(req, None)
+        if self.reservation is not None:
+            self.reservation.release(req)
+
     @property
     def num_kv_tokens(self) -> int:
         """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once); a hybrid model's
@@ -152,7 +160,8 @@ class BaseScheduler:
             h = self.handoff
             return self.kv.filled_tokens(tokens + sum(r.num_computed for q in (h.receiving, h.ready) for r in q))
         if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
-            return max(0, tokens - self.kv.shared_refs * self.kv.block_size)
+            tokens -= self.kv.shared_refs * self.kv.block_size
+            return tokens if tokens > 0 else 0  # max(0, tokens) without the call: asked at every event
         return tokens
 
     # -- one step -------------------------------------------------------------------------------
@@ -164,6 +173,11 @@ class BaseScheduler:
 
     def _schedule(self) -> ScheduledBatch:
         raise NotImplementedError
+
+    def schedule_decodes(self) -> tuple[int, int] | None:
+        """schedule() of a step of the decodes alone, where settled without forming a batch: their blocks granted,
+        the step's (rows, tokens of context). None where the policy forms the step (nothing changed then)."""
+        return None
 
     # -- after the step -------------------------------------------------------------------------
     def complete_step(self, batch: ScheduledBatch, stopped: Collection[Request] = (),
@@ -180,7 +194,7 @@ class BaseScheduler:
             dec.advance(1)
         for r, n in batch.prefill:
             r.num_computed += n
-            if self.prefix_caching:
+            if self.prefix_caching and r.block_hashes:  # a prompt without hashes registers nothing
                 self.kv.register(r)
             if r.num_computed < r.num_tokens:
                 continue  # a prompt chunk: no token yet
@@ -251,7 +265,8 @@ class BaseScheduler:
         self.kv.note_peak()
         dec.advance(k)
         self.steps_since_admission += k - 1
-        finished = [self._finish(r) for r in dec.pop_finished()]
+        done = dec.pop_finished()
+        finished = [self._finish(r) for r in done] if done else done  # most runs end with none
         if self.eager:
             self.sync_all()
         if self._after_steps is not None:

@@ -143,9 +143,13 @@ class FreeBlockQueue:
 
     The queue is two lists read from `head` on (each entry a block and the stamp it was queued with), so that a
     prompt's blocks are handed out and freed by slices, checked in C; an entry is current while its block's stamp is
-    still its own: taking a block (a hit, or handed out) or freeing it again makes its entry stale."""
+    still its own: taking a block (a hit, or handed out) or freeing it again makes its entry stale.
 
-    def __init__(self, kv: "PrefixCachingAllocator", blocks: list[int]):
+    `lazy` (PrefixCachingAllocator): until its first block is registered no free block holds a prefix, none is
+    taken back and none is shared, so the queue is a plain first-in first-out list of blocks, its entries all
+    current, and the allocator's reference counts all 1 for a block in use; `track` starts stamps and counts."""
+
+    def __init__(self, kv: "PrefixCachingAllocator", blocks: list[int], lazy: bool = False):
         self.kv = kv
         self.blocks = list(blocks)
         self.stamps = [0] * len(blocks)
@@ -153,6 +157,20 @@ class FreeBlockQueue:
         self.stamp = [0] * kv.num_blocks  # each block's current entry's stamp; -1: none (in use)
         self.next_stamp = 1
         self.size = len(blocks)
+        self.tracking = not lazy
+
+    def track(self) -> None:
+        """Stamps and reference counts from now on: each entry current, each block out of the queue held once."""
+        if self.tracking:
+            return
+        live = self.blocks[self.head:]
+        self.blocks, self.head, self.stamps = live, 0, [0] * len(live)
+        self.stamp = [-1] * self.kv.num_blocks
+        ref = self.kv._ref
+        ref[:] = [1] * len(ref)
+        for b in live:
+            self.stamp[b] = ref[b] = 0
+        self.tracking = True
 
     def __len__(self) -> int:
         return self.size
@@ -160,6 +178,8 @@ class FreeBlockQueue:
     def __iter__(self):
         """The free blocks, least recently freed first."""
         stamp, h = self.stamp, self.head
+        if not self.tracking:
+            return iter(self.blocks[h:])
         return (b for b, s in zip(self.blocks[h:], self.stamps[h:]) if stamp[b] == s)
 
     @property
@@ -169,6 +189,13 @@ class FreeBlockQueue:
 
     def extend(self, blocks: list[int]) -> None:
         """Blocks freed, in the order they should be handed out again."""
+        if not self.tracking:
+            self.blocks += blocks
+            self.size += len(blocks)
+            if self.head > self.kv.num_blocks:  # the entries handed out: dropped now and then
+                del self.blocks[:self.head]
+                self.head = 0
+            return
         first = self.next_stamp
         self.next_stamp = first + len(blocks)
         stamps = range(first, self.next_stamp)
@@ -192,15 +219,20 @@ class FreeBlockQueue:
 
     def pop(self) -> int:
         """One block handed out (the decode fast path's call, as on a plain list): take(1) without its list."""
-        blocks, stamps, stamp, h = self.blocks, self.stamps, self.stamp, self.head
-        block = blocks[h]
+        h = self.head
+        block = self.blocks[h]
+        if not self.tracking:
+            self.head = h + 1
+            self.size -= 1
+            return block
+        blocks, stamps, stamp = self.blocks, self.stamps, self.stamp
         while stamp[block] != stamps[h]:  # taken back by a prefix hit, or freed again since
             h += 1
             block = blocks[h]
         self.head = h + 1
         stamp[block] = -1
         kv = self.kv
-        kv.ref[block] = 1
+        kv._ref[block] = 1
         hash_of = kv.hash_of
         if hash_of and block in hash_of:
             del kv.cached[hash_of.pop(block)]
@@ -211,6 +243,10 @@ class FreeBlockQueue:
         """Hand out `n` free blocks (the caller checked there are): each a new block, its cached prefix evicted."""
         blocks, stamps, stamp, h = self.blocks, self.stamps, self.stamp, self.head
         out = blocks[h:h + n]
+        if not self.tracking:
+            self.head = h + n
+            self.size -= n
+            return out
         if [stamp[b] for b in out] == stamps[h:h + n]:  # the next n entries all current: the usual case
             h += n
         else:  # the first n current ones: taken back by a prefix hit, or freed again since, are not
@@ -221,7 +257,7 @@ class FreeBlockQueue:
                 h += 1
         self.head = h
         kv = self.kv
-        ref, hash_of = kv.ref, kv.hash_of
+        ref, hash_of = kv._ref, kv.hash_of
         for block in out:
             stamp[block] = -1
             ref[block] = 1
@@ -247,18 +283,38 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, num_swap_blocks: int = 0):
         super().__init__(num_blocks, block_size, watermark, num_swap_blocks)
-        self.ref = [0] * num_blocks
+        self._ref = [0] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block
         self.hash_of: dict[int, int] = {}  # block -> the hash it is registered under
-        self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)))
+        self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)), lazy=True)
         self.queried_tokens = 0  # tokens of the requests admitted (vLLM's prefix cache queries), and those found cached
         self.hit_tokens = 0
         self.shared_refs = 0  # references past the first to blocks held (their tokens are stored once)
 
+    # the free queue's own count, without a call of its __len__: asked at every event
+    @property
+    def num_free(self) -> int:
+        return self.free_blocks.size
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.free_blocks.size
+
+    def note_peak(self) -> None:
+        used = self.num_blocks - self.free_blocks.size
+        if used > self.peak_used:
+            self.peak_used = used
+
+    @property
+    def ref(self) -> list[int]:
+        """Each block's references (the requests holding it)."""
+        self.free_blocks.track()
+        return self._ref
+
     def cached_prefix(self, req: Request) -> tuple[int, int]:
         """(blocks of `req`'s prompt found cached, how many of those are free now); at least the prompt's last token
         is left to compute, as its logits sample the first output token."""
-        hashes, cached, ref = req.block_hashes, self.cached, self.ref
+        hashes, cached, ref = req.block_hashes, self.cached, self._ref  # a block is cached once counts are kept
         limit = min(len(hashes), (req.num_tokens - 1) // self.block_size)
         hits = free = 0
         while hits < limit:
@@ -273,13 +329,14 @@ class PrefixCachingAllocator(BlockAllocator):
         """Give a request with no blocks the first `hits` blocks of its cached prefix (from cached_prefix)."""
         self.queried_tokens += req.num_tokens
         self.hit_tokens += hits * self.block_size
+        ref = self._ref
         for h in req.block_hashes[:hits]:
             block = self.cached[h]
-            if self.ref[block] == 0:
+            if ref[block] == 0:
                 self.free_blocks.revive(block)
             else:
                 self.shared_refs += 1
-            self.ref[block] += 1
+            ref[block] += 1
             req.block_table.append(block)
         req.num_computed = hits * self.block_size
 
@@ -288,6 +345,8 @@ class PrefixCachingAllocator(BlockAllocator):
         twice at once keeps the block registered first; the other stays private)."""
         computed = req.num_computed if num_computed is None else num_computed
         upto = min(len(req.block_hashes), computed // self.block_size, len(req.block_table))
+        if upto > req.num_registered:
+            self.free_blocks.track()
         for j in range(req.num_registered, upto):
             h, block = req.block_hashes[j], req.block_table[j]
             if h not in self.cached and block not in self.hash_of:
@@ -304,7 +363,10 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def release(self, block_table: list[int]) -> None:
         # the last blocks first: a prompt's tail is the part other requests are least likely to share
-        ref = self.ref
+        if not self.free_blocks.tracking:  # nothing registered yet: nothing shared
+            self.free_blocks.extend(block_table[::-1])
+            return
+        ref = self._ref
         if [ref[b] for b in block_table].count(1) == len(block_table):  # none shared: all freed
             for block in block_table:
                 ref[block] = 0

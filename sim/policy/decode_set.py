@@ -3,7 +3,8 @@
 Every step of a decode batch adds one token to every member, so members' counters need not be
 touched per step: a member stores the step count at which its counters were last brought up to date,
 and the set knows when something happens to it: it finishes (a heap), or it fills its last KV block
-(a calendar of steps: members step in lockstep, so a block is due every block_size steps). The
+(a calendar, a heap of each member's next such step: members step in lockstep, so it comes again
+block_size steps on). The
 simulator then pays per event, not per token; the executor syncs members after every step.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ class DecodeSet:
         self.members: dict[Request, None] = {}
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
-        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
+        # (step, tag, member): each member's next step needing a block, a heap in the (step, join) order of grants
+        self._calendar: list[tuple[int, int, Request]] = []
         self._cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
@@ -36,13 +38,18 @@ class DecodeSet:
 
     def join(self, r: Request, block_capacity: int | None) -> None:
         """Add a request whose counters are current; `block_capacity`: tokens its blocks hold."""
+        tag = self._enter(r)
+        if block_capacity is not None and self.block_size:
+            heapq.heappush(self._calendar, (self.steps + block_capacity - r.num_computed, tag, r))
+
+    def _enter(self, r: Request) -> int:
+        """Make r a member as of now, its finish on the heap; returns its tag."""
         r.sync_step = self.steps
         r.decode_tag = tag = next(self._tags)
         self.members[r] = None
         self.sum_computed += r.num_computed
         heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
-        if block_capacity is not None and self.block_size:
-            self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((tag, r))
+        return tag
 
     def sync(self, r: Request) -> None:
         d = self.steps - r.sync_step
@@ -88,46 +95,33 @@ class DecodeSet:
 
     def push_block_need(self, r: Request, block_capacity: int) -> None:
         """Record when a (synced) member next fills its blocks."""
-        self._due.setdefault(self.steps + block_capacity - r.num_computed, []).append((r.decode_tag, r))
+        heapq.heappush(self._calendar, (self.steps + block_capacity - r.num_computed, r.decode_tag, r))
+
+    def may_run_dry(self, num_free: int) -> bool:
+        """Whether the next step's blocks may not all be there: more members than the `num_free` blocks free (a
+        member takes one a step at most)."""
+        return bool(self._calendar) and len(self.members) > num_free
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        due, bs = self._due, self.block_size
-        step, pop_due, take = self._cursor, due.pop, free_blocks.pop
-        left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
-        while step <= upto:
-            bucket = pop_due(step, None)
-            if bucket:
-                if len(bucket) > 1:
-                    bucket.sort()
-                granted = []
-                for i, entry in enumerate(bucket):
-                    tag, r = entry
-                    if r.decode_tag != tag:
-                        continue
-                    if not left:
-                        if i + 1 < len(bucket):
-                            due[step] = bucket[i + 1:]
-                        self._reschedule(step + bs, granted)
-                        self._cursor = step
-                        return r
-                    r.block_table.append(take())
-                    left -= 1
-                    granted.append(entry)
-                self._reschedule(step + bs, granted)
-            step += 1
-        if step > self._cursor:
-            self._cursor = step
+        calendar, cursor = self._calendar, self._cursor
+        if calendar and calendar[0][0] <= upto:
+            bs, take, pop, push = self.block_size, free_blocks.pop, heapq.heappop, heapq.heappush
+            left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
+            while calendar and calendar[0][0] <= upto:
+                step, tag, r = pop(calendar)
+                if r.decode_tag != tag or step < cursor:  # it left the set (or is behind the steps handed out)
+                    continue
+                if not left:  # r's entry dropped (regrant books it again), the rest of this step's stay due
+                    self._cursor = step
+                    return r
+                r.block_table.append(take())
+                left -= 1
+                push(calendar, (step + bs, tag, r))
+        if upto >= cursor:
+            self._cursor = upto + 1
         return None
-
-    def _reschedule(self, step: int, entries: list) -> None:
-        if entries:
-            nxt = self._due.get(step)
-            if nxt is None:
-                self._due[step] = entries
-            else:
-                nxt.extend(entries)
 
     def block_horizon(self, k: int, num_free: int) -> int:
         """Largest k' ≤ k such that the blocks members need during steps 2..k' fit in `num_free`."""
@@ -136,8 +130,7 @@ class DecodeSet:
             return k
         steps = self.steps
         # steps from now to each member's next need: its one live entry in the calendar
-        firsts = np.array([s for s, bucket in self._due.items() for tag, r in bucket if r.decode_tag == tag],
-                          np.int64) - steps
+        firsts = np.array([s for s, tag, r in self._calendar if r.decode_tag == tag], np.int64) - steps
         lo, hi = 1, k
         while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
             mid = (lo + hi + 1) // 2
@@ -156,14 +149,11 @@ class HybridDecodeSet(DecodeSet):
     def __init__(self, kv):
         super().__init__(kv.block_size)
         self.kv = kv
+        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) whose blocks change then
 
     def join(self, r: Request, block_capacity: int | None) -> None:
         """Add a request whose counters are current (its blocks come from the allocator's tables)."""
-        r.sync_step = self.steps
-        r.decode_tag = tag = next(self._tags)
-        self.members[r] = None
-        self.sum_computed += r.num_computed
-        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        tag = self._enter(r)
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
         # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already

@@ -69,7 +69,7 @@ class HybridBlockAllocator(BlockAllocator):
         self.used = [0] * len(self.kinds)  # blocks in use by kind, and the most at once
         self.peak = [0] * len(self.kinds)
         if prefix_caching:
-            self.ref = [0] * num_blocks
+            self.ref = self._ref = [0] * num_blocks  # _ref: the name the free queue counts under
             self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block
             self.hash_of: dict[int, tuple[int, int]] = {}
             self.free_blocks = FreeBlockQueue(self, list(range(num_blocks)))

@@ -39,12 +39,7 @@ class Scheduler(BaseScheduler):
     def add_prefilled(self, req: Request) -> bool:
         """Decode instance: queue a request prefilled elsewhere (its first token out, its KV still there), or
         reject it with a reason if it can never be served here."""
-        reason = self.decode_reject_reason(req)
-        if reason:
-            req.status, req.reject_reason = Status.REJECTED, reason
-            return False
-        self.handoff.queue(req)
-        return True
+        return self._queue_unless(req, self.decode_reject_reason(req), self.handoff.queue)
 
     def reserve_transfers(self) -> list[Request]:
         """Decode instance: reserve blocks for queued hand-offs within max_num_seqs (`HandOff.reserve`)."""
@@ -89,6 +84,19 @@ class Scheduler(BaseScheduler):
         waiting = self.waiting
         return not (preempted or self.prefilling or self.swapped or self.handoff.ready or self.speculative) and (
             not waiting or waiting[0].arrival_s > self.visible_until) and bool(self.decoding.members)
+
+    def schedule_decodes(self) -> tuple[int, int] | None:
+        """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
+        short of a block (no more rows than free blocks), nor a hybrid model's windows free any: the rows' blocks
+        granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
+        dec, kv = self.decoding, self.kv
+        if kv.hybrid or not self._decodes_alone(()) or dec.may_run_dry(kv.num_free):
+            return None
+        dec.grant_blocks(dec.steps, kv.free_blocks)
+        kv.note_peak()
+        self.steps_since_admission += 1
+        b = len(dec.members)
+        return b, dec.sum_computed + b
 
     def _decode_batch(self) -> ScheduledBatch:
         """_batch of a step of the decodes alone (one token each, attending to its whole context)."""
@@ -185,12 +193,7 @@ class Scheduler(BaseScheduler):
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.num_draft = 0
-        if req in self.decoding:
-            self.decoding.leave(req)
-        del self.running[req]
-        self.prefilling.pop(req, None)
-        if self.reservation is not None:
-            self.reservation.release(req)
+        self._stop_running(req)
         if self.cfg.preemption == "swap" and req.num_generated and self.kv.can_swap_out(req):
             req.status = Status.SWAPPED
             req.swap_pairs = self.kv.swap_out(req)

@@ -99,7 +99,9 @@ def make_engines(env: simpy.Environment, plan: Plan, next_arrival: Callable[[], 
 def trace_of(r: Replica, pipeline: Pipeline | None = None, pool: str | None = None) -> ReplicaTrace:
     """What the report needs from one simulated engine."""
     kv = r.scheduler.kv
-    return ReplicaTrace(np.frombuffer(r.step_end, float), np.frombuffer(r.step_decodes_all, np.int8).view(bool),
+    decodes_all = np.ones(len(r.step_end), bool)
+    decodes_all[np.frombuffer(r.prompt_steps, np.int64)] = False
+    return ReplicaTrace(np.frombuffer(r.step_end, float), decodes_all,
                         np.frombuffer(r.samples, float).reshape(-1, 5), kv.num_blocks, kv.block_size,
                         r.scheduler.num_preemptions, kv.peak_used, np.frombuffer(r.runs, np.int64).reshape(-1, 3),
                         pipeline.busy_s if pipeline is not None else None, pool, r.busy_s,

@@ -25,7 +25,7 @@ class Replica:
     """Engine loop of one replica. Time advances by each step's price (sim/cost/pricer.py: StepPricer).
 
     Token times are not stored per token: each request keeps runs of steps (first step, last step)
-    and the replica keeps each step's end time and whether the step decoded every running request,
+    and the replica keeps each step's end time and the steps that decoded no running request (prompts alone),
     from which metrics rebuild every token's time. With speculative decoding, where a step yields each
     request its own number of tokens, every token's time is kept on its request instead, written from a log
     of the steps every so many steps and once the run is over (`settle_token_times`).
@@ -67,7 +67,8 @@ class Replica:
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
-        self.step_decodes_all = array("b")
+        # the steps that computed prompts alone (no chunked prefill); every other step decoded every running request
+        self.prompt_steps = array("q")
         # (time, running sequences, KV blocks used, KV tokens stored, waiting) after each event, flat
         self.samples = array("d")
         # each run of steps a request ran without preemption: (request id, first step, last step), flat
@@ -75,6 +76,8 @@ class Replica:
         # speculative: per step (end, decode rows, their accepted drafts, rows whose prompt ended), for token times
         self.token_log: list[tuple[float, list[Request], dict, list[Request]]] = []
         self.wakeup: simpy.Event | None = None
+        # (rows, context, clock, steps at most, until, step ends) -> (steps, clock): StepCostModel.decode_run's
+        self.run_decodes = pricer.decode_run if pipeline is None else partial(pipeline.decode_run, pricer)
         self.process = env.process(self.run())
 
     @property
@@ -112,7 +115,6 @@ class Replica:
         done = find(ends, self.env.now, first, first + k) - first  # steps done by now
         kept = min(k, done + 1)
         del ends[first + kept:]
-        del self.step_decodes_all[first + kept:]
         return kept, ends[-1]
 
     def _end_runs(self, preempted: list[Request], last: int) -> None:
@@ -124,7 +126,7 @@ class Replica:
 
     def run(self):
         sched, env, spec = self.scheduler, self.env, self.speculation
-        handoff, kv, step_end, decodes_all = sched.handoff, sched.kv, self.step_end, self.step_decodes_all
+        handoff, step_end = sched.handoff, self.step_end
         timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
             if timeouts:
@@ -133,8 +135,8 @@ class Replica:
                         self.on_finish(r, self.clock)
             if handoff.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
-            if self.async_scheduling:  # what arrived once the step that just ended was under way waits a step more
-                sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
+            if self.async_scheduling:
+                self._note_visible()
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if not batch:
@@ -154,35 +156,79 @@ class Replica:
             # pool's hand-offs could cut it short after the stages were booked: not there)
             if batch.decode_only and self.bulk and (self.pipeline is None or (
                     self.on_reserve is None and self.arrivals_known and self.pipeline.alone(self))):
-                k, clock = yield from self._decode_run(batch, step, timeouts)
-                finished = sched.advance_decode(k)
-            else:
-                k = 1
-                clock = self._step_end(batch, draft_s)
-                step_end.append(clock)
-                decodes_all.append(batch.decodes)
-                self.busy_s += clock - self.clock
-                if batch.preempted:
-                    self._end_runs(batch.preempted, step - 1)
-                if not self.ahead or clock >= self.next_arrival():
-                    wait = clock - env.now
-                    yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
-                finished = self._complete(batch, step, clock)
-            self.clock = clock
-            last = step + k - 1
-            for r in finished:
-                self.runs.extend((r.id, r.run_start, last))
-                r.run_start = -1
-                r.finish_s = clock
-                if self.on_finish:
-                    self.on_finish(r, clock)
-            # fromlist: half the time of extend's generic path, once per event
-            self.samples.fromlist([clock, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)])
+                yield from self._decode_runs(batch.shape.num_seqs, batch.shape.sum_context, step, timeouts)
+                continue
+            clock = self._step_end(batch, draft_s)
+            step_end.append(clock)
+            if not batch.decodes:
+                self.prompt_steps.append(step)
+            self.busy_s += clock - self.clock
+            if batch.preempted:
+                self._end_runs(batch.preempted, step - 1)
+            if not self.ahead or clock >= self.next_arrival():
+                wait = clock - env.now
+                yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
+            self._close(self._complete(batch, step, clock), step, clock)
+            if (shape := self._next_decodes(timeouts)) is not None:
+                yield from self._decode_runs(*shape, step + 1, timeouts)
 
-    def _decode_run(self, batch, step: int, timeouts: bool):
-        """SimPy process body: a run of identical decode steps from step `step`, up to the next arrival (or queue
-        expiry), as one event; cut short at the step in flight if interrupted. Returns (steps taken, their end)."""
-        sched, pricer, env = self.scheduler, self.pricer, self.env
+    def _note_visible(self) -> None:
+        """Async scheduling: what arrived once the step that just ended was under way waits a step more."""
+        step_end = self.step_end
+        self.scheduler.visible_until = step_end[-2] if self.scheduler.running and len(step_end) > 1 else math.inf
+
+    def _close(self, finished: list[Request], last: int, clock: float) -> None:
+        """An event ends at `clock` with step `last`: the engine's clock, the requests that finished, a KV sample."""
+        self.clock = clock
+        sched = self.scheduler
+        for r in finished:
+            self.runs.extend((r.id, r.run_start, last))
+            r.run_start = -1
+            r.finish_s = clock
+            if self.on_finish:
+                self.on_finish(r, clock)
+        # fromlist: half the time of extend's generic path, once per event
+        self.samples.fromlist([clock, len(sched.running), sched.kv.num_used, sched.num_kv_tokens, len(sched.waiting)])
+
+    def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
+        """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
+        each up to the next arrival (or queue expiry) as one event, cut short at the step in flight if interrupted.
+        Where nothing but the book's arrivals reaches the engine (Replica.ahead), the next run follows at once while
+        the scheduler takes the decodes alone again (`schedule_decodes`): a finish, a sending, or an arrival async
+        scheduling does not see yet needs no pass through the engine loop, and each run is accounted for (its KV
+        sample, busy time) as if it had had one."""
+        sched, env = self.scheduler, self.env
+        while True:
+            k, clock, arrival = self._price_run(b, s, timeouts)
+            if not self.ahead or clock >= arrival:  # an arrival (or anything, without ahead) may cut it short
+                self.in_run = k > 1
+                try:
+                    yield env.timeout(max(0.0, clock - env.now))
+                except simpy.Interrupt as stop:
+                    k, clock = self._cut_run(step, k, stop.cause)
+                    yield env.timeout(max(0.0, clock - env.now))
+                self.in_run = False
+            self.busy_s += clock - self.clock
+            self._close(sched.advance_decode(k), step + k - 1, clock)
+            if (shape := self._next_decodes(timeouts)) is None:
+                return
+            b, s = shape
+            step += k
+
+    def _next_decodes(self, timeouts: bool) -> tuple[int, int] | None:
+        """The next step's (rows, context) where it is a bulk run of the decodes alone that the engine loop's pass
+        would schedule as such (Scheduler.schedule_decodes: their blocks granted) and nothing but the book's arrivals
+        reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
+        if not (self.ahead and self.bulk) or timeouts:
+            return None
+        if self.async_scheduling:
+            self._note_visible()
+        return self.scheduler.schedule_decodes()
+
+    def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
+        """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
+        its steps' ends written. Returns (steps, their end, the next arrival)."""
+        sched, pricer = self.scheduler, self.pricer
         arrival = self.next_arrival()
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
         if self.sends is not None:  # the next sending after this clock
@@ -190,29 +236,15 @@ class Replica:
             if i < len(self.sends) and self.sends[i] < horizon:
                 horizon = self.sends[i]
         self.run_horizon = horizon
-        b, s = batch.shape.num_seqs, batch.shape.sum_context
-        # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off,
-        # a queue delay of 1e308 s, that the quotient overflows)
-        steps = (horizon - self.clock) / pricer.decode_time(b, s)
-        k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
-        k_max = sched.decode_horizon(max(k_max, 1))
         if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
             k_max = 1
-        run = pricer.decode_run if self.pipeline is None else partial(self.pipeline.decode_run, pricer)
-        k, clock = run(b, s, self.clock, k_max, horizon, self.step_end)
-        self.step_decodes_all.extend(bytes([1]) * k)
-        if self.ahead and clock < arrival:  # nothing can cut it short
-            self.busy_s += clock - self.clock
-            return k, clock
-        self.in_run = k > 1
-        try:
-            yield env.timeout(max(0.0, clock - env.now))
-        except simpy.Interrupt as stop:
-            k, clock = self._cut_run(step, k, stop.cause)
-            yield env.timeout(max(0.0, clock - env.now))
-        self.in_run = False
-        self.busy_s += clock - self.clock
-        return k, clock
+        else:
+            # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
+            # off, a queue delay of 1e308 s, that the quotient overflows)
+            steps = (horizon - self.clock) / pricer.decode_time(b, s)
+            k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
+        k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
+        return k, clock, arrival
 
     def _step_end(self, batch, draft_s: float) -> float:
         """When one step from the engine's clock ends: after its price, or on a pipelined replica when it leaves the
