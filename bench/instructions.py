@@ -1,0 +1,113 @@
+"""Instructions, not seconds: the simulator's work counted by valgrind's cachegrind (`I refs`), this tree against
+another, so that a change of a few percent can be told apart on a machine whose timings move ±8% run to run.
+
+Counted, each in a fresh interpreter on its tree's code (PYTHONHASHSEED=0, BLAS and OpenMP at one thread):
+- `simulate()` of bench/sim_speed.py's Azure hour (Llama-2-7B / A100-80GB): a process that simulates twice minus one
+  that simulates once, i.e. one warm run: as the tree plans the plain scenario (`default_plan`; this tree plans it as
+  vLLM serves it) and, on this tree, with `engine: infersim` (`same_plan`: the plan the code before the engine work
+  made of it);
+- the whole `infersim run` process on the Vidur-sized workload (bench/scenarios/vidur_llama2_7b_a100.yaml,
+  `--no-plots`): start-up, simulation, report.
+Two counts of one process differ by ~0.05%. Instructions are a proxy: they do not see cache misses or branch
+mispredictions, so a ratio here and the seconds of bench/sim_speed.py can differ by a few percent. Needs `valgrind`;
+each count runs ~50x slower than natively (the whole bench: ~15 minutes).
+
+Usage: python bench/instructions.py --against REV_OR_TREE [--only sim|run]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from sim_speed import SCENARIO, tree_of
+
+ROOT = Path(__file__).resolve().parents[1]
+VIDUR = ROOT / "bench" / "scenarios" / "vidur_llama2_7b_a100.yaml"
+# argv: scenario (JSON), how many times to simulate it
+CHILD = """
+import json, sys
+from sim.config.plan import make_plan
+from sim.config.scenario import parse_scenario
+from sim.simulator.cluster import simulate
+try:
+    from sim.config.generator import plan_requests
+except ImportError:  # a tree from before the client's transport
+    from sim.config.generator import generate_requests
+    def plan_requests(plan):
+        return generate_requests(plan.workload, plan.base_dir)
+plan = make_plan(parse_scenario(json.loads(sys.argv[1])))
+specs = plan_requests(plan)
+for _ in range(int(sys.argv[2])):
+    simulate(plan, specs)
+"""
+PYCACHE = Path(tempfile.gettempdir()) / "infersim_instructions_pyc"
+RUN = "import sys; sys.argv = ['infersim', *sys.argv[1:]]; from infersim.cli import main; main()"
+
+
+def environment(tree: Path) -> dict[str, str]:
+    """`tree` first on the path, fixed hashing, one BLAS / OpenMP thread, byte code written and kept apart (an
+    installed package has its .pyc: compiling every module in every process would be counted otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONPYCACHEPREFIX": str(PYCACHE / tree.name)}
+
+
+def instructions(tree: Path, argv: list[str]) -> int:
+    """The instructions a fresh `python ARGV` process executes on `tree`'s code, counted by cachegrind, after one
+    run of it outside valgrind that writes the byte code."""
+    subprocess.run([sys.executable, *argv], cwd=tree, env=environment(tree), capture_output=True, check=True)
+    r = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                        sys.executable, *argv], cwd=tree, env=environment(tree), capture_output=True, text=True)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", r.stderr)
+    if r.returncode != 0 or not found:
+        raise SystemExit(f"{tree}: {' '.join(argv[:2])} failed under valgrind: {r.stderr.strip()[-300:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def simulate_instructions(tree: Path, scenario: dict) -> int:
+    """One warm simulate() of `scenario` on `tree`: a process simulating twice minus one simulating once."""
+    twice, once = (instructions(tree, ["-c", CHILD, json.dumps(scenario), str(n)]) for n in (2, 1))
+    return twice - once
+
+
+def run_instructions(tree: Path, scratch: Path) -> int:
+    """The whole `infersim run VIDUR --no-plots` process on `tree`."""
+    return instructions(tree, ["-c", RUN, "run", str(VIDUR), "--out", str(scratch / tree.name), "-q", "--no-plots"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", required=True, help="a tree or a commit to count side by side with this one")
+    ap.add_argument("--only", choices=("sim", "run"), help="count only simulate() or only the whole run")
+    args = ap.parse_args()
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench/instructions.py needs valgrind (apt install valgrind)")
+    scratch = Path(tempfile.mkdtemp(prefix="instructions_"))
+    figures = {}
+    try:
+        base = tree_of(args.against, scratch)
+        if args.only != "run":
+            base_ir = simulate_instructions(base, SCENARIO)
+            for name, scenario in (("default_plan", SCENARIO), ("same_plan", {**SCENARIO, "engine": "infersim"})):
+                ir = simulate_instructions(ROOT, scenario)
+                print(f"simulate() {name}: base {base_ir:,}, this tree {ir:,} instructions", flush=True)
+                figures[f"{name}_instructions_ratio"] = ir / base_ir
+        if args.only != "sim":
+            base_ir, ir = run_instructions(base, scratch), run_instructions(ROOT, scratch)
+            print(f"infersim run (Vidur-sized, --no-plots): base {base_ir:,}, this tree {ir:,} instructions")
+            figures["run_no_plots_instructions_ratio"] = ir / base_ir
+    finally:
+        shutil.rmtree(scratch)
+    for name, value in figures.items():
+        print(f"{name}: {value:.4f}")
+
+
+if __name__ == "__main__":
+    main()
