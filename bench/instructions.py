@@ -26,24 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sim_speed import SCENARIO, tree_of
+from sim_speed import PLANNED, SCENARIO, tree_of
 
 ROOT = Path(__file__).resolve().parents[1]
 VIDUR = ROOT / "bench" / "scenarios" / "vidur_llama2_7b_a100.yaml"
 # argv: scenario (JSON), how many times to simulate it
-CHILD = """
-import json, sys
-from sim.config.plan import make_plan
-from sim.config.scenario import parse_scenario
-from sim.simulator.cluster import simulate
-try:
-    from sim.config.generator import plan_requests
-except ImportError:  # a tree from before the client's transport
-    from sim.config.generator import generate_requests
-    def plan_requests(plan):
-        return generate_requests(plan.workload, plan.base_dir)
-plan = make_plan(parse_scenario(json.loads(sys.argv[1])))
-specs = plan_requests(plan)
+CHILD = PLANNED + """
 for _ in range(int(sys.argv[2])):
     simulate(plan, specs)
 """

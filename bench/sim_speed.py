@@ -62,8 +62,8 @@ def one_run(bulk: bool, scenario: dict = SCENARIO) -> tuple[float, dict, int, in
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# one tree's simulate() timed in a fresh process with its own code: argv scenario (JSON), repeats; prints JSON
-CHILD = """
+# a fresh process's plan and requests on its tree's code, from argv[1] (a scenario as JSON)
+PLANNED = """
 import json, sys, time
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
@@ -76,6 +76,9 @@ except ImportError:  # a tree from before the client's transport
         return generate_requests(plan.workload, plan.base_dir)
 plan = make_plan(parse_scenario(json.loads(sys.argv[1])))
 specs = plan_requests(plan)
+"""
+# one tree's simulate() timed in a fresh process with its own code: argv scenario (JSON), repeats; prints JSON
+CHILD = PLANNED + """
 simulate(plan, specs)  # warm-up: the cost model's caches, the first calls
 cpu, wall = [], []
 for _ in range(int(sys.argv[2])):
