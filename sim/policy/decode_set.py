@@ -3,8 +3,7 @@
 Every step of a decode batch adds one token to every member, so members' counters need not be
 touched per step: a member stores the step count at which its counters were last brought up to date,
 and the set knows when something happens to it: it finishes (a heap), or it fills its last KV block
-(a calendar, a heap of each member's next such step: members step in lockstep, so it comes again
-block_size steps on). The
+(a calendar of steps: members step in lockstep, so a block is due every block_size steps). The
 simulator then pays per event, not per token; the executor syncs members after every step.
 """
 from __future__ import annotations
@@ -25,8 +24,8 @@ class DecodeSet:
         self.members: dict[Request, None] = {}
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
-        # (step, tag, member): each member's next step needing a block, a heap in the (step, join) order of grants
-        self._calendar: list[tuple[int, int, Request]] = []
+        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
+        self._due_steps: list[int] = []  # heap of _due's steps (DecodeSet's own): grant_blocks visits only those
         self._cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
@@ -40,7 +39,7 @@ class DecodeSet:
         """Add a request whose counters are current; `block_capacity`: tokens its blocks hold."""
         tag = self._enter(r)
         if block_capacity is not None and self.block_size:
-            heapq.heappush(self._calendar, (self.steps + block_capacity - r.num_computed, tag, r))
+            self._book(self.steps + block_capacity - r.num_computed, [(tag, r)])
 
     def _enter(self, r: Request) -> int:
         """Make r a member as of now, its finish on the heap; returns its tag."""
@@ -95,33 +94,58 @@ class DecodeSet:
 
     def push_block_need(self, r: Request, block_capacity: int) -> None:
         """Record when a (synced) member next fills its blocks."""
-        heapq.heappush(self._calendar, (self.steps + block_capacity - r.num_computed, r.decode_tag, r))
+        self._book(self.steps + block_capacity - r.num_computed, [(r.decode_tag, r)])
 
-    def may_run_dry(self, num_free: int) -> bool:
-        """Whether the next step's blocks may not all be there: more members than the `num_free` blocks free (a
-        member takes one a step at most)."""
-        return bool(self._calendar) and len(self.members) > num_free
+    def due_at(self, step: int) -> list:
+        """The calendar's entries for `step` not yet granted (stale ones included): at most that many blocks due."""
+        return self._due.get(step, ()) if step >= self._cursor else ()
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        calendar, cursor = self._calendar, self._cursor
-        if calendar and calendar[0][0] <= upto:
-            bs, take, pop, push = self.block_size, free_blocks.pop, heapq.heappop, heapq.heappush
+        due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
+        if heap and heap[0] <= upto:
+            take, pop_step = free_blocks.pop, heapq.heappop
             left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
-            while calendar and calendar[0][0] <= upto:
-                step, tag, r = pop(calendar)
-                if r.decode_tag != tag or step < cursor:  # it left the set (or is behind the steps handed out)
-                    continue
-                if not left:  # r's entry dropped (regrant books it again), the rest of this step's stay due
-                    self._cursor = step
-                    return r
-                r.block_table.append(take())
-                left -= 1
-                push(calendar, (step + bs, tag, r))
+        while heap and heap[0] <= upto:
+            step = pop_step(heap)
+            if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
+                continue
+            bucket = due.pop(step)
+            if len(bucket) > 1:
+                bucket.sort()
+            stale = False
+            for tag, r in bucket:
+                if r.decode_tag != tag:
+                    stale = True
+                elif not left:
+                    return self._run_dry(step, bucket, r)
+                else:
+                    r.block_table.append(take())
+                    left -= 1
+            self._book(step + bs, [e for e in bucket if e[1].decode_tag == e[0]] if stale else bucket)
         if upto >= cursor:
             self._cursor = upto + 1
         return None
+
+    def _run_dry(self, step: int, bucket: list, r: Request) -> Request:
+        """grant_blocks ran out of blocks at `step`, member r of its (sorted) bucket next: the members before r got
+        theirs (their next need booked), those after r keep theirs due at `step`, r's own entry is dropped."""
+        i = next(j for j, (_, m) in enumerate(bucket) if m is r)
+        self._book(step, bucket[i + 1:])
+        self._book(step + self.block_size, [e for e in bucket[:i] if e[1].decode_tag == e[0]])
+        self._cursor = step
+        return r
+
+    def _book(self, step: int, entries: list) -> None:
+        """Calendar entries (tag, member) due at `step`, after those booked there before."""
+        if entries:
+            bucket = self._due.get(step)
+            if bucket is None:
+                self._due[step] = entries
+                heapq.heappush(self._due_steps, step)
+            else:
+                bucket.extend(entries)
 
     def block_horizon(self, k: int, num_free: int) -> int:
         """Largest k' ≤ k such that the blocks members need during steps 2..k' fit in `num_free`."""
@@ -130,7 +154,8 @@ class DecodeSet:
             return k
         steps = self.steps
         # steps from now to each member's next need: its one live entry in the calendar
-        firsts = np.array([s for s, tag, r in self._calendar if r.decode_tag == tag], np.int64) - steps
+        firsts = np.array([s for s, bucket in self._due.items() for tag, r in bucket if r.decode_tag == tag],
+                          np.int64) - steps
         lo, hi = 1, k
         while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
             mid = (lo + hi + 1) // 2
@@ -149,7 +174,6 @@ class HybridDecodeSet(DecodeSet):
     def __init__(self, kv):
         super().__init__(kv.block_size)
         self.kv = kv
-        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) whose blocks change then
 
     def join(self, r: Request, block_capacity: int | None) -> None:
         """Add a request whose counters are current (its blocks come from the allocator's tables)."""

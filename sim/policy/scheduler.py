@@ -87,13 +87,17 @@ class Scheduler(BaseScheduler):
 
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
-        short of a block (no more rows than free blocks), nor a hybrid model's windows free any: the rows' blocks
+        short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
         granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
         dec, kv = self.decoding, self.kv
-        if kv.hybrid or not self._decodes_alone(()) or dec.may_run_dry(kv.num_free):
+        if kv.hybrid or not self._decodes_alone(()):
             return None
-        dec.grant_blocks(dec.steps, kv.free_blocks)
-        kv.note_peak()
+        due = dec.due_at(dec.steps)
+        if due:  # none due: no block changes hands, the peak stands
+            if len(due) > len(kv.free_blocks):
+                return None
+            dec.grant_blocks(dec.steps, kv.free_blocks)
+            kv.note_peak()
         self.steps_since_admission += 1
         b = len(dec.members)
         return b, dec.sum_computed + b
