@@ -39,7 +39,9 @@ def price(path: str) -> dict:
     """The scenario's cost model and its prices of the shapes (seeded: the same shapes in every tree)."""
     _, plan = load_scenario(path)
     cost = make_cost_model(plan)
-    dp = max(1, plan.data_parallel_size)
+    # main reads the layout where used; dcf4f8e's Plan forwarded it
+    layout = getattr(plan, "expert_layout", None)
+    dp = max(1, layout.data_parallel_size if layout is not None else plan.data_parallel_size)
     rows = []
     for kind, s in shapes(plan.scheduler.max_num_seqs * dp, plan.scheduler.max_num_batched_tokens * dp,
                           random.Random(58)):
