@@ -39,6 +39,10 @@ from sim.config.schema_base import StrictModel
 CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "engine_calibration.json"
 
 EngineName = Literal["vllm", "sglang", "trtllm", "infersim"]
+# A MoE layer's dispatch/combine across data-parallel ranks with expert parallelism (docs/moe.md): every token's
+# hidden state all-gathered and the outputs reduce-scattered, or an all-to-all of the routed rows: a row per expert
+# (all_to_all, DeepEP's low-latency kernels) or per rank holding one (DeepEP's normal kernels)
+All2AllBackend = Literal["allgather_reducescatter", "all_to_all", "deepep_high_throughput", "deepep_low_latency"]
 ENGINE_NAMES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "infersim")
 GiB = 1024**3
 # The decode batch sizes infersim's executor captures as CUDA graphs (nano-vllm's choice), cut at max_num_seqs
@@ -84,6 +88,9 @@ class Release:
     fused_add_norm: bool = True  # the residual add fused into the next RMSNorm
     graph_decode_only: bool = False  # CUDA graphs only for steps of decodes alone (SGLang, TRT-LLM), else piecewise
     attention_backend: str = ""
+    # EP's dispatch/combine unless the deployment picks a kernel: vLLM's --all2all-backend default, SGLang's
+    # moe_a2a_backend "none" and TRT-LLM's NotEnabled alltoall on one NVLink node all gather and reduce-scatter
+    all2all_backend: str = "allgather_reducescatter"
 
 
 def _vllm(version: str, async_scheduling: bool, util: float) -> Release:
@@ -108,7 +115,7 @@ RELEASES: dict[str, tuple[Release, ...]] = {
     "sglang": (_sglang("0.5.6.post2"), _sglang("0.5.9"), _sglang("0.5.10"), _sglang("0.5.14")),
     "trtllm": (_trtllm("1.2.0rc5"), _trtllm("1.3.0rc10"), _trtllm("1.3.0rc20")),
     "infersim": (Release("infersim", "main", False, 0.9, custom_all_reduce=False, fused_add_norm=False,
-                         graph_decode_only=True, attention_backend="SDPA"),),
+                         graph_decode_only=True, attention_backend="SDPA", all2all_backend="all_to_all"),),
 }
 
 

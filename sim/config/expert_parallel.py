@@ -37,6 +37,26 @@ class ExpertLayout:
     tensor_parallel_size: int
     data_parallel_size: int
     enable_expert_parallel: bool
+    all2all_backend: str = "all_to_all"  # EP's dispatch/combine across DP ranks (sim/config/engines.py)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether a MoE model's layers exchange tokens across DP ranks with experts held whole: where
+        all2all_backend prices the step."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def one_copy_per_rank(self) -> bool:
+        """Whether the all-to-all sends a token once to each rank holding any of its experts, which hands it on to
+        them (DeepEP's normal kernels), rather than once per expert (DeepEP's low-latency kernels)."""
+        return self.all2all_backend == "deepep_high_throughput"
+
+    @property
+    def gathers(self) -> bool:
+        """Whether a MoE layer's exchange across DP ranks gathers every token's hidden state and reduce-scatters
+        the outputs (without EP, or EP on the allgather_reducescatter backend) instead of an all-to-all of the
+        routed rows."""
+        return not self.enable_expert_parallel or self.all2all_backend == "allgather_reducescatter"
 
     @property
     def ep_size(self) -> int:
@@ -81,9 +101,11 @@ class ExpertLayout:
                 dp * swap_blocks)
 
 
-def expert_layout(model: ModelSpec, parallel: ParallelConfig) -> ExpertLayout:
-    """The layout a scenario's parallel section asks for, checked against the model: one line naming the key."""
-    layout = ExpertLayout(parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.enable_expert_parallel)
+def expert_layout(model: ModelSpec, parallel: ParallelConfig, engine_backend: str) -> ExpertLayout:
+    """The layout a scenario's parallel section asks for, checked against the model: one line naming the key. EP's
+    dispatch/combine is the section's all2all_backend, else the engine's (`engine_backend`)."""
+    layout = ExpertLayout(parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.enable_expert_parallel,
+                          parallel.all2all_backend or engine_backend)
     if layout.data_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
         raise ConfigError("data-parallel ranks with pipeline stages are not modelled; allowed: data_parallel_size 1 "
                           "with pipeline_parallel_size > 1", "parallel.data_parallel_size")

@@ -323,7 +323,9 @@ def make_plan(scenario: Scenario, base_dir: Path = Path(".")) -> Plan:
     scenario, assumed = _with_engine_defaults(scenario, r, hw)
     kv = scenario.kv_cache
     scheduler = _scheduler_of(scenario, model, _step_tokens(scenario, r, hw))
-    layout = _layout_of(scenario, model)
+    layout = _layout_of(scenario, model, r.all2all_backend)
+    if layout.expert.exchanges and model.num_experts and scenario.parallel.all2all_backend is None:
+        assumed = {**assumed, "parallel.all2all_backend": layout.expert.all2all_backend}
     memory = memory_budget(model, hw, kv, layout, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
                            scheduler.max_model_len, of_free=r.memory_of_free)
     if memory.kv_groups is not None:
@@ -464,7 +466,7 @@ def _scheduler_of(scenario: Scenario, model: ModelSpec, step_tokens: int = DEFAU
     return scheduler
 
 
-def _layout_of(scenario: Scenario, model: ModelSpec) -> Layout:
+def _layout_of(scenario: Scenario, model: ModelSpec, all2all_backend: str) -> Layout:
     """How a replica splits the model: tensor-parallel sharding, pipeline stages and batches in flight, checked."""
     par = scenario.parallel
     try:
@@ -480,7 +482,7 @@ def _layout_of(scenario: Scenario, model: ModelSpec) -> Layout:
         raise ConfigError(f"{engines} batches in flight through {pp} stages; allowed: 1..{pp} (one per stage fills "
                           "the pipeline)", "parallel.virtual_engines")
     return Layout(sharding, par.sequence_parallel, pp, engines, largest_stage(model.num_layers, pp), scenario.replicas,
-                  expert_layout(model, par))
+                  expert_layout(model, par, all2all_backend))
 
 
 def largest_stage(num_layers: int, pp: int) -> int:

@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from sim.config.engines import EngineConfig
+from sim.config.engines import All2AllBackend, EngineConfig
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_REPLICAS
 from sim.config.schema_base import ON_USE, OnUse, StrictModel
@@ -329,6 +329,13 @@ class ParallelConfig(StrictModel):
                                                             "data parallel devices (all-to-all dispatch), instead of "
                                                             "each expert sliced over them (all-gather and "
                                                             "reduce-scatter across data-parallel ranks)")
+    all2all_backend: All2AllBackend | None = Field(None, description="with expert parallelism across data-parallel "
+                                                   "ranks: the MoE layers' dispatch/combine (vLLM's "
+                                                   "--all2all-backend): allgather_reducescatter (every token's "
+                                                   "hidden state gathered, outputs reduce-scattered), or an "
+                                                   "all-to-all of the routed rows, one per expert (all_to_all, "
+                                                   "deepep_low_latency) or per rank (deepep_high_throughput); "
+                                                   "default: the engine's")
     virtual_engines: PositiveInt | None = Field(None, le=64, description="with pipeline parallelism: batches in "
                                                 "flight (vLLM: one per stage; fewer leave stages idle: the bubble); "
                                                 "each has its own scheduler and share of the KV blocks")
@@ -338,6 +345,9 @@ class ParallelConfig(StrictModel):
         if self.sequence_parallel and self.tensor_parallel_size == 1:  # it would change nothing, without a word
             raise ValueError("sequence_parallel splits a tensor-parallel group's norms; allowed: with "
                              "tensor_parallel_size of 2 or more")
+        if self.all2all_backend not in (None, "allgather_reducescatter") and not self.enable_expert_parallel:
+            raise ValueError(f"all2all_backend {self.all2all_backend} sends routed rows to experts held whole; "
+                             "allowed: with enable_expert_parallel true, or allgather_reducescatter")
         return self
 
 

@@ -30,7 +30,7 @@ from sim.config.expert_parallel import ExpertLayout
 from sim.config.layers import Attention, LayerSpec
 from sim.config.moe import expert_width, qk_head_dim, shared_width, v_head_dim
 from sim.config.sharding import Sharding
-from sim.cost.routing import ExpertLoad
+from sim.cost.routing import ExpertLoad, ranks_touched
 from sim.policy.batch import BatchShape
 
 # the elementwise passes measured, and which of their fits prices each kind of pass
@@ -216,16 +216,21 @@ class StepBlocks:
         return bool(self.moe_layers) and self.expert_layout.data_parallel_size > 1
 
     def dispatch_s(self, collectives, tokens: float) -> float:
-        """A step's dispatch and combine across the data-parallel ranks, a MoE layer each; with expert parallelism
-        two all-to-alls of the routed rows, without it an all-gather and a reduce-scatter of every token's hidden
-        state (`gather_combine_s`). (Within one rank every device already holds every token: each runs its own
-        experts or slices, and the layer's all-reduce combines them.)"""
+        """A step's dispatch and combine across the data-parallel ranks, a MoE layer each: an all-gather and a
+        reduce-scatter of every token's hidden state (`gather_combine_s`) without expert parallelism or with it on the
+        allgather_reducescatter backend (vLLM's default), else two all-to-alls of the routed rows: a row per expert a
+        token chose, or with DeepEP's normal kernels one per rank those experts are on.
+        (Within one rank every device already holds every token: each runs its own experts or slices, and the
+        layer's all-reduce combines them.)"""
         if not (self.dispatches and tokens):
             return 0.0
-        if not self.expert_layout.enable_expert_parallel:
+        if self.expert_layout.gathers:
             return self.moe_layers * self.gather_combine_s(collectives, tokens)
-        m, ep = self.model, self.expert_layout.ep_size
-        routed = tokens * m.num_experts_per_tok / ep * self.experts.imbalance * (m.hidden_size * m.act_bytes)
+        m, layout = self.model, self.expert_layout
+        ep, rows = layout.ep_size, m.num_experts_per_tok
+        if layout.one_copy_per_rank:
+            rows = ranks_touched(m.num_experts, rows, ep)
+        routed = tokens * rows / ep * self.experts.imbalance * (m.hidden_size * m.act_bytes)
         return 2 * self.moe_layers * collectives.all_to_all_s(routed, ep)
 
     def gather_combine_s(self, collectives, tokens: float) -> float:

@@ -3,6 +3,7 @@ factor: the experts they touch and the rows the busiest expert (and device) comp
 experts from these; the fitted profile's `experts_touched` term counts the same touched experts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -12,6 +13,14 @@ def distinct_experts(experts: int, top_k: int, tokens: float) -> float:
     if experts == 0 or tokens <= 0:
         return 0.0
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def ranks_touched(experts: int, top_k: int, ranks: int) -> float:
+    """Expected ranks, of `ranks` each holding experts / ranks of the experts whole, that one token's top_k distinct
+    experts land on under uniform routing: n·(1 − C(E − E/n, k) / C(E, k))."""
+    if experts == 0 or ranks <= 1:
+        return float(min(ranks, 1))
+    return ranks * (1.0 - math.comb(experts - experts // ranks, top_k) / math.comb(experts, top_k))
 
 
 def tokens_per_expert(experts: int, top_k: int, tokens: float) -> float:
