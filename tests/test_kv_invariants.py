@@ -159,3 +159,13 @@ TestAllocator = AllocatorMachine.TestCase
 TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_member_that_rejoined_runs_dry_on_its_live_entry():
+    """Found by TestScheduler: a request preempted and readmitted leaves a stale calendar entry that sorts ahead of its
+    live one; when the blocks run dry at that step, the live entry is the one dropped, so the queue still drains."""
+    m = SchedulerMachine()
+    m.setup(num_blocks=4, block_size=4, chunked=False, preemption="recompute", gamma=0, static=False)
+    for prompt, output in [(1, 2), (2, 4), (10, 4), (1, 2)]:
+        m.arrive(prompt=prompt, output=output)
+    m.teardown()

@@ -130,8 +130,9 @@ class DecodeSet:
 
     def _run_dry(self, step: int, bucket: list, r: Request) -> Request:
         """grant_blocks ran out of blocks at `step`, member r of its (sorted) bucket next: the members before r got
-        theirs (their next need booked), those after r keep theirs due at `step`, r's own entry is dropped."""
-        i = next(j for j, (_, m) in enumerate(bucket) if m is r)
+        theirs (their next need booked), those after r keep theirs due at `step`, r's own entry is dropped. r's live
+        entry is found by its tag too: a stale entry of r's from before it left and rejoined may sort ahead of it."""
+        i = next(j for j, (tag, m) in enumerate(bucket) if m is r and tag == r.decode_tag)
         self._book(step, bucket[i + 1:])
         self._book(step + self.block_size, [e for e in bucket[:i] if e[1].decode_tag == e[0]])
         self._cursor = step
