@@ -91,10 +91,21 @@ print(json.dumps({"cpu_s": min(cpu), "wall_s": min(wall), "steps": sum(len(r.ste
 """
 
 
-def variants(scenario: dict) -> dict[str, tuple[str, dict]]:
-    """The runs of --against: the scenario on the other tree, and here as it is and as `engine: infersim` plans it."""
-    return {"base": ("base", scenario), "default_plan": ("this", scenario),
-            "same_plan": ("this", {**scenario, "engine": "infersim"})}
+def knows_engines(tree: Path) -> bool:
+    """Whether `tree`'s scenarios take `engine:` (a tree from before the engine work plans every scenario as
+    `engine: infersim` does now)."""
+    probe = "from sim.config.scenario import parse_scenario; import sys, json; parse_scenario(json.loads(sys.argv[1]))"
+    data = {**SCENARIO, "engine": "infersim"}
+    return subprocess.run([sys.executable, "-c", probe, json.dumps(data)], cwd=tree, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(tree)}).returncode == 0
+
+
+def variants(scenario: dict, base_knows_engines: bool) -> dict[str, tuple[str, dict]]:
+    """The runs of --against: the scenario on the other tree (also as `engine: infersim` plans it, where that tree
+    knows engines), and here as it is and as `engine: infersim` plans it."""
+    same = {**scenario, "engine": "infersim"}
+    base = {"base": ("base", scenario), **({"base_same_plan": ("base", same)} if base_knows_engines else {})}
+    return {**base, "default_plan": ("this", scenario), "same_plan": ("this", same)}
 
 
 def time_tree(tree: Path, scenario: dict, repeats: int) -> dict:
@@ -117,11 +128,11 @@ def tree_of(rev_or_tree: str, scratch: Path) -> Path:
 
 def against(rev_or_tree: str, rounds: int, repeats: int, scenario: dict = SCENARIO) -> None:
     """The plain scenario on the other tree and both variants here, alternating round by round; the ratios."""
-    plans = variants(scenario)
     print(f"scenario: {scenario['name']}", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="sim_speed_"))
     try:
         trees = {"base": tree_of(rev_or_tree, scratch), "this": ROOT}
+        plans = variants(scenario, knows_engines(trees["base"]))
         runs: dict[str, list[dict]] = {name: [] for name in plans}
         for i in range(rounds):
             for name in list(plans) if i % 2 == 0 else list(reversed(plans)):
@@ -134,9 +145,10 @@ def against(rev_or_tree: str, rounds: int, repeats: int, scenario: dict = SCENAR
     med = {name: {m: statistics.median(r[m] for r in v) for m in ("cpu_s", "wall_s")} for name, v in runs.items()}
     for name in plans:
         print(f"{name}_cpu_s: {med[name]['cpu_s']:.3f}")
-    for name in ("same_plan", "default_plan"):
+    for name, base in (("same_plan", "base_same_plan" if "base_same_plan" in med else "base"),
+                       ("default_plan", "base")):
         for m in ("cpu", "wall"):
-            print(f"{name}_{m}_ratio: {med[name][m + '_s'] / med['base'][m + '_s']:.3f}")
+            print(f"{name}_{m}_ratio: {med[name][m + '_s'] / med[base][m + '_s']:.3f}")
 
 
 def main() -> None:
