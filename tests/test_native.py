@@ -173,16 +173,18 @@ def test_disabled_by_environment(monkeypatch):
 def test_tuning_hands_over_where_the_native_kernel_stops_winning(monkeypatch):
     """tune_native_rows keeps the last tried row count at which the native kernel ran no slower: a native kernel
     made slow above 48 rows hands over at 48, for every projection of that shape, and the forward follows it."""
-    import time
+    import types
 
     fast_native, dense = layers.Linear._native, layers.Linear._dense
+    clock = [0.0]  # a clock only the kernels below move, so a loaded machine cannot change the outcome
+    monkeypatch.setattr(layers, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def native_slow_above_48(self, x):
-        time.sleep(0.02 if x.shape[0] > 48 else 0.0)
+        clock[0] += 0.02 if x.shape[0] > 48 else 0.0
         return fast_native(self, x)
 
-    def dense_at_10_ms(self, x):  # a fixed cost, so the outcome does not hang on the machine's timing
-        time.sleep(0.01)
+    def dense_at_10_ms(self, x):
+        clock[0] += 0.01
         return dense(self, x)
 
     monkeypatch.setattr(layers.Linear, "_native", native_slow_above_48)
