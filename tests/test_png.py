@@ -139,3 +139,34 @@ def test_a_font_without_matplotlib(monkeypatch):
 
     monkeypatch.setattr(ImageFont, "truetype", no_file)
     assert font.__wrapped__(10, 110).getlength("0.5") > 0  # no font file anywhere: Pillow's own
+
+
+def test_png_file_decodes_to_its_pixels(tmp_path):
+    from sim.report.pngfile import write_png
+
+    rgb = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)  # differences that wrap mod 256
+    rgb[10:20] = 255
+    back = np.asarray(Image.open(write_png(tmp_path / "x.png", rgb)))
+    assert back.dtype == np.uint8 and np.array_equal(back, rgb)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_polyline_corners_dropped_ink_the_same_pixels(width):
+    from PIL import ImageDraw
+
+    from sim.report.marks import polyline, vertices
+
+    rng = np.random.default_rng(width)
+    x = np.sort(rng.uniform(5, 195, 3000))
+    pts = np.column_stack((np.repeat(x, 2)[1:], np.repeat(rng.integers(20, 130, 3000).astype(float), 2)[:-1]))
+    pts = np.vstack((pts, [(60.5, 140.2), (60.9, 140.7), (61.0, 10.0), (61.4, 145.0), (10.0, 145.0)]))  # back again
+    drawn = []
+    for corners in (pts, None):
+        image = Image.new("RGB", (200, 150), (255, 255, 255))
+        d = ImageDraw.Draw(image)
+        if corners is None:
+            polyline(d, pts, (31, 119, 180), width, dashed=False)
+        else:
+            d.line(corners.ravel().tolist(), fill=(31, 119, 180), width=width)
+        drawn.append(np.asarray(image))
+    assert len(vertices(pts)) < len(pts) / 2 and np.array_equal(drawn[0], drawn[1])
