@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from PIL import ImageDraw
+from PIL import Image, ImageDraw
+
+from sim.report.strokes import paint
 
 DASH = (3.7, 1.6)  # matplotlib's "--": on and off lengths in units of the line width
 STAR_INNER = 0.381966  # a regular five-point star's inner radius over its outer one (matplotlib's "*")
@@ -43,9 +45,12 @@ def vertices(pts: np.ndarray) -> np.ndarray:
     return p[np.concatenate(([True], ~inside.any(axis=1), [True]))]
 
 
-def polyline(d: ImageDraw.ImageDraw, pts: np.ndarray, color: tuple, width: int, dashed: bool) -> None:
-    """A line through `pts`, solid or dashed (the dash pattern scaled by its width, as matplotlib's)."""
+def polyline(image: Image.Image, pts: np.ndarray, color: tuple, width: int, dashed: bool) -> None:
+    """A line through `pts` on `image`, solid or dashed (the dash pattern scaled by its width, as matplotlib's)."""
     pieces = dashes(pts, DASH[0] * width, DASH[1] * width) if dashed else [vertices(pts)]
+    if not dashed and paint(image, pieces[0], color, width):  # a long step plot's: along rows and columns only
+        return
+    d = ImageDraw.Draw(image)
     for piece in pieces:
         if len(piece) > 1:
             d.line(piece.ravel().tolist(), fill=color, width=width, joint="curve")

@@ -193,7 +193,7 @@ class Axes:
         keep = np.isfinite(px) & np.isfinite(py)
         pts = np.column_stack((px[keep], py[keep]))
         if s.kind != "points":
-            polyline(d, pts, s.color, max(1, round(s.lw * pt)), s.dashed)
+            polyline(self.canvas.image, pts, s.color, max(1, round(s.lw * pt)), s.dashed)
         for x, y in pts if s.marker else ():
             marker(d, x, y, s.marker, s.size * pt, s.color)
 
@@ -251,7 +251,7 @@ class Axes:
         for i, s in enumerate(entries):
             cy = y0 + pad + row * i + row / 2
             if s.kind != "points":
-                polyline(d, np.array([(x0 + pad, cy), (x0 + pad + sample, cy)]), s.color,
+                polyline(self.canvas.image, np.array([(x0 + pad, cy), (x0 + pad + sample, cy)]), s.color,
                          max(2 * SCALE, round(s.lw * self.canvas.px)), s.dashed)
             if s.marker:
                 marker(d, x0 + pad + sample / 2, cy, s.marker, s.size * self.canvas.px, s.color)
