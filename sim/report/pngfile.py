@@ -27,7 +27,7 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     rows[0, 1:] = flat[0]  # the row above the first is zeros
     np.subtract(flat[1:], flat[:-1], out=rows[1:, 1:])  # uint8 arithmetic wraps mod 256, as the filter does
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour, deflate, filtered, plain
-    return SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + chunk(b"IEND", b"")
+    return SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b"")
 
 
 def write_png(path: Path, rgb: np.ndarray) -> Path:
