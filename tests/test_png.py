@@ -139,3 +139,62 @@ def test_a_font_without_matplotlib(monkeypatch):
 
     monkeypatch.setattr(ImageFont, "truetype", no_file)
     assert font.__wrapped__(10, 110).getlength("0.5") > 0  # no font file anywhere: Pillow's own
+
+
+def test_png_file_decodes_to_its_pixels(tmp_path):
+    from sim.report.pngfile import write_png
+
+    rgb = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)  # differences that wrap mod 256
+    rgb[10:20] = 255
+    back = np.asarray(Image.open(write_png(tmp_path / "x.png", rgb)))
+    assert back.dtype == np.uint8 and np.array_equal(back, rgb)
+
+
+def steps(seed: int, n: int, size: tuple[int, int]) -> np.ndarray:
+    """A step plot's corners through random points across a `size` image, a little past its edges."""
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.uniform(-5, size[0] + 5, n))
+    y = rng.integers(-5, size[1] + 5, n).astype(float) + rng.uniform(0, 1, n)
+    return np.column_stack((np.repeat(x, 2)[1:], np.repeat(y, 2)[:-1]))
+
+
+def inked(draw_with, size: tuple[int, int] = (300, 150)) -> np.ndarray:
+    """The pixels `draw_with(image)` inks on a white image."""
+    image = Image.new("RGB", size, (255, 255, 255))
+    draw_with(image)
+    return np.asarray(image)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_polyline_inks_the_pixels_pillow_would(width):
+    from PIL import ImageDraw
+
+    from sim.report.marks import polyline, vertices
+
+    pts = steps(width, 1500, (300, 150))
+    pts = np.vstack((pts, [(60.5, 140.2), (60.9, 140.7), (61.0, 10.0), (61.4, 145.0), (10.0, 145.0)]))  # back again
+    pillow = inked(lambda image: ImageDraw.Draw(image).line(pts.ravel().tolist(), fill=(31, 119, 180), width=width,
+                                                            joint="curve"))
+    ours = inked(lambda image: polyline(image, pts, (31, 119, 180), width, dashed=False))
+    assert len(vertices(pts)) < len(pts) / 2 and np.array_equal(pillow, ours)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_a_long_step_plot_painted_as_pillow_draws_it(width):
+    from PIL import ImageDraw
+
+    from sim.report.marks import vertices
+    from sim.report.strokes import paint
+
+    corners = vertices(steps(10 + width, 700, (300, 150)))
+    pillow = inked(lambda image: ImageDraw.Draw(image).line(corners.ravel().tolist(), fill=(214, 39, 40),
+                                                            width=width, joint="curve"))
+    ours = inked(lambda image: assert_painted(paint(image, corners, (214, 39, 40), width)))
+    assert np.array_equal(pillow, ours)
+    bent = np.vstack((corners, corners[-1] + (3.0, 4.0)))  # a slanted segment: left to Pillow
+    assert not paint(Image.new("RGB", (300, 150)), bent, (0, 0, 0), width)
+    assert not paint(Image.new("RGB", (300, 150)), corners, (0, 0, 0), 6)  # rounded joints
+
+
+def assert_painted(done: bool) -> None:
+    assert done

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from PIL import ImageDraw
+from PIL import Image, ImageDraw
+
+from sim.report.strokes import paint
 
 DASH = (3.7, 1.6)  # matplotlib's "--": on and off lengths in units of the line width
 STAR_INNER = 0.381966  # a regular five-point star's inner radius over its outer one (matplotlib's "*")
@@ -27,9 +29,28 @@ def dashes(pts: np.ndarray, on: float, off: float) -> list[np.ndarray]:
     return pieces
 
 
-def polyline(d: ImageDraw.ImageDraw, pts: np.ndarray, color: tuple, width: int, dashed: bool) -> None:
-    """A line through `pts`, solid or dashed (the dash pattern scaled by its width, as matplotlib's)."""
-    pieces = dashes(pts, DASH[0] * width, DASH[1] * width) if dashed else [pts]
+def vertices(pts: np.ndarray) -> np.ndarray:
+    """The corners of the polyline `pts` (n x 2) that Pillow's line draws: at the whole pixels it truncates them to,
+    less repeats and the points inside a run along one row or column (each changes no pixel; thousands of a CDF's or
+    a step plot's points fall on a few hundred pixels)."""
+    p = np.trunc(pts)  # Pillow casts each coordinate to int
+    if len(p) < 3:
+        return p
+    p = p[np.concatenate(([True], (p[1:] != p[:-1]).any(axis=1)))]
+    if len(p) < 3:
+        return p if len(p) > 1 else np.repeat(p, 2, axis=0)  # one point drawn as a line of length zero, as before
+    a, b, c = p[:-2], p[1:-1], p[2:]
+    # b lies between a and c along a row (or a column): same y (x) for the three, x (y) monotonic through b
+    inside = ((a == b) & (b == c))[:, ::-1] & ((b - a) * (c - b) >= 0)
+    return p[np.concatenate(([True], ~inside.any(axis=1), [True]))]
+
+
+def polyline(image: Image.Image, pts: np.ndarray, color: tuple, width: int, dashed: bool) -> None:
+    """A line through `pts` on `image`, solid or dashed (the dash pattern scaled by its width, as matplotlib's)."""
+    pieces = dashes(pts, DASH[0] * width, DASH[1] * width) if dashed else [vertices(pts)]
+    if not dashed and paint(image, pieces[0], color, width):  # a long step plot's: along rows and columns only
+        return
+    d = ImageDraw.Draw(image)
     for piece in pieces:
         if len(piece) > 1:
             d.line(piece.ravel().tolist(), fill=color, width=width, joint="curve")

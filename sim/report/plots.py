@@ -17,7 +17,8 @@ WIDE_MARGINS = {"left": 0.09, "right": 0.99, "bottom": 0.17, "top": 0.96}
 def cdf(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The empirical CDF of x (NaN left out): at most MAX_POINTS of its sorted values and the fraction at each."""
     x = np.sort(x[~np.isnan(x)])
-    pick = np.unique(np.linspace(0, len(x) - 1, min(len(x), MAX_POINTS)).astype(np.int64))
+    pick = np.linspace(0, len(x) - 1, min(len(x), MAX_POINTS)).astype(np.int64)
+    pick = pick[np.concatenate(([True], pick[1:] != pick[:-1]))] if len(pick) else pick  # rising: repeats adjacent
     return x[pick], (pick + 1) / max(len(x), 1)
 
 

@@ -14,11 +14,11 @@ import numpy as np
 from PIL import Image, ImageColor, ImageDraw, ImageFont
 
 from sim.report.marks import marker, polyline
+from sim.report.pngfile import write_png
 
 SCALE = 2  # supersampling: drawn at twice the size, then halved (antialiased lines)
 COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75))  # tab10
 WHITE, GRID, FRAME, LEGEND_EDGE = (255, 255, 255), (231, 231, 231), (0, 0, 0), (204, 204, 204)
-PNG = {"compress_level": 1}  # zlib level 1: a fraction of the default's time for lines on white
 # matplotlib's legend locations in the order its "best" tries them: (x, y) of the box as fractions of the free room
 LOCATIONS = {"upper right": (1, 0), "upper left": (0, 0), "lower left": (0, 1), "lower right": (1, 1),
              "center left": (0, .5), "center right": (1, .5), "lower center": (.5, 1), "upper center": (.5, 0),
@@ -193,7 +193,7 @@ class Axes:
         keep = np.isfinite(px) & np.isfinite(py)
         pts = np.column_stack((px[keep], py[keep]))
         if s.kind != "points":
-            polyline(d, pts, s.color, max(1, round(s.lw * pt)), s.dashed)
+            polyline(self.canvas.image, pts, s.color, max(1, round(s.lw * pt)), s.dashed)
         for x, y in pts if s.marker else ():
             marker(d, x, y, s.marker, s.size * pt, s.color)
 
@@ -224,12 +224,16 @@ class Axes:
         gap = round(0.46 * self.legend_pt * self.canvas.px)
         spots = [(left + gap + fx * (right - left - width - 2 * gap), top + gap + fy * (bottom - top - height - 2 * gap))
                  for fx, fy in (LOCATIONS.values() if self.legend_loc == "best" else [LOCATIONS[self.legend_loc]])]
-        ink = np.asarray(self.canvas.image)
-        ink = (ink != WHITE).any(axis=2) & (ink != GRID).any(axis=2)
+        if len(spots) == 1:
+            return spots[0]
+        image = self.canvas.image
 
         def covered(spot: tuple[float, float]) -> int:
-            x0, y0 = round(spot[0]), round(spot[1])
-            return int(ink[y0:y0 + round(height) + 1, x0:x0 + round(width) + 1].sum())
+            # only the box's own pixels, within the image (a crop past its edge would be padded with black)
+            x0, y0 = max(0, round(spot[0])), max(0, round(spot[1]))
+            x1, y1 = min(image.size[0], round(spot[0]) + round(width) + 1), min(image.size[1], round(spot[1]) + round(height) + 1)
+            ink = np.asarray(image.crop((x0, y0, max(x0, x1), max(y0, y1))))
+            return int(((ink != WHITE).any(axis=2) & (ink != GRID).any(axis=2)).sum())
 
         return min(spots, key=covered)
 
@@ -247,7 +251,7 @@ class Axes:
         for i, s in enumerate(entries):
             cy = y0 + pad + row * i + row / 2
             if s.kind != "points":
-                polyline(d, np.array([(x0 + pad, cy), (x0 + pad + sample, cy)]), s.color,
+                polyline(self.canvas.image, np.array([(x0 + pad, cy), (x0 + pad + sample, cy)]), s.color,
                          max(2 * SCALE, round(s.lw * self.canvas.px)), s.dashed)
             if s.marker:
                 marker(d, x0 + pad + sample / 2, cy, s.marker, s.size * self.canvas.px, s.color)
@@ -297,5 +301,4 @@ class Canvas:
         if self.title:  # matplotlib's suptitle: its top at 98% of the height
             self.draw.text((self.image.size[0] / 2, 0.02 * self.image.size[1]), self.title,
                            font=self.font(self.title_pt), fill=FRAME, anchor="mt")
-        self.image.reduce(SCALE).save(path, format="PNG", **PNG)
-        return path
+        return write_png(path, np.asarray(self.image.reduce(SCALE)))
