@@ -459,7 +459,7 @@ def specs_of(table: RequestTable) -> list[RequestSpec]:
     """The requests of `table` (a field left out takes its default), built once, a column at a time: a workload's
     generation works on columns and ends here. Each column goes through its slot's own setter, what RequestSpec's
     frozen __init__ does a field at a time through object.__setattr__, in half the time (it has no __post_init__)."""
-    n = len(table["id"])
+    n = len(table.get("id", ()))
     required = {name for name, default in _SPEC_DEFAULTS.items() if default is MISSING}
     wrong = (table.keys() - _SPEC_DEFAULTS.keys()) | (required - table.keys())
     if wrong or any(len(column) != n for column in table.values()):
