@@ -3,30 +3,29 @@ requests, and each request's time between client and engine, drawn deterministic
 stream of its own (the other draws do not move)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from sim.config.client import ResolvedClient, TransportConfig
-from sim.config.workload import ArrivalConfig, RequestSpec, WorkloadConfig, with_columns
+from sim.config.workload import ArrivalConfig, RequestTable, WorkloadConfig, table_column
 
 CLIENT_STREAM = 8  # the seed's child stream for the client's draws: generate_requests spawns streams 0-7
 
 
-def with_client(cfg: WorkloadConfig, specs: list[RequestSpec], client: ResolvedClient | None) -> list[RequestSpec]:
-    """`specs` as `client` (the plan's: the workload's, with its engine's front end) sends them (unchanged where it
-    has none): ids 0..n-1 in arrival order, warm-up requests first."""
+def with_client(cfg: WorkloadConfig, table: RequestTable, client: ResolvedClient | None) -> RequestTable:
+    """`table`'s requests (sim/config/workload.py: RequestTable) as `client` (the plan's: the workload's, with its
+    engine's front end) sends them (unchanged where it has none): ids 0..n-1 in arrival order, warm-up requests
+    first."""
     if client is None:
-        return specs
+        return table
     rng_schedule, rng_times = (np.random.default_rng(s) for s in
                                np.random.SeedSequence(cfg.seed, spawn_key=(CLIENT_STREAM,)).spawn(2))
-    if client.tool == "vllm_bench" and cfg.arrival is not None and cfg.trace is None and specs:
-        times = vllm_schedule(len(specs), cfg.arrival, client, rng_schedule).tolist()
-        specs = with_columns(specs, arrival_s=times)
-    specs = _with_warmups(specs, client.warmup_requests)
+    n = len(table["id"])
+    if client.tool == "vllm_bench" and cfg.arrival is not None and cfg.trace is None and n:
+        table = {**table, "arrival_s": vllm_schedule(n, cfg.arrival, client, rng_schedule).tolist()}
+    table = _with_warmups(table, client.warmup_requests)
     if client.transport is not None:
-        specs = _with_transport(specs, client.transport, rng_times)
-    return specs
+        table = _with_transport(table, client.transport, rng_times)
+    return table
 
 
 def vllm_schedule(n: int, arrival: ArrivalConfig, client: ResolvedClient, rng) -> np.ndarray:
@@ -50,28 +49,30 @@ def vllm_schedule(n: int, arrival: ArrivalConfig, client: ResolvedClient, rng) -
     return t
 
 
-def _with_warmups(specs: list[RequestSpec], count: int) -> list[RequestSpec]:
+def _with_warmups(table: RequestTable, count: int) -> RequestTable:
     """`count` warm-up copies of the first request (vLLM's --num-warmups sends the first prompt again; with fixed
     lengths aiperf's dataset draws are alike) ahead of the workload, sent at once (a closed loop's users take them
     first); the workload's ids and the turns they follow move up by `count`."""
-    if not count or not specs:
-        return specs
-    head = specs[0]
-    warm = [replace(head, id=i, arrival_s=0.0, think_s=0.0, conversation=-1, after=-1, warmup=True)
-            for i in range(count)]
-    return warm + [replace(s, id=s.id + count, after=s.after + count if s.after >= 0 else -1) for s in specs]
+    n = len(table["id"])
+    if not count or not n:
+        return table
+    warm = {"arrival_s": 0.0, "think_s": 0.0, "conversation": -1, "after": -1, "warmup": True}  # the copies' own
+    after = [a + count if a >= 0 else -1 for a in table_column(table, "after")]
+    columns = {**{name: table_column(table, name) for name in warm}, **table, "after": after}
+    out = {name: [warm.get(name, values[0])] * count + values for name, values in columns.items()}
+    return {**out, "id": list(range(n + count))}
 
 
-def _with_transport(specs: list[RequestSpec], t: TransportConfig, rng) -> list[RequestSpec]:
+def _with_transport(table: RequestTable, t: TransportConfig, rng) -> RequestTable:
     """Each request's way to the server, the server's work on it (growing with the prompt), its way out and its close:
     the means times gamma draws of mean 1 and the transport's coefficient of variation."""
-    n = len(specs)
+    n = len(table["id"])
     if t.jitter_cv > 0:
         shape = 1.0 / t.jitter_cv ** 2
         draw = rng.gamma(shape, 1.0 / shape, size=(4, n))
     else:
         draw = np.ones((4, n))
-    prompt = np.fromiter((s.prompt_len for s in specs), float, n)
+    prompt = np.array(table["prompt_len"], float)
     ins, fronts = (t.request_s * draw[0]).tolist(), ((t.frontend_s + t.prompt_token_s * prompt) * draw[1]).tolist()
     outs, closes = (t.token_s * draw[2]).tolist(), (t.close_s * draw[3]).tolist()
-    return with_columns(specs, in_s=ins, front_s=fronts, out_s=outs, close_s=closes)
+    return {**table, "in_s": ins, "front_s": fronts, "out_s": outs, "close_s": closes}

@@ -14,7 +14,7 @@ from sim.config.client import resolve_client
 from sim.config.client_requests import with_client
 from sim.config.errors import ConfigError
 from sim.config.limits import MAX_ARRIVAL_S, MAX_LENGTH, MAX_REQUESTS
-from sim.config.prompt_pool import pool_specs
+from sim.config.prompt_pool import pool_columns
 from sim.config.stages import stage_arrivals, stage_bounds
 from sim.config.traces import MOONCAKE_BLOCK_TOKENS, Traces
 from sim.config.workload import (
@@ -22,8 +22,10 @@ from sim.config.workload import (
     ClosedLoopConfig,
     ConversationConfig,
     RequestSpec,
+    RequestTable,
     WorkloadConfig,
-    with_columns,
+    specs_of,
+    table_column,
 )
 
 
@@ -76,7 +78,7 @@ def generate_requests(cfg: WorkloadConfig, base_dir: Path | None = None, client=
     (sim/config/client_requests.py; default: the workload's own, resolve_client; None: none)."""
     if client is _WORKLOAD_CLIENT:
         client = resolve_client(cfg)
-    return with_client(cfg, _workload_requests(cfg, base_dir), client)
+    return specs_of(with_client(cfg, _workload_table(cfg, base_dir), client))
 
 
 def plan_requests(plan) -> list[RequestSpec]:
@@ -118,8 +120,8 @@ class _Columns:
     staged: list | None = None
 
 
-def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> list[RequestSpec]:
-    """All requests of the workload, sorted by arrival (stable), ids 0..n-1 in that order.
+def _workload_table(cfg: WorkloadConfig, base_dir: Path | None = None) -> RequestTable:
+    """All requests of the workload as columns, sorted by arrival (stable), ids 0..n-1 in that order.
 
     `base_dir` is the scenario file's folder, for relative trace paths.  Arrivals, each length
     stream and the bursts use independent child generators of `seed`, so changing a length
@@ -133,15 +135,15 @@ def _workload_requests(cfg: WorkloadConfig, base_dir: Path | None = None) -> lis
     arrivals = np.concatenate([cols.arrivals] + [np.full(b.count, b.at_s) for b in cfg.bursts])
     order = np.argsort(arrivals, kind="stable")
     columns = (arrivals[order].tolist(), cols.prompt[order].tolist(), cols.output[order].tolist())
-    specs = _request_specs(cfg, columns, order, cols.chains, streams.prefix, traces, streams.prompt)
+    table = _request_table(cfg, columns, order, cols.chains, streams.prefix, traces, streams.prompt)
     if cfg.load_stages is not None:
-        return _with_stages(specs, *cols.staged)
+        return _with_stages(table, *cols.staged)
     if cfg.conversation is not None:
-        return _conversations(specs, cfg.conversation, streams.conversation, cols.more_outputs, traces, cfg.closed_loop,
+        return _conversations(table, cfg.conversation, streams.conversation, cols.more_outputs, traces, cfg.closed_loop,
                               streams.users)
     if cfg.closed_loop is not None:
-        return _closed_loop(specs, cfg.closed_loop, streams.users)
-    return specs
+        return _closed_loop(table, cfg.closed_loop, streams.users)
+    return table
 
 
 def _trace_rows(tr, t: np.ndarray) -> np.ndarray:
@@ -209,27 +211,28 @@ def _synthetic_columns(cfg: WorkloadConfig, traces: Traces, n_burst: int, stream
     return _Columns(arrivals, prompt, output, more_outputs, staged=staged)
 
 
-def _request_specs(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chains: list | None,
-                   rng_prefix, traces: Traces, rng_p) -> list[RequestSpec]:
+def _request_table(cfg: WorkloadConfig, columns: tuple, order: np.ndarray, chains: list | None,
+                   rng_prefix, traces: Traces, rng_p) -> RequestTable:
     """The requests of `columns` (arrival, prompt, output, in arrival order; `order` took them there), with what
     their prompts share: a trace's hash_ids (`chains`, in the rows' first order), or workload.shared_prefix's ids
     (with prompts_per_prefix, its pool's prompts, their lengths drawn from prompt_len)."""
+    n = len(order)
+    table = dict(zip(("id", "arrival_s", "prompt_len", "output_len"), (list(range(n)), *columns)))
     if chains is not None:
         for key, what in (("conversation", "a conversation's turns would share more"),
                           ("shared_prefix", "a shared prefix would replace them")):
             if getattr(cfg, key) is not None:
                 raise ConfigError(f"the trace's hash_ids already say what its prompts share; {what}: drop "
                                   f"workload.{key}, or use a trace without hash_ids", f"workload.{key}")
-        chains = [chains[k] for k in order.tolist()]
-        return [RequestSpec(i, *row, c, MOONCAKE_BLOCK_TOKENS) for i, (row, c) in enumerate(zip(zip(*columns), chains))]
+        return {**table, "prefix": [chains[k] for k in order.tolist()], "prefix_unit": [MOONCAKE_BLOCK_TOKENS] * n}
     if cfg.shared_prefix is None:
-        return list(map(RequestSpec, range(len(order)), *columns))
+        return table
     sp = cfg.shared_prefix
     if sp.prompts_per_prefix is not None:
         lengths = traces.draw(cfg.prompt_len, rng_p, sp.num_prefixes * sp.prompts_per_prefix, "workload.prompt_len")
-        return pool_specs(list(zip(*columns)), _pool_positions(cfg, len(order)), sp, lengths, rng_prefix)
-    prefix = rng_prefix.integers(0, sp.num_prefixes, len(order))[order].tolist()
-    return [RequestSpec(i, *row, (p,), sp.prefix_len) for i, (row, p) in enumerate(zip(zip(*columns), prefix))]
+        return {**table, **pool_columns(_pool_positions(cfg, n), sp, lengths, rng_prefix)}
+    prefix = rng_prefix.integers(0, sp.num_prefixes, n)[order].tolist()
+    return {**table, "prefix": [(p,) for p in prefix], "prefix_unit": [sp.prefix_len] * n}
 
 
 def _pool_positions(cfg: WorkloadConfig, n: int) -> np.ndarray:
@@ -240,21 +243,21 @@ def _pool_positions(cfg: WorkloadConfig, n: int) -> np.ndarray:
     return np.concatenate([np.arange(end - first) for first, end in stage_bounds(cfg.load_stages)])
 
 
-def _with_stages(specs: list[RequestSpec], stage: np.ndarray, delay: np.ndarray) -> list[RequestSpec]:
-    """`specs` (in send order) with the stage each is sent in and its delay after the stage before it ended."""
-    _check_span(np.array([s.arrival_s for s in specs[-1:]]), "workload.load_stages",
-                f"{len(specs):,} requests over the stages arrive")
-    return with_columns(specs, stage=stage.tolist(), stage_delay_s=delay.tolist())
+def _with_stages(table: RequestTable, stage: np.ndarray, delay: np.ndarray) -> RequestTable:
+    """`table` (in send order) with the stage each is sent in and its delay after the stage before it ended."""
+    _check_span(np.array(table["arrival_s"][-1:]), "workload.load_stages",
+                f"{len(table['id']):,} requests over the stages arrive")
+    return {**table, "stage": stage.tolist(), "stage_delay_s": delay.tolist()}
 
 
-def _closed_loop(specs: list[RequestSpec], loop: ClosedLoopConfig, rng) -> list[RequestSpec]:
-    """`specs`, in order, as the units of a closed loop (ClosedLoopConfig): each taken by the first user free and sent
+def _closed_loop(table: RequestTable, loop: ClosedLoopConfig, rng) -> RequestTable:
+    """`table`'s requests, in order, as the units of a closed loop (ClosedLoopConfig): each taken by the first user free and sent
     its own think time later (RequestSpec.users); arrival_s 0, the run's own arrival comes from the users."""
-    n = len(specs)
+    n = len(table["id"])
     waited, think = _user_starts(np.zeros(n), loop, rng)
     _check_span(waited, "workload.closed_loop.think_time_s", f"{n:,} requests with think times of "
                 f"{loop.think_time_s:g} s on average arrive")
-    return with_columns(specs, arrival_s=[0.0] * n, think_s=think.tolist(), users=[loop.users] * n)
+    return {**table, "arrival_s": [0.0] * n, "think_s": think.tolist(), "users": [loop.users] * n}
 
 
 def _user_starts(spans: np.ndarray, loop: ClosedLoopConfig, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -282,30 +285,31 @@ def _arrival_order(arrival: np.ndarray, before: np.ndarray) -> tuple[np.ndarray,
     return order, np.where(before >= 0, new_id[np.maximum(before, 0)], -1)
 
 
-def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more_outputs, traces: Traces,
-                   loop: ClosedLoopConfig | None = None, rng_users=None) -> list[RequestSpec]:
-    """Each of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). With a
+def _conversations(first: RequestTable, conv: ConversationConfig, rng, more_outputs, traces: Traces,
+                   loop: ClosedLoopConfig | None = None, rng_users=None) -> RequestTable:
+    """Each request of `first` opens a conversation (its index); its later turns follow (see ConversationConfig). With a
     closed `loop`, the conversations are its units (first turns at 0, each opened by the first user free, its think
     time after that user's conversation before it ended). Sorted by the earliest each could arrive (stable: a turn
     after the one it follows), ids 0..n-1 in that order."""
     key = "workload.conversation"
     rng_turns, rng_user, rng_out, rng_think = rng.spawn(4)
-    turns = traces.draw(conv.turns, rng_turns, len(first), f"{key}.turns")
+    n_first = len(first["id"])
+    turns = traces.draw(conv.turns, rng_turns, n_first, f"{key}.turns")
     total = int(turns.sum())
     if total > MAX_REQUESTS:
-        raise ConfigError(f"{len(first):,} conversations of {turns.mean():.3g} turns on average are {total:,} "
+        raise ConfigError(f"{n_first:,} conversations of {turns.mean():.3g} turns on average are {total:,} "
                           f"requests; allowed: at most {MAX_REQUESTS:,} in one run", f"{key}.turns")
     # conversation-major rows: each conversation's turns in order, a turn right after the one it follows
     start = np.concatenate(([0], np.cumsum(turns)[:-1]))
-    owner = np.repeat(np.arange(len(first)), turns)
+    owner = np.repeat(np.arange(n_first), turns)
     later = np.ones(total, bool)
     later[start] = False
-    n_later = total - len(first)
+    n_later = total - n_first
     output = np.empty(total, np.int64)
-    output[start] = [s.output_len for s in first]
+    output[start] = first["output_len"]
     output[later] = more_outputs(rng_out, n_later)
     grow = np.empty(total, np.int64)  # a turn's prompt: the one before, its answer and the user's new tokens
-    grow[start] = [s.prompt_len for s in first]
+    grow[start] = first["prompt_len"]
     grow[later] = output[np.flatnonzero(later) - 1] + traces.draw(conv.user_len, rng_user, n_later, f"{key}.user_len")
     total_grow = np.cumsum(grow)
     prompt = np.minimum(total_grow - (total_grow[start] - grow[start])[owner], MAX_LENGTH)
@@ -317,11 +321,11 @@ def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more
     before = np.where(later, np.arange(total) - 1, -1)
     users = np.zeros(total, np.int64)
     if loop is None:
-        opens = spread = np.array([s.arrival_s for s in first])
+        opens = spread = np.array(first["arrival_s"], float)
     else:
         last = np.r_[start[1:], total] - 1
         spread, gap = _user_starts(offset[last], loop, rng_users)
-        opens = np.zeros(len(first))
+        opens = np.zeros(n_first)
         think[start], users[start] = gap, loop.users
     arrival = opens[owner] + offset
     longer = "workload.closed_loop" if loop is not None and loop.think_time_s > conv.think_time_s else key
@@ -329,7 +333,8 @@ def _conversations(first: list[RequestSpec], conv: ConversationConfig, rng, more
                 f"{conv.think_time_s:g} s " + (f"(and {loop.think_time_s:g} s between conversations) "
                                                if loop is not None else "") + "on average arrive")
     order, after = _arrival_order(arrival, before)
-    rows = zip(arrival[order].tolist(), prompt[order].tolist(), output[order].tolist(), owner[order].tolist(),
-               after[order].tolist(), think[order].tolist(), users[order].tolist())
-    return [RequestSpec(i, a, p, o, first[c].prefix, first[c].prefix_unit, c, parent, th, u)
-            for i, (a, p, o, c, parent, th, u) in enumerate(rows)]
+    owners, prefix, unit = owner[order].tolist(), table_column(first, "prefix"), table_column(first, "prefix_unit")
+    return {"id": list(range(total)), "arrival_s": arrival[order].tolist(), "prompt_len": prompt[order].tolist(),
+            "output_len": output[order].tolist(), "prefix": [prefix[c] for c in owners],
+            "prefix_unit": [unit[c] for c in owners], "conversation": owners, "after": after[order].tolist(),
+            "think_s": think[order].tolist(), "users": users[order].tolist()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.config.workload import RequestSpec, SharedPrefixConfig
+from sim.config.workload import SharedPrefixConfig
 
 
 def pool_prefixes(sp: SharedPrefixConfig, lengths: np.ndarray) -> list[tuple]:
@@ -18,13 +18,12 @@ def pool_prefixes(sp: SharedPrefixConfig, lengths: np.ndarray) -> list[tuple]:
             for k, n in enumerate(lengths.tolist())]
 
 
-def pool_specs(rows: list[tuple], positions: np.ndarray, sp: SharedPrefixConfig, lengths: np.ndarray,
-               rng) -> list[RequestSpec]:
-    """The requests of `rows` (arrival, prompt, output, in arrival order; ids in that order), request i taking pool
-    prompt order[positions[i] mod size] (`positions`: its index among the requests of its stage), its length from
-    `lengths` (one per pool prompt, group-major) instead of its row's."""
+def pool_columns(positions: np.ndarray, sp: SharedPrefixConfig, lengths: np.ndarray, rng) -> dict[str, list]:
+    """The prompts the requests take (in id order; `positions`: each one's index among the requests of its stage), as
+    columns of a RequestTable: request i takes pool prompt order[positions[i] mod size], its length from `lengths`
+    (one per pool prompt, group-major) instead of its own draw."""
     order = rng.permutation(len(lengths))  # inference-perf shuffles the pool once
     prefixes = pool_prefixes(sp, lengths)
-    pick = order[positions % len(lengths)].tolist()
-    return [RequestSpec(i, arrival, int(lengths[k]), output, prefixes[k], sp.prefix_len)
-            for i, ((arrival, _, output), k) in enumerate(zip(rows, pick))]
+    pick = order[positions % len(lengths)]
+    return {"prompt_len": lengths[pick].tolist(), "prefix": [prefixes[k] for k in pick.tolist()],
+            "prefix_unit": [sp.prefix_len] * len(pick)}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.report.metrics import RequestRecords, per_request_latency
+from sim.report.metrics import RequestRecords, per_request_latency, spread_indices
 from sim.report.png import Canvas
 
 MAX_POINTS = 4000
@@ -17,8 +17,7 @@ WIDE_MARGINS = {"left": 0.09, "right": 0.99, "bottom": 0.17, "top": 0.96}
 def cdf(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The empirical CDF of x (NaN left out): at most MAX_POINTS of its sorted values and the fraction at each."""
     x = np.sort(x[~np.isnan(x)])
-    pick = np.linspace(0, len(x) - 1, min(len(x), MAX_POINTS)).astype(np.int64)
-    pick = pick[np.concatenate(([True], pick[1:] != pick[:-1]))] if len(pick) else pick  # rising: repeats adjacent
+    pick = spread_indices(len(x), MAX_POINTS)
     return x[pick], (pick + 1) / max(len(x), 1)
 
 

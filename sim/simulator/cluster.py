@@ -68,7 +68,7 @@ def itl_sample(result: RunResult) -> list[np.ndarray]:
     step) and, after a preemption, the gap since its request's previous token.
     """
     values, weights = [], []
-    warm = np.fromiter((r.id for r in result.requests if r.warmup), np.int64)  # workload.client's: in no figure
+    warm = np.array([r.id for r in result.requests if r.warmup], np.int64)  # workload.client's: in no figure
     for trace in result.replicas:  # every logged run is of a request that finished: none is cut short
         runs = trace.runs[~np.isin(trace.runs[:, 0], warm)] if len(warm) and len(trace.runs) else trace.runs
         if not len(runs):
@@ -90,9 +90,9 @@ def itl_sample(result: RunResult) -> list[np.ndarray]:
         values.append(ends[f[again]] - prev_last[again - 1])
         weights.append(np.ones(len(again), np.int32))
         del order, o, f, prev_last, again
-        cover = np.zeros(len(decode) + 1, np.int32)  # runs holding both decode[j] and decode[j + 1]
-        np.add.at(cover, a[has], 1)
-        np.add.at(cover, b[has] - 1, -1)
+        # runs holding both decode[j] and decode[j + 1]: +1 where each starts, -1 where it ends, summed
+        cover = np.bincount(a[has], minlength=len(decode) + 1).astype(np.int32)
+        cover -= np.bincount(b[has] - 1, minlength=len(decode) + 1).astype(np.int32)
         del a, b, has, owner, first, last
         np.cumsum(cover, out=cover)
         cover = cover[:max(0, len(decode) - 1)]
