@@ -1,7 +1,4 @@
 """The console summary's tables as plain text: aligned columns, no terminal library."""
-import subprocess
-import sys
-
 from sim.report.text_table import text_table
 
 
@@ -14,11 +11,3 @@ def test_columns_line_up_whatever_the_cells_widths():
     bars = {i for i, c in enumerate(lines[1]) if c in "┏┳┓"}
     assert all({i for i, c in enumerate(line) if c in "┃│┡╇┩└┴┘"} == bars for line in lines[2:])
 
-
-def test_a_run_that_prints_its_summary_imports_no_terminal_library(tmp_path):
-    code = ("import sys; sys.argv = ['infersim', 'run', '--no-plots']; from infersim.cli import main\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "assert not any(m == 'rich' or m.startswith('rich.') for m in sys.modules), 'rich imported'")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "latency (ms)" in r.stdout and "┃ mean" in r.stdout
