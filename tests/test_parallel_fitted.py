@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from sim.config.errors import ConfigError
+from sim.config.sharding import stage_layers
 from sim.cost.build import make_cost_model
 from sim.cost.fitted import FittedCostModel
-from sim.cost.parallel import ParallelFittedCostModel, stage_layers
+from sim.cost.parallel import ParallelFittedCostModel
 from sim.policy.batch import shape_of
 from tests.helpers import plan_of, run, scenario
 

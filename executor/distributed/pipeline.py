@@ -32,14 +32,14 @@ from executor.distributed.launch import Group, collective, launch
 from executor.model.cache_engine import KVCache
 from executor.model.llama import LlamaConfig, LlamaModel
 from executor.model.sampling import SamplingParams
-from sim.cost.parallel import stage_layers
+from sim.config.sharding import stage_layers
 from sim.policy.router import make_router
 
 TAG_STEP, TAG_ACT, TAG_OUT, TAG_TIME = 1, 2, 3, 4  # driver -> stage messages, stage -> stage, last -> driver
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """(first, end) layers of each stage, split as the simulator prices them (sim.cost.parallel.stage_layers)."""
+    """(first, end) layers of each stage, split as the simulator prices them (sim.config.sharding.stage_layers)."""
     if not 1 <= pp <= num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} for {num_layers} layers; allowed: 1..{num_layers}")
     sizes = stage_layers(num_layers, pp)

@@ -8,7 +8,7 @@ from infersim.progress import progress_bar
 from sim.config.errors import ConfigError
 from sim.config.generator import plan_requests
 from sim.config.plan import check_profile_device
-from sim.report.outputs import build_report, check_finite, print_summary, write_outputs
+from sim.report.outputs import build_report, check_finite, summary_text, write_outputs
 from sim.simulator.cluster import sim_records, simulate
 
 
@@ -42,9 +42,7 @@ def run_scenario(path: Path, out: Path | None, quiet: bool = False, plots: bool 
     if out is not None:
         write_outputs(out, report, records, result.replicas, plots=plots)
     if not quiet:
-        from rich.console import Console  # a quiet run (a script's, a bench's) draws nothing
-
-        print_summary(report, Console())
+        print(summary_text(report))
         if out is not None:
-            Console().print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))
+            print(f"wrote {out}/report.json, requests.csv" + (", *.png" if plots else ""))
     return report

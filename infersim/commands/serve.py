@@ -14,7 +14,7 @@ from sim.config.generator import plan_requests
 from sim.cost.build import make_cost_model
 from sim.cost.fitted import load_profile
 from sim.report.metrics import records_from_requests, request_rates
-from sim.report.outputs import build_report, print_summary, write_outputs
+from sim.report.outputs import build_report, summary_text, write_outputs
 
 
 def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: int | None = None,
@@ -51,7 +51,7 @@ def serve_scenario(path: Path, out: Path | None, device: str = "cpu", threads: i
     if out is not None:
         _write_served(out, report, plan, records, traces, engine, requests, plots)
     if not quiet:
-        print_summary(report, Console())
+        print(summary_text(report))
         if out is not None:
             Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl"
                             + (", transfers.jsonl" if plan.pools is not None else "")
@@ -226,7 +226,7 @@ def serve_http(path: Path, host: str = "127.0.0.1", port: int = 8000, device: st
     write_outputs(out, report, records, trace.traces, plots=False)
     write_traces(out, trace, trace.requests)
     if not quiet:
-        print_summary(report, Console())
+        print(summary_text(report))
         Console().print(f"wrote {out}/report.json, requests.csv, steps.jsonl, requests.jsonl")
     return report
 

@@ -142,10 +142,17 @@ SPEED_FIELDS = ("peak_flops", "memory_bandwidth", "sparse_tensor_cores")
 LINK_FIELDS = ("interconnect_bandwidth", "interconnect_latency_s", "interconnect_topology")
 
 
+@lru_cache(maxsize=4)
+def kernels_file(path: Path = KERNELS_FILE) -> dict:
+    """A kernel-fits file (default sim/data/gpu_kernels.json, the GPU kernel model's) parsed once for every reader.
+    Read-only: its readers share it."""
+    return json.loads(Path(path).read_text())
+
+
 @lru_cache(maxsize=1)
 def measured_devices() -> tuple[str, ...]:
     """Catalog devices whose kernels were measured (sim/data/gpu_kernels.json, the GPU kernel model's fits)."""
-    return tuple(json.loads(KERNELS_FILE.read_text())["devices"])
+    return tuple(kernels_file(KERNELS_FILE)["devices"])  # given, not defaulted: one cache key with load_kernels
 
 
 def as_in_catalog(hw: HardwareSpec, fields: tuple[str, ...]) -> bool:

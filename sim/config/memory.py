@@ -3,16 +3,19 @@ rest holds, as blocks (and the host blocks swap preemption may use)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout, does_not_fit_a_rank
 from sim.config.hardware import HardwareSpec
-from sim.config.kv_groups import KVGroups, kv_groups
 from sim.config.limits import MAX_TOTAL_BLOCKS
 from sim.config.models import ModelSpec
 from sim.config.moe import kv_bytes_per_device_token
 from sim.config.scenario import KVCacheConfig
 from sim.config.sharding import Sharding
+
+if TYPE_CHECKING:
+    from sim.config.kv_groups import KVGroups
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def hybrid_groups(model: ModelSpec, kv: KVCacheConfig, layout: Layout, max_model
     if kv.allocator == "contiguous":
         raise ConfigError(f"{model.name}'s sliding-window, chunked or linear-attention layers need paged blocks in "
                           "groups by kind (vLLM's hybrid KV cache manager); allowed: paged", "kv_cache.allocator")
+    from sim.config.kv_groups import kv_groups  # hybrid models alone: most runs never load it
+
     try:
         return kv_groups(model, layout.sharding, kv.block_size, max_model_len, kv.enable_prefix_caching,
                          layout.stage_layers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
@@ -23,10 +23,8 @@ from sim.config.engines import (
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout, expert_layout
 from sim.config.hardware import HARDWARE_CATALOG, HardwareSpec, catalog_hardware, has_kernels, measured_devices
-from sim.config.kv_groups import KVGroups
 from sim.config.memory import Layout, memory_budget
 from sim.config.models import ModelSpec, WeightDtype, catalog_model
-from sim.config.profile import ProfileFile, read_profile
 from sim.config.scenario import (
     CostModelConfig,
     ExecutorConfig,
@@ -41,6 +39,10 @@ from sim.config.scenario import (
 from sim.config.sharding import Sharding, shard
 from sim.config.workload import WorkloadConfig
 from sim.config.yaml_file import read_yaml
+
+if TYPE_CHECKING:
+    from sim.config.kv_groups import KVGroups
+    from sim.config.profile import ProfileFile
 
 
 @dataclass(frozen=True)
@@ -492,8 +494,11 @@ def largest_stage(num_layers: int, pp: int) -> int:
 
 def _cost_plan(c: CostModelConfig, base_dir: Path, model: ModelSpec, hw: HardwareSpec, layout: Layout) -> CostPlan:
     """What prices the steps; a profile is read now, so that a bad one is reported against the scenario naming it."""
-    profile = read_profile(base_dir / c.profile, model) if c.profile else None
-    if profile is not None:
+    profile = None
+    if c.profile:
+        from sim.config.profile import read_profile  # a fitted profile's reader: most scenarios name none
+
+        profile = read_profile(base_dir / c.profile, model)
         _check_profile_layout(profile, layout.sharding.tp, layout.pipeline_parallel_size,
                               layout.expert.enable_expert_parallel)
     source = _cost_source(c, hw, profile)

@@ -56,16 +56,49 @@ class OnUse:
     time a scenario gives it (its models, with ON_USE, build nothing at import). pydantic otherwise builds every nested
     model's schema into its parent's at import, the sections no common run writes included. The checks, errors and
     key paths are the same: pydantic carries a ValidationError raised in a validator with its locations; the field's
-    annotation (what the error messages and the dashboard read) is unchanged."""
+    annotation (what the error messages and the dashboard read) is unchanged. A discriminated union of models (the
+    length distributions) builds only the member a value's tag names; any other value meets the whole union."""
 
     def __get_pydantic_core_schema__(self, source, handler):
-        adapter: list[TypeAdapter] = []
+        adapters: dict[str | None, TypeAdapter] = {}
+        key, members = _tagged_members(source)
+
+        def adapter(tag: str | None, annotation) -> TypeAdapter:
+            if tag not in adapters:
+                for model in _models_in(annotation):  # their own validators and serializers too: model_dump needs them
+                    model.model_rebuild()
+                adapters[tag] = TypeAdapter(annotation)
+            return adapters[tag]
 
         def validate(value):
-            if not adapter:
-                for model in _models_in(source):  # their own validators and serializers too: model_dump needs them
-                    model.model_rebuild()
-                adapter.append(TypeAdapter(source))
-            return adapter[0].validate_python(value)
+            tag = value.get(key) if members and isinstance(value, dict) else None
+            if isinstance(tag, str) and tag in members:
+                return adapter(tag, Annotated[members[tag], _Tagged(key, tag)]).validate_python(value)
+            return adapter(None, source).validate_python(value)
 
         return core_schema.no_info_plain_validator_function(validate)
+
+
+def _tagged_members(annotation) -> tuple[str, dict[str, type[BaseModel]]]:
+    """The discriminator of a discriminated union of models in `annotation` (an Optional's too) and its members by
+    tag; ("", {}) where there is none."""
+    args = get_args(annotation)
+    if get_origin(annotation) is Annotated:
+        key = next((m.discriminator for m in args[1:] if isinstance(getattr(m, "discriminator", None), str)), "")
+        if key:
+            return key, {get_args(m.model_fields[key].annotation)[0]: m for m in get_args(args[0])}
+    if get_origin(annotation) in (Union, UnionType):
+        return next((found for found in map(_tagged_members, args) if found[1]), ("", {}))
+    return "", {}
+
+
+class _Tagged:
+    """One member of a discriminated union as the union validates it: refused or accepted alike, its errors located
+    under its tag (pydantic's tagged union of that one choice)."""
+
+    def __init__(self, key: str, tag: str):
+        self.key, self.tag = key, tag
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.tagged_union_schema({self.tag: handler(source)}, discriminator=self.key, strict=False,
+                                               from_attributes=True)

@@ -1,7 +1,7 @@
 """How a model's layers split over a tensor-parallel group (Megatron-style), the one rule the plan, every cost model,
 calibration and the executor's tensor parallel read: query heads and the MLP's columns split evenly; KV heads split
 evenly too, or, with more devices than KV heads (as vLLM does), each device holds a copy of one; the LM head splits
-by vocabulary rows."""
+by vocabulary rows; a pipeline's stages take the layers in even runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +40,13 @@ class Sharding:
     def kv_bytes(self, model_bytes: float) -> float:
         """One device's share of K/V bytes the whole model keeps (per token, say): its KV heads' fraction."""
         return model_bytes * self.kv_heads / self.num_kv_heads
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers of each pipeline stage: an even split, the later stages taking the extra ones (stage 0 also schedules,
+    samples and runs the LM head). The executor splits its stages with this."""
+    per, extra = divmod(num_layers, pp)
+    return [per + (1 if s >= pp - extra else 0) for s in range(pp)]
 
 
 def vocab_shard(vocab_size: int, tp: int) -> int:

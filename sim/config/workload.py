@@ -57,7 +57,9 @@ class BurstConfig(StrictModel):
 
 
 class _Bounded(StrictModel):
-    """Length distributions with `min`/`max` bounds check their order."""
+    """Length distributions with `min`/`max` bounds check their order. Built on use (OnUse), as each distribution."""
+
+    model_config = ON_USE
 
     @model_validator(mode="after")
     def _ordered(self):
@@ -68,6 +70,8 @@ class _Bounded(StrictModel):
 
 class FixedLength(StrictModel):
     """Every request has length `value`."""
+
+    model_config = ON_USE
 
     dist: Literal["fixed"]
     value: int = Field(ge=1, le=MAX_LENGTH)
@@ -144,6 +148,8 @@ class ZipfLength(_Bounded):
 
 class EmpiricalLength(StrictModel):
     """Either `values` (+ optional `weights`, drawn ∝ weight) or a trace `column` to resample."""
+
+    model_config = ON_USE
 
     dist: Literal["empirical"]
     values: Optional[list[Annotated[int, Field(ge=1, le=MAX_LENGTH)]]] = None
@@ -319,8 +325,8 @@ class WorkloadConfig(StrictModel):
     seed: int = Field(default=0, ge=0)
     trace: Annotated[Optional[TraceConfig], OnUse()] = None
     arrival: Optional[ArrivalConfig] = None
-    prompt_len: Optional[LengthDist] = None
-    output_len: Optional[LengthDist] = None
+    prompt_len: Annotated[Optional[LengthDist], OnUse()] = None
+    output_len: Annotated[Optional[LengthDist], OnUse()] = None
     num_requests: Optional[int] = Field(default=None, gt=0, le=MAX_REQUESTS)
     duration_s: Optional[float] = Field(default=None, gt=0)
     bursts: Annotated[list[BurstConfig], OnUse()] = []

@@ -1,6 +1,8 @@
 """The cost side of a resolved plan: its step-cost model, the pricer of its steps and the simulator's drafter."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sim.config.errors import ConfigError
 from sim.config.expert_parallel import ExpertLayout
 from sim.config.hardware import LINK_FIELDS, as_in_catalog
@@ -10,15 +12,15 @@ from sim.config.plan import Plan
 from sim.config.sharding import shard
 from sim.cost.blocks import StepBlocks, step_blocks
 from sim.cost.comm import Collectives, Interconnect, MeasuredCollectives
-from sim.cost.fitted import FittedCostModel
 from sim.cost.gpu import VLLM_PER_SEQ_OVERHEAD_S, VLLM_STEP_OVERHEAD_S, KernelCostModel, Refinement
 from sim.cost.kernels import KERNEL_ENGINES, DeviceKernels, engine_kernels, kernel_report, load_accuracy, load_kernels
 from sim.cost.nccl import NcclCollectives, engine_collectives
-from sim.cost.parallel import ParallelFittedCostModel
 from sim.cost.pricer import StepPricer
 from sim.cost.roofline import RooflineCostModel
-from sim.cost.speculation import SpeculationModel, reference_step_s
 from sim.cost.step import StepCostModel
+
+if TYPE_CHECKING:
+    from sim.cost.speculation import SpeculationModel
 
 ROOFLINE_STEP_OVERHEAD_S = 2e-3
 ROOFLINE_PER_SEQ_OVERHEAD_S = 2e-5
@@ -36,6 +38,9 @@ def make_cost_model(plan: Plan) -> StepCostModel:
         if plan.expert_layout.data_parallel_size > 1:
             raise ConfigError(f"{c.profile.path.name} fitted one engine's steps; it prices no data-parallel ranks; "
                               "allowed: data_parallel_size 1 with a profile, or no profile", "cost_model.profile")
+        from sim.cost.fitted import FittedCostModel  # a fitted profile's models: most scenarios name none
+        from sim.cost.parallel import ParallelFittedCostModel
+
         fitted = FittedCostModel.from_profile(c.profile)
         if c.profile.parallel == (1, 1) and plan.sharding.tp * plan.pipeline_parallel_size > 1:
             coefs, knot, ramp_knot = c.profile.forward
@@ -171,6 +176,8 @@ def speculation_model(plan: Plan, replica: int, draw: int = 0, cost: StepCostMod
     spec = plan.speculative
     if spec is None:
         return None
+    from sim.cost.speculation import SpeculationModel, reference_step_s  # speculative plans alone load it
+
     seed = plan.workload.seed * 1000 + replica + 7919 * draw
     scale = reference_step_s(cost or make_cost_model(plan)) / spec.draft_s_reference_step \
         if spec.draft_s_reference_step else 1.0

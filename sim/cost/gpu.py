@@ -28,12 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sim.config.engines import EngineProfile
-from sim.config.sharding import vocab_shard
+from sim.config.sharding import stage_layers, vocab_shard
 from sim.cost.blocks import PASS_FITS, AttentionGroup, StepBlocks, prompt_keys, prompt_pairs
 from sim.cost.comm import Collectives
 from sim.cost.engine import HostCost, launch_floor_s, padded_tokens, with_launches
 from sim.cost.kernels import AttentionTerms, DeviceKernels, GemmFit, grouped_gemm_time, pass_time
-from sim.cost.parallel import stage_layers
 from sim.cost.roofline import DEQUANT_OVERHEAD
 from sim.cost.step import (
     PricesStages,

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
+from sim.config.hardware import kernels_file
 from sim.config.sharding import LayerShape, shard
 
 KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
@@ -211,14 +212,14 @@ def layer_passes(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: i
 @lru_cache(maxsize=4)
 def load_kernels(path: Path = KERNELS_PATH) -> tuple[dict[str, DeviceKernels], dict]:
     """(fitted devices by catalog name, fitted collectives by system) from the shipped file."""
-    data = json.loads(Path(path).read_text())
+    data = kernels_file(path)
     return {name: DeviceKernels.from_json(d) for name, d in data["devices"].items()}, data["collectives"]
 
 
 @lru_cache(maxsize=4)
 def load_accuracy(path: Path = KERNELS_PATH) -> dict:
     """The fits' error on what they left out, by device, and the roofline's on the same measurements."""
-    return json.loads(Path(path).read_text()).get("accuracy", {})
+    return kernels_file(path).get("accuracy", {})
 
 
 def version_key(version: str) -> tuple:

@@ -16,7 +16,7 @@ stream crosses between stages and the sampling rows' hidden states come back. A 
 from __future__ import annotations
 
 from sim.config.models import ModelSpec
-from sim.config.sharding import vocab_shard
+from sim.config.sharding import stage_layers, vocab_shard
 from sim.cost.comm import MeasuredCollectives
 from sim.cost.fitted import FittedCostModel, parts_of
 from sim.cost.step import PricesStages, Stages, StepCost, decode_run
@@ -29,13 +29,6 @@ LAYER_TERMS = ("new_tokens", "ramp_tokens", "decode_seqs", "prefill_seqs", "has_
                "has_verify", "attn_pairs", "kv_tokens", "prefill_kv")
 WEIGHT_TERMS = ("few_tokens",)
 STAGE_TERMS = ("step",)
-
-
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers of each pipeline stage: an even split, the later stages taking the extra ones (stage 0 also schedules,
-    samples and runs the LM head). The executor splits its stages with this."""
-    per, extra = divmod(num_layers, pp)
-    return [per + (1 if s >= pp - extra else 0) for s in range(pp)]
 
 
 class ParallelFittedCostModel(PricesStages):

@@ -1,11 +1,9 @@
 """One `build` for the seam: the policy objects a resolved plan runs, on either clock."""
 from __future__ import annotations
 
-from sim.config.kv_groups import kv_groups
 from sim.config.plan import Plan
 from sim.config.sharding import shard
 from sim.policy.block_manager import BlockAllocator, PrefixCachingAllocator
-from sim.policy.hybrid_allocator import HybridBlockAllocator
 from sim.policy.router import make_router
 from sim.policy.scheduler import Scheduler, make_scheduler
 
@@ -16,6 +14,8 @@ def make_allocator(plan: Plan) -> BlockAllocator:
     """The plan's KV block allocator (paged, with or without prefix caching, or one max-length block per
     sequence; a hybrid model's groups by attention kind)."""
     if plan.kv_groups is not None:
+        from sim.policy.hybrid_allocator import HybridBlockAllocator  # hybrid models alone: most runs never load it
+
         return HybridBlockAllocator(plan.kv_groups, plan.num_blocks, plan.kv_watermark, plan.num_swap_blocks,
                                     plan.scheduler.prefill_chunk_size, plan.enable_prefix_caching)
     if plan.enable_prefix_caching:
@@ -31,6 +31,9 @@ def model_allocator(model, num_blocks: int, block_size: int, max_model_len: int,
     sweep's engines, tests): a hybrid model's groups by attention kind (`step_tokens`: the most tokens of a sequence
     one step computes), else paged blocks, with or without prefix caching."""
     if model.hybrid:
+        from sim.config.kv_groups import kv_groups
+        from sim.policy.hybrid_allocator import HybridBlockAllocator
+
         groups = kv_groups(model, shard(model, 1), block_size, max_model_len, prefix_caching, model.num_layers)
         return HybridBlockAllocator(groups, num_blocks, 0.0, num_swap_blocks, step_tokens, prefix_caching)
     if prefix_caching:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from sim.cost.speculation import estimate_alpha
 from sim.policy.request import Request, Status
 from sim.report.definitions import per_request, run_end, summaries
 
@@ -310,6 +309,8 @@ def speculation_summary(spec: np.ndarray, output_len: np.ndarray) -> dict:
     """report.json's speculative section from per-request (drafted, accepted, verify steps, rejections) and
     output lengths: α (the simulator's acceptance_rate) and the share of decode steps that had drafts (its
     proposal_rate; prompt lookup finds no match in the others)."""
+    from sim.cost.speculation import estimate_alpha  # speculative runs alone load it
+
     drafted, accepted, steps, rejections = (int(x) for x in spec.sum(axis=0))
     # every decode step yields one token plus its accepted drafts; the first token comes from the prefill
     decode_steps = int(np.maximum(output_len - 1 - spec[:, 1], 0).sum())
@@ -324,6 +325,8 @@ def request_rates(spec: np.ndarray, output_len: np.ndarray) -> list[list[float]]
     """[proposal_rate, α] of each request that decoded, rounded to 3 places: the scenario's
     speculative.request_rates, from per-request (drafted, accepted, verify steps, rejections) and output lengths.
     α of a request that never drafted is 0 (it is never asked)."""
+    from sim.cost.speculation import estimate_alpha
+
     out = []
     for (_, accepted, steps, rejections), n in zip(spec.tolist(), output_len.tolist()):
         decode_steps = n - 1 - accepted

@@ -12,7 +12,8 @@ from sim.config.plan import Plan
 from sim.cost.build import describe_cost
 from sim.report.definitions import describe as describe_definitions
 from sim.report.metrics import RequestRecords, compute_metrics, measured, per_request_latency, summarize
-from sim.report.stages import print_stages, stage_sections
+from sim.report.stages import stage_sections, stages_table
+from sim.report.text_table import text_table
 
 GiB = 2**30
 
@@ -332,15 +333,14 @@ def cost_line(c: dict) -> str:
     return f"datasheet roofline, no measured kernels for this device{off.replace('held out: ', '')}"
 
 
-def _print_cost_model(priced: dict | None, console) -> None:
+def _cost_model_lines(priced: dict | None) -> list[str]:
     """What priced the steps (per pool for disaggregated runs) and the engine they ran on."""
     if not priced:
-        return
+        return []
     sources = priced.values() if "source" not in priced else [priced]
-    console.print("priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)))
     engines = [c["engine"] for c in sources if "engine" in c]
-    if engines:
-        console.print("engine: " + "; ".join(dict.fromkeys(engine_line(e) for e in engines)))
+    return ["priced by: " + "; ".join(dict.fromkeys(cost_line(c) for c in sources)),
+            *(["engine: " + "; ".join(dict.fromkeys(engine_line(e) for e in engines))] if engines else [])]
 
 
 def engine_line(e: dict) -> str:
@@ -367,52 +367,41 @@ def client_line(c: dict) -> str:
     return f"client: {tool}, {way}{warm}"
 
 
-def latency_table(report: dict, defined_by: str = ""):
-    """The latency quantiles in ms as a rich Table; `defined_by`: whose definitions, in a word."""
-    from rich.table import Table
-
-    t = Table("latency (ms)" + defined_by, "mean", "p50", "p90", "p99")
-    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
-        v = report[key]
-        t.add_row(label, *(_fmt(v[q]) for q in ("mean", "p50", "p90", "p99")))
-    return t
+def latency_table(report: dict, defined_by: str = "") -> str:
+    """The latency quantiles in ms as a text table; `defined_by`: whose definitions, in a word."""
+    rows = [[label, *(_fmt(report[key][q]) for q in ("mean", "p50", "p90", "p99"))]
+            for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))]
+    return text_table(["latency (ms)" + defined_by, "mean", "p50", "p90", "p99"], rows)
 
 
-def print_summary(report: dict, console=None) -> None:
-    """The console table: latency quantiles in ms, throughput, SLOs, memory and cost."""
-    from rich.console import Console
-
-    console = console or Console()
+def summary_text(report: dict) -> str:
+    """The console summary: latency quantiles in ms, throughput, SLOs, memory and cost."""
     rq = report["requests"]
-    console.print(scenario_line(report))
-    console.print(f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
-                  + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()))
     client = report.get("client")
-    console.print(latency_table(report, f", {report['latency_definitions']['word']}" if client else ""))
-    print_stages(report, console)
     th = report["throughput"]
-    console.print(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
-                  f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s")
-    console.print(slo_line(report))
-    console.print(kv_line(report["kv_cache"]))
-    _print_sections(report, console, (("max_concurrency", concurrency_line), ("client", client_line),
-                                      ("closed_loop", closed_loop_line), ("conversations", conversations_line)))
-    for name, pool in report.get("pools", {}).items():
-        console.print(pool_line(name, pool))
-    _print_sections(report, console, (("kv_transfer", kv_transfer_line), ("speculative", speculative_line)))
-    _print_cost_model(report.get("cost_model"), console)
     cost = report["cost"]
     per_m = cost["usd_per_million_output_tokens"]
-    console.print(f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
-                  + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s")
+    lines = [scenario_line(report),
+             f"requests: {rq['arrived']} arrived, {rq['completed']} completed, {rq['rejected']} rejected"
+             + "".join(f"\n  rejected: {n} × {why}" for why, n in rq["rejected_by_reason"].items()),
+             latency_table(report, f", {report['latency_definitions']['word']}" if client else ""),
+             stages_table(report),
+             f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} output tok/s, "
+             f"{th['total_tokens_per_s']:.1f} total tok/s; goodput {report['goodput_requests_per_s']:.2f} req/s",
+             slo_line(report), kv_line(report["kv_cache"]),
+             *_section_lines(report, (("max_concurrency", concurrency_line), ("client", client_line),
+                                      ("closed_loop", closed_loop_line), ("conversations", conversations_line))),
+             *(pool_line(name, pool) for name, pool in report.get("pools", {}).items()),
+             *_section_lines(report, (("kv_transfer", kv_transfer_line), ("speculative", speculative_line))),
+             *_cost_model_lines(report.get("cost_model")),
+             f"cost: ${cost['usd_per_hour']:.2f}/h" + (f", ${per_m:.3f} per 1M output tokens" if per_m else "")
+             + f"; {'simulated' if report['engine'] == 'sim' else 'served'} in {report['wall_time_s']:.2f} s"]
+    return "\n".join(x for x in lines if x)
 
 
-def _print_sections(report: dict, console, lines: tuple) -> None:
+def _section_lines(report: dict, lines: tuple) -> list[str]:
     """Each (key, line) of `lines` whose section the report has (and is not empty): that section's line."""
-    for key, line in lines:
-        section = report.get(key)
-        if section:
-            console.print(line(section))
+    return [line(report[key]) for key, line in lines if report.get(key)]
 
 
 def _layout(tp: int, pp: int) -> str:
@@ -423,7 +412,7 @@ def _layout(tp: int, pp: int) -> str:
 def scenario_line(report: dict) -> str:
     """The summary's first line: the scenario, its model on what, and how it was run."""
     s = report["scenario"]
-    return (f"[bold]{s['name']}[/]  {s['model']} on {s['replicas']}× {s['hardware']}"
+    return (f"{s['name']}  {s['model']} on {s['replicas']}× {s['hardware']}"
             + _layout(s.get("tensor_parallel_size", 1), s.get("pipeline_parallel_size", 1)) + "  "
             f"({report['engine']}, {s['batching']} batching, {s['kv_allocator']} KV)")
 

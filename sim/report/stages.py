@@ -9,6 +9,7 @@ import numpy as np
 
 from sim.config.stages import stage_bounds
 from sim.report.metrics import RequestRecords, compute_metrics, summarize_gaps
+from sim.report.text_table import text_table
 
 # a stage kept up when this share of its requests completed ...
 KEEPS_UP_COMPLETED = 0.99
@@ -61,20 +62,16 @@ def stage_sections(plan, rec: RequestRecords) -> list[dict]:
     return out
 
 
-def print_stages(report: dict, console) -> None:
-    """The console's per-stage table, when the report has stages."""
-    from rich.table import Table
-
+def stages_table(report: dict) -> str:
+    """The console's per-stage table, when the report has stages ('' when not)."""
     stages = report.get("stages")
     if not stages:
-        return
-    t = Table("stage", "rate", "sent/s", "done", "TTFT ms", "TPOT ms", "E2E s", "kept up",
-              title="per stage: the rate asked and sent; means of TTFT and TPOT, E2E p50")
-    for s in stages:
-        t.add_row(str(s["stage"]), f"{s['rate']:g}", _num(s["achieved_rate"]),
-                  f"{s['requests']['completed']}/{s['sent']}", _num(s["ttft_s"]["mean"], 1000),
-                  _num(s["tpot_s"]["mean"], 1000), _num(s["e2e_s"]["p50"]), "yes" if s["keeps_up"] else "no")
-    console.print(t)
+        return ""
+    rows = [[str(s["stage"]), f"{s['rate']:g}", _num(s["achieved_rate"]), f"{s['requests']['completed']}/{s['sent']}",
+             _num(s["ttft_s"]["mean"], 1000), _num(s["tpot_s"]["mean"], 1000), _num(s["e2e_s"]["p50"]),
+             "yes" if s["keeps_up"] else "no"] for s in stages]
+    return text_table(["stage", "rate", "sent/s", "done", "TTFT ms", "TPOT ms", "E2E s", "kept up"], rows,
+                      title="per stage: the rate asked and sent; means of TTFT and TPOT, E2E p50")
 
 
 def _num(x, scale: float = 1.0) -> str:

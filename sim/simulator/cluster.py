@@ -15,7 +15,6 @@ from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request
 from sim.report.metrics import RequestRecords, records_from_requests, summarize_gaps
-from sim.simulator.disaggregated import simulate_pools
 from sim.simulator.engines import Arrivals, Done, RunResult, SameInstant, make_engines, make_pipeline, run_env, trace_of
 
 __all__ = ["Done", "RunResult", "make_pipeline", "simulate", "sim_records", "itl_sample"]
@@ -28,6 +27,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     `watch`, told of each request that ends (None: rejected on arrival), returns True (`RunResult.stopped`).
     `spec_draw`: which seeded sequence of speculative acceptance draws to use (0: the scenario's own)."""
     if plan.pools is not None:
+        from sim.simulator.disaggregated import simulate_pools  # disaggregated plans alone load it
+
         return simulate_pools(plan, specs, bulk, progress, watch)
     t0 = time.perf_counter()
     specs = plan_requests(plan) if specs is None else specs

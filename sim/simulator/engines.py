@@ -6,6 +6,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import simpy
@@ -18,8 +19,10 @@ from sim.policy.conversation import ended_at, reject_unsent
 from sim.policy.request import Request, Status
 from sim.policy.stages import arrival_book
 from sim.report.trace import ReplicaTrace
-from sim.simulator.pipeline import Pipeline
 from sim.simulator.replica import Replica
+
+if TYPE_CHECKING:
+    from sim.simulator.pipeline import Pipeline
 
 
 @dataclass
@@ -70,6 +73,8 @@ class SameInstant:
 
 def make_pipeline(env: simpy.Environment, plan: Plan) -> Pipeline:
     """The stages of one pipelined replica (its engines' steps come priced by stage: make_pricer)."""
+    from sim.simulator.pipeline import Pipeline  # pipeline-parallel plans alone load it
+
     return Pipeline(env, plan.pipeline_parallel_size)
 
 
