@@ -579,7 +579,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         _no_command(argv)
     _, fn = COMMANDS[argv[0]]
-    fn(**vars(command_parser(argv[0]).parse_intermixed_args(argv[1:])))
+    try:
+        fn(**vars(command_parser(argv[0]).parse_intermixed_args(argv[1:])))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (serve --http drains on its own and returns)
+        print(f"infersim: interrupted: {argv[0]}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

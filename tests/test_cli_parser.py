@@ -123,3 +123,14 @@ def test_the_environment_is_the_callers_again():
     before = dict(os.environ)
     run_cli(["models", "--help"], env={"COLUMNS": "99"})
     assert dict(os.environ) == before
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
+    import infersim.commands.catalogs as catalogs
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(catalogs, "print_hardware", interrupted)
+    r = run_cli(["hardware"])
+    assert r.exit_code == 130 and r.stderr == "infersim: interrupted: hardware\n" and r.stdout == ""
