@@ -8,7 +8,7 @@ change), each figure taken in fresh processes, the two trees alternating so that
 - the whole `infersim --help` process, and the whole `infersim run` process on the Vidur-sized workload
   (bench/scenarios/vidur_llama2_7b_a100.yaml: Llama-2-7B on one A100, 10,000 requests, 4 req/s, 512/128 tokens);
 - the floor beside them, alike in every tree: a bare `python -c pass` process and a fresh process importing the
-  third-party libraries a run needs (numpy, pydantic, typer, simpy, PyYAML) with one OpenBLAS thread, as
+  third-party libraries a run needs (numpy, pydantic, simpy, PyYAML) with one OpenBLAS thread, as
   `infersim run` loads them, so the report says how far above the floor the project's own start-up is.
 
 Every process reads byte-code compiled once into a scratch PYTHONPYCACHEPREFIX (a first run per tree, not counted,
@@ -40,7 +40,7 @@ CLI = ("import sys; sys.stderr.write('" + MARK + "\\n'); sys.argv = ['infersim',
        "from infersim.cli import main; main()")
 
 
-FLOOR = "import numpy, pydantic, typer, simpy, yaml"  # the third-party libraries `infersim run` needs
+FLOOR = "import numpy, pydantic, simpy, yaml"  # the third-party libraries `infersim run` needs
 PYCACHE = Path(tempfile.gettempdir()) / f"startup_pycache_{os.getpid()}"  # byte-code for every tree, compiled once
 
 

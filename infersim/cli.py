@@ -1,84 +1,134 @@
-"""`infersim`: the command line. Thin: parses flags and calls the command's module (infersim/commands/), imported only
-when that command runs, so that `infersim --help` or `infersim run` loads nothing another command needs.
+"""`infersim`: the command line. Thin: parses flags (argparse) and calls the command's module (infersim/commands/),
+imported only when that command runs, so that `infersim --help` or `infersim run` loads nothing another command needs.
 Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, List, Optional
-
-import typer
-import typer.core
-from typer.core import TyperGroup
+from typing import Callable, List, NoReturn, Optional
 
 from infersim.inputs import check_distinct, default_scenario_path, prepare_out, require_executor
 from infersim.progress import progress_bar
 from sim.config.errors import ConfigError
 
-# typer >= 0.2x parses with its own copy of click, older ones with click itself
-_UsageError = getattr(getattr(typer.core, "_click", None), "exceptions", None)
-if _UsageError is None:
-    import click.exceptions as _UsageError
-_UsageError = _UsageError.UsageError
-
-
-class _OneLineUsage(TyperGroup):
-    """A mistake in a command's flags or arguments (a value out of range, a missing argument, an unknown option or
-    command) is bad input like any other: one line and exit code 2, not a usage panel."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except _UsageError as e:
-            sub = f" {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else ""
-            print(f"infersim: error: {' '.join(e.format_message().split())[:240]} (see infersim{sub} --help)",
-                  file=sys.stderr)
-            raise typer.Exit(2) from None
-
-
-app = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True,
-                  help="infersim: capacity planning for LLM inference serving (simulate, then validate).")
+HELP = "infersim: capacity planning for LLM inference serving (simulate, then validate)."
 MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
-# options several commands take alike: one declaration, the same flag and help everywhere
-Device = Annotated[str, typer.Option("--device", help="cpu or cuda")]
-Threads = Annotated[Optional[int], typer.Option("--threads", min=1, max=MAX_THREADS,
-                                                help="torch CPU threads (default: all cores)")]
-# the options of the commands that train a drafter (distill, train-medusa, train-eagle); each its own defaults
-VocabSize = Annotated[int, typer.Option("--vocab-size", min=16, help="tokens the drafter can propose")]
-TrainMinutes = Annotated[float, typer.Option("--train-minutes", min=0.0, max=MAX_MINUTES, help="training time budget")]
-MaxNew = Annotated[int, typer.Option("--max-new", min=1, help="longest answer of the target model generated to "
-                                     "train on")]
-DrafterProfile = Annotated[Optional[Path], typer.Option("--profile", help="fitted profile that prices each candidate "
-                                                        "tree or chain (default: calibration/profiles/cpu.json)")]
-Endpoint = Annotated[Optional[str], typer.Option("--endpoint", help="a running OpenAI-compatible server (URL, e.g. "
-                                                 "http://localhost:8000/v1) to measure instead of the executor")]
-EndpointModel = Annotated[Optional[str], typer.Option("--served-model", help="--endpoint: the model's name there "
-                                                      "(default: the one it serves)")]
-EndpointTokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="--endpoint: a local tokenizer (HF "
-                                                          "folder or GGUF) where the server has no /tokenize")]
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake in a command's flags or arguments (a value out of range, a missing argument, an unknown option or
+    command) is bad input like any other: one line and exit code 2, not argparse's usage and error lines."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.removeprefix("argument ").split())[:240]
+        print(f"infersim: error: {text} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class Bounded:
+    """A number flag's type: its text parsed as `kind` and refused outside [low, high] (argparse names the flag)."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None):
+        self.kind, self.low, self.high = kind, low, high
+        self.__name__ = "an integer" if kind is int else "a number"  # argparse's word for a value it cannot parse
+        if low is not None and high is not None:
+            self.allowed = f"{self.__name__} from {low} to {high}"
+        elif low is not None or high is not None:
+            self.allowed = f"{self.__name__} at {'least' if high is None else 'most'} {high if low is None else low}"
+        else:
+            self.allowed = self.__name__
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.__name__}") from None
+        if not ((self.low is None or value >= self.low) and (self.high is None or value <= self.high)):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {self.allowed}")
+        return value
+
+
+class _Help(argparse.HelpFormatter):
+    """Each option's help followed by its bounds and its default, where it has them (None and off say nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if isinstance(action.type, Bounded) and action.type.allowed != action.type.__name__:
+            text += f" [{action.type.allowed}]"
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            text += " [default: %(default)s]"
+        return text
+
+
+Arg = tuple[tuple[str, ...], dict]
+COMMANDS: dict[str, tuple[tuple[Arg, ...], Callable[..., None]]] = {}  # name: (its arguments, its function)
+
+
+def _arg(*names: str, **options) -> Arg:
+    """One argument or option of a command, as argparse's add_argument takes it; an option's value is named after
+    its flag in the help (--profile PROFILE, whatever the parameter it fills)."""
+    if names[0].startswith("--") and options.get("action", "append") == "append":
+        options.setdefault("metavar", names[0][2:].upper().replace("-", "_"))
+    return names, options
+
+
+def _command(name: str, *arguments: Arg) -> Callable:
+    """Registers a command under `name` with its arguments (their dests: the function's parameters); the function's
+    docstring is its help."""
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        COMMANDS[name] = (arguments, fn)
+        return fn
+    return register
 
 
 def _path(value: str) -> Path:
     """A path flag's value; an empty one (an unset shell variable) would silently mean the current folder."""
-    if isinstance(value, Path):  # a default: typer passes it through the parser too
-        return value
     if not value.strip():
-        raise typer.BadParameter("an empty path; give a folder or file name")
+        raise argparse.ArgumentTypeError("an empty path; give a folder or file name")
     return Path(value)
 
 
-def _fail(e: ConfigError) -> None:
+def _out(help: str | None = None, default: Path | None = None) -> Arg:
+    return _arg("--out", "-o", type=_path, default=default, help=help)
+
+
+def _flag(*names: str, help: str | None = None) -> Arg:
+    return _arg(*names, action="store_true", help=help)
+
+
+# options several commands take alike: one declaration, the same flag and help everywhere
+DEVICE = _arg("--device", default="cpu", help="cpu or cuda")
+THREADS = _arg("--threads", type=Bounded(int, 1, MAX_THREADS), help="torch CPU threads (default: all cores)")
+# the options of the commands that train a drafter (distill, train-medusa, train-eagle); each its own defaults
+VOCAB_SIZE = _arg("--vocab-size", type=Bounded(int, 16), default=8192, help="tokens the drafter can propose")
+MAX_NEW = _arg("--max-new", type=Bounded(int, 1), default=128, help="longest answer of the target model generated "
+               "to train on")
+DRAFTER_PROFILE = _arg("--profile", type=Path, help="fitted profile that prices each candidate tree or chain "
+                       "(default: calibration/profiles/cpu.json)")
+ENDPOINT = _arg("--endpoint", help="a running OpenAI-compatible server (URL, e.g. http://localhost:8000/v1) to "
+                "measure instead of the executor")
+ENDPOINT_MODEL = _arg("--served-model", help="--endpoint: the model's name there (default: the one it serves)")
+ENDPOINT_TOKENIZER = _arg("--tokenizer", help="--endpoint: a local tokenizer (HF folder or GGUF) where the server "
+                          "has no /tokenize")
+
+
+def _train_minutes(default: float) -> Arg:
+    return _arg("--train-minutes", dest="minutes", type=Bounded(float, 0.0, MAX_MINUTES), default=default,
+                help="training time budget")
+
+
+def _fail(e: ConfigError) -> NoReturn:
     print(f"infersim: error: {e.one_line()}", file=sys.stderr)
-    raise typer.Exit(2)
+    raise SystemExit(2)
 
 
-@app.command()
-def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
-        out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for report.json, requests.csv, plots"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
-        no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots")) -> None:
+@_command("run", _arg("scenario", type=Path, nargs="?", help="scenario YAML (default: the embedded one)"),
+          _out("folder for report.json, requests.csv, plots"), _flag("--quiet", "-q", help="no table, no progress bar"),
+          _flag("--no-plots", help="skip the PNG plots"))
+def run(scenario: Optional[Path], out: Optional[Path], quiet: bool, no_plots: bool) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
     from infersim.commands.run import run_scenario
 
@@ -88,43 +138,39 @@ def run(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (def
         _fail(e)
 
 
-def _http_bound(flag: str, low: float, high: float, help: str):
+def _http_bound(flag: str, kind: type, low: float, high: float, help: str) -> Arg:
     """A bound of serve --http's front, within [low, high]: None (the server's default) unless given."""
-    return typer.Option(None, flag, min=low, max=high, help=f"--http: {help}")
+    return _arg(flag, type=Bounded(kind, low, high), help=f"--http: {help}")
 
 
-@app.command()
-def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with real weights: SmolLM2-135M)"),
-          out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the report and the step trace"),
-          device: Device = "cpu",
-          threads: Threads = None,
-          quiet: bool = typer.Option(False, "--quiet", "-q"),
-          no_plots: bool = typer.Option(False, "--no-plots"),
-          profile: Optional[Path] = typer.Option(None, "--profile", help="fitted profile of this device (default: the "
-                                                 "scenario's cost_model.profile): a speculative scenario's overhead "
-                                                 "per step is measured against its predicted verify steps"),
-          http: bool = typer.Option(False, "--http", help="serve the scenario's model as an OpenAI-compatible HTTP "
-                                    "server (its scheduler, KV cache and limits) until Ctrl-C, instead of replaying "
-                                    "its workload; --out: the report of what it served, when it stops"),
-          host: str = typer.Option("127.0.0.1", "--host", help="--http: the address to listen on"),
-          port: int = typer.Option(8000, "--port", min=0, max=65535, help="--http: the port (0: any free one)"),
-          served_model: Optional[str] = typer.Option(None, "--served-model", help="--http: the model's name in the "
-                                                     "API (default: the scenario's model)"),
-          api_key: Optional[str] = typer.Option(None, "--api-key", help="--http: clients must send Authorization: "
-                                                "Bearer KEY; /health and /metrics stay open (default: "
-                                                "$INFERSIM_API_KEY, else no key)"),
-          max_request_bytes: Optional[int] = _http_bound("--max-request-bytes", 1024, 1 << 30, "larger request "
-                                                         "bodies get 413 unread (default 4 MiB)"),
-          max_connections: Optional[int] = _http_bound("--max-connections", 1, 1_000_000, "past this many open "
-                                                       "connections a request gets 503 (default 1024)"),
-          request_timeout: Optional[float] = _http_bound("--request-timeout", 0.1, 3600.0, "seconds a connection has "
-                                                         "to send a whole request, headers and body (default 30)"),
-          stall_timeout: Optional[float] = _http_bound("--stall-timeout", 0.1, 3600.0, "a response its client reads "
-                                                       "nothing of for this many seconds is dropped, its KV freed "
-                                                       "(default 30)"),
-          shutdown_timeout: Optional[float] = _http_bound("--shutdown-timeout", 0.0, 3600.0, "on SIGTERM or Ctrl-C, "
-                                                          "seconds requests in flight get to finish before they are "
-                                                          "cancelled (default 30)")) -> None:
+@_command("serve", _arg("scenario", type=Path, help="scenario YAML (a model with real weights: SmolLM2-135M)"),
+          _out("folder for the report and the step trace"), DEVICE, THREADS, _flag("--quiet", "-q"),
+          _flag("--no-plots"),
+          _arg("--profile", type=Path, help="fitted profile of this device (default: the scenario's "
+               "cost_model.profile): a speculative scenario's overhead per step is measured against its predicted "
+               "verify steps"),
+          _flag("--http", help="serve the scenario's model as an OpenAI-compatible HTTP server (its scheduler, KV "
+                "cache and limits) until Ctrl-C, instead of replaying its workload; --out: the report of what it "
+                "served, when it stops"),
+          _arg("--host", default="127.0.0.1", help="--http: the address to listen on"),
+          _arg("--port", type=Bounded(int, 0, 65535), default=8000, help="--http: the port (0: any free one)"),
+          _arg("--served-model", help="--http: the model's name in the API (default: the scenario's model)"),
+          _arg("--api-key", help="--http: clients must send Authorization: Bearer KEY; /health and /metrics stay "
+               "open (default: $INFERSIM_API_KEY, else no key)"),
+          _http_bound("--max-request-bytes", int, 1024, 1 << 30, "larger request bodies get 413 unread (default 4 "
+                      "MiB)"),
+          _http_bound("--max-connections", int, 1, 1_000_000, "past this many open connections a request gets 503 "
+                      "(default 1024)"),
+          _http_bound("--request-timeout", float, 0.1, 3600.0, "seconds a connection has to send a whole request, "
+                      "headers and body (default 30)"),
+          _http_bound("--stall-timeout", float, 0.1, 3600.0, "a response its client reads nothing of for this many "
+                      "seconds is dropped, its KV freed (default 30)"),
+          _http_bound("--shutdown-timeout", float, 0.0, 3600.0, "on SIGTERM or Ctrl-C, seconds requests in flight "
+                      "get to finish before they are cancelled (default 30)"))
+def serve(scenario: Path, out: Optional[Path], device: str, threads: Optional[int], quiet: bool, no_plots: bool,
+          profile: Optional[Path], http: bool, host: str, port: int, served_model: Optional[str],
+          api_key: Optional[str], max_request_bytes: Optional[int], max_connections: Optional[int],
+          request_timeout: Optional[float], stall_timeout: Optional[float], shutdown_timeout: Optional[float]) -> None:
     """Replay a scenario on the real PyTorch executor (online, requests arrive on their timestamps) and write
     the same report as `run`, with engine "executor", plus steps.jsonl and requests.jsonl; or, with --http, serve
     its model as an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -148,7 +194,7 @@ def serve(scenario: Path = typer.Argument(..., help="scenario YAML (a model with
         _fail(e)
     except WorkerError as e:  # a worker process of a parallel serve failed: one line, the partial traces written
         print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
-        raise typer.Exit(1)
+        raise SystemExit(1)
 
 
 def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int | None, out: Path | None,
@@ -163,25 +209,24 @@ def _serve_http(scenario: Path, host: str, port: int, device: str, threads: int 
                    limits=server_limits(**front))
     except EngineDied as e:
         print(f"infersim: error: {scenario}: {e}", file=sys.stderr)
-        raise typer.Exit(1) from None
+        raise SystemExit(1) from None
 
 
-@app.command()
-def profile(device: Device = "cpu",
-            model: str = typer.Option("SmolLM2-135M", "--model", help="SmolLM2-135M or a local HF checkpoint folder"),
-            out: Path = typer.Option(Path("calibration/profiles/cpu.json"), "--out", "-o", parser=_path),
-            threads: Threads = None,
-            quick: bool = typer.Option(False, "--quick", help="a smaller sweep (tests, smoke runs)"),
-            repeats: int = typer.Option(3, "--repeats", min=1, max=100, help="runs of each workload; a step's time is "
-                                        "the median over them"),
-            refit: bool = typer.Option(False, "--refit", help="no sweep: fit the step-cost model again on the "
-                                       "samples stored in the --out profile, in place"),
-            scenario: Optional[Path] = typer.Option(None, "--scenario", help="profile the executor as this scenario "
-                                                    "runs it: its model (random_weights too), its tensor- or "
-                                                    "pipeline-parallel layout, its threads"),
-            endpoint: Endpoint = None,
-            served_model: EndpointModel = None,
-            tokenizer: EndpointTokenizer = None) -> None:
+@_command("profile", DEVICE,
+          _arg("--model", default="SmolLM2-135M", help="SmolLM2-135M or a local HF checkpoint folder"),
+          _out("the profile JSON written (--refit: read and written again)",
+               default=Path("calibration/profiles/cpu.json")), THREADS,
+          _flag("--quick", help="a smaller sweep (tests, smoke runs)"),
+          _arg("--repeats", type=Bounded(int, 1, 100), default=3, help="runs of each workload; a step's time is the "
+               "median over them"),
+          _flag("--refit", help="no sweep: fit the step-cost model again on the samples stored in the --out profile, "
+                "in place"),
+          _arg("--scenario", type=Path, help="profile the executor as this scenario runs it: its model "
+               "(random_weights too), its tensor- or pipeline-parallel layout, its threads"),
+          ENDPOINT, ENDPOINT_MODEL, ENDPOINT_TOKENIZER)
+def profile(device: str, model: str, out: Path, threads: Optional[int], quick: bool, repeats: int, refit: bool,
+            scenario: Optional[Path], endpoint: Optional[str], served_model: Optional[str],
+            tokenizer: Optional[str]) -> None:
     """Time engine steps of many shapes on the executor (or a server's streams, --endpoint: the model it serves is
     --scenario's, else --model), fit the step-cost model, write a profile JSON."""
     try:
@@ -204,14 +249,12 @@ def profile(device: Device = "cpu",
         _fail(e)
 
 
-@app.command()
-def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the draft model (default: "
-                                               "~/.cache/infersim/drafts/smollm2-135m)"),
-            layers: str = typer.Option("0,1", "--layers", help="teacher layers the student starts from, comma-separated"),
-            vocab_size: VocabSize = 8192,
-            minutes: TrainMinutes = 10.0,
-            max_new: MaxNew = 128,
-            threads: Threads = None) -> None:
+
+@_command("distill", _out("folder for the draft model (default: ~/.cache/infersim/drafts/smollm2-135m)"),
+          _arg("--layers", default="0,1", help="teacher layers the student starts from, comma-separated"),
+          VOCAB_SIZE, _train_minutes(10.0), MAX_NEW, THREADS)
+def distill(out: Optional[Path], layers: str, vocab_size: int, minutes: float, max_new: int,
+            threads: Optional[int]) -> None:
     """Distill SmolLM2-135M into a small draft model for speculative decoding (method: draft_model)."""
     from infersim.commands.catalogs import model_catalog
     from infersim.commands.training import distill as train_draft
@@ -234,17 +277,15 @@ def distill(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path
         _fail(e)
 
 
-@app.command("train-medusa")
-def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the heads (default: the "
-                                                    "ones shipped in executor/data/medusa-smollm2-135m)"),
-                 num_heads: int = typer.Option(3, "--heads", min=1, max=8, help="K: head d guesses d + 1 tokens on"),
-                 vocab_size: VocabSize = 8192,
-                 minutes: TrainMinutes = 4.0,
-                 max_new: MaxNew = 128,
-                 threads: Threads = None,
-                 profile: DrafterProfile = None,
-                 retree: bool = typer.Option(False, "--retree", help="no training: pick the candidate tree of the "
-                                             "heads in --out again for --profile (after re-profiling)")) -> None:
+
+@_command("train-medusa", _out("folder for the heads (default: the ones shipped in executor/data/medusa-smollm2-135m)"),
+          _arg("--heads", dest="num_heads", type=Bounded(int, 1, 8), default=3, help="K: head d guesses d + 1 tokens "
+               "on"),
+          VOCAB_SIZE, _train_minutes(4.0), MAX_NEW, THREADS, DRAFTER_PROFILE,
+          _flag("--retree", help="no training: pick the candidate tree of the heads in --out again for --profile "
+                "(after re-profiling)"))
+def train_medusa(out: Optional[Path], num_heads: int, vocab_size: int, minutes: float, max_new: int,
+                 threads: Optional[int], profile: Optional[Path], retree: bool) -> None:
     """Train Medusa-1 heads on SmolLM2-135M's own generations and pick their candidate tree."""
     from infersim.commands.training import train_medusa as train_heads
 
@@ -259,16 +300,13 @@ def train_medusa(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=
         _fail(e)
 
 
-@app.command("train-eagle")
-def train_eagle(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for the head (default: the "
-                                                   "one shipped in executor/data/eagle-smollm2-135m)"),
-                steps: int = typer.Option(3, "--steps", min=1, max=8, help="chain steps unrolled in training: the "
-                                          "deepest draft it is trained for"),
-                vocab_size: VocabSize = 8192,
-                minutes: TrainMinutes = 12.0,
-                max_new: MaxNew = 128,
-                threads: Threads = None,
-                profile: DrafterProfile = None) -> None:
+
+@_command("train-eagle", _out("folder for the head (default: the one shipped in executor/data/eagle-smollm2-135m)"),
+          _arg("--steps", type=Bounded(int, 1, 8), default=3, help="chain steps unrolled in training: the deepest "
+               "draft it is trained for"),
+          VOCAB_SIZE, _train_minutes(12.0), MAX_NEW, THREADS, DRAFTER_PROFILE)
+def train_eagle(out: Optional[Path], steps: int, vocab_size: int, minutes: float, max_new: int,
+                threads: Optional[int], profile: Optional[Path]) -> None:
     """Train an EAGLE head (one decoder layer over SmolLM2-135M's hidden states) and pick its chain or tree."""
     from infersim.commands.training import train_eagle as train_head
 
@@ -280,47 +318,42 @@ def train_eagle(out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_
         _fail(e)
 
 
-@app.command()
-def validate(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (or folders of them) with a model "
-                                                               "that has real weights"),
-             out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for validation.json and the CDF plot "
-                                                "(one subfolder per scenario when there are several)"),
-             device: Device = "cpu",
-             profile_path: Optional[Path] = typer.Option(None, "--profile",
-                                                         help="default: calibration/profiles/DEVICE.json"),
-             threads: Threads = None,
-             repeat: int = typer.Option(1, "--repeat", min=1, max=100, help="executor runs per scenario: real is their "
-                                        "mean, and two or more report the real-vs-real spread"),
-             real_from: Optional[Path] = typer.Option(None, "--real-from", help="score the executor runs recorded "
-                                                      "by an earlier `validate --out DIR` (DIR) instead of running "
-                                                      "them: e.g. to compare a new profile on the same runs"),
-             alongside: Optional[Path] = typer.Option(None, "--profile-alongside", help="profile the device again "
-                                                      "while validating (a slice of the sweep before each executor "
-                                                      "run and after the last; ~4 min more for SmolLM2 on a CPU), "
-                                                      "write it here and predict with it: profile and runs then "
-                                                      "see the machine in the same minutes"),
-             capacity: bool = typer.Option(False, "--capacity", help="validate capacity instead: the highest "
-                                           "arrival rate meeting the SLOs (a closed loop: the most users), found by "
-                                           "a search of real serves (the scenario's requests, their gaps scaled) "
-                                           "and predicted on the same grid; writes capacity.json"),
-             precision: float = typer.Option(0.05, "--precision", min=0.01, max=1.0, help="--capacity: the rate "
-                                             "grid's step (capacity is found within it)"),
-             requests: Optional[int] = typer.Option(None, "--requests", min=2, help="--capacity: probe with this "
-                                                    "many requests of the scenario's workload instead (a longer "
-                                                    "probe judges keeping up more finely)"),
-             endpoint: Endpoint = None,
-             served_model: EndpointModel = None,
-             tokenizer: EndpointTokenizer = None,
-             chat: bool = typer.Option(False, "--chat", help="--endpoint: send /v1/chat/completions (the server's "
-                                       "chat template around each prompt) instead of /v1/completions"),
-             timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="--endpoint: a request "
-                                                     "not done this many seconds after it was sent ends rejected"),
-             published: Optional[Path] = typer.Option(None, "--published", parser=_path, help="score the "
-                                                      "simulation per stage against a real run's published figures "
-                                                      "(JSON: scenarios/gpu_validation/published/) instead")
-             ) -> None:
+
+@_command("validate",
+          _arg("scenarios", type=Path, nargs="+", help="scenario YAMLs (or folders of them) with a model that has "
+               "real weights"),
+          _out("folder for validation.json and the CDF plot (one subfolder per scenario when there are several)"),
+          DEVICE, _arg("--profile", dest="profile_path", type=Path, help="default: calibration/profiles/DEVICE.json"),
+          THREADS,
+          _arg("--repeat", type=Bounded(int, 1, 100), default=1, help="executor runs per scenario: real is their "
+               "mean, and two or more report the real-vs-real spread"),
+          _arg("--real-from", type=Path, help="score the executor runs recorded by an earlier `validate --out DIR` "
+               "(DIR) instead of running them: e.g. to compare a new profile on the same runs"),
+          _arg("--profile-alongside", dest="alongside", type=Path, help="profile the device again while validating "
+               "(a slice of the sweep before each executor run and after the last; ~4 min more for SmolLM2 on a "
+               "CPU), write it here and predict with it: profile and runs then see the machine in the same minutes"),
+          _flag("--capacity", help="validate capacity instead: the highest arrival rate meeting the SLOs (a closed "
+                "loop: the most users), found by a search of real serves (the scenario's requests, their gaps "
+                "scaled) and predicted on the same grid; writes capacity.json"),
+          _arg("--precision", type=Bounded(float, 0.01, 1.0), default=0.05, help="--capacity: the rate grid's step "
+               "(capacity is found within it)"),
+          _arg("--requests", type=Bounded(int, 2), help="--capacity: probe with this many requests of the "
+               "scenario's workload instead (a longer probe judges keeping up more finely)"),
+          ENDPOINT, ENDPOINT_MODEL, ENDPOINT_TOKENIZER,
+          _flag("--chat", help="--endpoint: send /v1/chat/completions (the server's chat template around each "
+                "prompt) instead of /v1/completions"),
+          _arg("--timeout", type=Bounded(float, 0.001), help="--endpoint: a request not done this many seconds "
+               "after it was sent ends rejected"),
+          _arg("--published", type=_path, help="score the simulation per stage against a real run's published "
+               "figures (JSON: scenarios/gpu_validation/published/) instead"))
+def validate(scenarios: List[Path], out: Optional[Path], device: str, profile_path: Optional[Path],
+             threads: Optional[int], repeat: int, real_from: Optional[Path], alongside: Optional[Path],
+             capacity: bool, precision: float, requests: Optional[int], endpoint: Optional[str],
+             served_model: Optional[str], tokenizer: Optional[str], chat: bool, timeout: Optional[float],
+             published: Optional[Path]) -> None:
     """Run scenarios on the executor (or replay one against a server, --endpoint) and in the simulator (--profile,
-    else the scenario's cost model); print real vs sim and the % error per metric. With --published, score the simulation against a real run's published figures."""
+    else the scenario's cost model); print real vs sim and the % error per metric. With --published, score the
+    simulation against a real run's published figures."""
     runs = [("--real-from", real_from), ("--profile-alongside", alongside), ("--threads", threads),
             ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None), ("--requests", requests),
             ("--device", device if device != "cpu" else None)]  # what only runs of the executor take
@@ -360,7 +393,7 @@ def _validate_runs(scenarios: List[Path], out, device, profile_path, threads, re
         _fail(e)
     except WorkerError as e:  # a worker process of a parallel or disaggregated serve failed: one line
         print(f"infersim: error: {e}", file=sys.stderr)
-        raise typer.Exit(1)
+        raise SystemExit(1)
     if capacity:
         command.print_capacity(results, device, prof)
     else:
@@ -402,13 +435,14 @@ def _validate_published(scenarios: List[Path], published: Path, out, others: lis
     print_published(result, out)
 
 
-@app.command()
-def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, target, space, search"),
-           out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for search.json, search.md, pareto.png"),
-           backend: str = typer.Option("local", "--backend", help="local (processes on this machine) or ray"),
-           address: Optional[str] = typer.Option(None, "--address", help="ray: the cluster (default: a local Ray)"),
-           workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: processes (default: cores)"),
-           quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
+
+@_command("search", _arg("spec", type=Path, help="search spec YAML: scenario, target, space, search"),
+          _out("folder for search.json, search.md, pareto.png"),
+          _arg("--backend", default="local", help="local (processes on this machine) or ray"),
+          _arg("--address", help="ray: the cluster (default: a local Ray)"),
+          _arg("--workers", type=Bounded(int, 1), help="local: processes (default: cores)"), _flag("--quiet", "-q"))
+def search(spec: Path, out: Optional[Path], backend: str, address: Optional[str], workers: Optional[int],
+           quiet: bool) -> None:
     """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
     from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
 
@@ -425,18 +459,19 @@ def search(spec: Path = typer.Argument(..., help="search spec YAML: scenario, ta
         print_search(result, out)
 
 
-@app.command()
-def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (the first one's workload runs on all)"),
-            sweep: Optional[List[str]] = typer.Option(None, "--sweep", help="KEY=V1,V2,...: one scenario, one key "
-                                                      "swept (several keys: `infersim search`)"),
-            out: Optional[Path] = typer.Option(None, "--out", "-o", parser=_path, help="folder for compare.json, compare.md, cdf.png"),
-            quiet: bool = typer.Option(False, "--quiet", "-q")) -> None:
+
+@_command("compare", _arg("scenarios", type=Path, nargs="+", help="scenario YAMLs (the first one's workload runs on "
+                          "all)"),
+          _arg("--sweep", action="append", help="KEY=V1,V2,...: one scenario, one key swept (several keys: "
+               "`infersim search`)"),
+          _out("folder for compare.json, compare.md, cdf.png"), _flag("--quiet", "-q"))
+def compare(scenarios: List[Path], sweep: Optional[List[str]], out: Optional[Path], quiet: bool) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
     from infersim.commands.compare import compare_files, print_comparison, write_outputs
 
     try:
         check_distinct(scenarios)
-        if sweep and len(sweep) > 1:  # typer kept the last and dropped the others without a word
+        if sweep and len(sweep) > 1:  # one sweep a run: a second would be dropped without a word
             raise ConfigError(f"given {len(sweep)} times; allowed: once (several keys: `infersim search`)", "--sweep")
         results = compare_files(scenarios, sweep[0] if sweep else None, out)
     except ConfigError as e:
@@ -447,16 +482,15 @@ def compare(scenarios: List[Path] = typer.Argument(..., help="scenario YAMLs (th
         print_comparison(results, scenarios[0], out)
 
 
-@app.command("step-cost")
-def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAML (default: the embedded one)"),
-              new_tokens: Optional[List[int]] = typer.Option(None, "--new-tokens", help="new tokens of one sequence "
-                                                             "of the step (repeat: one per sequence); default: the "
-                                                             "scenario's typical prefill and decode steps"),
-              context: Optional[List[int]] = typer.Option(None, "--context", help="its tokens in the KV cache after "
-                                                          "the step (repeat, one per --new-tokens; default: the new "
-                                                          "tokens)"),
-              pool: Optional[str] = typer.Option(None, "--pool", help="disaggregated: prefill or decode (default: "
-                                                 "prefill for prompt chunks alone)")) -> None:
+
+@_command("step-cost", _arg("scenario", type=Path, nargs="?", help="scenario YAML (default: the embedded one)"),
+          _arg("--new-tokens", type=Bounded(int), action="append", help="new tokens of one sequence of the step "
+               "(repeat: one per sequence); default: the scenario's typical prefill and decode steps"),
+          _arg("--context", type=Bounded(int), action="append", help="its tokens in the KV cache after the step "
+               "(repeat, one per --new-tokens; default: the new tokens)"),
+          _arg("--pool", help="disaggregated: prefill or decode (default: prefill for prompt chunks alone)"))
+def step_cost(scenario: Optional[Path], new_tokens: Optional[List[int]], context: Optional[List[int]],
+              pool: Optional[str]) -> None:
     """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
     overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
     from infersim.commands.step_cost import price_steps, print_step_costs
@@ -468,7 +502,8 @@ def step_cost(scenario: Optional[Path] = typer.Argument(None, help="scenario YAM
     print_step_costs(plan, rows, priced)
 
 
-@app.command()
+
+@_command("models")
 def models() -> None:
     """List the model catalog (layers: their attention kinds; KV/token: every layer that caches per token)."""
     from infersim.commands.catalogs import print_models
@@ -476,7 +511,7 @@ def models() -> None:
     print_models()
 
 
-@app.command()
+@_command("hardware")
 def hardware() -> None:
     """List the hardware catalog."""
     from infersim.commands.catalogs import print_hardware
@@ -484,8 +519,8 @@ def hardware() -> None:
     print_hardware()
 
 
-@app.command()
-def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="port to serve on")) -> None:
+@_command("dashboard", _arg("--port", type=Bounded(int, 1, 65535), default=8501, help="port to serve on"))
+def dashboard(port: int) -> None:
     """Serve the Streamlit dashboard (What-if, Compare, Search, Validation) at http://localhost:PORT."""
     from infersim.commands.dashboard import dashboard as serve_dashboard
 
@@ -493,10 +528,6 @@ def dashboard(port: int = typer.Option(8501, "--port", min=1, max=65535, help="p
         serve_dashboard(port)
     except ConfigError as e:
         _fail(e)
-
-
-def _command_name(info) -> str:
-    return info.name or info.callback.__name__.lower().replace("_", "-")  # typer's own rule
 
 
 # the commands that never load torch (whose BLAS threads OPENBLAS_NUM_THREADS could also bound)
@@ -512,19 +543,47 @@ def library_defaults(command: str) -> dict[str, str]:
     return defaults
 
 
-def main() -> None:
-    """Run the command line. The command it names is built alone (typer first builds every command's parameters
-    from its signature: most of the CLI's own start-up); anything else (--help, a typo) meets the whole app."""
-    for key, value in library_defaults(sys.argv[1] if len(sys.argv) > 1 else "").items():
+def _summary(fn: Callable) -> str:
+    return " ".join((fn.__doc__ or "").split())
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """One command's parser: its arguments and options, its function's docstring as its help."""
+    arguments, fn = COMMANDS[name]
+    parser = _Parser(prog=f"infersim {name}", description=_summary(fn), formatter_class=_Help, allow_abbrev=False)
+    for names, options in arguments:
+        parser.add_argument(*names, **options)
+    return parser
+
+
+def _no_command(argv: list[str]) -> NoReturn:
+    """No command named: the list of commands (--help: exit 0; nothing at all: exit 2), or one line for a typo."""
+    parser = _Parser(prog="infersim", description=HELP, formatter_class=_Help, allow_abbrev=False)
+    listing = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, (_, fn) in COMMANDS.items():
+        listing.add_parser(name, help=_summary(fn).replace("%", "%%"))  # argparse %-formats a command's help
+    if argv and argv[0] not in ("-h", "--help"):
+        if argv[0].startswith("-"):
+            parser.error(f"no such option: {argv[0]}; allowed before a command: --help")
+        parser.error(f"no such command {argv[0]!r}; allowed: {', '.join(COMMANDS)}")
+    parser.print_help()
+    raise SystemExit(0 if argv else 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command line on `argv` (default: the process's). Only the command it names gets its parser built;
+    anything else (--help, nothing, a typo) meets the list of commands. Options and arguments may come in any order."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    for key, value in library_defaults(argv[0] if argv else "").items():
         os.environ.setdefault(key, value)
-    named = [c for c in app.registered_commands if len(sys.argv) > 1 and _command_name(c) == sys.argv[1]]
-    if not named:
-        app()
-        return
-    one = typer.Typer(cls=_OneLineUsage, add_completion=False, no_args_is_help=True, help=app.info.help)
-    one.callback()(lambda: None)  # a group still (with one command and no callback, typer drops the command's name)
-    one.registered_commands = named
-    one()
+    if not argv or argv[0] not in COMMANDS:
+        _no_command(argv)
+    _, fn = COMMANDS[argv[0]]
+    try:
+        fn(**vars(command_parser(argv[0]).parse_intermixed_args(argv[1:])))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (serve --http drains on its own and returns)
+        print(f"infersim: interrupted: {argv[0]}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

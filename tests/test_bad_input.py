@@ -22,9 +22,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from infersim.cli import app
 from sim.config.scenario import (
     CostModelConfig,
     ExecutorConfig,
@@ -37,6 +35,7 @@ from sim.config.scenario import (
     SpeculativeConfig,
 )
 from sim.config.workload import ArrivalConfig
+from tests.cli_runner import run_cli
 
 # a warning a user would see (numpy's overflow, matplotlib's) is an error here: pytest's capture would hide it
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning", "error::UserWarning")
@@ -237,7 +236,7 @@ def run_case(tmp_path: Path, name: str, content, kind: str, where: str | None = 
         path.write_text(content)
     tracemalloc.start()
     t0 = time.perf_counter()
-    r = CliRunner().invoke(app, ["run", str(path), "-q", "--no-plots"])
+    r = run_cli(["run", str(path), "-q", "--no-plots"])
     seconds = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()

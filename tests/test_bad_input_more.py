@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from infersim.cli import app
 from sim.config.yaml_file import read_yaml
+from tests.cli_runner import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "calibration" / "profiles" / "cpu.json"
@@ -31,7 +30,7 @@ BASE = {
 
 
 def invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return run_cli([str(a) for a in args])
 
 
 def one_line_error(r, *needles: str) -> str:

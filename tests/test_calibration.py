@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from infersim.cli import app
 from sim.cost.fitted import FittedCostModel
 from sim.policy.batch import shape_of
+from tests.cli_runner import run_cli
 from tests.helpers import png_size, tiny_checkpoint, write_tiny_scenario
 
 
@@ -22,14 +21,13 @@ def checkpoint(tmp_path_factory):
 def profile(tmp_path_factory, checkpoint):
     """`infersim profile --quick` of the tiny checkpoint, made once for the tests here."""
     prof = tmp_path_factory.mktemp("profile") / "tiny.json"
-    r = CliRunner().invoke(app, ["profile", "--model", str(checkpoint), "--out", str(prof), "--quick",
-                                 "--threads", "1"])
+    r = run_cli(["profile", "--model", str(checkpoint), "--out", str(prof), "--quick",
+                 "--threads", "1"])
     assert r.exit_code == 0, r.output
     return prof
 
 
 def test_profile_then_validate(tmp_path, checkpoint, profile):
-    runner = CliRunner()
     prof = profile
     data = json.loads(prof.read_text())
     assert data["model"]["num_layers"] == 2 and data["host"]["threads"] == 1
@@ -48,7 +46,7 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
                                kv_cache={"num_blocks": 128, "block_size": 16},
                                workload={"seed": 3, "num_requests": 20})
     out = tmp_path / "val"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2"])
+    r = run_cli(["validate", str(path), "--profile", str(prof), "--out", str(out), "--repeat", "2"])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 20 and v["runs"] == 2
@@ -62,7 +60,7 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
 
     # the recorded runs re-scored without running: the same real values, the same prediction
     again = tmp_path / "again"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(out), "--out", str(again)])
+    r = run_cli(["validate", str(path), "--profile", str(prof), "--real-from", str(out), "--out", str(again)])
     assert r.exit_code == 0, r.output
     w = json.loads((again / "validation.json").read_text())
     assert w["runs"] == 2
@@ -79,22 +77,22 @@ def test_profile_then_validate(tmp_path, checkpoint, profile):
     slow_prof = tmp_path / "slow.json"
     slow_prof.write_text(json.dumps(slow))
     twice = tmp_path / "twice"
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(slow_prof), "--real-from", str(out),
-                            "--out", str(twice)])
+    r = run_cli(["validate", str(path), "--profile", str(slow_prof), "--real-from", str(out),
+                 "--out", str(twice)])
     assert r.exit_code == 0, r.output
     x = json.loads((twice / "validation.json").read_text())
     assert [a["all"] for a in x["step_time_ratio"]] == pytest.approx([a["all"] / 2 for a in w["step_time_ratio"]])
     tpot, base = x["metrics"]["tpot_p50"], w["metrics"]["tpot_p50"]
     assert tpot["sim"] > 1.5 * base["sim"] and tpot["error_pct"] > base["error_pct"]
     assert tpot["error_at_run_speed_pct"] == pytest.approx(base["error_at_run_speed_pct"], rel=1e-6, abs=1e-6)
-    r = runner.invoke(app, ["validate", str(path), "--profile", str(prof), "--real-from", str(tmp_path)])
+    r = run_cli(["validate", str(path), "--profile", str(prof), "--real-from", str(tmp_path)])
     assert r.exit_code == 2 and "no recorded runs" in r.output
 
 
 def test_validate_without_a_profile_says_how_to_make_one(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("model: SmolLM2-135M\nhardware: cpu\nworkload: {trace: {path: builtin:azure_conv}}\n")
-    r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(tmp_path / "none.json")])
+    r = run_cli(["validate", str(path), "--profile", str(tmp_path / "none.json")])
     assert r.exit_code == 2 and "infersim profile" in r.output
 
 
@@ -108,7 +106,7 @@ def test_validate_a_folder_of_scenarios_writes_a_summary(tmp_path, checkpoint, p
         write_tiny_scenario(folder, checkpoint, name=name,
                             workload={"num_requests": 10, "arrival": {"process": "poisson", "rate": rate}})
     out = tmp_path / "val"
-    r = CliRunner().invoke(app, ["validate", str(folder), "--profile", str(prof), "--out", str(out)])
+    r = run_cli(["validate", str(folder), "--profile", str(prof), "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert (out / "tiny-a" / "validation.json").exists() and (out / "tiny-b" / "validation.json").exists()
     summary = json.loads((out / "summary.json").read_text())
@@ -129,7 +127,7 @@ def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoin
                                             "acceptance_rate": 0.3},
                                workload={"num_requests": 10, "output_len": {"dist": "uniform", "min": 8, "max": 30}})
     out = tmp_path / "val"
-    r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--out", str(out)])
+    r = run_cli(["validate", str(path), "--profile", str(profile), "--out", str(out)])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     spec = v["speculative"]
@@ -139,7 +137,7 @@ def test_validate_a_speculative_scenario_reports_its_speedup(tmp_path, checkpoin
     assert spec["alpha_sim"] == pytest.approx(0.3, abs=0.15) and 0 <= spec["alpha_real"] <= 1
     assert spec["plain"]["tpot_p50"]["real"] > 0
     assert (out / "plain" / "run1" / "steps.jsonl").exists()
-    again = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--real-from", str(out)])
+    again = run_cli(["validate", str(path), "--profile", str(profile), "--real-from", str(out)])
     assert again.exit_code == 0 and "tpot_p50_speedup" in again.output
 
 
@@ -158,8 +156,8 @@ def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path, folder, prof
     with tarfile.open(shipped / "runs.tar.gz") as tar:
         tar.extractall(tmp_path / "runs", filter="data")
     scenarios = [str(root / f"scenarios/validation/{s}.yaml") for s in ("low_load", "medium_load")]
-    r = CliRunner().invoke(app, ["validate", *scenarios, "--device", "cuda", "--real-from", str(tmp_path / "runs"),
-                                 "--profile", str(root / profile), "--out", str(tmp_path / "again")])
+    r = run_cli(["validate", *scenarios, "--device", "cuda", "--real-from", str(tmp_path / "runs"),
+                 "--profile", str(root / profile), "--out", str(tmp_path / "again")])
     assert r.exit_code == 0, r.output
     for s in ("low_load", "medium_load"):
         want = json.loads((shipped / f"{s}.validation.json").read_text())
@@ -173,7 +171,7 @@ def test_the_shipped_h200_runs_rescore_here_without_a_gpu(tmp_path, folder, prof
 
 
 def test_profile_of_a_missing_model_path_is_one_line(tmp_path):
-    r = CliRunner().invoke(app, ["profile", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")])
+    r = run_cli(["profile", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")])
     assert r.exit_code == 2
     assert r.output.strip().count("\n") == 0 and "no such file or directory" in r.output and "--model" in r.output
 
@@ -184,7 +182,7 @@ def test_validate_a_scenario_whose_requests_are_all_rejected(tmp_path, checkpoin
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-rejects", serving={"max_model_len": 64},
                                workload={"num_requests": 6, "prompt_len": {"dist": "uniform", "min": 80, "max": 90}})
     out = tmp_path / "val"
-    r = CliRunner().invoke(app, ["validate", str(path), "--profile", str(profile), "--out", str(out)])
+    r = run_cli(["validate", str(path), "--profile", str(profile), "--out", str(out)])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["rejected"] == 6 and v["requests"]["completed"] == 0
@@ -239,9 +237,9 @@ def test_profile_alongside_sweeps_between_the_runs_and_predicts_with_it(tmp_path
     assert data["fit"]["heldout"]["mape"] >= 0 and data["sweep_s"] > 0
     assert all(r["profile"] == str(prof) and r["requests"]["completed"] == 6 for r in results)
 
-    r = CliRunner().invoke(app, ["validate", str(path), "--profile-alongside", str(prof), "--real-from", str(tmp_path)])
+    r = run_cli(["validate", str(path), "--profile-alongside", str(prof), "--real-from", str(tmp_path)])
     assert r.exit_code == 2 and "--real-from" in r.output and r.output.strip().count("\n") == 0
-    r = CliRunner().invoke(app, ["validate", str(path), "--profile-alongside", str(prof), "--profile", str(prof)])
+    r = run_cli(["validate", str(path), "--profile-alongside", str(prof), "--profile", str(prof)])
     assert r.exit_code == 2 and "not with --profile" in r.output
 
 
@@ -322,8 +320,8 @@ def test_capacity_is_measured_and_the_simulated_one_lies_between_rates_the_execu
     path = write_tiny_scenario(tmp_path, checkpoint, slo={"ttft_s": 0.25, "tpot_s": 0.05, "quantile": 0.9},
                                workload={"num_requests": 40})
     out = tmp_path / "cap"
-    r = CliRunner().invoke(app, ["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
-                                 "--out", str(out)])
+    r = run_cli(["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
+                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     cap = json.loads((out / "capacity.json").read_text())
     assert cap["measured"]["capacity_rps"] > 0 and cap["predicted"]["capacity_rps"] > 0
@@ -359,8 +357,8 @@ def test_a_closed_loop_s_capacity_is_measured_in_users(tmp_path, checkpoint, pro
     data["workload"].pop("arrival")
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "cap"
-    r = CliRunner().invoke(app, ["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
-                                 "--out", str(out)])
+    r = run_cli(["validate", str(path), "--capacity", "--precision", "0.3", "--profile", str(profile),
+                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     cap = json.loads((out / "capacity.json").read_text())
     assert cap["unit"] == "users" and cap["target_rate"] == 4 and "probe 1 at 4 users" in r.output

@@ -1,6 +1,6 @@
 """The `infersim` CLI: the shipped scenarios run, report.json keeps its contract, bad input is one line.
 
-Most tests call the typer app in-process (CliRunner) or `run_scenario` directly; exactly one test
+Most tests run the CLI in-process (tests/cli_runner.py) or call `run_scenario` directly; exactly one test
 starts the real `infersim` console script in a subprocess.
 """
 from __future__ import annotations
@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from infersim.api import run_scenario
-from infersim.cli import app
+from tests.cli_runner import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -28,12 +27,10 @@ WORKLOAD = ("workload: {arrival: {process: poisson, rate: 1.0}, num_requests: 5,
             "prompt_len: {dist: fixed, value: 8}, output_len: {dist: fixed, value: 8}}")
 GOOD_HEAD = "model: Llama-2-7B\nhardware: A100-80GB\n"
 
-runner = CliRunner()
-
 
 def invoke(*args: str):
     # wide enough that rich never truncates a table cell
-    return runner.invoke(app, list(args), env={"COLUMNS": "200"})
+    return run_cli(list(args), env={"COLUMNS": "200"})
 
 
 def request_rows(path: Path) -> list[dict]:

@@ -326,12 +326,11 @@ def test_what_a_client_cannot_go_with_is_one_line(client, workload, where):
 
 def test_a_bad_client_exits_2_in_one_line(tmp_path):
     import yaml
-    from typer.testing import CliRunner
 
-    from infersim.cli import app
+    from tests.cli_runner import run_cli
 
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(scenario(workload={"client": {"tool": "aiperf", "sse_events_per_token": 2}})))
-    r = CliRunner().invoke(app, ["run", str(path)])
+    r = run_cli(["run", str(path)])
     assert r.exit_code == 2 and "sse_events_per_token" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1

@@ -239,12 +239,10 @@ def test_scaling_a_closed_loop_s_rate_is_refused_with_its_key():
 
 
 def test_cli_search_of_users_writes_users(tmp_path):
-    from typer.testing import CliRunner
-
-    from infersim.cli import app
+    from tests.cli_runner import run_cli
 
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(loop_spec(space={"replicas": [1]}, target={"users": 20})))
-    r = CliRunner().invoke(app, ["search", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out")])
+    r = run_cli(["search", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     assert "target 20 users" in r.output and "users (margin" in r.output
     assert "capacity users" in (tmp_path / "out" / "search.md").read_text()

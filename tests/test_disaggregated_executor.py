@@ -12,19 +12,18 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import executor.serving.disaggregated
 from executor.core.build import run_offline
 from executor.core.prompts import corpus_ids, prompt_ids
 from executor.serving.disaggregated import STOPPED, check_pools
 from executor.serving.serve import build_engine, load_model
-from infersim.cli import app
 from sim.config import environment
 from sim.config.errors import ConfigError
 from sim.config.generator import generate_requests
 from sim.config.plan import load_scenario
 from sim.report.metrics import compute_metrics
+from tests.cli_runner import run_cli
 from tests.helpers import tiny_checkpoint, write_tiny_scenario
 
 POOLS = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -83,7 +82,7 @@ def served(checkpoint, tmp_path_factory):
     out = tmp / "out"
     with deadline(120), pytest.MonkeyPatch.context() as mp:
         mp.setattr(executor.serving.disaggregated, "serve_pools", serve_and_keep)
-        r = CliRunner().invoke(app, ["serve", str(path), "--out", str(out), "-q", "--no-plots"])
+        r = run_cli(["serve", str(path), "--out", str(out), "-q", "--no-plots"])
     assert r.exit_code == 0, r.output
     return plan, generate_requests(plan.workload, plan.base_dir), returned[0], out
 
@@ -145,7 +144,7 @@ def test_what_the_decode_pool_cannot_hold_is_turned_away_before_its_prefill_as_s
     _, plan = load_scenario(path)
     out = tmp_path / "out"
     with deadline(120):
-        r = CliRunner().invoke(app, ["serve", str(path), "--out", str(out), "-q", "--no-plots"])
+        r = run_cli(["serve", str(path), "--out", str(out), "-q", "--no-plots"])
     assert r.exit_code == 0, r.output
     ended = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     rejected = {d["id"] for d in ended if d["status"] == "rejected"}
@@ -205,7 +204,7 @@ def test_a_decode_worker_killed_mid_run_ends_the_serve_with_one_line_and_a_parti
         *args, **{**kwargs, "progress": kill_decode_worker_after(2)}))
     out = tmp_path / "out"
     with deadline(90):
-        r = CliRunner().invoke(app, ["serve", str(path), "--out", str(out), "-q", "--no-plots"])
+        r = run_cli(["serve", str(path), "--out", str(out), "-q", "--no-plots"])
     assert r.exit_code == 1
     line = [x for x in r.output.splitlines() if x.startswith("infersim: error:")]
     assert len(line) == 1 and "rank 1 died (killed by SIGKILL)" in line[0], r.output
@@ -224,7 +223,7 @@ def test_a_worker_that_dies_starting_up_is_one_line(checkpoint, tmp_path, monkey
 
     monkeypatch.setattr(executor.serving.disaggregated, "serve_pools", dies)
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-dead", pools=POOLS)
-    r = CliRunner().invoke(app, ["serve", str(path), "--out", str(tmp_path / "out"), "-q", "--no-plots"])
+    r = run_cli(["serve", str(path), "--out", str(tmp_path / "out"), "-q", "--no-plots"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     line = [x for x in r.output.splitlines() if x.startswith("infersim: error:")]
     assert len(line) == 1 and "before any request was served" in line[0], r.output

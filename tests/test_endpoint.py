@@ -116,12 +116,12 @@ def test_profile_from_the_endpoint_s_streams_prices_a_scenario(served, tmp_path)
     (["profile", "--served-model", "x"], "only with --endpoint"),
 ])
 def test_bad_endpoint_flags_are_one_line_and_exit_2(served, args, message, capsys):
-    from infersim.cli import app
+    from infersim.cli import main
 
     running, path, _ = served
     args = [str(path) if a == "SCENARIO" else running.url if a == "URL" else a for a in args]
     with pytest.raises(SystemExit) as e:
-        app(args)
+        main(args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
 

@@ -141,9 +141,7 @@ def test_profile_scale_stretches_every_step(tmp_path):
 def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
     """`infersim profile --refit` re-fits the coefficients from the samples the profile stores (no sweep) and
     rewrites it; a missing profile is a one-line error, exit 2."""
-    from typer.testing import CliRunner
-
-    from infersim.cli import app
+    from tests.cli_runner import run_cli
 
     shapes, _ = synthetic(noise=0.0)
     samples = []
@@ -157,7 +155,7 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"model": {"name": "x", "num_layers": 2, "hidden_size": 64},
                                 "fit": {"coefs": {k: 1.0 for k in TRUE}}, "samples": samples}))
-    result = CliRunner().invoke(app, ["profile", "--refit", "--out", str(path)])
+    result = run_cli(["profile", "--refit", "--out", str(path)])
     assert result.exit_code == 0, result.output
     prof = json.loads(path.read_text())
     assert prof["fit"]["heldout"]["mape"] < 1e-6 and prof["samples"] == samples
@@ -165,7 +163,7 @@ def test_refit_fits_a_profile_again_on_its_stored_samples(tmp_path):
     for sample in samples[:50]:
         shape = shape_of(sample["new_tokens"], sample["context_lens"], sample["num_sampled"], sample["num_prefill"])
         assert m.step_time(shape) == pytest.approx(sample["time_s"], rel=1e-6)
-    missing = CliRunner().invoke(app, ["profile", "--refit", "--out", str(tmp_path / "none.json")])
+    missing = run_cli(["profile", "--refit", "--out", str(tmp_path / "none.json")])
     assert missing.exit_code == 2 and "no such profile" in missing.output and len(missing.output.strip().splitlines()) == 1
 
 

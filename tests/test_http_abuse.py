@@ -327,12 +327,12 @@ def test_the_api_key_guards_every_route_but_health_and_metrics(server):
     (["--http", "--max-request-bytes", "10"], None, "--max-request-bytes"),
 ])
 def test_bad_front_flags_are_one_line_and_exit_2(tmp_path, checkpoint, monkeypatch, capsys, args, env, message):
-    from infersim.cli import app
+    from infersim.cli import main
 
     if env is not None:
         monkeypatch.setenv("INFERSIM_API_KEY", env)
     with pytest.raises(SystemExit) as e:
-        app(["serve", str(scenario(tmp_path, checkpoint)), *args])
+        main(["serve", str(scenario(tmp_path, checkpoint)), *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err
 

@@ -216,14 +216,12 @@ def test_bad_layouts_are_one_line_errors(model, hardware, parallel, where, needl
     ("model: Mixtral-8x7B\nhardware: H100-SXM\nparallel: {data_parallel_size: 3}\n", "parallel.data_parallel_size",
      "does not divide the experts' width 14336")])
 def test_bad_moe_scenarios_exit_2_with_one_line(tmp_path, text, where, needle):
-    from typer.testing import CliRunner
-
-    from infersim.cli import app
+    from tests.cli_runner import run_cli
 
     path = tmp_path / "s.yaml"
     path.write_text(text + "workload: {arrival: {process: poisson, rate: 1}, num_requests: 2, "
                            "prompt_len: {dist: fixed, value: 8}, output_len: {dist: fixed, value: 8}}\n")
-    r = CliRunner().invoke(app, ["run", str(path), "-q", "--no-plots", "--out", str(tmp_path / "out")])
+    r = run_cli(["run", str(path), "-q", "--no-plots", "--out", str(tmp_path / "out")])
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1, r.output
     assert f"{path}: {where}: " in lines[0] and needle in lines[0], lines[0]

@@ -63,11 +63,9 @@ def test_the_scenarios_comparisons(reports):
 
 
 def test_models_lists_total_and_active_parameters():
-    from typer.testing import CliRunner
+    from tests.cli_runner import run_cli
 
-    from infersim.cli import app
-
-    r = CliRunner().invoke(app, ["models"], env={"COLUMNS": "250"})
+    r = run_cli(["models"], env={"COLUMNS": "250"})
     assert r.exit_code == 0
     for name in MOE_MODELS:
         line = next(ln for ln in r.output.splitlines() if name + " " in ln)

@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from infersim.cli import app
 from infersim.commands.search import parse_search_spec, probes_of, run_probe, run_search
 from infersim.scenario_keys import apply
 from sim.config.errors import ConfigError
 from sim.config.plan import make_plan
 from sim.config.scenario import parse_scenario
 from sim.report.capacity import scaled
+from tests.cli_runner import run_cli
 from tests.helpers import png_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,13 +157,13 @@ def test_cli_search_writes_the_table_json_and_plot(tmp_path):
 
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec(hardware=["A100-80GB", "H100-SXM"])))
-    r = CliRunner().invoke(app, ["search", str(path), "--out", str(tmp_path / "out"), "--workers", "1"])
+    r = run_cli(["search", str(path), "--out", str(tmp_path / "out"), "--workers", "1"])
     assert r.exit_code == 0, r.output
     assert "recommended:" in r.output
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"search.json", "search.md", "pareto.png"}
     assert png_size(tmp_path / "out" / "pareto.png") == (1210, 462)  # 11 x 4.2 inches at 110 dpi
     (tmp_path / "bad.yaml").write_text("scenario: x.yaml\nspace: {replicas: [1]}\n")
-    r = CliRunner().invoke(app, ["search", str(tmp_path / "bad.yaml")])
+    r = run_cli(["search", str(tmp_path / "bad.yaml")])
     assert r.exit_code == 2 and "x.yaml" in r.output and "Traceback" not in r.output
 
 
@@ -174,18 +173,18 @@ def test_cli_compare_two_files_and_a_sweep(tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text(yaml.safe_dump(BASE))
     b.write_text(yaml.safe_dump({**BASE, "hardware": "H100-SXM", "workload": {"trace": {"path": "nowhere.csv"}}}))
-    r = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "c")])
+    r = run_cli(["compare", str(a), str(b), "--out", str(tmp_path / "c")])
     assert r.exit_code == 0, r.output
     reports = json.loads((tmp_path / "c" / "compare.json").read_text())
     assert set(reports) == {"a", "b"}  # b ran on a's workload (its own trace path is never read)
     assert reports["a"]["requests"]["arrived"] == reports["b"]["requests"]["arrived"] == 600
     assert reports["b"]["tpot_s"]["p50"] < reports["a"]["tpot_s"]["p50"]
-    r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "serving.max_num_seqs=4,64", "--out", str(tmp_path / "s")])
+    r = run_cli(["compare", str(a), "--sweep", "serving.max_num_seqs=4,64", "--out", str(tmp_path / "s")])
     assert r.exit_code == 0, r.output
     swept = json.loads((tmp_path / "s" / "compare.json").read_text())
     assert swept["serving.max_num_seqs=4"]["ttft_s"]["p90"] > swept["serving.max_num_seqs=64"]["ttft_s"]["p90"]
     assert png_size(tmp_path / "s" / "cdf.png") == (1430, 418)  # 13 x 3.8 inches at 110 dpi
-    r = CliRunner().invoke(app, ["compare", str(a), "--sweep", "max_num_seqs"])
+    r = run_cli(["compare", str(a), "--sweep", "max_num_seqs"])
     assert r.exit_code == 2 and "--sweep" in r.output
 
 

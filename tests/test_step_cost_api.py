@@ -4,13 +4,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from typer.testing import CliRunner
 
 from infersim import api
-from infersim.cli import app
 from sim.config.errors import ConfigError
 from sim.cost.build import make_pricer
 from sim.policy.batch import shape_of
+from tests.cli_runner import run_cli
 from tests.helpers import plan_of, run, scenario
 
 PARTS = ("linear_s", "attention_s", "communication_s", "lm_head_s", "overhead_s", "draft_s", "swap_s")
@@ -59,14 +58,13 @@ def test_bad_steps_are_one_line_errors(args, where):
 
 
 def test_the_command_prints_the_typical_steps_and_a_given_one():
-    runner = CliRunner()
-    r = runner.invoke(app, ["step-cost"], env={"COLUMNS": "200"})
+    r = run_cli(["step-cost"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "prefill" in r.output and "decode 1 x" in r.output and "priced by: GPU kernel model" in r.output
-    r = runner.invoke(app, ["step-cost", "--new-tokens", "1", "--new-tokens", "256", "--context", "900", "--context",
-                            "256"], env={"COLUMNS": "200"})
+    r = run_cli(["step-cost", "--new-tokens", "1", "--new-tokens", "256", "--context", "900", "--context",
+                 "256"], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "step" in r.output and "attention" in r.output
     for bad in (["--new-tokens", "4", "--context", "2"], ["--pool", "decode", "--new-tokens", "4"],
                 ["--pool", "decode"]):
-        r = runner.invoke(app, ["step-cost", *bad])
+        r = run_cli(["step-cost", *bad])
         assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output, r.output

@@ -14,10 +14,9 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from executor.core.cpu_load import BUSY_CORES, BUSY_SHARE
-from infersim.cli import app
+from tests.cli_runner import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
@@ -53,8 +52,8 @@ def test_small_validation_within_bound(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     prof = tmp_path / "cpu.json"
-    r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "1",
-                                 "--out", str(prof)])
+    r = run_cli(["profile", "--device", "cpu", "--threads", "2", "--quick", "--repeats", "1",
+                 "--out", str(prof)])
     assert r.exit_code == 0, r.output
     host = json.loads(prof.read_text())["host"]
     others, share = host["other_processes_cores"], host["other_processes_busy_share"]
@@ -65,8 +64,8 @@ def test_small_validation_within_bound(tmp_path):
     path = tmp_path / "ci.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))
     out = tmp_path / "val"
-    r = CliRunner().invoke(app, ["validate", str(path), "--device", "cpu", "--profile", str(prof), "--repeat", "2",
-                                 "--out", str(out)])
+    r = run_cli(["validate", str(path), "--device", "cpu", "--profile", str(prof), "--repeat", "2",
+                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     v = json.loads((out / "validation.json").read_text())
     assert v["requests"]["completed"] == 16 and v["runs"] == 2
