@@ -85,6 +85,11 @@ class Scheduler(BaseScheduler):
         return not (preempted or self.prefilling or self.swapped or self.handoff.ready or self.speculative) and (
             not waiting or waiting[0].arrival_s > self.visible_until) and bool(self.decoding.members)
 
+    def decodes_settled(self) -> bool:
+        """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
+        until a request arrives is the decodes alone (`_decodes_alone`)."""
+        return not self.waiting and not self.kv.hybrid and self._decodes_alone(())
+
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
         short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
