@@ -243,7 +243,7 @@ class Scheduler(BaseScheduler):
         if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
             for r, _ in picks:
                 if not r.block_table:
-                    self.kv.take_prefix(r, self.kv.cached_prefix(r)[0])
+                    self.kv.take_prefix(r, self.kv.cached_prefix(r)[0] if r.block_hashes else 0)
         for r, n in picks:
             self.waiting.popleft()
             if self.reservation is not None:
@@ -276,7 +276,8 @@ class Scheduler(BaseScheduler):
                     break
             computed, held, revive = r.num_computed, len(r.block_table), 0
             if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived
-                held, revive = self.kv.cached_prefix(r)
+                if r.block_hashes:  # a prompt without hashes has none
+                    held, revive = self.kv.cached_prefix(r)
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
             n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed

@@ -207,8 +207,9 @@ class Replica:
             passed = k - self._close_sends(step, k) if self.passing >= 0 else 0
             if not self.ahead or clock >= arrival:  # an arrival (or anything, without ahead) may cut it short
                 self.in_run = k > 1
+                wait = clock - env.now
                 try:
-                    yield env.timeout(max(0.0, clock - env.now))
+                    yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
                 except simpy.Interrupt as stop:
                     k, clock = self._cut_run(step, k, stop.cause)
                     yield env.timeout(max(0.0, clock - env.now))
@@ -257,6 +258,8 @@ class Replica:
             steps = (horizon - self.clock) / (step_s or self.decode_time(b, s))
             k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
         k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
+        if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
+            self.passing = -1
         return k, clock, arrival
 
     def _close_sends(self, first: int, k: int) -> int:
