@@ -65,6 +65,7 @@ class Replica:
         # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still stops at
         # each, as it did when the book stopped there, so the KV samples and busy time are the same bit for bit
         self.sends = sends
+        self.next_send = 0  # the first of them after the engine's clock, as of the last run priced
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -240,10 +241,13 @@ class Replica:
         arrival = self.next_arrival()
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
         self.passing, sends, step_s = -1, self.sends, 0.0
-        if sends is not None:  # the next sending after this clock
-            i = bisect_right(sends, self.clock)
-            if i < len(sends) and sends[i] < horizon:
-                if self.ahead and not timeouts and sched.decodes_settled():
+        if sends is not None:  # the next sending after this clock: the clock only moves on, and the index with it
+            i, clock, n = self.next_send, self.clock, len(sends)
+            while i < n and sends[i] <= clock:  # bisect_right(sends, clock), from where it was
+                i += 1
+            self.next_send = i
+            if i < n and sends[i] < horizon:
+                if self.ahead and not timeouts and not sched.waiting and sched.decodes_settled():
                     step_s = self.decode_time(b, s)
                     # the run goes on past the sendings (_close_sends), unless a run cut at one could be MAX_BULK_STEPS
                     self.passing = i if (horizon - self.clock) / step_s < MAX_BULK_STEPS else -1
