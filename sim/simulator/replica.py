@@ -62,8 +62,9 @@ class Replica:
         # nothing reaches this engine but the book's arrivals (every one known, no hand-offs, no early stop): a step
         # or run that ends before the next one needs no SimPy event, the engine's clock runs ahead of SimPy's
         self.ahead = ahead
-        # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still stops at
-        # each, as it did when the book stopped there, so the KV samples and busy time are the same bit for bit
+        # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still ends an
+        # event at each, as it did when the book stopped there, so the KV samples and busy time are the same bit for
+        # bit (priced past them where the scheduler is settled, each such event closed by _close_sends)
         self.sends = sends
         self.next_send = 0  # the first of them after the engine's clock, as of the last run priced
         self.clock = 0.0
