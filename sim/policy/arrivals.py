@@ -185,7 +185,10 @@ class ArrivalBook:
             return
         spec = self.specs[i]
         free, f = heapq.heappop(self.frontends)
-        done = max(at + spec.in_s, free) + spec.front_s
+        done = at + spec.in_s
+        if free > done:  # max() without the call: once per request
+            done = free
+        done += spec.front_s
         heapq.heappush(self.frontends, (done, f))
         heapq.heappush(self.transit, (done, spec.id, i, wait, done - at))
 

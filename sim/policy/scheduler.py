@@ -280,7 +280,12 @@ class Scheduler(BaseScheduler):
                     held, revive = self.kv.cached_prefix(r)
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
-            n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
+            n = uncomputed
+            if chunked:  # min(uncomputed, chunk, budget) without the call: asked at every step a request waits
+                if cfg.prefill_chunk_size < n:
+                    n = cfg.prefill_chunk_size
+                if budget < n:
+                    n = budget
             if aligns:
                 n = kv.align_chunk(r, computed, n)
             need = revive + admit_blocks(computed, computed + n, held)
@@ -348,7 +353,9 @@ class Scheduler(BaseScheduler):
         """How many decode steps, the scheduled one included, would be scheduled identically (absent
         arrivals): until a request finishes, a block allocation could fail, or the TGI wait limit trips."""
         dec = self.decoding
-        k = min(k_max, dec.next_finish() - dec.steps)
+        k = dec.next_finish() - dec.steps
+        if k_max <= k:  # min() without the call: asked at every run of decode steps
+            k = k_max
         max_wait = self.cfg.max_waiting_tokens
         if self.waiting and max_wait is not None and self.cfg.waiting_served_ratio is not None \
                 and self.steps_since_admission - 1 < max_wait:
@@ -359,7 +366,7 @@ class Scheduler(BaseScheduler):
             # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
             # away), or a later one's
             k = 1 if self.kv.window_frees != self.window_frees else dec.until_blocks_free(k)
-        return max(k, 1)
+        return k if k > 1 else 1
 
 
 

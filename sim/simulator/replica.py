@@ -261,7 +261,8 @@ class Replica:
             # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
             # off, a queue delay of 1e308 s, that the quotient overflows)
             steps = (horizon - self.clock) / (step_s or self.decode_time(b, s))
-            k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
+            k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
+            k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
         k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
         if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
             self.passing = -1
