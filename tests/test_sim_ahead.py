@@ -9,6 +9,8 @@ import pytest
 
 from sim.config.workload import RequestSpec
 from sim.policy.arrivals import ArrivalBook
+from sim.policy.base_scheduler import BaseScheduler
+from sim.policy.scheduler import Scheduler
 from sim.simulator.cluster import simulate
 from tests.helpers import plan_of, scenario
 
@@ -58,3 +60,21 @@ def test_running_ahead_of_simpy_and_sending_ahead_change_nothing(overrides, monk
     monkeypatch.setattr(ArrivalBook, "send_all", lambda self: None)  # the book sends each request at its time
     assert fast == trace(simulate(plan, watch=lambda r: False))
     assert fast == trace(simulate(plan))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"engine": "vllm"},
+    {"engine": "vllm", "kv_cache": {"num_blocks": 300}},  # short of blocks: runs end at a block horizon too
+])
+def test_a_run_priced_past_sendings_closes_each_as_a_run_cut_there(overrides, monkeypatch):
+    data = scenario(**overrides)
+    data["workload"] = {**data["workload"], "num_requests": 150, "arrival": {"process": "poisson", "rate": 4.0}}
+    plan = plan_of(data)
+    passed = []
+    pass_decodes = BaseScheduler.pass_decodes
+    monkeypatch.setattr(BaseScheduler, "pass_decodes", lambda self, n: passed.append(n) or pass_decodes(self, n))
+    fast = trace(simulate(plan))
+    assert passed  # some runs went on past a sending
+    monkeypatch.setattr(Scheduler, "decodes_settled", lambda self: False)  # every run stops at the next sending
+    passed.clear()
+    assert trace(simulate(plan)) == fast and not passed

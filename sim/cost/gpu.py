@@ -491,14 +491,18 @@ class KernelCostModel(PricesStages):
             return c
 
     def decode_time(self, num_seqs: int, sum_context: int) -> float:
-        c = self._affine(num_seqs)
+        c = self._decode_affine.get(num_seqs, False)  # _affine's cache read inline: asked at every run of steps
+        if c is False:
+            c = self._affine(num_seqs)
         if c is None:
             return self.step_time(BatchShape(num_seqs, num_seqs, sum_context, sum_context, num_seqs))
         t = c[0] + sum_context * c[1]
         return t + window_reads_s(self.window_rates(num_seqs), sum_context, num_seqs) if self.windows else t
 
     def decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end):
-        c = self._affine(num_seqs)
+        c = self._decode_affine.get(num_seqs, False)  # as decode_time
+        if c is False:
+            c = self._affine(num_seqs)
         if c is None:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
         return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end,

@@ -106,16 +106,22 @@ def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: in
     """decode_run for a model whose decode step is `base + context * per_kv`, plus `window_reads_s(windows, ...)`
     where it has windowed layers: decode_time's float operations with its per-batch part hoisted, so the same step
     ends, without allocating per step (nor a call, without windows)."""
-    s, k, append = sum_context, 0, step_end.append
-    while k < k_max:
-        t = base + s * per_kv
-        clock += t + window_reads_s(windows, s, num_seqs) if windows else t
+    s, append = sum_context, step_end.append
+    if windows:
+        for k in range(1, k_max + 1):
+            clock += base + s * per_kv + window_reads_s(windows, s, num_seqs)
+            append(clock)
+            if clock >= until:
+                return k, clock
+            s += num_seqs
+        return k_max, clock
+    for k in range(1, k_max + 1):  # the loop every run of decode steps takes: one line per step
+        clock += base + s * per_kv
         append(clock)
-        s += num_seqs
-        k += 1
         if clock >= until:
-            break
-    return k, clock
+            return k, clock
+        s += num_seqs
+    return k_max, clock
 
 
 # A pipelined step's stages: (each stage's seconds, the send between consecutive stages, the return of the sampling

@@ -30,7 +30,7 @@ from sim.policy.client import ClientGate
 from sim.policy.conversation import Conversations
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made once per request, and a frozen one sets each field through a call
 class Send:
     """One request of the workload (`index` into its specs) reaching the engine at `arrival_s`, after `client_wait_s`
     at the client and `in_s` from its sending (the client's transport); `unsent`: a later turn whose conversation
@@ -101,10 +101,11 @@ class ArrivalBook:
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
-        t = self._first_s()
         if self.known:  # nothing comes later or ends into it: the first turns and those on their way alone
+            t = self.specs[self.first[self.nxt]].arrival_s if self.nxt < len(self.first) else math.inf  # _first_s
             transit = self.transit
             return transit[0][0] if transit and transit[0][0] < t else t
+        t = self._first_s()
         for heap in (self.later, self.ends, self.transit):
             if heap and heap[0][0] < t:
                 t = heap[0][0]
@@ -133,6 +134,8 @@ class ArrivalBook:
     def due(self, now: float) -> list[Send]:
         """Everything due by `now`, in time order: requests reaching the engine, and later turns rejected unsent."""
         out: list[Send] = []
+        if self.known:
+            return self._due_known(now, out)
         first = self.first
         while True:
             t_first = self._first_s()
@@ -157,6 +160,23 @@ class ArrivalBook:
             else:
                 return out
 
+    def _due_known(self, now: float, out: list[Send]) -> list[Send]:
+        """`due` of a book whose every arrival is known: its first turns and those on their way alone (no turn, end,
+        gate or warm-up), in the same order."""
+        first, specs, transit = self.first, self.specs, self.transit
+        while True:
+            t_first = specs[first[self.nxt]].arrival_s if self.nxt < len(first) else math.inf  # _first_s
+            t_transit = transit[0][0] if transit else math.inf
+            if t_first <= now and t_first <= t_transit:
+                i = first[self.nxt]
+                self.nxt += 1
+                self._send(i, t_first, 0.0, out)  # _arrive without a gate
+            elif t_transit <= now:
+                _, _, i, wait, way_in = heapq.heappop(transit)
+                out.append(Send(i, t_transit, wait, in_s=way_in))
+            else:
+                return out
+
     def _send(self, i: int, at: float, wait: float, out: list[Send]) -> None:
         """Request i leaves the client at `at`: it reaches the engine now, or (a transport) through the first front end
         free, in the order requests were sent."""
@@ -165,7 +185,10 @@ class ArrivalBook:
             return
         spec = self.specs[i]
         free, f = heapq.heappop(self.frontends)
-        done = max(at + spec.in_s, free) + spec.front_s
+        done = at + spec.in_s
+        if free > done:  # max() without the call: once per request
+            done = free
+        done += spec.front_s
         heapq.heappush(self.frontends, (done, f))
         heapq.heappush(self.transit, (done, spec.id, i, wait, done - at))
 

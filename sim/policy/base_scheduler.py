@@ -256,6 +256,21 @@ class BaseScheduler:
         arrivals): until a request finishes."""
         return max(1, min(k_max, self.decoding.next_finish() - self.decoding.steps))
 
+    def decodes_settled(self) -> bool:
+        """Whether each step from the next one on, until a request arrives, is the decodes alone as `schedule_decodes`
+        settles it (their blocks granted, nothing else changing), so that `pass_decodes` may account for steps."""
+        return False
+
+    def pass_decodes(self, n: int) -> None:
+        """n steps of a run of decodes alone that goes on (no request finishes in them; `decodes_settled`) accounted
+        for as advance_decode and the next step's schedule_decodes would: their blocks granted, the counters
+        advanced. The allocator's peak is left to the run's advance_decode (blocks only grow in a run)."""
+        dec = self.decoding
+        if dec.grant_blocks(dec.steps + n - 1, self.kv.free_blocks) is not None:
+            raise RuntimeError("pass_decodes beyond decode_horizon: out of KV blocks")
+        dec.advance(n)
+        self.steps_since_admission += n
+
     def advance_decode(self, k: int) -> list[Request]:
         """Apply the remaining k - 1 steps of a decode-only run (k ≤ decode_horizon) and account for all
         k; returns the requests that finished."""

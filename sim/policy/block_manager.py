@@ -57,7 +57,8 @@ class BlockAllocator:
 
     def extra_blocks(self, req: Request, num_tokens: int) -> int:
         """Blocks `req` still needs so that `num_tokens` of its tokens fit."""
-        return max(0, self.blocks_for(num_tokens) - len(req.block_table))
+        n = -(-num_tokens // self.block_size) - len(req.block_table)  # blocks_for, and max(0, n), inline
+        return n if n > 0 else 0
 
     def can_allocate(self, req: Request, num_tokens: int, watermark: bool = False) -> bool:
         reserve = self.watermark_blocks if watermark else 0
@@ -65,7 +66,8 @@ class BlockAllocator:
 
     def admit_blocks(self, computed: int, num_tokens: int, held: int) -> int:
         """Blocks a waiting request holding `held` blocks (of a cached prefix) takes for `num_tokens` slots."""
-        return max(0, -(-num_tokens // self.block_size) - held)  # blocks_for, inline: asked at every step
+        n = -(-num_tokens // self.block_size) - held  # blocks_for, and max(0, n), inline: asked at every step
+        return n if n > 0 else 0
 
     def align_chunk(self, req: Request, computed: int, n: int) -> int:
         """A prompt chunk of `n` tokens as this allocator needs it cut (unchanged here)."""
@@ -356,8 +358,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         need = self.extra_blocks(req, num_tokens)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"request {req.id}: needs {need} blocks, {len(self.free_blocks)} free")
+        if need > self.free_blocks.size:  # the queue's count without its __len__ call: once per prompt admitted
+            raise RuntimeError(f"request {req.id}: needs {need} blocks, {self.free_blocks.size} free")
         if need:
             req.block_table.extend(self.free_blocks.take(need))
 

@@ -105,8 +105,7 @@ class DecodeSet:
         (step, join) order. Returns the first member left without one when the list runs dry."""
         due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
         if heap and heap[0] <= upto:
-            take, pop_step = free_blocks.pop, heapq.heappop
-            left = len(free_blocks)  # counted here: a prefix-caching allocator's free queue is asked in Python
+            take, pop_step, push_step = free_blocks.pop, heapq.heappop, heapq.heappush
         while heap and heap[0] <= upto:
             step = pop_step(heap)
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
@@ -118,12 +117,19 @@ class DecodeSet:
             for tag, r in bucket:
                 if r.decode_tag != tag:
                     stale = True
-                elif not left:
-                    return self._run_dry(step, bucket, r)
-                else:
+                    continue
+                try:  # the list's own check that a block is left: no count kept (a free queue's is asked in Python)
                     r.block_table.append(take())
-                    left -= 1
-            self._book(step + bs, [e for e in bucket if e[1].decode_tag == e[0]] if stale else bucket)
+                except IndexError:
+                    return self._run_dry(step, bucket, r)
+            if stale:
+                bucket = [e for e in bucket if e[1].decode_tag == e[0]]
+            later = due.get(step + bs)  # _book, inline: once per step with a block due
+            if later is not None:
+                later.extend(bucket)
+            elif bucket:
+                due[step + bs] = bucket
+                push_step(heap, step + bs)
         if upto >= cursor:
             self._cursor = upto + 1
         return None

@@ -85,6 +85,11 @@ class Scheduler(BaseScheduler):
         return not (preempted or self.prefilling or self.swapped or self.handoff.ready or self.speculative) and (
             not waiting or waiting[0].arrival_s > self.visible_until) and bool(self.decoding.members)
 
+    def decodes_settled(self) -> bool:
+        """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
+        until a request arrives is the decodes alone (`_decodes_alone`)."""
+        return not self.waiting and not self.kv.hybrid and self._decodes_alone(())
+
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
         short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
@@ -238,7 +243,7 @@ class Scheduler(BaseScheduler):
         if self.prefix_caching:  # every cached prefix held before any new block is handed out (which could evict it)
             for r, _ in picks:
                 if not r.block_table:
-                    self.kv.take_prefix(r, self.kv.cached_prefix(r)[0])
+                    self.kv.take_prefix(r, self.kv.cached_prefix(r)[0] if r.block_hashes else 0)
         for r, n in picks:
             self.waiting.popleft()
             if self.reservation is not None:
@@ -271,10 +276,16 @@ class Scheduler(BaseScheduler):
                     break
             computed, held, revive = r.num_computed, len(r.block_table), 0
             if self.prefix_caching and not held:  # its cached prefix: blocks others hold, or free ones revived
-                held, revive = self.kv.cached_prefix(r)
+                if r.block_hashes:  # a prompt without hashes has none
+                    held, revive = self.kv.cached_prefix(r)
                 computed = held * self.kv.block_size
             uncomputed = r.num_tokens - computed
-            n = min(uncomputed, cfg.prefill_chunk_size, budget) if chunked else uncomputed
+            n = uncomputed
+            if chunked:  # min(uncomputed, chunk, budget) without the call: asked at every step a request waits
+                if cfg.prefill_chunk_size < n:
+                    n = cfg.prefill_chunk_size
+                if budget < n:
+                    n = budget
             if aligns:
                 n = kv.align_chunk(r, computed, n)
             need = revive + admit_blocks(computed, computed + n, held)
@@ -342,7 +353,9 @@ class Scheduler(BaseScheduler):
         """How many decode steps, the scheduled one included, would be scheduled identically (absent
         arrivals): until a request finishes, a block allocation could fail, or the TGI wait limit trips."""
         dec = self.decoding
-        k = min(k_max, dec.next_finish() - dec.steps)
+        k = dec.next_finish() - dec.steps
+        if k_max <= k:  # min() without the call: asked at every run of decode steps
+            k = k_max
         max_wait = self.cfg.max_waiting_tokens
         if self.waiting and max_wait is not None and self.cfg.waiting_served_ratio is not None \
                 and self.steps_since_admission - 1 < max_wait:
@@ -353,7 +366,7 @@ class Scheduler(BaseScheduler):
             # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
             # away), or a later one's
             k = 1 if self.kv.window_frees != self.window_frees else dec.until_blocks_free(k)
-        return max(k, 1)
+        return k if k > 1 else 1
 
 
 

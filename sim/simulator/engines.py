@@ -145,7 +145,8 @@ class Arrivals:
         t = self.book.next_s()
         if t < math.inf and (not self.alarms or t < self.alarms[0]):
             heapq.heappush(self.alarms, t)
-            self.env.timeout(max(0.0, t - self.env.now)).callbacks.append(self._ring)
+            wait = t - self.env.now
+            self.env.timeout(wait if wait > 0.0 else 0.0).callbacks.append(self._ring)  # max() without the call
 
     def _ring(self, _event: simpy.Event) -> None:
         heapq.heappop(self.alarms)

@@ -52,6 +52,7 @@ class Replica:
         self.handoff_gaps = array("d")  # disaggregated decode instance: first token (prefill pool) to the second
         self.in_run = False  # in a run of decode steps that `wake` may cut short
         self.run_horizon = math.inf  # the next arrival the run in progress was priced to stop at
+        self.passing = -1  # the first sending the run in progress was priced past (_close_sends); -1: none
         # False where an arrival can become known during a run (a conversation's next turn, when the turn before it
         # ends): a run is then cut short by an arrival before its horizon, and a pipelined engine, whose stages are
         # booked for the whole run, does not run in bulk
@@ -61,9 +62,11 @@ class Replica:
         # nothing reaches this engine but the book's arrivals (every one known, no hand-offs, no early stop): a step
         # or run that ends before the next one needs no SimPy event, the engine's clock runs ahead of SimPy's
         self.ahead = ahead
-        # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still stops at
-        # each, as it did when the book stopped there, so the KV samples and busy time are the same bit for bit
+        # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still ends an
+        # event at each, as it did when the book stopped there, so the KV samples and busy time are the same bit for
+        # bit (priced past them where the scheduler is settled, each such event closed by _close_sends)
         self.sends = sends
+        self.next_send = 0  # the first of them after the engine's clock, as of the last run priced
         self.clock = 0.0
         # typed arrays, not lists of Python floats: a simulated day is tens of millions of steps
         self.step_end = array("d")
@@ -76,8 +79,10 @@ class Replica:
         # speculative: per step (end, decode rows, their accepted drafts, rows whose prompt ended), for token times
         self.token_log: list[tuple[float, list[Request], dict, list[Request]]] = []
         self.wakeup: simpy.Event | None = None
-        # (rows, context, clock, steps at most, until, step ends) -> (steps, clock): StepCostModel.decode_run's
-        self.run_decodes = pricer.decode_run if pipeline is None else partial(pipeline.decode_run, pricer)
+        # (rows, context, clock, steps at most, until, step ends) -> (steps, clock): StepCostModel.decode_run's; the
+        # cost model's own (StepPricer forwards to it) without the pricer's call, as its decode_time: the hot path
+        self.run_decodes = pricer.cost.decode_run if pipeline is None else partial(pipeline.decode_run, pricer)
+        self.decode_time = pricer.cost.decode_time
         self.process = env.process(self.run())
 
     @property
@@ -200,16 +205,19 @@ class Replica:
         sched, env = self.scheduler, self.env
         while True:
             k, clock, arrival = self._price_run(b, s, timeouts)
+            # before SimPy delivers the arrival: the sendings' events saw none (ahead: nothing cuts the run short)
+            passed = k - self._close_sends(step, k) if self.passing >= 0 else 0
             if not self.ahead or clock >= arrival:  # an arrival (or anything, without ahead) may cut it short
                 self.in_run = k > 1
+                wait = clock - env.now
                 try:
-                    yield env.timeout(max(0.0, clock - env.now))
+                    yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
                 except simpy.Interrupt as stop:
                     k, clock = self._cut_run(step, k, stop.cause)
                     yield env.timeout(max(0.0, clock - env.now))
                 self.in_run = False
             self.busy_s += clock - self.clock
-            self._close(sched.advance_decode(k), step + k - 1, clock)
+            self._close(sched.advance_decode(k - passed), step + k - 1, clock)
             if (shape := self._next_decodes(timeouts)) is None:
                 return
             b, s = shape
@@ -221,30 +229,62 @@ class Replica:
         reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
         if not (self.ahead and self.bulk) or timeouts:
             return None
-        if self.async_scheduling:
-            self._note_visible()
-        return self.scheduler.schedule_decodes()
+        sched = self.scheduler
+        if self.async_scheduling:  # _note_visible, inline: once per event
+            step_end = self.step_end
+            sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
+        return sched.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
         its steps' ends written. Returns (steps, their end, the next arrival)."""
-        sched, pricer = self.scheduler, self.pricer
+        sched = self.scheduler
         arrival = self.next_arrival()
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
-        if self.sends is not None:  # the next sending after this clock
-            i = bisect_right(self.sends, self.clock)
-            if i < len(self.sends) and self.sends[i] < horizon:
-                horizon = self.sends[i]
+        self.passing, sends, step_s = -1, self.sends, 0.0
+        if sends is not None:  # the next sending after this clock: the clock only moves on, and the index with it
+            i, clock, n = self.next_send, self.clock, len(sends)
+            while i < n and sends[i] <= clock:  # bisect_right(sends, clock), from where it was
+                i += 1
+            self.next_send = i
+            if i < n and sends[i] < horizon:
+                if self.ahead and not timeouts and not sched.waiting and sched.decodes_settled():
+                    step_s = self.decode_time(b, s)
+                    # the run goes on past the sendings (_close_sends), unless a run cut at one could be MAX_BULK_STEPS
+                    self.passing = i if (horizon - self.clock) / step_s < MAX_BULK_STEPS else -1
+                if self.passing < 0:
+                    horizon = sends[i]
         self.run_horizon = horizon
         if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
             k_max = 1
         else:
             # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
             # off, a queue delay of 1e308 s, that the quotient overflows)
-            steps = (horizon - self.clock) / pricer.decode_time(b, s)
-            k_max = sched.decode_horizon(max(int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS, 1))
+            steps = (horizon - self.clock) / (step_s or self.decode_time(b, s))
+            k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
+            k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
         k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
+        if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
+            self.passing = -1
         return k, clock, arrival
+
+    def _close_sends(self, first: int, k: int) -> int:
+        """A run of k steps from step `first` priced past the sendings before its end (`_price_run`): each event a run
+        cut at a sending would have ended with is closed as that run's was (its busy time, its steps' blocks and
+        counters, a KV sample), bit for bit. Returns the steps after the last such event, for advance_decode."""
+        sends, ends, sched = self.sends, self.step_end, self.scheduler
+        i, start, last = self.passing, first, first + k - 1
+        while i < len(sends):
+            end = bisect_left(ends, sends[i], start, last)  # the step in flight at the sending
+            if end >= last:  # the run's own last step: its own event
+                break
+            clock = ends[end]
+            self.busy_s += clock - self.clock
+            sched.pass_decodes(end - start + 1)
+            self._close((), end, clock)
+            start = end + 1
+            i = bisect_right(sends, clock, i)
+        return last - start + 1
 
     def _step_end(self, batch, draft_s: float) -> float:
         """When one step from the engine's clock ends: after its price, or on a pipelined replica when it leaves the
