@@ -2,7 +2,7 @@
 compact tables of calibration/data/gpu/aic/ (written from a mirror of github.com/ai-dynamo/aiconfigurator by
 calibration.aic_tables; how they were reduced: their README.md).
 
-    python -m calibration.aic_fit     # writes sim/data/engine_kernels.json and adds to sim/data/gpu_kernels.json the
+    python -m calibration.aic_fit     # writes sim/data/engine_kernels/ (a file per device), adds to sim/data/gpu_kernels.json the
                                       # devices only AIConfigurator measured and its NCCL systems
 
 Per device, engine (vLLM, SGLang, TensorRT-LLM) and version:
@@ -51,7 +51,7 @@ from calibration.kernel_fit import DATA, _fit, fit_collective, fit_gemm, read_ta
 from sim.config.hardware import HARDWARE_CATALOG
 from sim.config.models import BYTES_PER_PARAM
 from sim.cost.kernels import (
-    ENGINE_KERNELS_PATH,
+    ENGINE_KERNELS_DIR,
     KERNELS_PATH,
     AttentionFit,
     DeviceKernels,
@@ -576,7 +576,8 @@ def aliases(t: AicTables, device: str, engine: str, kept: list[str]) -> dict[str
 
 
 def fit_engines(t: AicTables, defaults: dict) -> dict:
-    """engine_kernels.json's content: every device's engines at their kept versions, and their accuracy."""
+    """The engines' kernels (`write_engine_kernels` splits them by device): every device's engines at their kept
+    versions, and their accuracy."""
     reference = DeviceKernels.from_json(defaults["H200"])
     engines, accuracy = {}, {}
     for device in DEVICES.values():
@@ -634,16 +635,28 @@ def without_aic(data: dict) -> dict:
             "collectives": {k: v for k, v in data["collectives"].items() if not k.startswith("aic_")}}
 
 
+def write_engine_kernels(data: dict, folder: Path) -> None:
+    """`fit_engines`'s content as sim/cost/kernels.py reads it: a file per device in `folder` (a run parses only its
+    own device's), each {"source", "engines", "accuracy"}; a device no longer fitted loses its file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.json"):
+        if stale.stem not in data["devices"]:
+            stale.unlink()
+    for device, engines in data["devices"].items():
+        entry = {"source": data["source"], "engines": engines, "accuracy": data["accuracy"].get(device, {})}
+        (folder / f"{device}.json").write_text(json.dumps(entry, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", type=Path, default=KERNELS_PATH)
-    ap.add_argument("--out", type=Path, default=ENGINE_KERNELS_PATH)
+    ap.add_argument("--out", type=Path, default=ENGINE_KERNELS_DIR, help="a folder: a file per device")
     args = ap.parse_args()
     t = AicTables()
     data = without_aic(json.loads(args.kernels.read_text()))
     new = add_devices(data, t)
     args.kernels.write_text(json.dumps(data, indent=1) + "\n")
-    args.out.write_text(json.dumps(fit_engines(t, data["devices"]), indent=1) + "\n")
+    write_engine_kernels(fit_engines(t, data["devices"]), args.out)
     print(f"wrote {args.out} and {args.kernels} (+ {', '.join(new)})")
 
 

@@ -9,7 +9,15 @@ import json
 import numpy as np
 import pytest
 
-from calibration.aic_fit import AicTables, comm_curve, default_kernels, fit_engine, nccl_fits, points
+from calibration.aic_fit import (
+    AicTables,
+    comm_curve,
+    default_kernels,
+    fit_engine,
+    nccl_fits,
+    points,
+    write_engine_kernels,
+)
 from calibration.aic_tables import DEVICES, model_gemm_shapes
 from sim.config.hardware import HARDWARE_CATALOG, has_kernels
 from sim.cost.build import describe_cost, make_cost_model
@@ -20,6 +28,8 @@ from sim.cost.kernels import (
     KERNELS_PATH,
     AttentionFit,
     DeviceKernels,
+    device_engines,
+    engine_devices,
     engine_kernels,
     engine_versions,
     kernel_accuracy,
@@ -50,6 +60,17 @@ def test_every_measured_device_and_engine_resolves_to_its_newest_version():
             assert {"version", "gemm.fp16", "attention", "collectives"} <= set(k.notes)
             assert k.collectives in load_kernels()[1]
             assert kernel_accuracy(device, engine)["gemm.fp16"]["median_pct"] < 20
+
+
+def test_a_file_per_device_reads_back_whole_and_a_run_reads_only_its_own(tmp_path):
+    data = load_engine_kernels()
+    write_engine_kernels(data, tmp_path)
+    assert load_engine_kernels(tmp_path) == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{d}.json" for d in engine_devices()]
+    write_engine_kernels({**data, "devices": {"H200": data["devices"]["H200"]}}, tmp_path)  # a stale file goes
+    assert [p.name for p in tmp_path.iterdir()] == ["H200.json"]
+    assert device_engines("H200")["engines"] == data["devices"]["H200"]
+    assert device_engines("A40") == device_engines("../data/engine_kernels/H200") == {}  # unmeasured, or a path
 
 
 def test_what_was_not_measured_is_none_and_versions_fall_back_as_documented():

@@ -28,7 +28,8 @@ from sim.config.hardware import kernels_file
 from sim.config.sharding import LayerShape, shard
 
 KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "gpu_kernels.json"
-ENGINE_KERNELS_PATH = Path(__file__).resolve().parents[1] / "data" / "engine_kernels.json"
+# one file per device ({"source", "engines", "accuracy"}): a run parses its own device's, not all nine (~19 M instructions)
+ENGINE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "data" / "engine_kernels"
 KERNEL_ENGINES = ("vllm", "sglang", "trtllm")  # the engines AIConfigurator measured
 
 
@@ -232,14 +233,31 @@ def version_key(version: str) -> tuple:
 
 
 @lru_cache(maxsize=4)
-def load_engine_kernels(path: Path = ENGINE_KERNELS_PATH) -> dict:
-    """The engines' fitted kernels by device, engine and version (sim/data/engine_kernels.json)."""
-    return json.loads(Path(path).read_text())
+def engine_devices(folder: Path = ENGINE_KERNELS_DIR) -> tuple[str, ...]:
+    """The devices whose engines' kernels were measured (a file each in `folder`), sorted."""
+    return tuple(sorted(p.stem for p in Path(folder).glob("*.json")))
+
+
+@lru_cache(maxsize=16)
+def device_engines(device: str, folder: Path = ENGINE_KERNELS_DIR) -> dict:
+    """One device's engines' fitted kernels by engine and version, and their accuracy (sim/data/engine_kernels/
+    DEVICE.json: {"source", "engines", "accuracy"}); {} where none were measured."""
+    if device not in engine_devices(folder):  # a user's device name never becomes a path
+        return {}
+    return json.loads((Path(folder) / f"{device}.json").read_text())
+
+
+def load_engine_kernels(folder: Path = ENGINE_KERNELS_DIR) -> dict:
+    """Every device's engines' fitted kernels, {"source", "devices": {device: {engine: ...}}, "accuracy": {device:
+    {engine: ...}}}, read from the per-device files (a run reads only its device's: `device_engines`)."""
+    files = {device: device_engines(device, folder) for device in engine_devices(folder)}
+    return {"source": next(iter(files.values()))["source"] if files else "",
+            "devices": {d: f["engines"] for d, f in files.items()}, "accuracy": {d: f["accuracy"] for d, f in files.items()}}
 
 
 def engine_versions(device: str, engine: str) -> list[str]:
     """The versions of `engine` whose kernels were measured on `device`, newest first (empty: none)."""
-    entry = load_engine_kernels()["devices"].get(device, {}).get(engine)
+    entry = device_engines(device).get("engines", {}).get(engine)
     return sorted(entry["versions"], key=version_key, reverse=True) if entry else []
 
 
@@ -262,7 +280,7 @@ def engine_kernels(device: str, engine: str, version: str | None = None) -> Devi
     measured runs the nearest older measured version's), fitted to AIConfigurator's engine-collected timings; None
     where that engine was not measured on that device. Elementwise passes (not measured per engine) are the device's
     default fits; `notes` say where each part came from."""
-    entry = load_engine_kernels()["devices"].get(device, {}).get(engine)
+    entry = device_engines(device).get("engines", {}).get(engine)
     if entry is None:
         return None
     chosen, how = _pick_version(entry, version)
@@ -273,7 +291,7 @@ def engine_kernels(device: str, engine: str, version: str | None = None) -> Devi
 
 def kernel_accuracy(device: str, engine: str) -> dict:
     """The engine's kernel fits' error on what their fit left out, by op family (bench/gpu_truth.py's measure)."""
-    return load_engine_kernels().get("accuracy", {}).get(device, {}).get(engine, {})
+    return device_engines(device).get("accuracy", {}).get(engine, {})
 
 
 def kernel_report(k: DeviceKernels, has_experts: bool = False, attention_form: str = "today",
