@@ -86,7 +86,7 @@ def plan_requests(plan) -> list[RequestSpec]:
     return generate_requests(plan.workload, plan.base_dir, plan.client)
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class _Streams:
     """Independent random streams of one seed (SeedSequence.spawn, in this order): changing one draw (a length
     distribution, adding bursts) leaves the others unchanged."""
@@ -106,7 +106,7 @@ class _Streams:
         return cls(*(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(8)))
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class _Columns:
     """A workload's draws before the bursts' arrivals join them: `arrivals` (without the bursts'), `prompt` and
     `output` lengths (with them), a later turn's answer lengths (`more_outputs(rng, n)`), a Mooncake trace's

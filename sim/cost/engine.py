@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sim.config.engines import EngineProfile
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, repr=False, frozen=True)
 class HostCost:
     """The host's seconds of a step, and how much of them the step's time shows."""
 

@@ -11,7 +11,7 @@ from typing import Protocol
 from sim.policy.batch import BatchShape
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class StepCost:
     """One step's seconds by kind of work. `total_s` is the step's time as its cost source sums it (in the source's
     own order of float operations, so that it equals the source's `step_time` bit for bit); the parts add up to it

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from sim.policy.request import Request
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class BatchShape:
     """What one engine step computes, as the cost model sees it (padded rows included)."""
 
@@ -23,7 +23,7 @@ class BatchShape:
     prefill_context: int = 0  # context of the prompt-chunk rows after the step (of sum_context)
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class ScheduledBatch:
     """One engine step: every decoding request steps one token (if `decodes`), plus prompt chunks.
 

@@ -20,7 +20,7 @@ class Status(str, Enum):
     REJECTED = "rejected"
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class ClientRequest:
     """What the client sent: the workload's request, and how it reached the server."""
 
@@ -39,7 +39,7 @@ class ClientRequest:
     warmup: bool = False
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class KVBlocks(ClientRequest):
     """The KV allocator's record (sim/policy/block_manager.py): where the request's K/V lives."""
 
@@ -56,7 +56,7 @@ class KVBlocks(ClientRequest):
     group_dropped: list | tuple = ()
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class SchedulingState(KVBlocks):
     """The scheduler's record (sim/policy/*scheduler.py, decode_set.py, speculative_slots.py).
 
@@ -80,7 +80,7 @@ class SchedulingState(KVBlocks):
     num_rejections: int = 0  # of those, the steps where a draft was rejected (the rest accepted all)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class TokenTrace(SchedulingState):
     """What the clocks record for the report: where it ran and when its tokens came."""
 
@@ -91,7 +91,7 @@ class TokenTrace(SchedulingState):
     run_start: int = -1  # the simulator: the decode step its current run of tokens started at
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class Request(TokenTrace):
     """One request as the scheduler and KV allocator see it (token counts, not token ids)."""
 

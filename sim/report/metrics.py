@@ -19,7 +19,7 @@ from sim.report.definitions import per_request, run_end, summaries
 MAX_CDF_POINTS = 4000  # points kept of the inter-token gaps' CDF, for plots
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, repr=False, frozen=True)
 class GapSummary:
     """The inter-token gaps of a run, summarized once (a simulated day has ~1e8 of them): count, mean, numpy's
     linear percentiles, and their CDF at no more than MAX_CDF_POINTS points."""
@@ -56,7 +56,7 @@ def summarize_gaps(sample: list[np.ndarray]) -> GapSummary:
     return GapSummary(n, stats, x[pick].copy(), (cw[pick] / max(n, 1)).astype(float))
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class RequestRecords:
     """Per-request outcomes, and the inter-token gaps of the completed ones, summarized."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class ReplicaTrace:
     """What metrics and plots need from one replica (the executor fills the same)."""
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from sim.simulator.pipeline import Pipeline
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class RunResult:
     requests: list[Request]
     replicas: list[ReplicaTrace]
