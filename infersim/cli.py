@@ -4,10 +4,12 @@ Bad input → one line on stderr and exit code 2."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, List, NoReturn, Optional
+from typing import Callable, Iterator, List, NoReturn, Optional
 
 from infersim.inputs import check_distinct, default_scenario_path, prepare_out, require_executor
 from infersim.progress import progress_bar
@@ -16,6 +18,7 @@ from sim.config.errors import ConfigError
 HELP = "infersim: capacity planning for LLM inference serving (simulate, then validate)."
 MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
+_OWN_PROCESS = False  # main() runs as the `infersim` process (argv from its command line), not inside a program
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,6 +123,23 @@ def _train_minutes(default: float) -> Arg:
                 help="training time budget")
 
 
+@contextmanager
+def _command_imports() -> Iterator[None]:
+    """A simulating command's imports (~40k objects, kept to the end): no collection runs while they load, and in the
+    `infersim` process itself they are then frozen, so that no later collection, nor the one at exit, walks them
+    (cachegrind: -95 M instructions of a 10-request run, 6%). Inside another program nothing is frozen: its own
+    garbage would be kept."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if _OWN_PROCESS:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _fail(e: ConfigError) -> NoReturn:
     print(f"infersim: error: {e.one_line()}", file=sys.stderr)
     raise SystemExit(2)
@@ -130,7 +150,8 @@ def _fail(e: ConfigError) -> NoReturn:
           _flag("--no-plots", help="skip the PNG plots"))
 def run(scenario: Optional[Path], out: Optional[Path], quiet: bool, no_plots: bool) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
-    from infersim.commands.run import run_scenario
+    with _command_imports():
+        from infersim.commands.run import run_scenario
 
     try:
         run_scenario(scenario or default_scenario_path(), out, quiet=quiet, plots=not no_plots)
@@ -444,7 +465,8 @@ def _validate_published(scenarios: List[Path], published: Path, out, others: lis
 def search(spec: Path, out: Optional[Path], backend: str, address: Optional[str], workers: Optional[int],
            quiet: bool) -> None:
     """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
-    from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
+    with _command_imports():
+        from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
 
     try:
         found = load_search_spec(spec)
@@ -467,7 +489,8 @@ def search(spec: Path, out: Optional[Path], backend: str, address: Optional[str]
           _out("folder for compare.json, compare.md, cdf.png"), _flag("--quiet", "-q"))
 def compare(scenarios: List[Path], sweep: Optional[List[str]], out: Optional[Path], quiet: bool) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
-    from infersim.commands.compare import compare_files, print_comparison, write_outputs
+    with _command_imports():
+        from infersim.commands.compare import compare_files, print_comparison, write_outputs
 
     try:
         check_distinct(scenarios)
@@ -493,7 +516,8 @@ def step_cost(scenario: Optional[Path], new_tokens: Optional[List[int]], context
               pool: Optional[str]) -> None:
     """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
     overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
-    from infersim.commands.step_cost import price_steps, print_step_costs
+    with _command_imports():
+        from infersim.commands.step_cost import price_steps, print_step_costs
 
     try:
         plan, rows, priced = price_steps(scenario or default_scenario_path(), new_tokens, context, pool)
@@ -573,6 +597,8 @@ def _no_command(argv: list[str]) -> NoReturn:
 def main(argv: list[str] | None = None) -> None:
     """Run the command line on `argv` (default: the process's). Only the command it names gets its parser built;
     anything else (--help, nothing, a typo) meets the list of commands. Options and arguments may come in any order."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = argv is None
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     for key, value in library_defaults(argv[0] if argv else "").items():
         os.environ.setdefault(key, value)
