@@ -371,6 +371,8 @@ class PoolConfig(StrictModel):
 class KVTransferConfig(StrictModel):
     """The link a finished prefill's KV crosses to its decode instance (one per device pair of the two replicas)."""
 
+    model_config = ON_USE  # only a disaggregated scenario makes one: built then, not at import
+
     bandwidth: float | None = Field(None, ge=1e6, le=1e15, description="bytes/s per device pair; default: the slower "
                                     "pool hardware's interconnect_bandwidth")
     latency_s: NonNegativeFloat | None = Field(None, le=60, description="per transfer; default: the pools' "
@@ -385,7 +387,7 @@ class PoolsConfig(StrictModel):
 
     prefill: PoolConfig
     decode: PoolConfig
-    kv_transfer: KVTransferConfig = KVTransferConfig()
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)  # no instance at import
 
 
 DEFAULT_SECTIONS = ("parallel", "serving", "kv_cache", "slo", "cost_model", "executor")
