@@ -278,7 +278,8 @@ class BaseScheduler:
         if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
             raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
         self.kv.note_peak()
-        dec.advance(k)
+        dec.steps += k  # dec.advance(k), inline: once per run of decode steps
+        dec.sum_computed += k * len(dec.members)
         self.steps_since_admission += k - 1
         done = dec.pop_finished()
         finished = [self._finish(r) for r in done] if done else done  # most runs end with none
