@@ -59,9 +59,10 @@ class Scheduler(BaseScheduler):
             prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
             if prefill:
                 budget -= sum(n for _, n in prefill)
-            swapped_in, received = self._resume(budget, preempted)
+            # nothing swapped out or received (the usual step): nothing to resume, without the call
+            swapped_in, received = self._resume(budget, preempted) if self.swapped or self.handoff.ready else ([], [])
             budget -= len(swapped_in) + len(received)
-            admitted = [] if preempted or self.swapped else self._admit(budget, chunked=chunked)
+            admitted = [] if preempted or self.swapped else self._admit(budget, chunked)
             self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
             return self._batch(prefill + admitted, True, preempted, swapped_in, received)
         preempted: list[Request] = []
@@ -294,7 +295,7 @@ class Scheduler(BaseScheduler):
             free -= need
             budget -= n
             picks.append((r, n))
-        if not picks or not self._gate_open(len(picks)):
+        if not picks or (cfg.waiting_served_ratio is not None and not self._gate_open(len(picks))):  # no gate: open
             return []
         return picks
 
