@@ -153,6 +153,10 @@ class BaseScheduler:
     def num_kv_tokens(self) -> int:
         """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once); a hybrid model's
         token slots holding K/V over all its groups."""
+        return self.kv_tokens()
+
+    def kv_tokens(self) -> int:
+        """num_kv_tokens as a method: the simulator's KV sample asks at every event, and a property's call costs more."""
         tokens = self.decoding.sum_computed
         if self.prefilling:
             tokens += sum(r.num_computed for r in self.prefilling)
