@@ -200,7 +200,7 @@ class BaseScheduler:
             r.num_computed += n
             if self.prefix_caching and r.block_hashes:  # a prompt without hashes registers nothing
                 self.kv.register(r)
-            if r.num_computed < r.num_tokens:
+            if r.num_computed < r.prompt_len + r.num_generated:  # num_tokens, inline: a property's call costs more
                 continue  # a prompt chunk: no token yet
             self.prefilling.pop(r, None)
             r.num_generated += 1

@@ -47,7 +47,7 @@ class DecodeSet:
         r.decode_tag = tag = next(self._tags)
         self.members[r] = None
         self.sum_computed += r.num_computed
-        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        heapq.heappush(self._finish, (self.steps + r.max_tokens - r.num_generated, tag, r))  # + remaining_tokens
         return tag
 
     def sync(self, r: Request) -> None:
