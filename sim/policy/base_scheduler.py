@@ -48,7 +48,11 @@ class BaseScheduler:
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason if it can never be served."""
-        return self._queue_unless(req, self._reject_reason(req), self.waiting.append)
+        reason = self._reject_reason(req)
+        if reason is None:  # the usual case, queued without _queue_unless's call: once per request
+            self.waiting.append(req)
+            return True
+        return self._queue_unless(req, reason, self.waiting.append)
 
     @staticmethod
     def _queue_unless(req: Request, reason: str | None, queue) -> bool:
