@@ -107,7 +107,7 @@ def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: in
     where it has windowed layers: decode_time's float operations with its per-batch part hoisted, so the same step
     ends, without allocating per step (nor a call, without windows)."""
     s, append = sum_context, step_end.append
-    if windows:
+    if windows or num_seqs <= 0:  # (no rows: a range cannot step by 0)
         for k in range(1, k_max + 1):
             clock += base + s * per_kv + window_reads_s(windows, s, num_seqs)
             append(clock)
@@ -115,12 +115,12 @@ def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: in
                 return k, clock
             s += num_seqs
         return k_max, clock
-    for k in range(1, k_max + 1):  # the loop every run of decode steps takes: one line per step
+    # the loop every run of decode steps takes: each step's context from the range, the step counted at the end
+    for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
         clock += base + s * per_kv
         append(clock)
         if clock >= until:
-            return k, clock
-        s += num_seqs
+            return (s - sum_context) // num_seqs + 1, clock
     return k_max, clock
 
 

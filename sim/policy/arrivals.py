@@ -173,7 +173,7 @@ class ArrivalBook:
                 self._send(i, t_first, 0.0, out)  # _arrive without a gate
             elif t_transit <= now:
                 _, _, i, wait, way_in = heapq.heappop(transit)
-                out.append(Send(i, t_transit, wait, in_s=way_in))
+                out.append(Send(i, t_transit, wait, False, way_in))  # by position: once per request
             else:
                 return out
 

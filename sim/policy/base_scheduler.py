@@ -48,7 +48,11 @@ class BaseScheduler:
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason if it can never be served."""
-        return self._queue_unless(req, self._reject_reason(req), self.waiting.append)
+        reason = self._reject_reason(req)
+        if reason is None:  # the usual case, queued without _queue_unless's call: once per request
+            self.waiting.append(req)
+            return True
+        return self._queue_unless(req, reason, self.waiting.append)
 
     @staticmethod
     def _queue_unless(req: Request, reason: str | None, queue) -> bool:
@@ -153,6 +157,10 @@ class BaseScheduler:
     def num_kv_tokens(self) -> int:
         """Tokens whose K/V is in the cache now (a prefix shared by several requests counted once); a hybrid model's
         token slots holding K/V over all its groups."""
+        return self.kv_tokens()
+
+    def kv_tokens(self) -> int:
+        """num_kv_tokens as a method: the simulator's KV sample asks at every event, and a property's call costs more."""
         tokens = self.decoding.sum_computed
         if self.prefilling:
             tokens += sum(r.num_computed for r in self.prefilling)
@@ -196,7 +204,7 @@ class BaseScheduler:
             r.num_computed += n
             if self.prefix_caching and r.block_hashes:  # a prompt without hashes registers nothing
                 self.kv.register(r)
-            if r.num_computed < r.num_tokens:
+            if r.num_computed < r.prompt_len + r.num_generated:  # num_tokens, inline: a property's call costs more
                 continue  # a prompt chunk: no token yet
             self.prefilling.pop(r, None)
             r.num_generated += 1
@@ -278,7 +286,8 @@ class BaseScheduler:
         if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
             raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
         self.kv.note_peak()
-        dec.advance(k)
+        dec.steps += k  # dec.advance(k), inline: once per run of decode steps
+        dec.sum_computed += k * len(dec.members)
         self.steps_since_admission += k - 1
         done = dec.pop_finished()
         finished = [self._finish(r) for r in done] if done else done  # most runs end with none

@@ -60,7 +60,7 @@ def prefill_shape(prefill: list[tuple[Request, int]]) -> tuple[int, int, int, in
         tokens += n
         ctx += c
         pairs += n * (c - n) + n * (n + 1) // 2  # each new token attends to everything before it
-        sampled += c == r.num_tokens
+        sampled += c == r.prompt_len + r.num_generated  # num_tokens, inline: a property's call costs more
     return tokens, ctx, pairs, sampled
 
 

@@ -41,10 +41,18 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        return self.free_count()
+
+    def free_count(self) -> int:
+        """num_free as a method: the scheduler asks at every step, and a property's call costs more."""
         return len(self.free_blocks)
 
     @property
     def num_used(self) -> int:
+        return self.used_blocks()
+
+    def used_blocks(self) -> int:
+        """num_used as a method: the simulator's KV sample asks at every event, and a property's call costs more."""
         return self.num_blocks - len(self.free_blocks)
 
     def note_peak(self) -> None:
@@ -293,13 +301,10 @@ class PrefixCachingAllocator(BlockAllocator):
         self.hit_tokens = 0
         self.shared_refs = 0  # references past the first to blocks held (their tokens are stored once)
 
-    # the free queue's own count, without a call of its __len__: asked at every event
-    @property
-    def num_free(self) -> int:
+    def free_count(self) -> int:  # the free queue's own count, without a call of its __len__: asked at every event
         return self.free_blocks.size
 
-    @property
-    def num_used(self) -> int:
+    def used_blocks(self) -> int:
         return self.num_blocks - self.free_blocks.size
 
     def note_peak(self) -> None:
@@ -329,7 +334,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def take_prefix(self, req: Request, hits: int) -> None:
         """Give a request with no blocks the first `hits` blocks of its cached prefix (from cached_prefix)."""
-        self.queried_tokens += req.num_tokens
+        self.queried_tokens += req.prompt_len + req.num_generated  # num_tokens, inline: once per prompt admitted
         self.hit_tokens += hits * self.block_size
         ref = self._ref
         for h in req.block_hashes[:hits]:

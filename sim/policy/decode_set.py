@@ -47,7 +47,7 @@ class DecodeSet:
         r.decode_tag = tag = next(self._tags)
         self.members[r] = None
         self.sum_computed += r.num_computed
-        heapq.heappush(self._finish, (self.steps + r.remaining_tokens, tag, r))
+        heapq.heappush(self._finish, (self.steps + r.max_tokens - r.num_generated, tag, r))  # + remaining_tokens
         return tag
 
     def sync(self, r: Request) -> None:
@@ -103,27 +103,39 @@ class DecodeSet:
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        due, bs, heap, cursor = self._due, self.block_size, self._due_steps, self._cursor
-        if heap and heap[0] <= upto:
-            take, pop_step, push_step = free_blocks.pop, heapq.heappop, heapq.heappush
+        heap = self._due_steps
+        if not heap or heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
+            if upto >= self._cursor:
+                self._cursor = upto + 1
+            return None
+        due, bs, cursor = self._due, self.block_size, self._cursor
+        take, pop_step, push_step = free_blocks.pop, heapq.heappop, heapq.heappush
         while heap and heap[0] <= upto:
             step = pop_step(heap)
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 continue
             bucket = due.pop(step)
-            if len(bucket) > 1:
-                bucket.sort()
-            stale = False
-            for tag, r in bucket:
+            if len(bucket) == 1:  # one member due (the usual case): no sort, a stale entry just dropped
+                tag, r = bucket[0]
                 if r.decode_tag != tag:
-                    stale = True
                     continue
                 try:  # the list's own check that a block is left: no count kept (a free queue's is asked in Python)
                     r.block_table.append(take())
                 except IndexError:
                     return self._run_dry(step, bucket, r)
-            if stale:
-                bucket = [e for e in bucket if e[1].decode_tag == e[0]]
+            else:
+                bucket.sort()
+                stale = False
+                for tag, r in bucket:
+                    if r.decode_tag != tag:
+                        stale = True
+                        continue
+                    try:
+                        r.block_table.append(take())
+                    except IndexError:
+                        return self._run_dry(step, bucket, r)
+                if stale:
+                    bucket = [e for e in bucket if e[1].decode_tag == e[0]]
             later = due.get(step + bs)  # _book, inline: once per step with a block due
             if later is not None:
                 later.extend(bucket)

@@ -62,7 +62,7 @@ def request_maker(enable_prefix_caching: bool, block_size: int, max_model_len: i
         req = Request(spec.id, spec.arrival_s, spec.prompt_len, spec.output_len, conversation=spec.conversation,
                       client_out_s=spec.out_s, client_close_s=spec.close_s,
                       warmup=spec.warmup)
-        if hashes is not None:
+        if hashes is not None and (spec.prefix or spec.conversation >= 0):  # none shared: no hashes, without the call
             req.block_hashes = hashes(spec)
         return req
     return make

@@ -59,9 +59,10 @@ class Scheduler(BaseScheduler):
             prefill = self._continue_prefills(budget, preempted) if self.prefilling else []
             if prefill:
                 budget -= sum(n for _, n in prefill)
-            swapped_in, received = self._resume(budget, preempted)
+            # nothing swapped out or received (the usual step): nothing to resume, without the call
+            swapped_in, received = self._resume(budget, preempted) if self.swapped or self.handoff.ready else ([], [])
             budget -= len(swapped_in) + len(received)
-            admitted = [] if preempted or self.swapped else self._admit(budget, chunked=chunked)
+            admitted = [] if preempted or self.swapped else self._admit(budget, chunked)
             self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
             return self._batch(prefill + admitted, True, preempted, swapped_in, received)
         preempted: list[Request] = []
@@ -99,7 +100,7 @@ class Scheduler(BaseScheduler):
             return None
         due = dec.due_at(dec.steps)
         if due:  # none due: no block changes hands, the peak stands
-            if len(due) > len(kv.free_blocks):
+            if len(due) > kv.free_count():
                 return None
             dec.grant_blocks(dec.steps, kv.free_blocks)
             kv.note_peak()
@@ -260,7 +261,7 @@ class Scheduler(BaseScheduler):
             return []
         cfg = self.cfg
         picks: list[tuple[Request, int]] = []
-        free = self.kv.num_free - self.kv.watermark_blocks
+        free = self.kv.free_count() - self.kv.watermark_blocks
         h = self.handoff  # HandOff.holding, inline: asked at every step with requests waiting
         slots = cfg.max_num_seqs - len(self.running) - len(h.receiving) - len(h.ready)
         visible, reserve = self.visible_until, self.reservation
@@ -279,7 +280,7 @@ class Scheduler(BaseScheduler):
                 if r.block_hashes:  # a prompt without hashes has none
                     held, revive = self.kv.cached_prefix(r)
                 computed = held * self.kv.block_size
-            uncomputed = r.num_tokens - computed
+            uncomputed = r.prompt_len + r.num_generated - computed  # num_tokens, inline: a property's call costs more
             n = uncomputed
             if chunked:  # min(uncomputed, chunk, budget) without the call: asked at every step a request waits
                 if cfg.prefill_chunk_size < n:
@@ -294,7 +295,7 @@ class Scheduler(BaseScheduler):
             free -= need
             budget -= n
             picks.append((r, n))
-        if not picks or not self._gate_open(len(picks)):
+        if not picks or (cfg.waiting_served_ratio is not None and not self._gate_open(len(picks))):  # no gate: open
             return []
         return picks
 
@@ -361,7 +362,7 @@ class Scheduler(BaseScheduler):
                 and self.steps_since_admission - 1 < max_wait:
             k = min(k, max_wait - (self.steps_since_admission - 1))
         if k > 1 and dec.block_size:
-            k = dec.block_horizon(k, self.kv.num_free)
+            k = dec.block_horizon(k, self.kv.free_count())
         if k > 1 and self.kv.hybrid and (self.waiting or self.swapped or self.handoff.incoming):
             # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
             # away), or a later one's

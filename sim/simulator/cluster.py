@@ -42,7 +42,8 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
                                        ahead=arrivals.known and watch is None, arrivals_known=arrivals.known,
                                        sends=arrivals.sends)
     router = make_router(plan.router)
-    arrivals.start(lambda req: replicas[router.pick(replicas, req)].add(req))
+    # one engine: every router picks it (their picks keep no state that shows in a run)
+    arrivals.start(replicas[0].add if len(replicas) == 1 else lambda req: replicas[router.pick(replicas, req)].add(req))
     run_env(env, done.stop)
     for r in replicas:
         r.settle_token_times()

@@ -138,14 +138,14 @@ class Arrivals:
 
     def start(self, admit: Callable[[Request], bool]) -> None:
         self.admit = admit
-        self._arm()
+        self._arm(self.env.now)
 
-    def _arm(self) -> None:
-        """A timeout at the book's next time, unless one is set for then or earlier."""
+    def _arm(self, now: float) -> None:
+        """A timeout at the book's next time, unless one is set for then or earlier (`now`: SimPy's clock)."""
         t = self.book.next_s()
         if t < math.inf and (not self.alarms or t < self.alarms[0]):
             heapq.heappush(self.alarms, t)
-            wait = t - self.env.now
+            wait = t - now
             self.env.timeout(wait if wait > 0.0 else 0.0).callbacks.append(self._ring)  # max() without the call
 
     def _ring(self, _event: simpy.Event) -> None:
@@ -173,7 +173,7 @@ class Arrivals:
             elif not self.admit(req):
                 self.done()
                 self.ended(req, req.arrival_s)
-        self._arm()
+        self._arm(now)
 
     def ended(self, req: Request, at: float | None = None) -> None:
         """A request ended (or was turned away) at `at`, by the clock that ended it (None: now): the book takes it in

@@ -144,7 +144,7 @@ class Replica:
                 self._note_visible()
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
-            if not batch:
+            if batch is None or batch.shape.num_seqs <= 0:  # not batch, without its __bool__ call
                 if batch is not None and batch.preempted:  # every row gave its blocks back (to transfers): pick again
                     self._end_runs(batch.preempted, len(step_end) - 1)
                     continue
@@ -193,7 +193,7 @@ class Replica:
             if self.on_finish:
                 self.on_finish(r, clock)
         # fromlist: half the time of extend's generic path, once per event
-        self.samples.fromlist([clock, len(sched.running), sched.kv.num_used, sched.num_kv_tokens, len(sched.waiting)])
+        self.samples.fromlist([clock, len(sched.running), sched.kv.used_blocks(), sched.kv_tokens(), len(sched.waiting)])
 
     def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
         """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
