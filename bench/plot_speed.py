@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -25,10 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from instructions import VIDUR, environment, instructions
 from sim_speed import tree_of
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"vidur": ROOT / "bench" / "scenarios" / "vidur_llama2_7b_a100.yaml",
+SCENARIOS = {"vidur": VIDUR,
              "two_replicas": ROOT / "scenarios" / "azure_conv_llama3_8b_h100_x2.yaml"}
 # argv: scenario file, output folder, "plot" or not; prints the plots' import and draw CPU seconds as JSON
 CHILD = """
@@ -49,36 +49,21 @@ if sys.argv[3] == "plot":
     c2 = time.process_time()
     print(json.dumps({"import_s": c1 - c0, "draw_s": c2 - c1, "total_s": c2 - c0}))
 """
-PYCACHE = Path(tempfile.gettempdir()) / f"plot_speed_pyc_{os.getpid()}"
-
-
-def environment(tree: Path) -> dict[str, str]:
-    """`tree` first on the path, fixed hashing, one BLAS thread, byte code compiled once and kept apart per tree."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1",
-            "OMP_NUM_THREADS": "1", "PYTHONPYCACHEPREFIX": str(PYCACHE / tree.name)}
-
-
-def child(tree: Path, scenario: Path, out: Path, plot: bool = True, prefix: tuple[str, ...] = ()) -> str:
-    """Run the child on `tree`'s code (under `prefix`, e.g. valgrind); its stdout, or its stderr as the error."""
+def child(tree: Path, scenario: Path, out: Path, plot: bool = True) -> dict[str, float]:
+    """Run the child on `tree`'s code; the plots' import and draw CPU seconds."""
     out.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([*prefix, sys.executable, "-c", CHILD, str(scenario), str(out), "plot" if plot else "no"],
+    r = subprocess.run([sys.executable, "-c", CHILD, str(scenario), str(out), "plot" if plot else "no"],
                        cwd=tree, env=environment(tree), capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{tree}: the plot child failed: {r.stderr.strip()[-400:]}")
-    return r.stdout if not prefix else r.stderr
+    return json.loads(r.stdout) if plot else {}
 
 
-def instructions(tree: Path, out: Path) -> int:
+def plot_instructions(tree: Path, out: Path) -> int:
     """Instructions of the Vidur run's plots on `tree`: a child that plots less one that does not (cachegrind)."""
-    valgrind = ("valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null")
-    counts = []
-    for plot in (True, False):
-        found = re.search(r"I\s+refs:\s+([\d,]+)", child(tree, SCENARIOS["vidur"], out, plot, valgrind))
-        if not found:
-            raise SystemExit(f"{tree}: no instruction count from valgrind")
-        counts.append(int(found.group(1).replace(",", "")))
-    return counts[0] - counts[1]
+    out.mkdir(parents=True, exist_ok=True)
+    plotted, not_plotted = (instructions(tree, ["-c", CHILD, str(VIDUR), str(out), mode]) for mode in ("plot", "no"))
+    return plotted - not_plotted
 
 
 def main() -> None:
@@ -96,7 +81,7 @@ def main() -> None:
         for i in range(args.rounds):
             for name in trees if i % 2 == 0 else reversed(list(trees)):
                 for scenario, path in SCENARIOS.items():
-                    r = json.loads(child(trees[name], path, scratch / name / scenario))
+                    r = child(trees[name], path, scratch / name / scenario)
                     times[name, scenario].append(r)
                     print(f"round {i + 1} {name} {scenario}: import {r['import_s']:.4f} s, draw {r['draw_s']:.4f} s, "
                           f"total {r['total_s']:.4f} s (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -105,17 +90,17 @@ def main() -> None:
             base, this = median["base", scenario], median["this", scenario]
             print(f"{scenario}: base {base['total_s']:.4f} s (import {base['import_s']:.4f}), this "
                   f"{this['total_s']:.4f} s (import {this['import_s']:.4f}): {base['total_s'] / this['total_s']:.2f}x")
-        counts = {name: instructions(tree, scratch / "count") for name, tree in trees.items()} if args.instructions \
-            else {}
+        counts = {name: plot_instructions(tree, scratch / "count") for name, tree in trees.items()
+                  if args.instructions}
         for scenario in SCENARIOS:
             print(f"plots_cpu_s_{scenario}: {median['this', scenario]['total_s']:.4f}")
-            print(f"plots_speedup_{scenario}: {median['base', scenario]['total_s'] / median['this', scenario]['total_s']:.2f}")
+            ratio = median["base", scenario]["total_s"] / median["this", scenario]["total_s"]
+            print(f"plots_speedup_{scenario}: {ratio:.2f}")
         if counts:
             print(f"plots_instructions_vidur: {counts['this']}")
             print(f"plots_instructions_ratio_vidur: {counts['base'] / counts['this']:.2f}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(PYCACHE, ignore_errors=True)
 
 
 if __name__ == "__main__":
