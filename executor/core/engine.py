@@ -85,7 +85,8 @@ class Engine:
     t0: float = field(default_factory=time.perf_counter)
     tokens: dict[Request, list[int]] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
-    # (time, running, KV blocks used, KV tokens stored, waiting) after each step, as the simulator samples
+    # (time, running, KV blocks used, KV tokens stored, waiting) after each step: the scheduler's kv_sample, as the
+    # simulator records it
     samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor | None] = field(default_factory=dict)  # q of a sampling draft model
@@ -266,7 +267,7 @@ class Engine:
             num_drafted=drafted, num_accepted=num_accepted, draft_s=draft_s, draft_fed_tokens=fed, forward_s=forward_s,
             expert_tokens=self.model.take_expert_counts())
         self.records.append(record)
-        self.samples.append((end, len(sched.running), kv.num_used, sched.num_kv_tokens, len(sched.waiting)))
+        self.samples.append(tuple(sched.kv_sample(end)))
         return record
 
     def _observe_positions(self, step: StepInput, emitted: dict[Request, list[int]], paths: dict[Request, list[int]],

@@ -159,8 +159,13 @@ class BaseScheduler:
         token slots holding K/V over all its groups."""
         return self.kv_tokens()
 
+    def kv_sample(self, clock: float) -> list:
+        """The row both clocks record after each event: (time, running, KV blocks used, KV tokens stored, waiting);
+        report.json's kv_cache figures are taken over these rows (sim/report/outputs.py kv_usage)."""
+        return [clock, len(self.running), self.kv.used_blocks(), self.kv_tokens(), len(self.waiting)]
+
     def kv_tokens(self) -> int:
-        """num_kv_tokens as a method: the simulator's KV sample asks at every event, and a property's call costs more."""
+        """num_kv_tokens as a method: kv_sample asks at every event, and a property's call costs more."""
         tokens = self.decoding.sum_computed
         if self.prefilling:
             tokens += sum(r.num_computed for r in self.prefilling)

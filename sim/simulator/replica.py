@@ -193,7 +193,7 @@ class Replica:
             if self.on_finish:
                 self.on_finish(r, clock)
         # fromlist: half the time of extend's generic path, once per event
-        self.samples.fromlist([clock, len(sched.running), sched.kv.used_blocks(), sched.kv_tokens(), len(sched.waiting)])
+        self.samples.fromlist(sched.kv_sample(clock))
 
     def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
         """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
@@ -229,11 +229,9 @@ class Replica:
         reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
         if not (self.ahead and self.bulk) or timeouts:
             return None
-        sched = self.scheduler
-        if self.async_scheduling:  # _note_visible, inline: once per event
-            step_end = self.step_end
-            sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
-        return sched.schedule_decodes()
+        if self.async_scheduling:
+            self._note_visible()
+        return self.scheduler.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
