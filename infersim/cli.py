@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List, NoReturn, Optional
+from typing import Callable, List, NoReturn, Optional
 
 from infersim.inputs import check_distinct, default_scenario_path, prepare_out, require_executor
 from infersim.progress import progress_bar
@@ -18,7 +18,6 @@ from sim.config.errors import ConfigError
 HELP = "infersim: capacity planning for LLM inference serving (simulate, then validate)."
 MAX_THREADS = 4096  # the schema's executor.threads bound (torch overflowed on --threads 1e20)
 MAX_MINUTES = 24 * 60.0  # a training budget past a day is a typo (inf trained forever)
-_OWN_PROCESS = False  # main() runs as the `infersim` process (argv from its command line), not inside a program
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +67,7 @@ class _Help(argparse.HelpFormatter):
 
 Arg = tuple[tuple[str, ...], dict]
 COMMANDS: dict[str, tuple[tuple[Arg, ...], Callable[..., None]]] = {}  # name: (its arguments, its function)
+LOADS: dict[str, str] = {}  # a simulating command's name: the module its function imports (see _load_module)
 
 
 def _arg(*names: str, **options) -> Arg:
@@ -78,11 +78,13 @@ def _arg(*names: str, **options) -> Arg:
     return names, options
 
 
-def _command(name: str, *arguments: Arg) -> Callable:
+def _command(name: str, *arguments: Arg, loads: str | None = None) -> Callable:
     """Registers a command under `name` with its arguments (their dests: the function's parameters); the function's
-    docstring is its help."""
+    docstring is its help. `loads`: the simulator's module the function imports, loaded first by _load_module."""
     def register(fn: Callable[..., None]) -> Callable[..., None]:
         COMMANDS[name] = (arguments, fn)
+        if loads is not None:
+            LOADS[name] = loads
         return fn
     return register
 
@@ -123,18 +125,17 @@ def _train_minutes(default: float) -> Arg:
                 help="training time budget")
 
 
-@contextmanager
-def _command_imports() -> Iterator[None]:
-    """A simulating command's imports (~40k objects, kept to the end): no collection runs while they load, and in the
-    `infersim` process itself they are then frozen, so that no later collection, nor the one at exit, walks them
-    (cachegrind: -95 M instructions of a 10-request run, 6%). Inside another program nothing is frozen: its own
-    garbage would be kept."""
+def _load_module(module: str, freeze: bool) -> None:
+    """Import a simulating command's module (~40k objects, kept to the end) with no collection running while it
+    loads; with `freeze` (the `infersim` process itself) its objects are then frozen, so that no later collection,
+    nor the one at exit, walks them (cachegrind: -95 M instructions of a 10-request run, 6%). Inside another program
+    nothing is frozen: its own garbage would be kept."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        importlib.import_module(module)
     finally:
-        if _OWN_PROCESS:
+        if freeze:
             gc.freeze()
         if enabled:
             gc.enable()
@@ -147,11 +148,10 @@ def _fail(e: ConfigError) -> NoReturn:
 
 @_command("run", _arg("scenario", type=Path, nargs="?", help="scenario YAML (default: the embedded one)"),
           _out("folder for report.json, requests.csv, plots"), _flag("--quiet", "-q", help="no table, no progress bar"),
-          _flag("--no-plots", help="skip the PNG plots"))
+          _flag("--no-plots", help="skip the PNG plots"), loads="infersim.commands.run")
 def run(scenario: Optional[Path], out: Optional[Path], quiet: bool, no_plots: bool) -> None:
     """Simulate a scenario and report TTFT / TPOT / ITL / E2E, throughput, goodput, KV use and cost."""
-    with _command_imports():
-        from infersim.commands.run import run_scenario
+    from infersim.commands.run import run_scenario
 
     try:
         run_scenario(scenario or default_scenario_path(), out, quiet=quiet, plots=not no_plots)
@@ -379,7 +379,8 @@ def validate(scenarios: List[Path], out: Optional[Path], device: str, profile_pa
             ("--repeat", repeat if repeat > 1 else None), ("--capacity", capacity or None), ("--requests", requests),
             ("--device", device if device != "cpu" else None)]  # what only runs of the executor take
     if published is not None:
-        return _validate_published(scenarios, published, out, [*runs, ("--endpoint", endpoint), ("--profile", profile_path)])
+        return _validate_published(scenarios, published, out,
+                                   [*runs, ("--endpoint", endpoint), ("--profile", profile_path)])
     if endpoint is not None:
         return _validate_endpoint(scenarios, endpoint, served_model, profile_path, out, tokenizer, chat, timeout, runs)
     if served_model is not None or tokenizer is not None or chat or timeout is not None:
@@ -461,12 +462,12 @@ def _validate_published(scenarios: List[Path], published: Path, out, others: lis
           _out("folder for search.json, search.md, pareto.png"),
           _arg("--backend", default="local", help="local (processes on this machine) or ray"),
           _arg("--address", help="ray: the cluster (default: a local Ray)"),
-          _arg("--workers", type=Bounded(int, 1), help="local: processes (default: cores)"), _flag("--quiet", "-q"))
+          _arg("--workers", type=Bounded(int, 1), help="local: processes (default: cores)"), _flag("--quiet", "-q"),
+          loads="infersim.commands.search")
 def search(spec: Path, out: Optional[Path], backend: str, address: Optional[str], workers: Optional[int],
            quiet: bool) -> None:
     """Find each configuration's capacity within the SLOs, the Pareto front and the cheapest one for the target."""
-    with _command_imports():
-        from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
+    from infersim.commands.search import configurations, load_search_spec, print_search, run_search, write_outputs
 
     try:
         found = load_search_spec(spec)
@@ -486,11 +487,11 @@ def search(spec: Path, out: Optional[Path], backend: str, address: Optional[str]
                           "all)"),
           _arg("--sweep", action="append", help="KEY=V1,V2,...: one scenario, one key swept (several keys: "
                "`infersim search`)"),
-          _out("folder for compare.json, compare.md, cdf.png"), _flag("--quiet", "-q"))
+          _out("folder for compare.json, compare.md, cdf.png"), _flag("--quiet", "-q"),
+          loads="infersim.commands.compare")
 def compare(scenarios: List[Path], sweep: Optional[List[str]], out: Optional[Path], quiet: bool) -> None:
     """Simulate several configurations on the same workload: one table and overlaid latency CDFs."""
-    with _command_imports():
-        from infersim.commands.compare import compare_files, print_comparison, write_outputs
+    from infersim.commands.compare import compare_files, print_comparison, write_outputs
 
     try:
         check_distinct(scenarios)
@@ -511,13 +512,13 @@ def compare(scenarios: List[Path], sweep: Optional[List[str]], out: Optional[Pat
                "(repeat: one per sequence); default: the scenario's typical prefill and decode steps"),
           _arg("--context", type=Bounded(int), action="append", help="its tokens in the KV cache after the step "
                "(repeat, one per --new-tokens; default: the new tokens)"),
-          _arg("--pool", help="disaggregated: prefill or decode (default: prefill for prompt chunks alone)"))
+          _arg("--pool", help="disaggregated: prefill or decode (default: prefill for prompt chunks alone)"),
+          loads="infersim.commands.step_cost")
 def step_cost(scenario: Optional[Path], new_tokens: Optional[List[int]], context: Optional[List[int]],
               pool: Optional[str]) -> None:
     """One engine step's time and where it goes (linear layers, attention, communication, LM head, host
     overhead), as the simulator prices it: the scenario's typical steps, or the one given."""
-    with _command_imports():
-        from infersim.commands.step_cost import price_steps, print_step_costs
+    from infersim.commands.step_cost import price_steps, print_step_costs
 
     try:
         plan, rows, priced = price_steps(scenario or default_scenario_path(), new_tokens, context, pool)
@@ -597,8 +598,7 @@ def _no_command(argv: list[str]) -> NoReturn:
 def main(argv: list[str] | None = None) -> None:
     """Run the command line on `argv` (default: the process's). Only the command it names gets its parser built;
     anything else (--help, nothing, a typo) meets the list of commands. Options and arguments may come in any order."""
-    global _OWN_PROCESS
-    _OWN_PROCESS = argv is None
+    own_process = argv is None  # the `infersim` process itself, not main() called inside another program
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     for key, value in library_defaults(argv[0] if argv else "").items():
         os.environ.setdefault(key, value)
@@ -606,7 +606,10 @@ def main(argv: list[str] | None = None) -> None:
         _no_command(argv)
     _, fn = COMMANDS[argv[0]]
     try:
-        fn(**vars(command_parser(argv[0]).parse_intermixed_args(argv[1:])))
+        args = vars(command_parser(argv[0]).parse_intermixed_args(argv[1:]))
+        if argv[0] in LOADS:
+            _load_module(LOADS[argv[0]], freeze=own_process)
+        fn(**args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (serve --http drains on its own and returns)
         print(f"infersim: interrupted: {argv[0]}", file=sys.stderr)
         raise SystemExit(130) from None
