@@ -53,7 +53,7 @@ from sim.config.workload import RequestSpec
 from sim.policy.build import make_policy, make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request, Status
-from sim.report.metrics import records_from_requests
+from sim.report.metrics import mean_p50_p99, records_from_requests
 from sim.report.trace import ReplicaTrace
 
 STOPPED = "the serve stopped: a worker failed"  # the reject reason of requests a failure left unfinished
@@ -260,11 +260,9 @@ def kv_transfer_section(plan: Plan, transfers: list[Transfer]) -> dict:
     secs = np.array([t.end_s - t.start_s for t in transfers], float)
     waits = np.array([t.start_s - t.handoff_s for t in transfers], float)
     moved = sum(t.bytes for t in transfers)
-    stats = lambda a: {"mean": float(a.mean()), "p50": float(np.quantile(a, 0.5)),  # noqa: E731
-                       "p99": float(np.quantile(a, 0.99))} if len(a) else {"mean": 0.0, "p50": 0.0, "p99": 0.0}
     return {"transfers": len(transfers), "bytes": moved,
             "link_bandwidth": float(moved / secs.sum()) if secs.sum() > 0 else None,
-            "links_per_transfer": plan.pools.kv_links, "transfer_s": stats(secs), "wait_s": stats(waits),
+            "links_per_transfer": plan.pools.kv_links, "transfer_s": mean_p50_p99(secs), "wait_s": mean_p50_p99(waits),
             "fit": fit_link(transfers)}
 
 

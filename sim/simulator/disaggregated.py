@@ -24,6 +24,7 @@ from sim.config.workload import RequestSpec
 from sim.policy.build import make_router
 from sim.policy.prefix import request_maker
 from sim.policy.request import Request
+from sim.report.metrics import mean_p50_p99
 from sim.simulator.engines import Arrivals, Done, RunResult, SameInstant, make_engines, run_env, trace_of
 from sim.simulator.replica import Replica
 
@@ -90,11 +91,9 @@ class KVTransfers:
         """The report's kv_transfer section."""
         # sorted: the same transfers in another event order (bulk runs or step by step) give the same bits
         secs, waits = np.sort(np.frombuffer(self.seconds, float)), np.sort(np.frombuffer(self.waits, float))
-        stats = lambda a: {"mean": float(a.mean()), "p50": float(np.quantile(a, 0.5)),  # noqa: E731
-                           "p99": float(np.quantile(a, 0.99))} if len(a) else {"mean": 0.0, "p50": 0.0, "p99": 0.0}
         return {"transfers": len(secs), "bytes": self.tokens * self.pools.prefill.model.kv_bytes_per_token,
                 "link_bandwidth": self.pools.kv_bandwidth, "links_per_transfer": self.pools.kv_links,
-                "transfer_s": stats(secs), "wait_s": stats(waits)}
+                "transfer_s": mean_p50_p99(secs), "wait_s": mean_p50_p99(waits)}
 
 
 def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = True,
