@@ -229,9 +229,11 @@ class Replica:
         reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
         if not (self.ahead and self.bulk) or timeouts:
             return None
-        if self.async_scheduling:
-            self._note_visible()
-        return self.scheduler.schedule_decodes()
+        sched = self.scheduler
+        if self.async_scheduling:  # _note_visible, inline: a call per event is 0.46% of a run's instructions
+            step_end = self.step_end
+            sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
+        return sched.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
