@@ -25,7 +25,7 @@ from tests.helpers import tiny_checkpoint, tiny_tokenizer, words, write_tiny_sce
 from tests.test_http_server import metric
 
 KEY = "sk-test-abuse"
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 8192  # a long stream lasts ~10 s: many times the stall deadline, even on a loaded machine
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
 
 
 def scenario(folder, checkpoint, name="abuse"):
-    return write_tiny_scenario(folder, checkpoint, name=name, kv_cache={"num_blocks": 600, "block_size": 8},
+    return write_tiny_scenario(folder, checkpoint, name=name, kv_cache={"num_blocks": 1200, "block_size": 8},
                                serving={"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN,
                                         "max_num_batched_tokens": MAX_MODEL_LEN})
 
@@ -48,7 +48,7 @@ def server(tmp_path_factory, checkpoint):
     from executor.api_server.server import Running
     from infersim.api import http_server
 
-    limits = ServerLimits(api_key=KEY, max_request_bytes=64 << 10, max_connections=256, request_timeout_s=3.0,
+    limits = ServerLimits(api_key=KEY, max_request_bytes=256 << 10, max_connections=256, request_timeout_s=3.0,
                           stall_timeout_s=1.0, shutdown_timeout_s=2.0, send_buffer_bytes=8 << 10)
     _, api = http_server(scenario(tmp_path_factory.mktemp("abuse"), checkpoint), "cpu", 1, served_model="tiny",
                          limits=limits)
@@ -139,10 +139,10 @@ def test_prompts_past_max_model_len_are_refused_before_the_engine(server):
         before = c.get("/metrics").text
         ids = complete(c, prompt=[7] * MAX_MODEL_LEN)
         t = time.perf_counter()
-        chars = complete(c, prompt="w7 " * 20_000)  # 60 kB: more characters than 2048 tokens of this vocabulary hold
+        chars = complete(c, prompt="w7 " * 40_000)  # 120 kB: more characters than 8192 tokens of this vocabulary hold
         chars_s = time.perf_counter() - t
         full = complete(c, prompt=words(MAX_MODEL_LEN - 1), max_tokens=2)
-        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w7 " * 20_000}]})
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w7 " * 40_000}]})
         after = c.get("/metrics").text
     assert [r.status_code for r in (ids, chars, full, chat)] == [400] * 4
     assert ids.json()["error"]["param"] == "prompt" and chat.json()["error"]["param"] == "messages"
@@ -162,7 +162,7 @@ def test_huge_bodies_get_413_unread_and_memory_stays_flat(server):
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with client(server) as c:
-        declared = c.post("/v1/completions", content=b"{" + b" " * (70 << 10) + b"}")
+        declared = c.post("/v1/completions", content=b"{" + b" " * (300 << 10) + b"}")
         t = time.perf_counter()
         chunked = c.post("/v1/completions", content=chunks(64 << 20), headers={"content-type": "application/json"})
         chunked_s = time.perf_counter() - t
@@ -293,11 +293,14 @@ def test_a_client_that_stops_reading_is_dropped_and_its_kv_freed(server):
                 if metric(c.get("/metrics").text, "vllm:num_requests_running") == 1:
                     break
                 time.sleep(0.01)
+            else:
+                raise AssertionError("the stream never ran")
         after = settled(server)
     finally:
         s.close()
     stalled = [counted(t, "infersim:requests_rejected_total", "reason") for t in (before, after)]
-    assert stalled[1] - stalled[0] == 1
+    finished = [counted(t, "vllm:request_success_total", "finished_reason") for t in (before, after)]
+    assert (stalled[1] - stalled[0], finished[1] - finished[0]) == (1, 0)  # dropped, not run to its end first
     assert metric(after, "infersim:requests_rejected_total", reason="client stopped reading") >= 1
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
 
