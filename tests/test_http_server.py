@@ -113,9 +113,11 @@ def test_concurrent_clients_share_one_continuous_batch_and_get_what_they_would_a
     with client(server) as c:
         before = c.get("/metrics").text
     together: list = [None] * len(prompts)
+    at_once = threading.Barrier(len(prompts))  # sent together even where a loaded machine starts threads late
 
     def send(i):
         with client(server) as c:
+            at_once.wait(30)
             together[i] = c.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 12, "temperature": 0,
                                                           "ignore_eos": True}).json()["choices"][0]["text"]
 
