@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 SCRIPT = """
@@ -40,3 +41,18 @@ def test_itl_counts_a_chunk_of_accepted_drafts_as_one_gap():
             "speculative": {"method": "ngram", "acceptance_rate": 0.8, "num_speculative_tokens": 4}}
     report = simulate_data(data).report
     assert report["itl_s"]["p50"] > 1.5 * report["tpot_s"]["p50"] > 0
+
+
+def test_equal_gaps_are_summed_in_the_sample_s_order_whatever_the_sort():
+    """Ties keep the sample's order (a stable sort): numpy's default sort orders equal values differently on AVX-512
+    and AVX2 builds, and the weighted mean and the CDF points moved in their last bits with it."""
+    from sim.report.metrics import MAX_CDF_POINTS, spread_indices, summarize, summarize_gaps
+
+    rng = np.random.default_rng(3)
+    values = rng.integers(1, 40, 50_000) * 0.0173  # many equal gaps, each with its own weight
+    weights = rng.integers(1, 1000, len(values))
+    order = np.lexsort((np.arange(len(values)), values))  # by value, ties by position
+    cw = np.cumsum(weights[order], dtype=np.int64)
+    got = summarize_gaps([values.copy(), weights.copy()])
+    assert got.stats == summarize(values[order], sorted_cumulative=cw)
+    assert got.cdf_fraction.tolist() == (cw[spread_indices(len(cw), MAX_CDF_POINTS)] / cw[-1]).tolist()

@@ -43,7 +43,7 @@ def summarize_gaps(sample: list[np.ndarray]) -> GapSummary:
     """GapSummary of [values, weights], the sample in which values[k] occurs weights[k] times (every weight > 0).
     It empties the list, so each array is freed as its sorted copy replaces it (a simulated day: ~1e7 of each)."""
     values, weights = sample.pop(0), sample.pop(0)
-    order = np.argsort(values)  # ties may come in any order: equal values, the same percentiles
+    order = np.argsort(values, kind="stable")  # ties in the sample's order: the same last bits on any machine
     x = values[order]
     del values
     w = weights[order]
