@@ -98,7 +98,7 @@ class ClientConfig(StrictModel):
         return self
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class ResolvedClient:
     """A workload's client as the run uses it. transport None: requests reach the engine as sent. `assumed`: not
     written in the scenario (a closed loop with no think time)."""

@@ -74,7 +74,7 @@ class EngineConfig(StrictModel):
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Release:
     """One engine release's behaviour, as its code sets it (see the module docstring for where)."""
 
@@ -134,7 +134,7 @@ def release(name: str, version: str | None, key_path: str = "engine.version") ->
                       key_path)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class EngineProfile:
     """A plan's engine, resolved: the release, what the deployment turned on, the CUDA graph sizes it captures (in
     tokens a step carries; empty: eager), and the serving and KV-cache defaults it supplied (`assumed`)."""

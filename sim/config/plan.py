@@ -121,7 +121,7 @@ class CostPlan:
     expert_load_imbalance: float = 1.0  # a MoE's busiest expert (or expert-parallel rank) over the mean
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Plan:
     """A scenario with names resolved, defaults filled in and the memory budget worked out."""
 
@@ -183,7 +183,7 @@ class Plan:
         return self.kv_bytes_per_token / self.largest_stage_layers
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Pools:
     """A disaggregated cluster: each pool as a plan of its own, and the KV-transfer link between them."""
 
