@@ -22,7 +22,6 @@ Sources, per engine (read from each project's code at the version named; line re
   graphs for generation-only batches, its custom all-reduce fused with the next RMSNorm.
 - infersim: the project's own executor (executor/): today's schema defaults, its CUDA graphs for plain decode steps.
 """
-from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field

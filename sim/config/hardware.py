@@ -1,5 +1,4 @@
 """Accelerators: the catalog and explicit specs (peak rates, memory, links, price)."""
-from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping

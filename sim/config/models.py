@@ -1,5 +1,4 @@
 """Model architectures: the catalog, explicit specs, Hugging Face config.json loading, sizes."""
-from __future__ import annotations
 
 from functools import cached_property
 from typing import Literal
