@@ -33,16 +33,27 @@ def test_a_catalog_entry_breaking_a_check_would_fail_here():
         ModelSpec.model_validate(bad.model_dump())
 
 
+def test_a_lazy_catalog_builds_an_entry_on_its_first_lookup_only_once():
+    from sim.config.errors import LazyCatalog, catalog_entry
+
+    built = []
+    catalog = LazyCatalog({name: (lambda name=name: built.append(name) or {"name": name}) for name in ("A", "b")})
+    assert "b" in catalog and "c" not in catalog and list(catalog) == ["A", "b"] and len(catalog) == 2 and built == []
+    first = catalog_entry(catalog, "a", "model", "", "model")
+    assert first == {"name": "A"} and catalog["A"] is first and built == ["A"]
+    assert catalog.get("c") is None and built == ["A"]
+
+
 def test_the_cpu_entry_reads_its_profile_on_its_first_lookup_alone(monkeypatch):
     from sim.config import hardware
-    from sim.config.errors import catalog_entry
+    from sim.config.errors import LazyCatalog, catalog_entry
 
-    entries, read = {name: hardware.HARDWARE_CATALOG[name] for name in ("A100-80GB", "cpu")}, []
+    read = []
     monkeypatch.setattr(hardware, "_measured_cpu", lambda spec: read.append(spec.name) or spec.model_copy(
         update={"memory_bandwidth": 1e9}))
-    catalog = hardware._Catalog(dict(entries))
-    assert catalog_entry(catalog, "a100-80gb", "hardware", "", "hardware") is entries["A100-80GB"]
-    assert "cpu" in catalog and list(catalog) == ["A100-80GB", "cpu"] and read == []
+    catalog = LazyCatalog(dict(hardware.HARDWARE_CATALOG._makers))
+    assert catalog_entry(catalog, "a100-80gb", "hardware", "", "hardware").name == "A100-80GB"
+    assert "cpu" in catalog and read == []
     assert catalog_entry(catalog, "CPU", "hardware", "", "hardware").memory_bandwidth == 1e9
     assert catalog["cpu"].memory_bandwidth == 1e9 and read == ["cpu"]
 

@@ -12,7 +12,6 @@ the engine emitted it, with seeded per-request jitter, so that a closed loop's u
 `resolve_client` says what a workload's client is, written or not: a closed loop with no think time is a fixed-
 concurrency benchmark, and gets the measured transport unless it says otherwise.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -98,7 +97,7 @@ class ClientConfig(StrictModel):
         return self
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class ResolvedClient:
     """A workload's client as the run uses it. transport None: requests reach the engine as sent. `assumed`: not
     written in the scenario (a closed loop with no think time)."""

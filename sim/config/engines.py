@@ -22,7 +22,6 @@ Sources, per engine (read from each project's code at the version named; line re
   graphs for generation-only batches, its custom all-reduce fused with the next RMSNorm.
 - infersim: the project's own executor (executor/): today's schema defaults, its CUDA graphs for plain decode steps.
 """
-from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
@@ -74,7 +73,7 @@ class EngineConfig(StrictModel):
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Release:
     """One engine release's behaviour, as its code sets it (see the module docstring for where)."""
 
@@ -134,7 +133,7 @@ def release(name: str, version: str | None, key_path: str = "engine.version") ->
                       key_path)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class EngineProfile:
     """A plan's engine, resolved: the release, what the deployment turned on, the CUDA graph sizes it captures (in
     tokens a step carries; empty: eager), and the serving and KV-cache defaults it supplied (`assumed`)."""

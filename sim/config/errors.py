@@ -1,7 +1,7 @@
 """One error type for bad user input: the CLI prints it as one line and exits with code 2."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 # what the CLI prints after "infersim: error: " stays within 300 characters
 MAX_LINE = 280
@@ -42,3 +42,25 @@ def catalog_entry(catalog: Mapping, name: str, what: str, instead: str, key_path
         if known.lower() == name.lower():
             return catalog[known]
     raise ConfigError(f"unknown {what} {name!r}; allowed: {', '.join(catalog)}{instead}", key_path)
+
+
+class LazyCatalog(Mapping):
+    """A catalog (name: entry) whose entries are built on their first lookup, each once: a run builds the one
+    entry it names, not the model or device catalog's every spec."""
+
+    def __init__(self, makers: dict[str, Callable[[], object]]):
+        self._makers, self._built = makers, {}
+
+    def __getitem__(self, name: str):
+        if name not in self._built:
+            self._built[name] = self._makers[name]()
+        return self._built[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from sim.config.scenario import ParallelConfig
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class ExpertLayout:
     """How a replica's devices split a model: TP ranks within a DP rank, DP ranks, experts whole over EP ranks."""
 

@@ -1,15 +1,14 @@
 """Accelerators: the catalog and explicit specs (peak rates, memory, links, price)."""
-from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from functools import lru_cache
+from collections.abc import Mapping
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, PositiveFloat
 
-from sim.config.errors import catalog_entry
+from sim.config.errors import LazyCatalog, catalog_entry
 from sim.config.schema_base import StrictModel
 
 GiB = 1024**3
@@ -48,34 +47,12 @@ class HardwareSpec(StrictModel):
         return self.memory_gib * GiB
 
 
-class _Catalog(Mapping):
-    """The device catalog. The `cpu` entry takes its measured figures on its first lookup: they come from a 270 KB
-    profile that a run on any other device need not parse."""
-
-    def __init__(self, entries: dict[str, HardwareSpec]):
-        self._entries, self._measured = entries, False
-
-    def __getitem__(self, name: str) -> HardwareSpec:
-        if name == "cpu" and not self._measured:
-            self._entries["cpu"], self._measured = _measured_cpu(self._entries["cpu"]), True
-        return self._entries[name]
-
-    def __contains__(self, name) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6, host_bw=25e9, fp8=True,
          topology="switch", fp4=None, int8=None):
     rates = {"fp32": fp32, "fp16": bf16, "bf16": bf16, "int8": int8 or fp8_int8} | ({"fp8": fp8_int8} if fp8 else {}) \
         | ({"fp4": fp4} if fp4 else {})
-    return HardwareSpec.model_construct(
-        name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
+    return name, partial(
+        HardwareSpec.model_construct, name=name, memory_gib=mem_gib, memory_bandwidth=bw, peak_flops=rates,
         interconnect_bandwidth=link, interconnect_latency_s=link_latency, interconnect_topology=topology,
         host_bandwidth=host_bw, price_per_hour=price, sparse_tensor_cores=True)
 
@@ -92,7 +69,7 @@ def _gpu(name, mem_gib, bw, bf16, fp8_int8, fp32, link, price, link_latency=3e-6
 # nccl-tests runs; the RTX PRO 6000 (PCIe Gen5) the bus bandwidth of its 4-GPU all-reduce there. Prices, 2026
 # on-demand: B200 Ornn's GPU-rental benchmark (neocloud), B300 the middle of its $5.00-7.25 range, GB200 Spheron's
 # $9.08 a 2-GPU superchip, RTX PRO 6000 RunPod's on-demand rate; GB300: no public per-GPU rate found, the B300's.
-HARDWARE_CATALOG: Mapping[str, HardwareSpec] = _Catalog({h.name: h for h in [
+HARDWARE_CATALOG: Mapping[str, HardwareSpec] = LazyCatalog(dict([
     _gpu("A100-40GB", 40.0, 1.555e12, 312e12, 624e12, 19.5e12, 263e9, 1.29, link_latency=14.5e-6, fp8=False),
     _gpu("A100-80GB", 80.0, 2.039e12, 312e12, 624e12, 19.5e12, 263e9, 1.79, link_latency=14.5e-6, fp8=False),
     _gpu("H100-SXM", 79.6, 3.35e12, 989e12, 1979e12, 67e12, 355e9, 2.99, link_latency=7.5e-6, host_bw=50e9),
@@ -113,11 +90,12 @@ HARDWARE_CATALOG: Mapping[str, HardwareSpec] = _Catalog({h.name: h for h in [
     _gpu("RTX-PRO-6000", 95.59, 1.792e12, 467.8e12, 935.6e12, 120e12, 26e9, 1.57, link_latency=10e-6,
          host_bw=50e9, topology="ring", fp4=1871.2e12),  # Blackwell Server Edition
     # A 2-core AMD EPYC VM (these CI machines), rough numpy figures of 2026-11-29; the matmul rate and
-    # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present.
-    HardwareSpec.model_construct(name="cpu", memory_gib=24.0, memory_bandwidth=9e9,
-                 peak_flops={"fp32": 115e9, "fp16": 30e9, "bf16": 30e9},
-                 interconnect_bandwidth=9e9, host_bandwidth=9e9, price_per_hour=0.1),
-]})
+    # bandwidth in calibration/profiles/cpu.json (`infersim profile`) replace them when present (read on the entry's
+    # first lookup: a run on another device never parses that 270 KB file).
+    ("cpu", lambda: _measured_cpu(HardwareSpec.model_construct(
+        name="cpu", memory_gib=24.0, memory_bandwidth=9e9, peak_flops={"fp32": 115e9, "fp16": 30e9, "bf16": 30e9},
+        interconnect_bandwidth=9e9, host_bandwidth=9e9, price_per_hour=0.1))),
+]))
 
 
 def _measured_cpu(spec: HardwareSpec) -> HardwareSpec:

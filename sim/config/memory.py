@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from sim.config.kv_groups import KVGroups
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class MemoryBudget:
     """Bytes on one device of a replica, and the KV blocks they leave."""
 
@@ -32,7 +32,7 @@ class MemoryBudget:
     kv_groups: KVGroups | None = None  # a hybrid model's block groups (None: one group of every layer)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Layout:
     """What a replica is split into: its tensor-parallel sharding, pipeline stages, batches in flight, and how many
     replicas there are."""

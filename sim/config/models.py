@@ -1,7 +1,7 @@
 """Model architectures: the catalog, explicit specs, Hugging Face config.json loading, sizes."""
-from __future__ import annotations
 
-from functools import cached_property
+from collections.abc import Callable, Mapping
+from functools import cached_property, partial
 from typing import Literal
 
 from pydantic import (
@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from sim.config import layers, moe
-from sim.config.errors import catalog_entry
+from sim.config.errors import LazyCatalog, catalog_entry
 from sim.config.schema_base import StrictModel
 
 WeightDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4"]
@@ -251,15 +251,16 @@ class ModelSpec(StrictModel):
         return self.linear_params * self.bytes_per_linear_param(sparse_kernels) + embeddings
 
 
-def _spec(name, layers, hidden, heads, kv_heads, inter, vocab, max_pos, **kw) -> ModelSpec:
+def _spec(name, layers, hidden, heads, kv_heads, inter, vocab, max_pos, **kw) -> tuple[str, Callable[[], ModelSpec]]:
+    """(name, what builds its catalog entry): built on the first lookup, unvalidated (tests/test_catalogs.py)."""
     # mlp_only_layers given: model_construct reads a default factory's signature, inspect.signature(list) ~0.4 ms
-    return ModelSpec.model_construct(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-                     intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_pos,
-                     **{"mlp_only_layers": [], **kw})
+    return name, partial(ModelSpec.model_construct, name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                         num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
+                         max_position_embeddings=max_pos, **{"mlp_only_layers": [], **kw})
 
 
 # Numbers from each model's public config.json.
-MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
+MODEL_CATALOG: Mapping[str, ModelSpec] = LazyCatalog(dict([
     _spec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, 4096),
     _spec("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096),
     _spec("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096),
@@ -317,7 +318,7 @@ MODEL_CATALOG: dict[str, ModelSpec] = {m.name: m for m in [
           num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
           first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
           v_head_dim=128),
-]}
+]))
 
 
 def catalog_model(name: str, key_path: str = "model") -> ModelSpec:

@@ -165,7 +165,7 @@ def gated_delta_net_params(m: ModelSpec) -> int:
         + 2 * heads + m.linear_value_head_dim + value_dim * h
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class DecoderParams:
     """A spec's decoder parameters summed over its layers, by part."""
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from sim.config.profile import ProfileFile
 
 
-@dataclass(frozen=True)
+@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
 class SchedulerConfig:
     """The serving knobs the scheduler reads, resolved (`make_plan` derives the step budget and lengths)."""
 
@@ -105,7 +105,7 @@ def scheduler_config(max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
                            speculative_disable_by_batch_size=knobs.get("speculative_disable_by_batch_size"))
 
 
-@dataclass(frozen=True)
+@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
 class CostPlan:
     """The step-cost model: its source ("profile", "kernels": the GPU kernel model, "roofline"), the roofline's
     parameters, the host overheads the scenario set (None: the source's own), or a fitted profile (read and checked)."""
@@ -121,7 +121,7 @@ class CostPlan:
     expert_load_imbalance: float = 1.0  # a MoE's busiest expert (or expert-parallel rank) over the mean
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Plan:
     """A scenario with names resolved, defaults filled in and the memory budget worked out."""
 
@@ -183,7 +183,7 @@ class Plan:
         return self.kv_bytes_per_token / self.largest_stage_layers
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Pools:
     """A disaggregated cluster: each pool as a plan of its own, and the KV-transfer link between them."""
 

@@ -1,5 +1,4 @@
 """The scenario a user writes (YAML, pydantic v2, unknown keys are errors) and its resolution."""
-from __future__ import annotations
 
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin

@@ -22,7 +22,7 @@ class _Shaped(Protocol):
     intermediate_size: int
 
 
-@dataclass(eq=False, repr=False, frozen=True, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class Sharding:
     """One device's share of each decoder layer at tensor_parallel_size `tp`."""
 

@@ -8,7 +8,6 @@ deterministically for a seed.
 Each length distribution has `sample(rng, n, load) -> int64 array of n lengths >= 1`, where
 `load(path)` returns a trace's arrays (used only by `empirical` with `trace`).
 """
-from __future__ import annotations
 
 import math
 from collections import deque

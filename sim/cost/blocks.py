@@ -42,7 +42,7 @@ DELTA_RULE_CHUNK = 64
 MOE_KERNELS = 4  # a MoE layer's launches besides its elementwise passes: top-k, permute, two grouped GEMMs
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class AttentionGroup:
     """The layers of one attention kind (and window) on one device."""
 
@@ -63,7 +63,7 @@ class AttentionGroup:
         return self.kind in kinds.WINDOWED
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class BlockWork:
     """One distinct decoder block on one device, and how many of the model's layers run it."""
 
@@ -185,7 +185,7 @@ def attention_groups(m, s: Sharding, kv_bytes_per_token_layer: float) -> tuple[A
     return tuple(sorted(groups, key=lambda g: g.kind not in ("full", "mla")))
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class StepBlocks:
     """A replica's model as one device of one data-parallel rank computes it: its distinct blocks' GEMMs and passes,
     its attention groups, its routed experts and the layout that splits them."""

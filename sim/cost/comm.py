@@ -30,7 +30,7 @@ class Collectives(Protocol):
         """One all-to-all in which each of `devices` devices holds `nbytes` for all of them (its own share stays)."""
 
 
-@dataclass(eq=False, repr=False, frozen=True, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class Interconnect:
     """A link between devices as the hardware catalog gives it. Over a `ring` (NCCL on PCIe cards) a collective
     passes its messages one after another; through a `switch` (NVSwitch) every peer is one hop away, so an all-reduce
@@ -82,7 +82,7 @@ class Interconnect:
         return self.gather_s(nbytes, devices)
 
 
-@dataclass(eq=False, repr=False, frozen=True, slots=True)
+@dataclass(eq=False, repr=False, slots=True)
 class TensorParallelComm:
     """A tensor-parallel step's communication over `devices` devices, affine in its tokens: two all-reduces a layer
     of each new token's hidden state (sequence parallelism's reduce-scatter + all-gather move the same bytes), and

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sim.config.engines import EngineProfile
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class HostCost:
     """The host's seconds of a step, and how much of them the step's time shows."""
 

@@ -49,7 +49,7 @@ VLLM_PER_SEQ_OVERHEAD_S = 4.4e-6
 MANY_ROWS = 1 << 20  # a prompt chunk's state read and write: at the rate of a full GPU
 
 
-@dataclass(frozen=True)
+@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
 class Refinement:
     """Multipliers of the kernel model's parts and the host overheads, as measured steps of a whole engine fit them
     (1 and vLLM's overheads: the kernels as measured)."""
@@ -102,7 +102,7 @@ def expert_kernel(model, kernels: DeviceKernels, hw, gemm: GemmFit, compute_scal
         model.bytes_per_expert_param(sparse), compute_scale
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class KVReads:
     """Seconds per K/V token a step's decode rows read in a group of layers (all of them, one device), by the rows:
     at one rate while the rows × KV heads fit in a wave of the multiprocessors (the kernel splits the keys to fill
@@ -120,7 +120,7 @@ class KVReads:
         return self.one_wave_s if rows <= self.one_wave_rows else self.past_wave_s
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class GroupAttention:
     """One attention group's coefficients in a step (all of its layers on one device): per (query, key) pair, prompt
     chunk and key of a chunk's context; the floors a step pays when it decodes and when it carries a prompt, per
@@ -157,7 +157,7 @@ def group_attention(kernels: DeviceKernels, g: AttentionGroup, scale: float) -> 
                           scale * att["decode_floor_s"], 0.0, 0.0, KVReads(one, past, att["sms"] // g.kv_heads))
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class StateAttention:
     """Linear-attention layers (Gated DeltaNet) on one device, all of them: a decode row reads and writes each layer's
     fixed state (priced as a decode-attention call reading twice the state's bytes), a prompt chunk the same once,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sim.cost.comm import Interconnect
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class CollectiveFit:
     latency_s: float
     bandwidth: float  # algorithm bandwidth: message bytes per second
@@ -85,7 +85,7 @@ class NcclCollectives:
         return self._send.time((devices - 1) / devices * nbytes)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class CustomAllReduceFit:
     """An engine's own all-reduce over one device count: its time below the largest message it takes."""
 

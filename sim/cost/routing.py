@@ -35,7 +35,7 @@ def busiest_expert_tokens(experts: int, top_k: int, tokens: float, imbalance: fl
     return min(float(tokens), tokens_per_expert(experts, top_k, tokens) * imbalance)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class ExpertLoad:
     """The routed experts' work on the busiest device of a replica, whose data-parallel ranks' tokens meet in every
     MoE layer: without expert parallelism each device holds a slice of every expert and runs all the replica's

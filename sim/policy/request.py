@@ -3,7 +3,8 @@
 One object per request (a simulated day holds 500k of them, and the hot paths read their counters), declared as the
 records of the parts that keep it, each a class of the chain `Request` ends: what the client sent (`ClientRequest`),
 the KV allocator's blocks (`KVBlocks`), the scheduler's counters (`SchedulingState`) and the times the clocks record
-for the report (`TokenTrace`). A part writes only its own record's fields.
+for the report (`TokenTrace`). A part writes only its own record's fields. Only `Request` is made: the parts have
+no `__init__` of their own (each would be a generated function of every field so far, compiled at import).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class Status(str, Enum):
     REJECTED = "rejected"
 
 
-@dataclass(eq=False, repr=False, slots=True)
+@dataclass(init=False, eq=False, repr=False, slots=True)
 class ClientRequest:
     """What the client sent: the workload's request, and how it reached the server."""
 
@@ -39,7 +40,7 @@ class ClientRequest:
     warmup: bool = False
 
 
-@dataclass(eq=False, repr=False, slots=True)
+@dataclass(init=False, eq=False, repr=False, slots=True)
 class KVBlocks(ClientRequest):
     """The KV allocator's record (sim/policy/block_manager.py): where the request's K/V lives."""
 
@@ -56,7 +57,7 @@ class KVBlocks(ClientRequest):
     group_dropped: list | tuple = ()
 
 
-@dataclass(eq=False, repr=False, slots=True)
+@dataclass(init=False, eq=False, repr=False, slots=True)
 class SchedulingState(KVBlocks):
     """The scheduler's record (sim/policy/*scheduler.py, decode_set.py, speculative_slots.py).
 
@@ -80,7 +81,7 @@ class SchedulingState(KVBlocks):
     num_rejections: int = 0  # of those, the steps where a draft was rejected (the rest accepted all)
 
 
-@dataclass(eq=False, repr=False, slots=True)
+@dataclass(init=False, eq=False, repr=False, slots=True)
 class TokenTrace(SchedulingState):
     """What the clocks record for the report: where it ran and when its tokens came."""
 

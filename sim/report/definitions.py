@@ -31,7 +31,7 @@ VLLM_TTFT = "sending -> first token"
 PER_REQUEST = "per request (E2E - TTFT) / (tokens - 1)"
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Definitions:
     """What each report figure means for one tool, in words; `word`: the console's name for the set."""
 

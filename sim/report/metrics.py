@@ -19,7 +19,7 @@ from sim.report.definitions import per_request, run_end, summaries
 MAX_CDF_POINTS = 4000  # points kept of the inter-token gaps' CDF, for plots
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class GapSummary:
     """The inter-token gaps of a run, summarized once (a simulated day has ~1e8 of them): count, mean, numpy's
     linear percentiles, and their CDF at no more than MAX_CDF_POINTS points."""
