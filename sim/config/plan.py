@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from sim.config.profile import ProfileFile
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class SchedulerConfig:
     """The serving knobs the scheduler reads, resolved (`make_plan` derives the step budget and lengths)."""
 
@@ -105,7 +105,7 @@ def scheduler_config(max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
                            speculative_disable_by_batch_size=knobs.get("speculative_disable_by_batch_size"))
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class CostPlan:
     """The step-cost model: its source ("profile", "kernels": the GPU kernel model, "roofline"), the roofline's
     parameters, the host overheads the scenario set (None: the source's own), or a fitted profile (read and checked)."""

@@ -49,7 +49,7 @@ VLLM_PER_SEQ_OVERHEAD_S = 4.4e-6
 MANY_ROWS = 1 << 20  # a prompt chunk's state read and write: at the rate of a full GPU
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class Refinement:
     """Multipliers of the kernel model's parts and the host overheads, as measured steps of a whole engine fit them
     (1 and vLLM's overheads: the kernels as measured)."""

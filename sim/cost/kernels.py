@@ -33,7 +33,7 @@ ENGINE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "data" / "engine_kern
 KERNEL_ENGINES = ("vllm", "sglang", "trtllm")  # the engines AIConfigurator measured
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class GemmFit:
     """Achieved speed of one device's GEMMs in one dtype."""
 
@@ -67,7 +67,7 @@ def pass_time(fit: dict, nbytes: float) -> float:
     return fit["floor_s"] + nbytes / fit["bandwidth"]
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class AttentionFit:
     """An engine's attention kernels on one device, per layer, as AIConfigurator timed them (one sequence's prompt
     with no cached prefix; decode rows over their KV cache), in a form the data supports better than `attention`'s:
@@ -121,7 +121,7 @@ class AttentionFit:
                               decode_floor_s=self.decode_floor_s, s_per_decode_row=self.decode_s_per_row_kv_head * kv_heads)
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class AttentionTerms:
     """One layer's attention in a step, for one model shard, split as a step's price adds it up: floors once per
     step, a cost per prompt chunk, per causal (query, key) pair and per key of the chunks' context, per decode row,
@@ -142,7 +142,7 @@ class AttentionTerms:
         return self.kv_bytes_per_token * self.fit.s_per_kv_byte(decode_rows, self.kv_heads) if decode_rows else 0.0
 
 
-@dataclass(repr=False, unsafe_hash=True)  # hashed by value, unfrozen: nothing assigns to one (the guard costs start-up)
+@dataclass(frozen=True, repr=False)
 class DeviceKernels:
     """One device's fitted kernels: GEMMs by dtype ("fp16": 16-bit, "fp8": per-tensor fp8, "fp8_block": 128x128
     block-scaled fp8, "fp4": NVFP4), elementwise passes by kind (input_norm, post_norm, rope, act, add), attention
