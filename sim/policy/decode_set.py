@@ -16,6 +16,8 @@ import numpy as np
 
 from sim.policy.request import Request
 
+_NEVER = 1 << 62  # a step no run reaches: the calendar heap's sentinel
+
 
 class DecodeSet:
     def __init__(self, block_size: int | None):
@@ -25,7 +27,8 @@ class DecodeSet:
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
         self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
-        self._due_steps: list[int] = []  # heap of _due's steps (DecodeSet's own): grant_blocks visits only those
+        # heap of _due's steps (DecodeSet's own): grant_blocks visits only those; a sentinel past any step ends its loop
+        self._due_steps: list[int] = [_NEVER]
         self._cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
@@ -104,24 +107,26 @@ class DecodeSet:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
         heap = self._due_steps
-        if not heap or heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
+        if heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
             if upto >= self._cursor:
                 self._cursor = upto + 1
             return None
         due, bs, cursor = self._due, self.block_size, self._cursor
-        take, pop_step, push_step = free_blocks.pop, heapq.heappop, heapq.heappush
-        while heap and heap[0] <= upto:
-            step = pop_step(heap)
+        take, pop_step, move_step = free_blocks.pop, heapq.heappop, heapq.heapreplace
+        while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
+                pop_step(heap)
                 continue
             bucket = due.pop(step)
             if len(bucket) == 1:  # one member due (the usual case): no sort, a stale entry just dropped
                 tag, r = bucket[0]
                 if r.decode_tag != tag:
+                    pop_step(heap)
                     continue
                 try:  # the list's own check that a block is left: no count kept (a free queue's is asked in Python)
                     r.block_table.append(take())
                 except IndexError:
+                    pop_step(heap)
                     return self._run_dry(step, bucket, r)
             else:
                 bucket.sort()
@@ -133,15 +138,19 @@ class DecodeSet:
                     try:
                         r.block_table.append(take())
                     except IndexError:
+                        pop_step(heap)
                         return self._run_dry(step, bucket, r)
                 if stale:
                     bucket = [e for e in bucket if e[1].decode_tag == e[0]]
             later = due.get(step + bs)  # _book, inline: once per step with a block due
             if later is not None:
                 later.extend(bucket)
+                pop_step(heap)
             elif bucket:
                 due[step + bs] = bucket
-                push_step(heap, step + bs)
+                move_step(heap, step + bs)  # the step's heap entry becomes its next period's: one call, not two
+            else:
+                pop_step(heap)
         if upto >= cursor:
             self._cursor = upto + 1
         return None
