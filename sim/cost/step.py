@@ -115,6 +115,10 @@ def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: in
                 return k, clock
             s += num_seqs
         return k_max, clock
+    if k_max == 1:  # a lone step (an arrival async scheduling does not see yet): no range
+        clock += base + s * per_kv
+        append(clock)
+        return 1, clock
     # the loop every run of decode steps takes: each step's context from the range, the step counted at the end
     for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
         clock += base + s * per_kv

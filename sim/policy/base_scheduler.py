@@ -172,7 +172,7 @@ class BaseScheduler:
         if self.kv.hybrid:  # every request holding blocks: the hand-offs whose blocks are reserved too
             h = self.handoff
             return self.kv.filled_tokens(tokens + sum(r.num_computed for q in (h.receiving, h.ready) for r in q))
-        if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
+        if self.prefix_caching and self.kv.shared_refs:  # shares of a handed-off prompt's blocks may be among them
             tokens -= self.kv.shared_refs * self.kv.block_size
             return tokens if tokens > 0 else 0  # max(0, tokens) without the call: asked at every event
         return tokens

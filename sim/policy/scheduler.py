@@ -89,14 +89,18 @@ class Scheduler(BaseScheduler):
     def decodes_settled(self) -> bool:
         """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
         until a request arrives is the decodes alone (`_decodes_alone`)."""
-        return not self.waiting and not self.kv.hybrid and self._decodes_alone(())
+        # _decodes_alone(()) with nothing waiting, inline: asked at every run of decode steps past a sending
+        return not (self.waiting or self.kv.hybrid or self.prefilling or self.swapped or self.handoff.ready
+                    or self.speculative) and bool(self.decoding.members)
 
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
         short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
         granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
-        dec, kv = self.decoding, self.kv
-        if kv.hybrid or not self._decodes_alone(()):
+        dec, kv, waiting = self.decoding, self.kv, self.waiting
+        # _decodes_alone(()), inline: asked after every run of decode steps
+        if kv.hybrid or self.prefilling or self.swapped or self.handoff.ready or self.speculative or not dec.members \
+                or (waiting and waiting[0].arrival_s <= self.visible_until):
             return None
         due = dec.due_at(dec.steps)
         if due:  # none due: no block changes hands, the peak stands

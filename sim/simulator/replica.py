@@ -62,6 +62,7 @@ class Replica:
         # nothing reaches this engine but the book's arrivals (every one known, no hand-offs, no early stop): a step
         # or run that ends before the next one needs no SimPy event, the engine's clock runs ahead of SimPy's
         self.ahead = ahead
+        self.settles = ahead and bulk  # a run's next step may be settled at once (_decode_runs), without timeouts
         # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still ends an
         # event at each, as it did when the book stopped there, so the KV samples and busy time are the same bit for
         # bit (priced past them where the scheduler is settled, each such event closed by _close_sends)
@@ -174,8 +175,8 @@ class Replica:
                 wait = clock - env.now
                 yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
             self._close(self._complete(batch, step, clock), step, clock)
-            if (shape := self._next_decodes(timeouts)) is not None:
-                yield from self._decode_runs(*shape, step + 1, timeouts)
+            if self.settles and not timeouts:  # the decodes alone may follow at once, as a run
+                yield from self._decode_runs(0, 0, step + 1, timeouts, settled=False)
 
     def _note_visible(self) -> None:
         """Async scheduling: what arrived once the step that just ended was under way waits a step more."""
@@ -195,15 +196,27 @@ class Replica:
         # fromlist: half the time of extend's generic path, once per event
         self.samples.fromlist(sched.kv_sample(clock))
 
-    def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
+    def _decode_runs(self, b: int, s: int, step: int, timeouts: bool, settled: bool = True):
         """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
         each up to the next arrival (or queue expiry) as one event, cut short at the step in flight if interrupted.
-        Where nothing but the book's arrivals reaches the engine (Replica.ahead), the next run follows at once while
-        the scheduler takes the decodes alone again (`schedule_decodes`): a finish, a sending, or an arrival async
-        scheduling does not see yet needs no pass through the engine loop, and each run is accounted for (its KV
-        sample, busy time) as if it had had one."""
+        Where nothing but the book's arrivals reaches the engine (Replica.settles; no queue timeouts), the next run
+        follows at once while the scheduler takes the decodes alone again (`schedule_decodes`: their blocks granted):
+        a finish, a sending, or an arrival async scheduling does not see yet needs no pass through the engine loop,
+        and each run is accounted for (its KV sample, busy time) as if it had had one. `settled` False: the step that
+        ended was the engine loop's; the scheduler is asked first (`b`, `s` unused)."""
         sched, env = self.scheduler, self.env
+        settles = self.settles and not timeouts
         while True:
+            if not settled:  # the engine loop's pass would schedule the decodes alone: settled here, or it forms the step
+                if not settles:
+                    return
+                if self.async_scheduling:  # _note_visible, inline: a call per event is 0.46% of a run's instructions
+                    step_end = self.step_end
+                    sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
+                if (shape := sched.schedule_decodes()) is None:
+                    return
+                b, s = shape
+            settled = False
             k, clock, arrival = self._price_run(b, s, timeouts)
             # before SimPy delivers the arrival: the sendings' events saw none (ahead: nothing cuts the run short)
             passed = k - self._close_sends(step, k) if self.passing >= 0 else 0
@@ -218,22 +231,7 @@ class Replica:
                 self.in_run = False
             self.busy_s += clock - self.clock
             self._close(sched.advance_decode(k - passed), step + k - 1, clock)
-            if (shape := self._next_decodes(timeouts)) is None:
-                return
-            b, s = shape
             step += k
-
-    def _next_decodes(self, timeouts: bool) -> tuple[int, int] | None:
-        """The next step's (rows, context) where it is a bulk run of the decodes alone that the engine loop's pass
-        would schedule as such (Scheduler.schedule_decodes: their blocks granted) and nothing but the book's arrivals
-        reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
-        if not (self.ahead and self.bulk) or timeouts:
-            return None
-        sched = self.scheduler
-        if self.async_scheduling:  # _note_visible, inline: a call per event is 0.46% of a run's instructions
-            step_end = self.step_end
-            sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
-        return sched.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
