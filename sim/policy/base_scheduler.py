@@ -44,6 +44,9 @@ class BaseScheduler:
         # TRT-LLM's overlap schedulers) fixes a step's batch while the step before it runs
         self.visible_until = float("inf")
         self.reservation = OutputReservation(kv) if cfg.reserve_output else None  # TRT-LLM's no-evict admission
+        # whether the policy has an _after_steps, as an instance flag: Python 3.11 specializes an instance attribute's
+        # read, not a class attribute's through an instance (asked after every step and run)
+        self.after_steps = self._after_steps is not None
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -162,7 +165,10 @@ class BaseScheduler:
     def kv_sample(self, clock: float) -> list:
         """The row both clocks record after each event: (time, running, KV blocks used, KV tokens stored, waiting);
         report.json's kv_cache figures are taken over these rows (sim/report/outputs.py kv_usage)."""
-        return [clock, len(self.running), self.kv.used_blocks(), self.kv_tokens(), len(self.waiting)]
+        kv = self.kv
+        # kv_tokens' usual case (nothing prefilling, no hybrid groups, no block shared) without its call
+        tokens = self.kv_tokens() if self.prefilling or kv.hybrid or kv.shared_refs else self.decoding.sum_computed
+        return [clock, len(self.running), kv.used_blocks(), tokens, len(self.waiting)]
 
     def kv_tokens(self) -> int:
         """num_kv_tokens as a method: kv_sample asks at every event, and a property's call costs more."""
@@ -226,7 +232,7 @@ class BaseScheduler:
                 finished.append(self._finish(r))
         if self.eager:
             self.sync_all()
-        if self._after_steps is not None:
+        if self.after_steps:
             self._after_steps(0)
         return started, finished
 
@@ -298,6 +304,6 @@ class BaseScheduler:
         finished = [self._finish(r) for r in done] if done else done  # most runs end with none
         if self.eager:
             self.sync_all()
-        if self._after_steps is not None:
+        if self.after_steps:
             self._after_steps(k - 1)
         return finished

@@ -143,7 +143,8 @@ class Arrivals:
 
     def _arm(self, now: float) -> None:
         """A timeout at the book's next time, unless one is set for then or earlier (`now`: SimPy's clock)."""
-        t = self.next_s()
+        next_s = self.next_s  # held by the Arrivals: from a local, as Python 3.11 specializes no method load
+        t = next_s()
         if t < math.inf and (not self.alarms or t < self.alarms[0]):
             heapq.heappush(self.alarms, t)
             wait = t - now

@@ -131,7 +131,7 @@ class Replica:
                 r.run_start = -1
 
     def run(self):
-        sched, env, spec = self.scheduler, self.env, self.speculation
+        sched, env, spec, next_arrival = self.scheduler, self.env, self.speculation, self.next_arrival
         handoff, step_end = sched.handoff, self.step_end
         timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
@@ -171,7 +171,7 @@ class Replica:
             self.busy_s += clock - self.clock
             if batch.preempted:
                 self._end_runs(batch.preempted, step - 1)
-            if not self.ahead or clock >= self.next_arrival():
+            if not self.ahead or clock >= next_arrival():
                 wait = clock - env.now
                 yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
             self._close(self._complete(batch, step, clock), step, clock)
@@ -236,8 +236,10 @@ class Replica:
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
         its steps' ends written. Returns (steps, their end, the next arrival)."""
-        sched = self.scheduler
-        arrival = self.next_arrival()
+        # the replica's callables from locals: Python 3.11 specializes no method load of an instance's callable
+        sched, decode_time, next_arrival, run_decodes = self.scheduler, self.decode_time, self.next_arrival, \
+            self.run_decodes
+        arrival = next_arrival()
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
         self.passing, sends, step_s = -1, self.sends, 0.0
         if sends is not None:  # the next sending after this clock: the clock only moves on, and the index with it
@@ -247,7 +249,7 @@ class Replica:
             self.next_send = i
             if i < n and sends[i] < horizon:
                 if self.ahead and not timeouts and not sched.waiting and sched.decodes_settled():
-                    step_s = self.decode_time(b, s)
+                    step_s = decode_time(b, s)
                     # the run goes on past the sendings (_close_sends), unless a run cut at one could be MAX_BULK_STEPS
                     self.passing = i if (horizon - self.clock) / step_s < MAX_BULK_STEPS else -1
                 if self.passing < 0:
@@ -258,10 +260,10 @@ class Replica:
         else:
             # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
             # off, a queue delay of 1e308 s, that the quotient overflows)
-            steps = (horizon - self.clock) / (step_s or self.decode_time(b, s))
+            steps = (horizon - self.clock) / (step_s or decode_time(b, s))
             k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
             k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
-        k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
+        k, clock = run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
         if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
             self.passing = -1
         return k, clock, arrival
