@@ -240,6 +240,11 @@ class Replica:
         sched, decode_time, next_arrival, run_decodes = self.scheduler, self.decode_time, self.next_arrival, \
             self.run_decodes
         arrival = next_arrival()
+        if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step,
+            # whatever the horizon (a lone step passes no sending, and no wake cuts it: in_run is for runs of more)
+            self.passing, self.run_horizon = -1, arrival
+            k, clock = run_decodes(b, s, self.clock, 1, arrival, self.step_end)
+            return k, clock, arrival
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
         self.passing, sends, step_s = -1, self.sends, 0.0
         if sends is not None:  # the next sending after this clock: the clock only moves on, and the index with it
@@ -255,14 +260,11 @@ class Replica:
                 if self.passing < 0:
                     horizon = sends[i]
         self.run_horizon = horizon
-        if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
-            k_max = 1
-        else:
-            # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
-            # off, a queue delay of 1e308 s, that the quotient overflows)
-            steps = (horizon - self.clock) / (step_s or decode_time(b, s))
-            k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
-            k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
+        # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off, a
+        # queue delay of 1e308 s, that the quotient overflows)
+        steps = (horizon - self.clock) / (step_s or decode_time(b, s))
+        k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
+        k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
         k, clock = run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
         if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
             self.passing = -1
