@@ -511,14 +511,14 @@ class KernelCostModel(PricesStages):
                                      self.window_rates(num_seqs) if self.windows else ())
         # affine_decode_run without windows, inline (a call per run of decode steps saved): decode_time's float
         # operations, the per-batch part hoisted; each step's context from the range, the step counted at the end
-        append = step_end.append
+        # step_end.append at each step: a method load is specialized in Python 3.11, a bound method read off it is not
         if k_max == 1:  # a lone step (an arrival async scheduling does not see yet): no range
             clock += base + sum_context * per_kv
-            append(clock)
+            step_end.append(clock)
             return 1, clock
         for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
             clock += base + s * per_kv
-            append(clock)
+            step_end.append(clock)
             if clock >= until:
                 return (s - sum_context) // num_seqs + 1, clock
         return k_max, clock

@@ -112,7 +112,8 @@ class DecodeSet:
                 self._cursor = upto + 1
             return None
         due, bs, cursor = self._due, self.block_size, self._cursor
-        take, pop_step, move_step = free_blocks.pop, heapq.heappop, heapq.heapreplace
+        pop_step, move_step = heapq.heappop, heapq.heapreplace  # free_blocks.pop is loaded at each call: a method
+        # load is specialized in Python 3.11, reading a bound method off an object is not
         while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 pop_step(heap)
@@ -124,7 +125,7 @@ class DecodeSet:
                     pop_step(heap)
                     continue
                 try:  # the list's own check that a block is left: no count kept (a free queue's is asked in Python)
-                    r.block_table.append(take())
+                    r.block_table.append(free_blocks.pop())
                 except IndexError:
                     pop_step(heap)
                     return self._run_dry(step, bucket, r)
@@ -136,7 +137,7 @@ class DecodeSet:
                         stale = True
                         continue
                     try:
-                        r.block_table.append(take())
+                        r.block_table.append(free_blocks.pop())
                     except IndexError:
                         pop_step(heap)
                         return self._run_dry(step, bucket, r)

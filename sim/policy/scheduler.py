@@ -271,7 +271,7 @@ class Scheduler(BaseScheduler):
         visible, reserve = self.visible_until, self.reservation
         room = reserve.room() if reserve is not None else 0
         kv = self.kv
-        aligns, admit_blocks = kv.hybrid, kv.admit_blocks  # only a hybrid model's chunks are cut to its blocks
+        aligns = kv.hybrid  # only a hybrid model's chunks are cut to its blocks
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
@@ -293,7 +293,7 @@ class Scheduler(BaseScheduler):
                     n = budget
             if aligns:
                 n = kv.align_chunk(r, computed, n)
-            need = revive + admit_blocks(computed, computed + n, held)
+            need = revive + kv.admit_blocks(computed, computed + n, held)
             if n > budget or need > free or not n:
                 break
             free -= need
