@@ -19,6 +19,8 @@ from sim.policy.request import Request, Status
 from sim.policy.speculative_slots import SpeculativeSlots
 from sim.policy.static_scheduler import StaticScheduler
 
+RUNNING = Status.RUNNING  # base_scheduler.FINISHED's reason: read once per request admitted
+
 __all__ = ["BatchShape", "ScheduledBatch", "Scheduler", "StaticScheduler", "make_scheduler"]
 
 
@@ -254,7 +256,7 @@ class Scheduler(BaseScheduler):
             if self.reservation is not None:
                 self.reservation.take(r)
             self.kv.allocate(r, r.num_computed + n)
-            r.status = Status.RUNNING
+            r.status = RUNNING
             self.running[r] = None
             self.prefilling[r] = None
         return picks
