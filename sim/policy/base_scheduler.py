@@ -297,9 +297,12 @@ class BaseScheduler:
         """Apply the remaining k - 1 steps of a decode-only run (k ≤ decode_horizon) and account for all
         k; returns the requests that finished."""
         dec = self.decoding
-        if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
-            raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
-        self.kv.note_peak()
+        # a step of the run whose blocks are not handed out yet (a lone step's were, and the peak noted, when it was
+        # scheduled; the first after passed sendings' were not): no calls otherwise
+        if dec.steps + k > dec.cursor:
+            if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
+                raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
+            self.kv.note_peak()
         dec.steps += k  # dec.advance(k), inline: once per run of decode steps
         dec.sum_computed += k * len(dec.members)
         self.steps_since_admission += k - 1

@@ -29,7 +29,7 @@ class DecodeSet:
         self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
         # heap of _due's steps (DecodeSet's own): grant_blocks visits only those; a sentinel past any step ends its loop
         self._due_steps: list[int] = [_NEVER]
-        self._cursor = 0  # every step before this one has had its blocks handed out
+        self.cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
     def __len__(self) -> int:
@@ -101,17 +101,17 @@ class DecodeSet:
 
     def due_at(self, step: int) -> list:
         """The calendar's entries for `step` not yet granted (stale ones included): at most that many blocks due."""
-        return self._due.get(step, ()) if step >= self._cursor else ()
+        return self._due.get(step, ()) if step >= self.cursor else ()
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
         heap = self._due_steps
         if heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
-            if upto >= self._cursor:
-                self._cursor = upto + 1
+            if upto >= self.cursor:
+                self.cursor = upto + 1
             return None
-        due, bs, cursor = self._due, self.block_size, self._cursor
+        due, bs, cursor = self._due, self.block_size, self.cursor
         pop_step, move_step = heapq.heappop, heapq.heapreplace  # free_blocks.pop is loaded at each call: a method
         # load is specialized in Python 3.11, reading a bound method off an object is not
         while (step := heap[0]) <= upto:  # the sentinel ends it
@@ -153,7 +153,7 @@ class DecodeSet:
             else:
                 pop_step(heap)
         if upto >= cursor:
-            self._cursor = upto + 1
+            self.cursor = upto + 1
         return None
 
     def _run_dry(self, step: int, bucket: list, r: Request) -> Request:
@@ -163,7 +163,7 @@ class DecodeSet:
         i = next(j for j, (tag, m) in enumerate(bucket) if m is r and tag == r.decode_tag)
         self._book(step, bucket[i + 1:])
         self._book(step + self.block_size, [e for e in bucket[:i] if e[1].decode_tag == e[0]])
-        self._cursor = step
+        self.cursor = step
         return r
 
     def _book(self, step: int, entries: list) -> None:
@@ -210,7 +210,7 @@ class HybridDecodeSet(DecodeSet):
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
         # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already
-        self._due.setdefault(max(self.steps + later, self._cursor), []).append((tag, r))
+        self._due.setdefault(max(self.steps + later, self.cursor), []).append((tag, r))
 
     def regrant(self, r: Request, kv) -> bool:
         self.sync(r)
@@ -224,8 +224,8 @@ class HybridDecodeSet(DecodeSet):
         """Make each member's block changes due at a step ≤ `upto`, in (step, join) order: free what left its windows,
         take the blocks a boundary needs. Returns the first member left without them when the pool runs dry."""
         due, kv = self._due, self.kv
-        while self._cursor <= upto:
-            step = self._cursor
+        while self.cursor <= upto:
+            step = self.cursor
             bucket = due.pop(step, None)
             if bucket:
                 if len(bucket) > 1:
@@ -241,7 +241,7 @@ class HybridDecodeSet(DecodeSet):
                         return r
                     due.setdefault(step + nxt - c, []).append((tag, r))
                 kv.note_peak()  # blocks come and go within a run of steps: its peak is a step's, as one by one
-            self._cursor += 1
+            self.cursor += 1
         return None
 
     def until_blocks_free(self, k: int) -> int:

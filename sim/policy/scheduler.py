@@ -105,11 +105,13 @@ class Scheduler(BaseScheduler):
                 or (waiting and waiting[0].arrival_s <= self.visible_until):
             return None
         due = dec.due_at(dec.steps)
-        if due:  # none due: no block changes hands, the peak stands
+        if due:
             if len(due) > kv.free_count():
                 return None
             dec.grant_blocks(dec.steps, kv.free_blocks)
             kv.note_peak()
+        elif dec.cursor <= dec.steps:  # none due: no block changes hands, the peak stands; the step handed out
+            dec.cursor = dec.steps + 1
         self.steps_since_admission += 1
         b = len(dec.members)
         return b, dec.sum_computed + b
