@@ -36,6 +36,8 @@ class Scheduler(BaseScheduler):
         self.speculative = spec is not None
         self.window_frees = 0  # the allocator's count of window frees when this step was scheduled
         self.hands_off = self.handoff.decode_pool is not None
+        # decode rows step alike, their blocks from the calendar: no speculative rows, no hybrid groups' windows
+        self.lockstep = not (self.speculative or kv.hybrid)
 
     # -- disaggregated decode instance ------------------------------------------------------------
     def add_prefilled(self, req: Request) -> bool:
@@ -92,8 +94,8 @@ class Scheduler(BaseScheduler):
         """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
         until a request arrives is the decodes alone (`_decodes_alone`)."""
         # _decodes_alone(()) with nothing waiting, inline: asked at every run of decode steps past a sending
-        return not (self.waiting or self.kv.hybrid or self.prefilling or self.swapped or self.handoff.ready
-                    or self.speculative) and bool(self.decoding.members)
+        return self.lockstep and not (self.waiting or self.prefilling or self.swapped or self.handoff.ready) \
+            and bool(self.decoding.members)
 
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
@@ -101,7 +103,7 @@ class Scheduler(BaseScheduler):
         granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
         dec, kv, waiting = self.decoding, self.kv, self.waiting
         # _decodes_alone(()), inline: asked after every run of decode steps
-        if kv.hybrid or self.prefilling or self.swapped or self.handoff.ready or self.speculative or not dec.members \
+        if not self.lockstep or self.prefilling or self.swapped or self.handoff.ready or not dec.members \
                 or (waiting and waiting[0].arrival_s <= self.visible_until):
             return None
         due = dec.due_at(dec.steps)
@@ -370,7 +372,11 @@ class Scheduler(BaseScheduler):
                 and self.steps_since_admission - 1 < max_wait:
             k = min(k, max_wait - (self.steps_since_admission - 1))
         if k > 1 and dec.block_size:
-            k = dec.block_horizon(k, self.kv.free_count())
+            free = self.kv.free_count()
+            # block_horizon's own first answer, without its call where it holds: blocks for every row at every
+            # boundary of the run (a hybrid model's rows may take several a boundary: its call)
+            if self.kv.hybrid or free < len(dec.members) * ((k - 1) // dec.block_size + 1):
+                k = dec.block_horizon(k, free)
         if k > 1 and self.kv.hybrid and (self.waiting or self.swapped or self.handoff.incoming):
             # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
             # away), or a later one's
