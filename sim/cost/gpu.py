@@ -510,8 +510,8 @@ class KernelCostModel(PricesStages):
             return affine_decode_run(base, per_kv, num_seqs, sum_context, clock, k_max, until, step_end,
                                      self.window_rates(num_seqs) if self.windows else ())
         # affine_decode_run without windows, inline (a call per run of decode steps saved): decode_time's float
-        # operations, the per-batch part hoisted; each step's context from the range, the step counted at the end
-        # step_end.append at each step: a method load is specialized in Python 3.11, a bound method read off it is not
+        # operations, the per-batch part hoisted; each step's context from the range, the step counted at the end;
+        # step_end.append() loaded at each step: Python 3.11 specializes a method load, not a bound method's read
         if k_max == 1:  # a lone step (an arrival async scheduling does not see yet): no range
             clock += base + sum_context * per_kv
             step_end.append(clock)

@@ -112,8 +112,9 @@ class DecodeSet:
                 self.cursor = upto + 1
             return None
         due, bs, cursor = self._due, self.block_size, self.cursor
-        pop_step, move_step = heapq.heappop, heapq.heapreplace  # free_blocks.pop is loaded at each call: a method
-        # load is specialized in Python 3.11, reading a bound method off an object is not
+        # free_blocks.pop() loaded at each call, not read once into a local: Python 3.11 specializes a method load,
+        # not the read of a bound method off an object
+        pop_step, move_step = heapq.heappop, heapq.heapreplace
         while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 pop_step(heap)

@@ -19,7 +19,8 @@ from sim.policy.request import Request, Status
 from sim.policy.speculative_slots import SpeculativeSlots
 from sim.policy.static_scheduler import StaticScheduler
 
-RUNNING = Status.RUNNING  # base_scheduler.FINISHED's reason: read once per request admitted
+# an Enum member read off its class takes the generic lookup in Python 3.11 (no specialization): once per request
+RUNNING = Status.RUNNING
 
 __all__ = ["BatchShape", "ScheduledBatch", "Scheduler", "StaticScheduler", "make_scheduler"]
 
