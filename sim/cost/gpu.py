@@ -505,8 +505,23 @@ class KernelCostModel(PricesStages):
             c = self._affine(num_seqs)
         if c is None:
             return decode_run(self, num_seqs, sum_context, clock, k_max, until, step_end)
-        return affine_decode_run(c[0], c[1], num_seqs, sum_context, clock, k_max, until, step_end,
-                                 self.window_rates(num_seqs) if self.windows else ())
+        base, per_kv = c
+        if self.windows or num_seqs <= 0:  # (no rows: a range cannot step by 0)
+            return affine_decode_run(base, per_kv, num_seqs, sum_context, clock, k_max, until, step_end,
+                                     self.window_rates(num_seqs) if self.windows else ())
+        # affine_decode_run without windows, inline (a call per run of decode steps saved): decode_time's float
+        # operations, the per-batch part hoisted; each step's context from the range, the step counted at the end;
+        # step_end.append() loaded at each step: Python 3.11 specializes a method load, not a bound method's read
+        if k_max == 1:  # a lone step (an arrival async scheduling does not see yet): no range
+            clock += base + sum_context * per_kv
+            step_end.append(clock)
+            return 1, clock
+        for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
+            clock += base + s * per_kv
+            step_end.append(clock)
+            if clock >= until:
+                return (s - sum_context) // num_seqs + 1, clock
+        return k_max, clock
 
 
 def replace_rows(a: GroupAttention, dp: int) -> GroupAttention:

@@ -105,22 +105,15 @@ def affine_decode_run(base: float, per_kv: float, num_seqs: int, sum_context: in
                       ) -> tuple[int, float]:
     """decode_run for a model whose decode step is `base + context * per_kv`, plus `window_reads_s(windows, ...)`
     where it has windowed layers: decode_time's float operations with its per-batch part hoisted, so the same step
-    ends, without allocating per step (nor a call, without windows)."""
+    ends, without allocating per step. The loop of any such run; one of rows without windows, the run every decode
+    run of the simulator takes, GPUCostModel.decode_run takes inline (no call per run)."""
     s, append = sum_context, step_end.append
-    if windows or num_seqs <= 0:  # (no rows: a range cannot step by 0)
-        for k in range(1, k_max + 1):
-            clock += base + s * per_kv + window_reads_s(windows, s, num_seqs)
-            append(clock)
-            if clock >= until:
-                return k, clock
-            s += num_seqs
-        return k_max, clock
-    # the loop every run of decode steps takes: each step's context from the range, the step counted at the end
-    for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
-        clock += base + s * per_kv
+    for k in range(1, k_max + 1):
+        clock += base + s * per_kv + window_reads_s(windows, s, num_seqs)
         append(clock)
         if clock >= until:
-            return (s - sum_context) // num_seqs + 1, clock
+            return k, clock
+        s += num_seqs
     return k_max, clock
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from sim.config.workload import RequestSpec
 from sim.policy.client import ClientGate
@@ -68,6 +70,7 @@ class ArrivalBook:
         self.ends: list[tuple[float, int, bool]] = []  # heap (time, spec id, finished): ends not yet taken in
         self.transit: list[tuple[float, int, int, float, float]] = []  # heap (engine arrival, spec id, index, client
         # wait, sending to the engine)
+        self.next_at = self.next_s()  # a known book's next_s, kept as it changes: read without a call (`reader`)
         units = [i for i, s in enumerate(specs) if s.users]
         self.unoffered = [i for i in units if not specs[i].warmup] if self.warming else []  # until the warm-ups end
         if self.by_user:  # each user takes a unit and thinks before sending it; the rest wait for a user
@@ -88,6 +91,7 @@ class ArrivalBook:
         for i, at in zip(self.first, sent):
             self._send(i, at, 0.0, [])
         self.nxt = len(self.first)
+        self.next_at = self.next_s()
         return sent
 
     def _first_s(self) -> float:
@@ -98,6 +102,11 @@ class ArrivalBook:
         if spec.warmup or self.known:  # known: no warm-up or slot holds it back, nothing shifts it
             return spec.arrival_s
         return math.inf if self.warming or self.held else spec.arrival_s + self.shift
+
+    def reader(self) -> Callable[[], float]:
+        """`next_s` as a callable a replica asks at every run of decode steps: a known book's kept time read by C
+        calls (partial, getattr), not a Python frame."""
+        return partial(getattr, self, "next_at") if self.known else self.next_s
 
     def next_s(self) -> float:
         """When the next known request is due (inf: none known now; an end not yet taken in counts as due)."""
@@ -175,6 +184,7 @@ class ArrivalBook:
                 _, _, i, wait, way_in = heapq.heappop(transit)
                 out.append(Send(i, t_transit, wait, False, way_in))  # by position: once per request
             else:
+                self.next_at = t_transit if t_transit < t_first else t_first  # next_s, as of now
                 return out
 
     def _send(self, i: int, at: float, wait: float, out: list[Send]) -> None:

@@ -20,6 +20,9 @@ from sim.policy.handoff import HandOff
 from sim.policy.request import Request, Status
 from sim.policy.reservation import OutputReservation
 
+# an Enum member read off its class takes the generic lookup in Python 3.11 (no specialization): once per request
+FINISHED = Status.FINISHED
+
 
 class BaseScheduler:
     """The queues and per-step bookkeeping of a scheduler over a paged or contiguous KV allocator."""
@@ -44,6 +47,9 @@ class BaseScheduler:
         # TRT-LLM's overlap schedulers) fixes a step's batch while the step before it runs
         self.visible_until = float("inf")
         self.reservation = OutputReservation(kv) if cfg.reserve_output else None  # TRT-LLM's no-evict admission
+        # whether the policy has an _after_steps, as an instance flag: Python 3.11 specializes an instance attribute's
+        # read, not a class attribute's through an instance (asked after every step and run)
+        self.after_steps = self._after_steps is not None
 
     # -- arrivals -------------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -162,7 +168,10 @@ class BaseScheduler:
     def kv_sample(self, clock: float) -> list:
         """The row both clocks record after each event: (time, running, KV blocks used, KV tokens stored, waiting);
         report.json's kv_cache figures are taken over these rows (sim/report/outputs.py kv_usage)."""
-        return [clock, len(self.running), self.kv.used_blocks(), self.kv_tokens(), len(self.waiting)]
+        kv = self.kv
+        # kv_tokens' usual case (nothing prefilling, no hybrid groups, no block shared) without its call
+        tokens = self.kv_tokens() if self.prefilling or kv.hybrid or kv.shared_refs else self.decoding.sum_computed
+        return [clock, len(self.running), kv.used_blocks(), tokens, len(self.waiting)]
 
     def kv_tokens(self) -> int:
         """num_kv_tokens as a method: kv_sample asks at every event, and a property's call costs more."""
@@ -172,7 +181,7 @@ class BaseScheduler:
         if self.kv.hybrid:  # every request holding blocks: the hand-offs whose blocks are reserved too
             h = self.handoff
             return self.kv.filled_tokens(tokens + sum(r.num_computed for q in (h.receiving, h.ready) for r in q))
-        if self.prefix_caching:  # shares of a handed-off prompt's blocks (not counted here) may be among them
+        if self.prefix_caching and self.kv.shared_refs:  # shares of a handed-off prompt's blocks may be among them
             tokens -= self.kv.shared_refs * self.kv.block_size
             return tokens if tokens > 0 else 0  # max(0, tokens) without the call: asked at every event
         return tokens
@@ -226,7 +235,7 @@ class BaseScheduler:
                 finished.append(self._finish(r))
         if self.eager:
             self.sync_all()
-        if self._after_steps is not None:
+        if self.after_steps:
             self._after_steps(0)
         return started, finished
 
@@ -245,7 +254,7 @@ class BaseScheduler:
     def _finish(self, r: Request) -> Request:
         """A request is done: its blocks are freed (a conversation's turn registers its answer's blocks first)."""
         r.finish_reason = "length" if r.num_generated >= r.max_tokens else "stop"
-        r.status = Status.FINISHED
+        r.status = FINISHED
         del self.running[r]
         if self.reservation is not None:
             self.reservation.release(r)
@@ -288,9 +297,12 @@ class BaseScheduler:
         """Apply the remaining k - 1 steps of a decode-only run (k ≤ decode_horizon) and account for all
         k; returns the requests that finished."""
         dec = self.decoding
-        if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
-            raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
-        self.kv.note_peak()
+        # a step of the run whose blocks are not handed out yet (a lone step's were, and the peak noted, when it was
+        # scheduled; the first after passed sendings' were not): no calls otherwise
+        if dec.steps + k > dec.cursor:
+            if dec.grant_blocks(dec.steps + k - 1, self.kv.free_blocks) is not None:
+                raise RuntimeError("advance_decode beyond decode_horizon: out of KV blocks")
+            self.kv.note_peak()
         dec.steps += k  # dec.advance(k), inline: once per run of decode steps
         dec.sum_computed += k * len(dec.members)
         self.steps_since_admission += k - 1
@@ -298,6 +310,6 @@ class BaseScheduler:
         finished = [self._finish(r) for r in done] if done else done  # most runs end with none
         if self.eager:
             self.sync_all()
-        if self._after_steps is not None:
+        if self.after_steps:
             self._after_steps(k - 1)
         return finished

@@ -33,6 +33,9 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.contiguous = contiguous
+        # the class's flags copied onto the instance: Python 3.11 specializes an instance attribute's read, not a class
+        # attribute's read through an instance (the hot paths ask these at every event)
+        self.hybrid, self.shared_refs = self.hybrid, self.shared_refs
         self.watermark_blocks = int(watermark * num_blocks)
         self.free_blocks: list[int] = list(_descending_ids(num_blocks))  # pop() hands out block 0 first
         self.num_swap_blocks = num_swap_blocks

@@ -16,6 +16,8 @@ import numpy as np
 
 from sim.policy.request import Request
 
+_NEVER = 1 << 62  # a step no run reaches: the calendar heap's sentinel
+
 
 class DecodeSet:
     def __init__(self, block_size: int | None):
@@ -25,8 +27,9 @@ class DecodeSet:
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
         self._finish: list[tuple[int, int, Request]] = []
         self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
-        self._due_steps: list[int] = []  # heap of _due's steps (DecodeSet's own): grant_blocks visits only those
-        self._cursor = 0  # every step before this one has had its blocks handed out
+        # heap of _due's steps (DecodeSet's own): grant_blocks visits only those; a sentinel past any step ends its loop
+        self._due_steps: list[int] = [_NEVER]
+        self.cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
     def __len__(self) -> int:
@@ -98,30 +101,34 @@ class DecodeSet:
 
     def due_at(self, step: int) -> list:
         """The calendar's entries for `step` not yet granted (stale ones included): at most that many blocks due."""
-        return self._due.get(step, ()) if step >= self._cursor else ()
+        return self._due.get(step, ()) if step >= self.cursor else ()
 
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
         heap = self._due_steps
-        if not heap or heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
-            if upto >= self._cursor:
-                self._cursor = upto + 1
+        if heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
+            if upto >= self.cursor:
+                self.cursor = upto + 1
             return None
-        due, bs, cursor = self._due, self.block_size, self._cursor
-        take, pop_step, push_step = free_blocks.pop, heapq.heappop, heapq.heappush
-        while heap and heap[0] <= upto:
-            step = pop_step(heap)
+        due, bs, cursor = self._due, self.block_size, self.cursor
+        # free_blocks.pop() loaded at each call, not read once into a local: Python 3.11 specializes a method load,
+        # not the read of a bound method off an object
+        pop_step, move_step = heapq.heappop, heapq.heapreplace
+        while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
+                pop_step(heap)
                 continue
             bucket = due.pop(step)
             if len(bucket) == 1:  # one member due (the usual case): no sort, a stale entry just dropped
                 tag, r = bucket[0]
                 if r.decode_tag != tag:
+                    pop_step(heap)
                     continue
                 try:  # the list's own check that a block is left: no count kept (a free queue's is asked in Python)
-                    r.block_table.append(take())
+                    r.block_table.append(free_blocks.pop())
                 except IndexError:
+                    pop_step(heap)
                     return self._run_dry(step, bucket, r)
             else:
                 bucket.sort()
@@ -131,19 +138,23 @@ class DecodeSet:
                         stale = True
                         continue
                     try:
-                        r.block_table.append(take())
+                        r.block_table.append(free_blocks.pop())
                     except IndexError:
+                        pop_step(heap)
                         return self._run_dry(step, bucket, r)
                 if stale:
                     bucket = [e for e in bucket if e[1].decode_tag == e[0]]
             later = due.get(step + bs)  # _book, inline: once per step with a block due
             if later is not None:
                 later.extend(bucket)
+                pop_step(heap)
             elif bucket:
                 due[step + bs] = bucket
-                push_step(heap, step + bs)
+                move_step(heap, step + bs)  # the step's heap entry becomes its next period's: one call, not two
+            else:
+                pop_step(heap)
         if upto >= cursor:
-            self._cursor = upto + 1
+            self.cursor = upto + 1
         return None
 
     def _run_dry(self, step: int, bucket: list, r: Request) -> Request:
@@ -153,7 +164,7 @@ class DecodeSet:
         i = next(j for j, (tag, m) in enumerate(bucket) if m is r and tag == r.decode_tag)
         self._book(step, bucket[i + 1:])
         self._book(step + self.block_size, [e for e in bucket[:i] if e[1].decode_tag == e[0]])
-        self._cursor = step
+        self.cursor = step
         return r
 
     def _book(self, step: int, entries: list) -> None:
@@ -200,7 +211,7 @@ class HybridDecodeSet(DecodeSet):
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
         # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already
-        self._due.setdefault(max(self.steps + later, self._cursor), []).append((tag, r))
+        self._due.setdefault(max(self.steps + later, self.cursor), []).append((tag, r))
 
     def regrant(self, r: Request, kv) -> bool:
         self.sync(r)
@@ -214,8 +225,8 @@ class HybridDecodeSet(DecodeSet):
         """Make each member's block changes due at a step ≤ `upto`, in (step, join) order: free what left its windows,
         take the blocks a boundary needs. Returns the first member left without them when the pool runs dry."""
         due, kv = self._due, self.kv
-        while self._cursor <= upto:
-            step = self._cursor
+        while self.cursor <= upto:
+            step = self.cursor
             bucket = due.pop(step, None)
             if bucket:
                 if len(bucket) > 1:
@@ -231,7 +242,7 @@ class HybridDecodeSet(DecodeSet):
                         return r
                     due.setdefault(step + nxt - c, []).append((tag, r))
                 kv.note_peak()  # blocks come and go within a run of steps: its peak is a step's, as one by one
-            self._cursor += 1
+            self.cursor += 1
         return None
 
     def until_blocks_free(self, k: int) -> int:

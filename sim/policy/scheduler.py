@@ -19,6 +19,9 @@ from sim.policy.request import Request, Status
 from sim.policy.speculative_slots import SpeculativeSlots
 from sim.policy.static_scheduler import StaticScheduler
 
+# an Enum member read off its class takes the generic lookup in Python 3.11 (no specialization): once per request
+RUNNING = Status.RUNNING
+
 __all__ = ["BatchShape", "ScheduledBatch", "Scheduler", "StaticScheduler", "make_scheduler"]
 
 
@@ -34,6 +37,8 @@ class Scheduler(BaseScheduler):
         self.speculative = spec is not None
         self.window_frees = 0  # the allocator's count of window frees when this step was scheduled
         self.hands_off = self.handoff.decode_pool is not None
+        # decode rows step alike, their blocks from the calendar: no speculative rows, no hybrid groups' windows
+        self.lockstep = not (self.speculative or kv.hybrid)
 
     # -- disaggregated decode instance ------------------------------------------------------------
     def add_prefilled(self, req: Request) -> bool:
@@ -89,21 +94,27 @@ class Scheduler(BaseScheduler):
     def decodes_settled(self) -> bool:
         """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
         until a request arrives is the decodes alone (`_decodes_alone`)."""
-        return not self.waiting and not self.kv.hybrid and self._decodes_alone(())
+        # _decodes_alone(()) with nothing waiting, inline: asked at every run of decode steps past a sending
+        return self.lockstep and not (self.waiting or self.prefilling or self.swapped or self.handoff.ready) \
+            and bool(self.decoding.members)
 
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
         short of a block (the due ones fit in the free list), nor a hybrid model's windows free any: the rows' blocks
         granted, (rows, tokens of context). None where `schedule` must form the step (nothing changed then)."""
-        dec, kv = self.decoding, self.kv
-        if kv.hybrid or not self._decodes_alone(()):
+        dec, kv, waiting = self.decoding, self.kv, self.waiting
+        # _decodes_alone(()), inline: asked after every run of decode steps
+        if not self.lockstep or self.prefilling or self.swapped or self.handoff.ready or not dec.members \
+                or (waiting and waiting[0].arrival_s <= self.visible_until):
             return None
         due = dec.due_at(dec.steps)
-        if due:  # none due: no block changes hands, the peak stands
+        if due:
             if len(due) > kv.free_count():
                 return None
             dec.grant_blocks(dec.steps, kv.free_blocks)
             kv.note_peak()
+        elif dec.cursor <= dec.steps:  # none due: no block changes hands, the peak stands; the step handed out
+            dec.cursor = dec.steps + 1
         self.steps_since_admission += 1
         b = len(dec.members)
         return b, dec.sum_computed + b
@@ -250,7 +261,7 @@ class Scheduler(BaseScheduler):
             if self.reservation is not None:
                 self.reservation.take(r)
             self.kv.allocate(r, r.num_computed + n)
-            r.status = Status.RUNNING
+            r.status = RUNNING
             self.running[r] = None
             self.prefilling[r] = None
         return picks
@@ -267,7 +278,7 @@ class Scheduler(BaseScheduler):
         visible, reserve = self.visible_until, self.reservation
         room = reserve.room() if reserve is not None else 0
         kv = self.kv
-        aligns, admit_blocks = kv.hybrid, kv.admit_blocks  # only a hybrid model's chunks are cut to its blocks
+        aligns = kv.hybrid  # only a hybrid model's chunks are cut to its blocks
         for r in self.waiting:
             if len(picks) >= slots or budget <= 0 or r.arrival_s > visible:
                 break
@@ -289,7 +300,7 @@ class Scheduler(BaseScheduler):
                     n = budget
             if aligns:
                 n = kv.align_chunk(r, computed, n)
-            need = revive + admit_blocks(computed, computed + n, held)
+            need = revive + kv.admit_blocks(computed, computed + n, held)
             if n > budget or need > free or not n:
                 break
             free -= need
@@ -362,7 +373,11 @@ class Scheduler(BaseScheduler):
                 and self.steps_since_admission - 1 < max_wait:
             k = min(k, max_wait - (self.steps_since_admission - 1))
         if k > 1 and dec.block_size:
-            k = dec.block_horizon(k, self.kv.free_count())
+            free = self.kv.free_count()
+            # block_horizon's own first answer, without its call where it holds: blocks for every row at every
+            # boundary of the run (a hybrid model's rows may take several a boundary: its call)
+            if self.kv.hybrid or free < len(dec.members) * ((k - 1) // dec.block_size + 1):
+                k = dec.block_horizon(k, free)
         if k > 1 and self.kv.hybrid and (self.waiting or self.swapped or self.handoff.incoming):
             # blocks leaving a window could start what waits for them: this step's (maybe after it was turned
             # away), or a later one's

@@ -38,7 +38,7 @@ def simulate(plan: Plan, specs: list[RequestSpec] | None = None, bulk: bool = Tr
     arrivals = Arrivals(env, specs, done, make, SameInstant(env), plan.workload.max_concurrency, slides(plan.client),
                         plan.replicas)
     # with no early stop, an engine's steps before the next arrival need no events (Replica.ahead)
-    replicas, pipelines = make_engines(env, plan, arrivals.book.next_s, bulk, done, spec_draw,
+    replicas, pipelines = make_engines(env, plan, arrivals.next_s, bulk, done, spec_draw,
                                        ahead=arrivals.known and watch is None, arrivals_known=arrivals.known,
                                        sends=arrivals.sends)
     router = make_router(plan.router)

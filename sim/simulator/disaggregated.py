@@ -111,7 +111,7 @@ def simulate_pools(plan: Plan, specs: list[RequestSpec] | None = None, bulk: boo
     arrivals = Arrivals(env, specs, done, request_maker(pools.prefill.enable_prefix_caching, pools.prefill.block_size,
                                                    pools.prefill.scheduler.max_model_len),
                         instant, plan.workload.max_concurrency, slides(plan.client), pools.prefill.replicas)
-    prefill, p_pipes = make_engines(env, pools.prefill, arrivals.book.next_s, bulk, done, hand_off=pools.decode,
+    prefill, p_pipes = make_engines(env, pools.prefill, arrivals.next_s, bulk, done, hand_off=pools.decode,
                                     on_handoff=link.hand_off, arrivals_known=arrivals.known, sends=arrivals.sends)
     # nothing arrives at a decode instance from outside: hand-offs and transfers cut its runs short (Replica.wake)
     decode, d_pipes = make_engines(env, pools.decode, lambda: math.inf, bulk, done, first_index=len(prefill),

@@ -125,6 +125,7 @@ class Arrivals:
                  max_concurrency: int | None = None, slide: bool = False, frontends: int = 1):
         self.env, self.specs, self.done, self.make, self.instant = env, specs, done, make_request, instant
         self.book = arrival_book(specs, max_concurrency, slide=slide, frontends=frontends)
+        self.next_s = self.book.reader()  # book.next_s, a known book's without a Python call
         self.requests: list[Request] = []
         self.admit: Callable[[Request], bool] | None = None
         self.known = self.book.known  # every arrival time known from the start
@@ -142,7 +143,8 @@ class Arrivals:
 
     def _arm(self, now: float) -> None:
         """A timeout at the book's next time, unless one is set for then or earlier (`now`: SimPy's clock)."""
-        t = self.book.next_s()
+        next_s = self.next_s  # held by the Arrivals: from a local, as Python 3.11 specializes no method load
+        t = next_s()
         if t < math.inf and (not self.alarms or t < self.alarms[0]):
             heapq.heappush(self.alarms, t)
             wait = t - now

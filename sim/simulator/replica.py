@@ -62,6 +62,7 @@ class Replica:
         # nothing reaches this engine but the book's arrivals (every one known, no hand-offs, no early stop): a step
         # or run that ends before the next one needs no SimPy event, the engine's clock runs ahead of SimPy's
         self.ahead = ahead
+        self.settles = ahead and bulk  # a run's next step may be settled at once (_decode_runs), without timeouts
         # the sending times of a book that sent every request ahead (ArrivalBook.send_all): a run still ends an
         # event at each, as it did when the book stopped there, so the KV samples and busy time are the same bit for
         # bit (priced past them where the scheduler is settled, each such event closed by _close_sends)
@@ -130,7 +131,7 @@ class Replica:
                 r.run_start = -1
 
     def run(self):
-        sched, env, spec = self.scheduler, self.env, self.speculation
+        sched, env, spec, next_arrival = self.scheduler, self.env, self.speculation, self.next_arrival
         handoff, step_end = sched.handoff, self.step_end
         timeouts = sched.cfg.max_queue_delay_s is not None
         while True:
@@ -140,8 +141,8 @@ class Replica:
                         self.on_finish(r, self.clock)
             if handoff.incoming:
                 self.on_reserve(self, sched.reserve_transfers())
-            if self.async_scheduling:
-                self._note_visible()
+            if self.async_scheduling:  # what arrived once the step that just ended was under way waits a step more
+                sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
             draft_s = spec.propose(sched.decoding.members) if spec and sched.drafting else 0.0
             batch = sched.schedule() if sched.has_work() else None
             if batch is None or batch.shape.num_seqs <= 0:  # not batch, without its __bool__ call
@@ -170,17 +171,12 @@ class Replica:
             self.busy_s += clock - self.clock
             if batch.preempted:
                 self._end_runs(batch.preempted, step - 1)
-            if not self.ahead or clock >= self.next_arrival():
+            if not self.ahead or clock >= next_arrival():
                 wait = clock - env.now
                 yield env.timeout(wait if wait > 0.0 else 0.0)  # max(0.0, wait) without the call
             self._close(self._complete(batch, step, clock), step, clock)
-            if (shape := self._next_decodes(timeouts)) is not None:
-                yield from self._decode_runs(*shape, step + 1, timeouts)
-
-    def _note_visible(self) -> None:
-        """Async scheduling: what arrived once the step that just ended was under way waits a step more."""
-        step_end = self.step_end
-        self.scheduler.visible_until = step_end[-2] if self.scheduler.running and len(step_end) > 1 else math.inf
+            if self.settles and not timeouts:  # the decodes alone may follow at once, as a run
+                yield from self._decode_runs(0, 0, step + 1, timeouts, settled=False)
 
     def _close(self, finished: list[Request], last: int, clock: float) -> None:
         """An event ends at `clock` with step `last`: the engine's clock, the requests that finished, a KV sample."""
@@ -195,15 +191,27 @@ class Replica:
         # fromlist: half the time of extend's generic path, once per event
         self.samples.fromlist(sched.kv_sample(clock))
 
-    def _decode_runs(self, b: int, s: int, step: int, timeouts: bool):
+    def _decode_runs(self, b: int, s: int, step: int, timeouts: bool, settled: bool = True):
         """SimPy process body: runs of identical decode steps of `b` rows and `s` tokens of context from step `step`,
         each up to the next arrival (or queue expiry) as one event, cut short at the step in flight if interrupted.
-        Where nothing but the book's arrivals reaches the engine (Replica.ahead), the next run follows at once while
-        the scheduler takes the decodes alone again (`schedule_decodes`): a finish, a sending, or an arrival async
-        scheduling does not see yet needs no pass through the engine loop, and each run is accounted for (its KV
-        sample, busy time) as if it had had one."""
+        Where nothing but the book's arrivals reaches the engine (Replica.settles; no queue timeouts), the next run
+        follows at once while the scheduler takes the decodes alone again (`schedule_decodes`: their blocks granted):
+        a finish, a sending, or an arrival async scheduling does not see yet needs no pass through the engine loop,
+        and each run is accounted for (its KV sample, busy time) as if it had had one. `settled` False: the step that
+        ended was the engine loop's; the scheduler is asked first (`b`, `s` unused)."""
         sched, env = self.scheduler, self.env
+        settles = self.settles and not timeouts
         while True:
+            if not settled:  # the engine loop's pass would schedule the decodes alone: settled here, or it forms the step
+                if not settles:
+                    return
+                if self.async_scheduling:  # as the engine loop notes what async scheduling sees (`run`)
+                    step_end = self.step_end
+                    sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
+                if (shape := sched.schedule_decodes()) is None:
+                    return
+                b, s = shape
+            settled = False
             k, clock, arrival = self._price_run(b, s, timeouts)
             # before SimPy delivers the arrival: the sendings' events saw none (ahead: nothing cuts the run short)
             passed = k - self._close_sends(step, k) if self.passing >= 0 else 0
@@ -218,28 +226,20 @@ class Replica:
                 self.in_run = False
             self.busy_s += clock - self.clock
             self._close(sched.advance_decode(k - passed), step + k - 1, clock)
-            if (shape := self._next_decodes(timeouts)) is None:
-                return
-            b, s = shape
             step += k
-
-    def _next_decodes(self, timeouts: bool) -> tuple[int, int] | None:
-        """The next step's (rows, context) where it is a bulk run of the decodes alone that the engine loop's pass
-        would schedule as such (Scheduler.schedule_decodes: their blocks granted) and nothing but the book's arrivals
-        reaches the engine (Replica.ahead; no queue timeouts); None: the loop's pass forms the next step."""
-        if not (self.ahead and self.bulk) or timeouts:
-            return None
-        sched = self.scheduler
-        if self.async_scheduling:  # _note_visible, inline: a call per event is 0.46% of a run's instructions
-            step_end = self.step_end
-            sched.visible_until = step_end[-2] if sched.running and len(step_end) > 1 else math.inf
-        return sched.schedule_decodes()
 
     def _price_run(self, b: int, s: int, timeouts: bool) -> tuple[int, float, float]:
         """A run of identical decode steps from the engine's clock up to the next arrival, queue expiry or sending,
         its steps' ends written. Returns (steps, their end, the next arrival)."""
-        sched = self.scheduler
-        arrival = self.next_arrival()
+        # the replica's callables from locals: Python 3.11 specializes no method load of an instance's callable
+        sched, decode_time, next_arrival, run_decodes = self.scheduler, self.decode_time, self.next_arrival, \
+            self.run_decodes
+        arrival = next_arrival()
+        if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step,
+            # whatever the horizon (a lone step passes no sending, and no wake cuts it: in_run is for runs of more)
+            self.passing, self.run_horizon = -1, arrival
+            k, clock = run_decodes(b, s, self.clock, 1, arrival, self.step_end)
+            return k, clock, arrival
         horizon = min(arrival, sched.next_expiry()) if timeouts else arrival
         self.passing, sends, step_s = -1, self.sends, 0.0
         if sends is not None:  # the next sending after this clock: the clock only moves on, and the index with it
@@ -249,21 +249,18 @@ class Replica:
             self.next_send = i
             if i < n and sends[i] < horizon:
                 if self.ahead and not timeouts and not sched.waiting and sched.decodes_settled():
-                    step_s = self.decode_time(b, s)
+                    step_s = decode_time(b, s)
                     # the run goes on past the sendings (_close_sends), unless a run cut at one could be MAX_BULK_STEPS
                     self.passing = i if (horizon - self.clock) / step_s < MAX_BULK_STEPS else -1
                 if self.passing < 0:
                     horizon = sends[i]
         self.run_horizon = horizon
-        if sched.waiting and sched.waiting[-1].arrival_s > sched.visible_until:  # seen after this step: one step
-            k_max = 1
-        else:
-            # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far
-            # off, a queue delay of 1e308 s, that the quotient overflows)
-            steps = (horizon - self.clock) / (step_s or self.decode_time(b, s))
-            k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
-            k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
-        k, clock = self.run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
+        # steps only get slower as contexts grow, so this many reach the next arrival (inf: none, or one so far off, a
+        # queue delay of 1e308 s, that the quotient overflows)
+        steps = (horizon - self.clock) / (step_s or decode_time(b, s))
+        k_max = int(steps) + 1 if steps < MAX_BULK_STEPS else MAX_BULK_STEPS
+        k_max = sched.decode_horizon(k_max if k_max > 1 else 1)  # max(k_max, 1) without the call
+        k, clock = run_decodes(b, s, self.clock, k_max, horizon, self.step_end)
         if self.passing >= 0 and (k < 2 or self.step_end[-2] < sends[self.passing]):  # it passed none: ends at one
             self.passing = -1
         return k, clock, arrival
