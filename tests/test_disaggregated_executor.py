@@ -197,8 +197,8 @@ def kill_decode_worker_after(ended: int):
 def test_a_decode_worker_killed_mid_run_ends_the_serve_with_one_line_and_a_partial_report(checkpoint, tmp_path,
                                                                                           monkeypatch):
     path = write_tiny_scenario(tmp_path, checkpoint, name="tiny-pools-dies", pools=POOLS,
-                               workload={"arrival": {"process": "poisson", "rate": 10.0}, "num_requests": 60,
-                                         "output_len": {"dist": "uniform", "min": 20, "max": 60}})
+                               workload={"arrival": {"process": "poisson", "rate": 30.0}, "num_requests": 60,
+                                         "output_len": {"dist": "uniform", "min": 80, "max": 160}})
     real_serve = executor.serving.disaggregated.serve_pools
     monkeypatch.setattr(executor.serving.disaggregated, "serve_pools", lambda *args, **kwargs: real_serve(
         *args, **{**kwargs, "progress": kill_decode_worker_after(2)}))
