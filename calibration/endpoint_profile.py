@@ -34,12 +34,15 @@ from sim.policy.batch import record_shape
 
 WINDOW = 4  # consecutive decode gaps of a stream pooled into one sample
 BURST = 0.2  # a gap under this fraction of the sweep's mean gap came in a burst with the token before it
+JOIN_POLL_S = 0.0005  # how often a joiner looks at the decoding streams' tokens: well under a step of a tiny model
 
 
-def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tuple[int, int, float]]]]:
+def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tuple[int, int, float, int]]]]:
     """The loads, each (requests sent at once, the requests as (prompt tokens, output tokens, seconds after the load
-    starts)): lone prefills of many lengths; B requests at once decoding together at two contexts; and prompts
-    arriving while B requests decode. Prompts and outputs fit `max_len`."""
+    starts, tokens each of the load's first requests streams before it is sent)): lone prefills of many lengths; B
+    requests at once decoding together at two contexts; and prompts arriving while B requests decode, a quarter and
+    half way through their answers (by their tokens, not the clock: a 1 ms step's server and a 30 ms one alike).
+    Prompts and outputs fit `max_len`."""
     rng = random.Random(0)
 
     def fits(p, o):
@@ -48,33 +51,37 @@ def sweep(quick: bool = False, max_len: int = 2048) -> list[tuple[int, list[tupl
     loads = []
     for p in [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536]:
         if fits(p, 4):
-            loads += [(1, [(p, 4, 0.0)])] * (2 if quick else 3)
+            loads += [(1, [(p, 4, 0.0, 0)])] * (2 if quick else 3)
     for b, c in [(1, 128), (4, 128), (4, 512)] if quick else \
             [(1, 64), (1, 512), (2, 256), (4, 64), (4, 512), (8, 128), (8, 512), (16, 64), (16, 256)]:
-        o = 12 if quick else 24
-        load = [(max(8, int(c * rng.uniform(0.6, 1.4))), o, 0.0) for _ in range(b)]
-        loads.append((b, [(p, x, t) for p, x, t in load if fits(p, x)]))
+        o = 24  # tokens enough for B streams sent at once to overlap on a ~1 ms step too
+        load = [(max(8, int(c * rng.uniform(0.6, 1.4))), o, 0.0, 0) for _ in range(b)]
+        loads.append((b, [r for r in load if fits(r[0], r[1])]))
     for b, p in [(4, 256)] if quick else [(4, 128), (4, 512), (8, 256)]:
-        load = [(rng.randint(32, 256), 40, 0.0) for _ in range(b)] + [(p, 4, 0.25), (p, 4, 0.5)]
-        loads.append((b + 2, [(q, x, t) for q, x, t in load if fits(q, x)]))
+        load = [(rng.randint(32, 256), 40, 0.0, 0) for _ in range(b)] + [(p, 4, 0.0, 10), (p, 4, 0.0, 20)]
+        loads.append((b + 2, [r for r in load if fits(r[0], r[1])]))
     return [(b, load) for b, load in loads if load]
 
 
-async def _run_load(ep: Endpoint, prompts: Prompts, load: list[tuple[int, int, float]], first_id: int,
+async def _run_load(ep: Endpoint, prompts: Prompts, load: list[tuple[int, int, float, int]], first_id: int,
                     timeout_s: float | None) -> list[Outcome]:
-    """One load: its requests sent on their offsets, every stream timed."""
-    specs = [RequestSpec(first_id + i, t, p, o) for i, (p, o, t) in enumerate(load)]
+    """One load: its requests sent on their offsets (and, a joiner, once the load's first requests have streamed its
+    number of tokens, or ended), every stream timed."""
+    specs = [RequestSpec(first_id + i, t, p, o) for i, (p, o, t, _) in enumerate(load)]
     texts = [prompts.text(s.prompt_len, s.id) for s in specs]
     outs = [Outcome(s, s.arrival_s, ep) for s in specs]
+    leaders = [o for o, r in zip(outs, load) if not r[3]]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as client:
         t0 = time.perf_counter()
 
-        async def one(out: Outcome, text: str) -> None:
+        async def one(out: Outcome, text: str, after_tokens: int) -> None:
             await asyncio.sleep(max(0.0, out.due_s - (time.perf_counter() - t0)))
+            while after_tokens and any(len(q.token_times) < after_tokens and q.end_s is None for q in leaders):
+                await asyncio.sleep(JOIN_POLL_S)
             await stream_one(client, ep, out, text, t0, False, timeout_s)
 
-        await asyncio.gather(*(one(o, t) for o, t in zip(outs, texts)))
+        await asyncio.gather(*(one(o, t, r[3]) for o, t, r in zip(outs, texts, load)))
     return outs
 
 
