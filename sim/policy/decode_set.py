@@ -109,14 +109,14 @@ class DecodeSet:
                 self.cursor = upto + 1
             return None
         due, bs, cursor = self.due, self.block_size, self.cursor
-        # free_blocks.pop() loaded at each call, not read once into a local: Python 3.11 specializes a method load,
-        # not the read of a bound method off an object
+        # free_blocks.pop() loaded at each call: Python 3.11 specializes a method load, not a bound method's read
         pop_step, move_step = heapq.heappop, heapq.heapreplace
         while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 pop_step(heap)
                 continue
             bucket = due.pop(step)
+            nxt = step + bs
             if len(bucket) == 1:  # one member due (the usual case): no sort, a stale entry just dropped
                 tag, r = bucket[0]
                 if r.decode_tag != tag:
@@ -127,27 +127,34 @@ class DecodeSet:
                 except IndexError:
                     pop_step(heap)
                     return self._run_dry(step, bucket, r)
-            else:
-                bucket.sort()
-                stale = False
-                for tag, r in bucket:
-                    if r.decode_tag != tag:
-                        stale = True
-                        continue
-                    try:
-                        r.block_table.append(free_blocks.pop())
-                    except IndexError:
-                        pop_step(heap)
-                        return self._run_dry(step, bucket, r)
-                if stale:
-                    bucket = [e for e in bucket if e[1].decode_tag == e[0]]
-            later = due.get(step + bs)  # _book, inline: once per step with a block due
+                later = due.get(nxt)  # _book, inline, of a bucket known not empty
+                if later is None:
+                    due[nxt] = bucket
+                    move_step(heap, nxt)  # the step's heap entry becomes its next period's: one call, not two
+                else:
+                    later += bucket
+                    pop_step(heap)
+                continue
+            bucket.sort()
+            stale = False
+            for tag, r in bucket:
+                if r.decode_tag != tag:
+                    stale = True
+                    continue
+                try:
+                    r.block_table.append(free_blocks.pop())
+                except IndexError:
+                    pop_step(heap)
+                    return self._run_dry(step, bucket, r)
+            if stale:
+                bucket = [e for e in bucket if e[1].decode_tag == e[0]]
+            later = due.get(nxt)  # _book, inline: once per step with a block due
             if later is not None:
-                later.extend(bucket)
+                later += bucket
                 pop_step(heap)
             elif bucket:
-                due[step + bs] = bucket
-                move_step(heap, step + bs)  # the step's heap entry becomes its next period's: one call, not two
+                due[nxt] = bucket
+                move_step(heap, nxt)
             else:
                 pop_step(heap)
         if upto >= cursor:
