@@ -510,17 +510,21 @@ class KernelCostModel(PricesStages):
             return affine_decode_run(base, per_kv, num_seqs, sum_context, clock, k_max, until, step_end,
                                      self.window_rates(num_seqs) if self.windows else ())
         # affine_decode_run without windows, inline (a call per run of decode steps saved): decode_time's float
-        # operations, the per-batch part hoisted; each step's context from the range, the step counted at the end;
-        # step_end.append() loaded at each step: Python 3.11 specializes a method load, not a bound method's read
+        # operations, the per-batch part hoisted; step_end.append() loaded at each step: Python 3.11 specializes a
+        # method load, not a bound method's read
         if k_max == 1:  # a lone step (an arrival async scheduling does not see yet): no range
             clock += base + sum_context * per_kv
             step_end.append(clock)
             return 1, clock
-        for s in range(sum_context, sum_context + k_max * num_seqs, num_seqs):
+        # each step's context a float counted up (exact below 2**53, as int * float converts it): float operations
+        # Python 3.11 specializes, and no int object made per step
+        s, rows = float(sum_context), float(num_seqs)
+        for k in range(1, k_max + 1):
             clock += base + s * per_kv
             step_end.append(clock)
             if clock >= until:
-                return (s - sum_context) // num_seqs + 1, clock
+                return k, clock
+            s += rows
         return k_max, clock
 
 

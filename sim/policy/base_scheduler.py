@@ -306,8 +306,9 @@ class BaseScheduler:
         dec.steps += k  # dec.advance(k), inline: once per run of decode steps
         dec.sum_computed += k * len(dec.members)
         self.steps_since_admission += k - 1
-        done = dec.pop_finished()
-        finished = [self._finish(r) for r in done] if done else done  # most runs end with none
+        # most runs end with none: pop_finished's first test, without its call
+        done = dec.pop_finished() if dec.finishes and dec.finishes[0][0] <= dec.steps else ()
+        finished = [self._finish(r) for r in done] if done else []
         if self.eager:
             self.sync_all()
         if self.after_steps:

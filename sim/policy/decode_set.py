@@ -25,10 +25,11 @@ class DecodeSet:
         self.steps = 0
         self.members: dict[Request, None] = {}
         self.sum_computed = 0  # Σ num_computed over members, as of `steps`
-        self._finish: list[tuple[int, int, Request]] = []
-        self._due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
+        # heap of (step, tag, member): when each member finishes (a stale tag: it left); read by the scheduler's hot path
+        self.finishes: list[tuple[int, int, Request]] = []
+        self.due: dict[int, list[tuple[int, Request]]] = {}  # step → (tag, member) needing a block then
         # heap of _due's steps (DecodeSet's own): grant_blocks visits only those; a sentinel past any step ends its loop
-        self._due_steps: list[int] = [_NEVER]
+        self.due_steps: list[int] = [_NEVER]
         self.cursor = 0  # every step before this one has had its blocks handed out
         self._tags = itertools.count()
 
@@ -50,7 +51,7 @@ class DecodeSet:
         r.decode_tag = tag = next(self._tags)
         self.members[r] = None
         self.sum_computed += r.num_computed
-        heapq.heappush(self._finish, (self.steps + r.max_tokens - r.num_generated, tag, r))  # + remaining_tokens
+        heapq.heappush(self.finishes, (self.steps + r.max_tokens - r.num_generated, tag, r))  # + remaining_tokens
         return tag
 
     def sync(self, r: Request) -> None:
@@ -73,17 +74,17 @@ class DecodeSet:
     def pop_finished(self) -> list[Request]:
         """Members that have produced all their tokens by now; they leave the set."""
         out = []
-        while self._finish and self._finish[0][0] <= self.steps:
-            _, tag, r = heapq.heappop(self._finish)
+        while self.finishes and self.finishes[0][0] <= self.steps:
+            _, tag, r = heapq.heappop(self.finishes)
             if r.decode_tag == tag:
                 self.leave(r)
                 out.append(r)
         return out
 
     def next_finish(self) -> float:
-        while self._finish and self._finish[0][2].decode_tag != self._finish[0][1]:
-            heapq.heappop(self._finish)
-        return self._finish[0][0] if self._finish else math.inf
+        while self.finishes and self.finishes[0][2].decode_tag != self.finishes[0][1]:
+            heapq.heappop(self.finishes)
+        return self.finishes[0][0] if self.finishes else math.inf
 
     def regrant(self, r: Request, kv) -> bool:
         """Give a member its block after the calendar ran dry and others were preempted for it; False if still none
@@ -99,27 +100,23 @@ class DecodeSet:
         """Record when a (synced) member next fills its blocks."""
         self._book(self.steps + block_capacity - r.num_computed, [(r.decode_tag, r)])
 
-    def due_at(self, step: int) -> list:
-        """The calendar's entries for `step` not yet granted (stale ones included): at most that many blocks due."""
-        return self._due.get(step, ()) if step >= self.cursor else ()
-
     def grant_blocks(self, upto: int, free_blocks: list[int]) -> Request | None:
         """Hand a block from `free_blocks` to each member that needs one at a step ≤ `upto`, in
         (step, join) order. Returns the first member left without one when the list runs dry."""
-        heap = self._due_steps
+        heap = self.due_steps
         if heap[0] > upto:  # nothing due by then (a third of the calls): the cursor alone moves
             if upto >= self.cursor:
                 self.cursor = upto + 1
             return None
-        due, bs, cursor = self._due, self.block_size, self.cursor
-        # free_blocks.pop() loaded at each call, not read once into a local: Python 3.11 specializes a method load,
-        # not the read of a bound method off an object
+        due, bs, cursor = self.due, self.block_size, self.cursor
+        # free_blocks.pop() loaded at each call: Python 3.11 specializes a method load, not a bound method's read
         pop_step, move_step = heapq.heappop, heapq.heapreplace
         while (step := heap[0]) <= upto:  # the sentinel ends it
             if step < cursor:  # booked behind the steps already handed out: never due (as it never was)
                 pop_step(heap)
                 continue
             bucket = due.pop(step)
+            nxt = step + bs
             if len(bucket) == 1:  # one member due (the usual case): no sort, a stale entry just dropped
                 tag, r = bucket[0]
                 if r.decode_tag != tag:
@@ -130,27 +127,34 @@ class DecodeSet:
                 except IndexError:
                     pop_step(heap)
                     return self._run_dry(step, bucket, r)
-            else:
-                bucket.sort()
-                stale = False
-                for tag, r in bucket:
-                    if r.decode_tag != tag:
-                        stale = True
-                        continue
-                    try:
-                        r.block_table.append(free_blocks.pop())
-                    except IndexError:
-                        pop_step(heap)
-                        return self._run_dry(step, bucket, r)
-                if stale:
-                    bucket = [e for e in bucket if e[1].decode_tag == e[0]]
-            later = due.get(step + bs)  # _book, inline: once per step with a block due
+                later = due.get(nxt)  # _book, inline, of a bucket known not empty
+                if later is None:
+                    due[nxt] = bucket
+                    move_step(heap, nxt)  # the step's heap entry becomes its next period's: one call, not two
+                else:
+                    later += bucket
+                    pop_step(heap)
+                continue
+            bucket.sort()
+            stale = False
+            for tag, r in bucket:
+                if r.decode_tag != tag:
+                    stale = True
+                    continue
+                try:
+                    r.block_table.append(free_blocks.pop())
+                except IndexError:
+                    pop_step(heap)
+                    return self._run_dry(step, bucket, r)
+            if stale:
+                bucket = [e for e in bucket if e[1].decode_tag == e[0]]
+            later = due.get(nxt)  # _book, inline: once per step with a block due
             if later is not None:
-                later.extend(bucket)
+                later += bucket
                 pop_step(heap)
             elif bucket:
-                due[step + bs] = bucket
-                move_step(heap, step + bs)  # the step's heap entry becomes its next period's: one call, not two
+                due[nxt] = bucket
+                move_step(heap, nxt)
             else:
                 pop_step(heap)
         if upto >= cursor:
@@ -170,10 +174,10 @@ class DecodeSet:
     def _book(self, step: int, entries: list) -> None:
         """Calendar entries (tag, member) due at `step`, after those booked there before."""
         if entries:
-            bucket = self._due.get(step)
+            bucket = self.due.get(step)
             if bucket is None:
-                self._due[step] = entries
-                heapq.heappush(self._due_steps, step)
+                self.due[step] = entries
+                heapq.heappush(self.due_steps, step)
             else:
                 bucket.extend(entries)
 
@@ -184,7 +188,7 @@ class DecodeSet:
             return k
         steps = self.steps
         # steps from now to each member's next need: its one live entry in the calendar
-        firsts = np.array([s for s, bucket in self._due.items() for tag, r in bucket if r.decode_tag == tag],
+        firsts = np.array([s for s, bucket in self.due.items() for tag, r in bucket if r.decode_tag == tag],
                           np.int64) - steps
         lo, hi = 1, k
         while lo < hi:  # blocks needed by step kk: Σ over members needing one by then of 1 + (kk − 1 − f) // bs
@@ -211,20 +215,20 @@ class HybridDecodeSet(DecodeSet):
         c = r.num_computed
         later = 0 if self.kv.changes_now(r, c) else self.kv.next_event(r, c) - c
         # one joining while a step is scheduled (swapped in, handed over) got its blocks for that step already
-        self._due.setdefault(max(self.steps + later, self.cursor), []).append((tag, r))
+        self.due.setdefault(max(self.steps + later, self.cursor), []).append((tag, r))
 
     def regrant(self, r: Request, kv) -> bool:
         self.sync(r)
         c = r.num_computed
         if not kv.grow(r, c, c + 1):
             return False
-        self._due.setdefault(self.steps + kv.next_event(r, c) - c, []).append((r.decode_tag, r))
+        self.due.setdefault(self.steps + kv.next_event(r, c) - c, []).append((r.decode_tag, r))
         return True
 
     def grant_blocks(self, upto: int, free_blocks) -> Request | None:
         """Make each member's block changes due at a step ≤ `upto`, in (step, join) order: free what left its windows,
         take the blocks a boundary needs. Returns the first member left without them when the pool runs dry."""
-        due, kv = self._due, self.kv
+        due, kv = self.due, self.kv
         while self.cursor <= upto:
             step = self.cursor
             bucket = due.pop(step, None)

@@ -107,14 +107,15 @@ class Scheduler(BaseScheduler):
         if not self.lockstep or self.prefilling or self.swapped or self.handoff.ready or not dec.members \
                 or (waiting and waiting[0].arrival_s <= self.visible_until):
             return None
-        due = dec.due_at(dec.steps)
+        steps = dec.steps
+        due = dec.due.get(steps, ()) if steps >= dec.cursor else ()  # due_at(steps), without its call
         if due:
             if len(due) > kv.free_count():
                 return None
-            dec.grant_blocks(dec.steps, kv.free_blocks)
+            dec.grant_blocks(steps, kv.free_blocks)
             kv.note_peak()
-        elif dec.cursor <= dec.steps:  # none due: no block changes hands, the peak stands; the step handed out
-            dec.cursor = dec.steps + 1
+        elif dec.cursor <= steps:  # none due: no block changes hands, the peak stands; the step handed out
+            dec.cursor = steps + 1
         self.steps_since_admission += 1
         b = len(dec.members)
         return b, dec.sum_computed + b
@@ -365,7 +366,9 @@ class Scheduler(BaseScheduler):
         """How many decode steps, the scheduled one included, would be scheduled identically (absent
         arrivals): until a request finishes, a block allocation could fail, or the TGI wait limit trips."""
         dec = self.decoding
-        k = dec.next_finish() - dec.steps
+        top = dec.finishes[0] if dec.finishes else None
+        # next_finish's answer without its call where the heap's top is live (as it is but after a preemption)
+        k = (top[0] if top is not None and top[2].decode_tag == top[1] else dec.next_finish()) - dec.steps
         if k_max <= k:  # min() without the call: asked at every run of decode steps
             k = k_max
         max_wait = self.cfg.max_waiting_tokens
