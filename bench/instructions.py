@@ -7,12 +7,14 @@ Counted, each in a fresh interpreter on its tree's code (PYTHONHASHSEED=0, BLAS 
   vLLM serves it) and, on this tree, with `engine: infersim` (`same_plan`: the plan the code before the engine work
   made of it);
 - the whole `infersim run` process on the Vidur-sized workload (bench/scenarios/vidur_llama2_7b_a100.yaml,
-  `--no-plots`): start-up, simulation, report.
+  `--no-plots`, or with `--plots` its PNGs too): start-up, simulation, report.
+`--scenario FILE` counts that scenario instead, in both: its `simulate()` (as planned, and with `engine: infersim`)
+and its whole run.
 Two counts of one process differ by ~0.05%. Instructions are a proxy: they do not see cache misses or branch
 mispredictions, so a ratio here and the seconds of bench/sim_speed.py can differ by a few percent. Needs `valgrind`;
 each count runs ~50x slower than natively (the whole bench: ~15 minutes).
 
-Usage: python bench/instructions.py --against REV_OR_TREE [--only sim|run]
+Usage: python bench/instructions.py --against REV_OR_TREE [--only sim|run] [--scenario FILE] [--plots]
 """
 from __future__ import annotations
 
@@ -65,16 +67,23 @@ def simulate_instructions(tree: Path, scenario: dict) -> int:
     return twice - once
 
 
-def run_instructions(tree: Path, scratch: Path) -> int:
-    """The whole `infersim run VIDUR --no-plots` process on `tree`."""
-    return instructions(tree, ["-c", RUN, "run", str(VIDUR), "--out", str(scratch / tree.name), "-q", "--no-plots"])
+def run_instructions(tree: Path, scratch: Path, scenario: Path = VIDUR, plots: bool = False) -> int:
+    """The whole `infersim run SCENARIO` process on `tree` (`--no-plots` unless `plots`)."""
+    flags = [] if plots else ["--no-plots"]
+    return instructions(tree, ["-c", RUN, "run", str(scenario), "--out", str(scratch / tree.name), "-q", *flags])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", required=True, help="a tree or a commit to count side by side with this one")
     ap.add_argument("--only", choices=("sim", "run"), help="count only simulate() or only the whole run")
+    ap.add_argument("--scenario", type=Path, help="a scenario file to count instead of the Azure hour and the "
+                    "Vidur-sized run")
+    ap.add_argument("--plots", action="store_true", help="the whole run with its plots")
     args = ap.parse_args()
+    scenario = args.scenario.resolve() if args.scenario else None
+    if scenario is not None and not scenario.is_file():
+        raise SystemExit(f"--scenario {args.scenario}: no such file")
     if shutil.which("valgrind") is None:
         raise SystemExit("bench/instructions.py needs valgrind (apt install valgrind)")
     scratch = Path(tempfile.mkdtemp(prefix="instructions_"))
@@ -82,22 +91,36 @@ def main() -> None:
     try:
         base = tree_of(args.against, scratch)
         if args.only != "run":
-            same, engines, counted = {**SCENARIO, "engine": "infersim"}, knows_engines(base), {}
-            for name, scenario in (("default_plan", SCENARIO), ("same_plan", same)):
+            plain = scenario_dict(scenario) if scenario else SCENARIO
+            same, engines, counted = {**plain, "engine": "infersim"}, knows_engines(base), {}
+            for name, chosen in (("default_plan", plain), ("same_plan", same)):
                 # a tree from before the engine work plans the plain scenario as `engine: infersim` does now
-                key = json.dumps(scenario if engines else SCENARIO)
+                key = json.dumps(chosen if engines else plain)
                 base_ir = counted[key] = counted.get(key) or simulate_instructions(base, json.loads(key))
-                ir = simulate_instructions(ROOT, scenario)
+                ir = simulate_instructions(ROOT, chosen)
                 print(f"simulate() {name}: base {base_ir:,}, this tree {ir:,} instructions", flush=True)
                 figures[f"{name}_instructions_ratio"] = ir / base_ir
         if args.only != "sim":
-            base_ir, ir = run_instructions(base, scratch), run_instructions(ROOT, scratch)
-            print(f"infersim run (Vidur-sized, --no-plots): base {base_ir:,}, this tree {ir:,} instructions")
-            figures["run_no_plots_instructions_ratio"] = ir / base_ir
+            file = scenario or VIDUR
+            base_ir, ir = (run_instructions(t, scratch, file, args.plots) for t in (base, ROOT))
+            what = "with plots" if args.plots else "--no-plots"
+            print(f"infersim run ({file.name}, {what}): base {base_ir:,}, this tree {ir:,} instructions")
+            figures["run_instructions_ratio" if args.plots else "run_no_plots_instructions_ratio"] = ir / base_ir
     finally:
         shutil.rmtree(scratch)
     for name, value in figures.items():
         print(f"{name}: {value:.4f}")
+
+
+def scenario_dict(path: Path) -> dict:
+    """A scenario file as the JSON the counting process parses (in the tree's folder: a file it names by a relative
+    path is read from there)."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise SystemExit(f"--scenario {path}: not a mapping of keys")
+    return data
 
 
 if __name__ == "__main__":
