@@ -94,9 +94,7 @@ class Scheduler(BaseScheduler):
     def decodes_settled(self) -> bool:
         """Nothing waits, is swapped out, prefilled, received or drafted, and no window frees blocks: every step
         until a request arrives is the decodes alone (`_decodes_alone`)."""
-        # _decodes_alone(()) with nothing waiting, inline: asked at every run of decode steps past a sending
-        return self.lockstep and not (self.waiting or self.prefilling or self.swapped or self.handoff.ready) \
-            and bool(self.decoding.members)
+        return self.lockstep and not self.waiting and self._decodes_alone(())
 
     def schedule_decodes(self) -> tuple[int, int] | None:
         """schedule() of a step of the decodes alone (`_decodes_alone`), settled without a batch where no row can be
