@@ -2,7 +2,9 @@
 the commit before the change), on the Vidur-sized workload (bench/scenarios/vidur_llama2_7b_a100.yaml: Llama-2-7B on
 one A100, 10,000 requests, Poisson 4 req/s, 512/128 tokens), with its plots and without (`--no-plots`). Fresh
 processes, the two trees alternating run by run so that a busy machine slows both alike; each run's wall time and CPU
-time (user + system of the child, which a shared machine disturbs less than the wall). Medians over --repeats runs.
+time (user + system of the child, which a shared machine disturbs less than the wall). Every process reads byte-code
+compiled once per tree into a scratch PYTHONPYCACHEPREFIX (bench/startup.py's), as an installed package's is. Medians
+over --repeats runs.
 Ends with headline lines `name: value`.
 
 Usage: python bench/run_speed.py [--against DIR | --base-ref REF] [--repeats N]
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from startup import CLI, VIDUR, worktree
+from startup import CLI, PYCACHE, VIDUR, _env, worktree
 
 HERE = Path(__file__).resolve().parents[1]
 MODES = {"run": [], "run_no_plots": ["--no-plots"]}
@@ -32,7 +35,7 @@ def children_cpu() -> float:
 
 def one_run(tree: Path, flags: list[str], out: Path) -> tuple[float, float]:
     """(wall s, CPU s) of a fresh `infersim run VIDUR --out OUT -q FLAGS` process in `tree`."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "120"}
+    env = _env(tree)  # byte-code read from one compiled copy per tree, as an installed package's is
     c0, t0 = children_cpu(), time.perf_counter()
     r = subprocess.run([sys.executable, "-c", CLI, "run", VIDUR, "--out", str(out), "-q", *flags], cwd=tree, env=env,
                        capture_output=True, text=True)
@@ -68,8 +71,11 @@ def main() -> None:
     base = args.against.resolve() if args.against else worktree(args.base_ref, tmp / "tree")
     try:
         print(f"base {base}, this tree {HERE}, {os.cpu_count()} cores, median of {args.repeats} fresh processes each")
+        for tree in (base, HERE):  # compiles the byte-code every later process reads
+            one_run(tree, ["--no-plots"], tmp / f"compile_{tree == HERE}")
         got = side_by_side(base, args.repeats, tmp)
     finally:
+        shutil.rmtree(PYCACHE, ignore_errors=True)
         if not args.against:
             subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)], check=True)
     for mode, figures in got.items():

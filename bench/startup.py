@@ -6,9 +6,7 @@ change), each figure taken in fresh processes, the two trees alternating so that
 - the CPU time (user + system) of a whole `infersim run` process on 10 requests of the Vidur-sized workload: the
   start-up a run pays before its simulation, less disturbed by a shared machine than the wall;
 - the whole `infersim --help` process, and the whole `infersim run` process on the Vidur-sized workload
-  (bench/scenarios/vidur_llama2_7b_a100.yaml: Llama-2-7B on one A100, 10,000 requests, 4 req/s, 512/128 tokens),
-  `-q --no-plots` and as a user types it (`--out DIR`: the table, report.json, requests.csv and three plots), its
-  wall and its CPU;
+  (bench/scenarios/vidur_llama2_7b_a100.yaml: Llama-2-7B on one A100, 10,000 requests, 4 req/s, 512/128 tokens);
 - the floor beside them, alike in every tree: a bare `python -c pass` process and a fresh process importing the
   third-party libraries a run needs (numpy, pydantic, simpy, PyYAML) with one OpenBLAS thread, as
   `infersim run` loads them, so the report says how far above the floor the project's own start-up is.
@@ -63,11 +61,6 @@ def tiny_scenario() -> str:
     return str(path)
 
 
-def user_out(tree: Path) -> str:
-    """A scratch folder for a tree's report, plots and requests.csv."""
-    return str(PYCACHE / f"out_{abs(hash(str(tree)))}")
-
-
 def import_seconds(tree: Path, code: str, args: list[str], **env: str) -> float:
     """The seconds a fresh process spent importing after MARK: the sum of `-X importtime`'s top-level cumulative
     figures (an import nested in another is inside its parent's)."""
@@ -103,9 +96,6 @@ MEASURES = {  # name: what one sample of it runs in a tree
     "start_cpu_s": lambda tree: process_seconds(tree, CLI, ["run", tiny_scenario(), "-q", "--no-plots"])[1],
     "help_process_s": lambda tree: process_seconds(tree, CLI, ["--help"])[0],
     "run_process_s": lambda tree: process_seconds(tree, CLI, ["run", VIDUR, "-q", "--no-plots"])[0],
-    # as a user types it: the console table and the three plots written too
-    "user_run_process_s": lambda tree: process_seconds(tree, CLI, ["run", VIDUR, "--out", user_out(tree)])[0],
-    "user_run_cpu_s": lambda tree: process_seconds(tree, CLI, ["run", VIDUR, "--out", user_out(tree)])[1],
 }
 FLOOR_MEASURES = {  # name: one sample, the same in every tree
     "bare_process_s": lambda: process_seconds(HERE, "pass", [])[0],
