@@ -23,9 +23,10 @@ def run(path: Path) -> tuple[float, float, int]:
     """(wall seconds, peak RSS MiB, requests) of `infersim run PATH --out ...` in a fresh process."""
     with tempfile.TemporaryDirectory() as out:
         # the peak is VmHWM, this process image's own: ru_maxrss carries the parent's peak across fork + exec
-        code = ("import sys; from infersim.cli import main; sys.argv = ['infersim', 'run', sys.argv[1], "
-                "'--out', sys.argv[2], '-q']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
-                "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM')))")
+        # told by an atexit hook: the `infersim` process ends at once after its command (cli._end_process)
+        code = ("import atexit, sys; from infersim.cli import main; sys.argv = ['infersim', 'run', sys.argv[1], "
+                "'--out', sys.argv[2], '-q']\natexit.register(lambda: print(next(int(line.split()[1]) for line in "
+                "open('/proc/self/status') if line.startswith('VmHWM'))))\nmain()")
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", code, str(path), out], capture_output=True, text=True, check=True)
         wall = time.perf_counter() - t0
