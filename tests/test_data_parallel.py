@@ -9,9 +9,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from executor.core.build import make_engine, run_offline
-from executor.distributed.data_parallel import data_parallel_outputs, data_parallel_run
+from executor.distributed.data_parallel import data_parallel_outputs, data_parallel_run, moe_blocks
+from executor.distributed.gathered_moe import sliced_experts
 from executor.model.families import tiny_twin
 from executor.model.from_spec import model_spec
 from executor.model.sampling import SamplingParams
@@ -56,6 +58,20 @@ def test_two_data_parallel_ranks_give_one_process_s_tokens(family, expert_parall
     expected = one_process(model, make_policy, prompts, steps)
     assert data_parallel_outputs(model, 2, make_policy, prompts, steps, SamplingParams(),
                                  expert_parallel=expert_parallel) == expected
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v2"])
+def test_the_ranks_slices_sum_to_the_whole_experts(family, world):
+    """Every rank's slice run on the same tokens, summed, is the experts' output whole (gpt-oss's down bias counted
+    once), to fp32 rounding: the partial sums are added in another order than one matmul's (measured: 5e-7 at
+    most against outputs up to 2.7), which the greedy tokens above do not notice."""
+    block = moe_blocks(twin(family)[0])[0]
+    x = torch.randn(50, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    weights, experts = block.route(x)
+    whole = block.experts(x, weights, experts)
+    parts = sum(sliced_experts(block.experts, r, world)(x, weights, experts) for r in range(world))
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
 
 
 def simulated_bytes(model, world: int, tokens: int) -> float:
