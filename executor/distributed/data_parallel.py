@@ -1,21 +1,30 @@
-"""Data-parallel attention ranks over expert-parallel MoE (vLLM's `--data-parallel-size n --enable-expert-parallel`),
-over the ranks of a process group (launch.py: gloo on the CPU).
+"""Data-parallel ranks of a mixture-of-experts model (vLLM's `--data-parallel-size n`), over the ranks of a process
+group (launch.py: gloo on the CPU), with or without expert parallelism.
 
 Each rank is a whole engine — its own scheduler, requests, KV cache and attention, dense layers, routers and shared
-experts (replicated) — and holds 1/n of every MoE layer's routed experts whole (rank r: experts r·E/n … (r+1)·E/n − 1).
-A MoE layer's tokens are a rank's own (the ranks run different batches), so each rank routes its tokens, tells every
-expert's owner how many rows it sends for each of its experts (an all-to-all of counts), sends the rows (an
-all-to-all of rows), runs the rows it received through its experts as grouped matmuls, and sends the results back (a
-third all-to-all); it adds each pair's output, scaled by its routing weight, to its own tokens. The ranks step in
-lockstep: each step they agree whether any has work (an all-reduce), and a rank with nothing to run takes part in
-every MoE layer's exchanges with no rows (vLLM's dummy batch), so the collectives always pair up.
+experts (replicated) — and the ranks meet in the MoE layers, which hold the routed experts spread over them:
 
-`data_parallel_outputs` serves prompts offline over such a group (request i on rank i mod n, rank 0 being this
-process) and returns their greedy tokens: the same as one process running every expert (tests/test_data_parallel.py).
+- with expert parallelism (`--enable-expert-parallel`), 1/n of the experts whole on each rank (rank r: experts
+  r·E/n … (r+1)·E/n − 1), a rank's own tokens dispatched to their experts' owners: each rank routes its tokens, tells
+  every expert's owner how many rows it sends for each of its experts (an all-to-all of counts), sends the rows (an
+  all-to-all of rows), runs the rows it received through its experts as grouped matmuls, and sends the results back
+  (a third all-to-all); it adds each pair's output, scaled by its routing weight, to its own tokens
+  (`DispatchedExperts`). vLLM's default all2all backend exchanges EP's tokens as the form below does; these
+  all-to-alls are DeepEP's low-latency form (a row per chosen expert).
+- without it, 1/n of every expert's width on each rank, every rank's tokens gathered (hidden states and router
+  logits) before the experts and the partial outputs reduce-scattered after (gathered_moe.py: `GatheredMoe`).
+
+The ranks step in lockstep: each step they agree whether any has work (an all-reduce), and a rank with nothing to
+run takes part in every MoE layer's exchanges with no rows (vLLM's dummy batch), so the collectives always pair up.
+
+`data_parallel_run` serves prompts offline over such a group (request i on rank i mod n, rank 0 being this process)
+and returns their greedy tokens — the same as one process running every expert whole (tests/test_data_parallel.py)
+— and, without expert parallelism, the bytes each rank's MoE layers moved.
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +32,7 @@ from torch import nn
 
 from executor.core.build import make_engine
 from executor.core.malloc_tuning import keep_freed_memory
+from executor.distributed.gathered_moe import GatheredMoe, Traffic, check_sliced, gather_experts, traffic_of
 from executor.distributed.launch import collective, launch
 from executor.model.moe import Experts, SparseMoeBlock, sort_by_expert
 
@@ -65,12 +75,22 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+def check_data_parallel(model: nn.Module, world: int, expert_parallel: bool) -> None:
+    """ValueError (one line) unless `world` ranks split every MoE block: its experts (expert parallelism) or each
+    expert's columns."""
+    for block in moe_blocks(model):
+        if expert_parallel and block.experts.num_experts % world:
+            raise ValueError(f"data_parallel_size {world} does not divide the {block.experts.num_experts} experts; "
+                             f"allowed: a data_parallel_size dividing {block.experts.num_experts}")
+        if not expert_parallel:
+            check_sliced(block.experts.weights([0])[1].shape[2], world)  # expert 0's: MXFP4 dequantizes it alone
+
+
 def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     """The model with each MoE block's experts cut to this rank's share, dispatched across the ranks (in place)."""
+    check_data_parallel(model, world, True)
     for block in moe_blocks(model):
         full = block.experts
-        if full.num_experts % world:
-            raise ValueError(f"data_parallel_size {world} does not divide the {full.num_experts} experts")
         per, first = full.num_experts // world, rank * (full.num_experts // world)
         local = Experts(per, full.down_proj.shape[1], full.down_proj.shape[2], full.gate_up_proj_bias is not None,
                         full.act)
@@ -81,9 +101,17 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     return model
 
 
+def shard(model: nn.Module, rank: int, world: int, expert_parallel: bool) -> nn.Module:
+    """This rank's model (in place): experts whole and dispatched, or every expert's slice with the tokens gathered."""
+    return shard_experts(model, rank, world) if expert_parallel else gather_experts(model, rank, world)
+
+
 def idle_step(model: nn.Module) -> None:
     """A rank with nothing to run this step: every MoE layer's exchanges, in order, with no rows of its own."""
     for block in moe_blocks(model):
+        if isinstance(block, GatheredMoe):
+            block.idle()
+            continue
         hidden = block.experts.local.down_proj.shape[1]
         block.experts(torch.empty(0, hidden), torch.empty(0, block.top_k), torch.empty(0, block.top_k, dtype=torch.long))
 
@@ -99,8 +127,10 @@ def lockstep(engine, model: nn.Module) -> None:
             idle_step(model)
 
 
-def _serve_share(model, policy, sampling, eos, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """This rank's requests through its engine in lockstep with the group; their tokens."""
+def _serve_share(model, policy, sampling, eos, prompts: list[list[int]],
+                 max_tokens: list[int]) -> tuple[list[list[int]], Traffic]:
+    """This rank's requests through its engine in lockstep with the group; their tokens, and the bytes its MoE
+    layers' gathers and reduce-scatters moved."""
     from sim.policy.request import Request
 
     engine = make_engine(model, policy, sampling, eos)
@@ -108,13 +138,14 @@ def _serve_share(model, policy, sampling, eos, prompts: list[list[int]], max_tok
     for r, p in zip(reqs, prompts):
         engine.add(r, p)
     lockstep(engine, model)
-    return [engine.output_ids(r) for r in reqs]
+    return [engine.output_ids(r) for r in reqs], traffic_of(model)
 
 
-def dp_worker(rank: int, model, world: int, make_policy, sampling, eos, prompts, max_tokens) -> None:
-    """A child rank: its share of the experts, its requests, then its outputs to rank 0."""
+def dp_worker(rank: int, model, world: int, expert_parallel: bool, make_policy, sampling, eos, prompts,
+              max_tokens) -> None:
+    """A child rank: its share of the experts, its requests, then its outputs and traffic to rank 0."""
     keep_freed_memory()
-    shard_experts(model, rank, world)
+    shard(model, rank, world, expert_parallel)
     out = _serve_share(model, make_policy(), sampling, eos, prompts, max_tokens)
     dist.gather_object(out, None, dst=0)
 
@@ -124,24 +155,44 @@ class _Handle:  # what launch.collective needs: the group, and whether it broke
         self.group, self.broken = group, False
 
 
-def data_parallel_outputs(model: nn.Module, world: int, make_policy, prompts: list[list[int]], max_tokens: list[int],
-                          sampling=None, eos_token_id: int | None = None, threads: int = 1,
-                          timeout_s: float = 120.0) -> list[list[int]]:
-    """Greedy outputs of the prompts served offline by `world` data-parallel ranks (request i on rank i mod world;
-    `make_policy()` makes each rank's scheduler and allocator; a picklable callable), in request order."""
+@dataclass(eq=False, repr=False)
+class DataParallelRun:
+    """What a data-parallel group served: each request's greedy tokens, in request order, and per rank the bytes
+    its MoE layers' gathers and reduce-scatters moved (all zero with expert parallelism)."""
+
+    outputs: list[list[int]]
+    traffic: list[Traffic]
+
+
+def data_parallel_run(model: nn.Module, world: int, make_policy, prompts: list[list[int]], max_tokens: list[int],
+                      sampling=None, eos_token_id: int | None = None, threads: int = 1, timeout_s: float = 120.0,
+                      expert_parallel: bool = True) -> DataParallelRun:
+    """The prompts served offline by `world` data-parallel ranks (request i on rank i mod world; `make_policy()`
+    makes each rank's scheduler and allocator, a picklable callable), the experts whole over the ranks
+    (`expert_parallel`) or each sliced over them. ValueError (one line) where the ranks cannot split the experts."""
+    check_data_parallel(model, world, expert_parallel)
     shares = [list(range(r, len(prompts), world)) for r in range(world)]
 
     def share(r):
         return [prompts[i] for i in shares[r]], [max_tokens[i] for i in shares[r]]
 
-    args = [(model, world, make_policy, sampling, eos_token_id, *share(r)) for r in range(1, world)]
+    args = [(model, world, expert_parallel, make_policy, sampling, eos_token_id, *share(r)) for r in range(1, world)]
     with launch(dp_worker, args, threads, timeout_s) as group, collective(_Handle(group)):
-        rank0 = shard_experts(copy.deepcopy(model), 0, world)  # the caller's model keeps every expert
+        rank0 = shard(copy.deepcopy(model), 0, world, expert_parallel)  # the caller's model keeps every expert
         mine = _serve_share(rank0, make_policy(), sampling, eos_token_id, *share(0))
         gathered: list = [None] * world
         dist.gather_object(mine, gathered, dst=0)
     out: list[list[int]] = [[] for _ in prompts]
-    for r, outs in enumerate(gathered):
+    for r, (outs, _) in enumerate(gathered):
         for i, tokens in zip(shares[r], outs):
             out[i] = tokens
-    return out
+    return DataParallelRun(out, [traffic for _, traffic in gathered])
+
+
+def data_parallel_outputs(model: nn.Module, world: int, make_policy, prompts: list[list[int]], max_tokens: list[int],
+                          sampling=None, eos_token_id: int | None = None, threads: int = 1, timeout_s: float = 120.0,
+                          expert_parallel: bool = True) -> list[list[int]]:
+    """Greedy outputs of the prompts served offline by `world` data-parallel ranks (data_parallel_run's), in request
+    order."""
+    return data_parallel_run(model, world, make_policy, prompts, max_tokens, sampling, eos_token_id, threads,
+                             timeout_s, expert_parallel).outputs

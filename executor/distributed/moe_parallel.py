@@ -4,8 +4,8 @@ Tensor-parallel MoE (`config.expert_parallel` off): every rank holds each routed
 intermediate columns (gate·up column-parallel, down row-parallel), like the dense MLP, and the router replicated;
 the block's partial output is summed by one all-reduce.
 
-Expert parallelism (`config.expert_parallel`, vLLM's enable_expert_parallel; EP size = TP here, the executor runs
-no attention data parallelism): rank r holds experts r·E/n .. (r+1)·E/n - 1 whole. The residual stream is the same
+Expert parallelism (`config.expert_parallel`, vLLM's enable_expert_parallel; EP size = TP here: data-parallel ranks
+are data_parallel.py's): rank r holds experts r·E/n .. (r+1)·E/n - 1 whole. The residual stream is the same
 on every rank, so each rank dispatches only its share of the tokens (an even split of the rows): it sorts its (token,
 choice) pairs by expert, sends each owner its rows with `all_to_all_single`, runs the rows it received through its
 experts as grouped matmuls, and sends the results back the same way; it then adds each pair's output, scaled by its

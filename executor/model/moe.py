@@ -195,25 +195,34 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [T, k], expert ids [T, k]) of hidden states x [T, H], by the block's router."""
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k], expert ids [T, k]) of router logits [T, E], by the block's routing rule."""
         r = self.routing
         if r.kind == "softmax":
-            return route(self.gate(x), self.top_k, self.norm_topk_prob)
+            return route(logits, self.top_k, self.norm_topk_prob)
         if r.kind == "topk_softmax":
-            return route_topk_softmax(self.gate(x), self.top_k)
-        return route_deepseek(self.gate(x), self.top_k, r.scaling, r.method, r.n_group, r.topk_group)
+            return route_topk_softmax(logits, self.top_k)
+        return route_deepseek(logits, self.top_k, r.scaling, r.method, r.n_group, r.topk_group)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """The block's output for hidden states x [T, H] (`fused`: the dense MLP's native elementwise switch,
         taken by the shared expert)."""
-        weights, experts = self.route(x)
-        self.counts += torch.bincount(experts.flatten(), minlength=self.num_experts)
-        out = self.routed(x, weights, experts)
+        out = self.routed_output(x)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, fused=fused)
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             out = out.add_(shared)
         return out
+
+    def routed_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for hidden states x [T, H]: routed, counted, run (a data-parallel block
+        gathers the ranks' tokens around this)."""
+        weights, experts = self.route(x)
+        self.counts += torch.bincount(experts.flatten(), minlength=self.num_experts)
+        return self.routed(x, weights, experts)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for every token (a parallel block dispatches instead)."""

@@ -376,8 +376,9 @@ def serve(plan: Plan, specs: list[RequestSpec], device: str = "cpu", threads: in
     if plan.replicas != 1:
         raise ConfigError("the executor serves one replica per process; set replicas: 1", "replicas")
     if plan.expert_layout.data_parallel_size != 1:
-        raise ConfigError("the executor runs no attention data parallelism (its expert parallelism spans the tensor-"
-                          "parallel ranks); allowed: data_parallel_size 1", "parallel.data_parallel_size")
+        raise ConfigError("serve runs no data-parallel ranks (the executor runs them offline only, executor/"
+                          "distributed/data_parallel.py; serve's expert parallelism spans the tensor-parallel ranks); "
+                          "allowed: data_parallel_size 1", "parallel.data_parallel_size")
     stage = stage or (lambda _: None)
     parallel = plan.sharding.tp * plan.pipeline_parallel_size > 1
     pinned = parallel or set_threads(plan, threads)
