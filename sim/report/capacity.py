@@ -2,10 +2,11 @@
 simulator's search (`infersim search`) and the executor's measurement (`infersim validate --capacity`).
 
 A run at a rate passes when the SLO quantiles hold with rejected requests counted as misses, and it keeps up:
-over the second half of its arrival window it completes KEEP_UP of that half's arrivals or more (a burst that drains
-within the SLOs is not a rate the deployment sustains; the first half is the ramp, the drain after the last arrival
-is not judged, so a request's latency does not weigh on the verdict however short the probe). A workload of conversations (closed loop: a later turn arrives when the turn before it ends)
-must also have run steady: its first turns spread over STEADY_SPANS times a conversation's mean lifetime or more
+in the second half of its arrival window it completes KEEP_UP of that half's arrivals or more (a burst that drains
+within the SLOs is not a rate the deployment sustains; the first half is the ramp and the drain after the last
+arrival is not judged, so a request's latency weighs on the verdict only in a probe shorter than about two of them).
+A workload of conversations (closed loop: a later turn arrives when the turn before it ends) must also have run
+steady: its first turns spread over STEADY_SPANS times a conversation's mean lifetime or more
 (a probe too short starts its conversations nearly at once: a bounded load, which every deployment that holds them
 all passes, however high the rate). Rates lie on a grid anchored at a target rate, target · (1 + precision)^k: from the target,
 jumps of 2× up or down until the verdict flips, then bisection on the grid, so the capacity is found within one
