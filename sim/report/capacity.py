@@ -2,9 +2,11 @@
 simulator's search (`infersim search`) and the executor's measurement (`infersim validate --capacity`).
 
 A run at a rate passes when the SLO quantiles hold with rejected requests counted as misses, and it keeps up:
-it completes requests at KEEP_UP of the offered rate or more (a burst that drains within the SLOs is not a rate the
-deployment sustains). A workload of conversations (closed loop: a later turn arrives when the turn before it ends)
-must also have run steady: its first turns spread over STEADY_SPANS times a conversation's mean lifetime or more
+in the second half of its arrival window it completes KEEP_UP of that half's arrivals or more (a burst that drains
+within the SLOs is not a rate the deployment sustains; the first half is the ramp and the drain after the last
+arrival is not judged, so a request's latency weighs on the verdict only in a probe shorter than about two of them).
+A workload of conversations (closed loop: a later turn arrives when the turn before it ends) must also have run
+steady: its first turns spread over STEADY_SPANS times a conversation's mean lifetime or more
 (a probe too short starts its conversations nearly at once: a bounded load, which every deployment that holds them
 all passes, however high the rate). Rates lie on a grid anchored at a target rate, target · (1 + precision)^k: from the target,
 jumps of 2× up or down until the verdict flips, then bisection on the grid, so the capacity is found within one
@@ -21,9 +23,9 @@ from sim.config.errors import ConfigError
 from sim.config.generator import generate_requests
 from sim.config.scenario import SLOConfig
 from sim.config.workload import RequestSpec
-from sim.report.metrics import compute_metrics
+from sim.report.metrics import compute_metrics, measured
 
-KEEP_UP = 0.8  # a run passes only if it completes requests at this share of the offered rate or more
+KEEP_UP = 0.8  # a run passes only if it completes this share of its arrivals, both counted in its steady half
 STEADY_SPANS = 2.0  # conversations: the first turns' span over their mean lifetime a passing run needs
 STEADY_ROUNDS = 4  # a closed loop: requests per user a passing run needs (else its first wave is most of it)
 
@@ -138,11 +140,30 @@ def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | No
         return "slo"
     if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
         return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
-    # the rate the client meant to send at: a request that waited for a slot (max_concurrency) arrived when sent
-    meant = records.arrival_s if records.client_wait_s is None else records.arrival_s - records.client_wait_s
-    if metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate(meant):
+    if pace(records) < KEEP_UP:
         return "keep_up"
     return "" if steady(records, specs) else "unsteady"
+
+
+def pace(records) -> float:
+    """How a run kept pace with its arrivals: of the requests it served, those that completed in the second half of
+    its arrival window [t_mid, t_last] (t_mid halfway between the first and the last arrival) over those that arrived
+    in it. Keeping up, both counts are the rate times half the window, the completions shifted by a request's latency
+    L (1 while L < half the window, above KEEP_UP while L < 0.6 of it); overloaded, the completions run at the
+    service rate. Arrivals are those the client meant (a request that waited for a slot, max_concurrency, arrived
+    when it was meant to be sent), as they came in the run (a conversation's later turns after their answers);
+    warm-up requests are left out, and so are rejected ones (no backlog: the SLO counts them as misses already).
+    For a run that went to its end."""
+    rec = measured(records)
+    meant = rec.arrival_s if rec.client_wait_s is None else rec.arrival_s - rec.client_wait_s
+    if not len(meant):
+        return 0.0
+    last = float(meant.max())
+    mid = (float(meant.min()) + last) / 2
+    served = rec.completed
+    arrived = int((served & (meant >= mid)).sum())  # closed: a burst at one instant arrives in a window of 0 s
+    done = int((served & (rec.finish_s >= mid) & (rec.finish_s <= last)).sum())
+    return done / arrived if arrived else 1.0
 
 
 def steady(records, specs: list[RequestSpec]) -> bool:
