@@ -127,6 +127,21 @@ def test_a_tie_in_cost_and_capacity_goes_to_the_configuration_further_from_its_s
     assert rank(search, [less, far]).recommended is far and less.reason == "as cheap, less capacity"
 
 
+def test_a_row_short_of_the_target_says_whether_its_slos_or_its_pace_failed():
+    """Below the target, a row names what failed the probe just above its capacity: the SLOs, or keeping up with the
+    arrivals (a probe within its SLOs that fell behind, capacity.pace)."""
+    from infersim.commands.search import ConfigResult, rank
+
+    search = parse_search_spec(spec(replicas=[1]))
+    row = lambda label, by, capacity: ConfigResult(label, {}, {}, usd_per_hour=1.0, capacity_rps=capacity,  # noqa: E731
+                                                   missed_at_rps=2.2 if capacity else 0.01, missed_by=by)
+    slow, late, never = row("a", "slo", 2.0), row("b", "keep_up", 2.0), row("c", "keep_up", 0.0)
+    rank(search, [slow, late, never])
+    assert slow.reason == "SLO missed at 2.2 req/s: capacity 2 < target 3"
+    assert late.reason == "fell behind its arrivals (completed < 80% of them) at 2.2 req/s: capacity 2 < target 3"
+    assert never.reason.startswith("fell behind its arrivals") and "even at" in never.reason
+
+
 def test_same_results_in_one_process_in_several_and_on_ray():
     """Also the rows pruned as costlier: the same whether a costlier one was searched (beside the one that carries
     the target, in another worker) or skipped."""

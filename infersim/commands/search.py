@@ -41,6 +41,7 @@ from sim.config.workload import RequestSpec
 from sim.config.yaml_file import read_yaml
 from sim.cost.build import speculation_model
 from sim.report.capacity import (
+    KEEP_UP,
     STEADY_ROUNDS,
     check_has_slo,
     check_scalable,
@@ -136,6 +137,7 @@ class ConfigResult:
     tpot_p90_s: float | None = None
     e2e_p90_s: float | None = None
     meets_at_target: bool = False
+    missed_by: str = ""  # what failed the probe at missed_at_rps: slo, keep_up or unsteady (capacity.why_failed)
     probe_limited: bool = False  # the rate above capacity failed only as the probe was too short (conversations, users)
     probes: int = 0
     pareto: bool = False  # on the cost-vs-capacity front
@@ -508,7 +510,8 @@ def search_one(probe: Probe) -> ConfigResult:
                                                          q["e2e_at_quantile_s"])
     row.probes = len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
-    row.probe_limited = found.missed_at is not None and runs[found.missed_at][2] == "unsteady"
+    row.missed_by = runs[found.missed_at][2] if found.missed_at is not None else ""
+    row.probe_limited = row.missed_by == "unsteady"
     if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
         tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]
         row.usd_per_million_tokens = row.usd_per_hour / 3600 / tokens_s * 1e6 if tokens_s else None
@@ -564,7 +567,7 @@ def run_search(search: Search, backend: str = "local", workers: int | None = Non
 # what a searched row found, cleared when the row is pruned for its cost after all
 CLEAR = {f: ConfigResult.__dataclass_fields__[f].default for f in (
     "capacity_rps", "missed_at_rps", "usd_per_million_tokens", "ttft_p90_s", "tpot_p90_s", "e2e_p90_s",
-    "meets_at_target", "probe_limited", "probes")}
+    "meets_at_target", "missed_by", "probe_limited", "probes")}
 
 
 def pruned_rows(probes: list[Probe]) -> list[ConfigResult]:
@@ -610,8 +613,11 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
             continue
         if r.capacity_rps < target:
             at = f"{r.missed_at_rps:.3g}" if r.missed_at_rps is not None else "the grid's top"
-            r.reason = (f"SLO missed at {at} {unit}: capacity {r.capacity_rps:.3g} < target {target:.3g}"
-                        if r.capacity_rps else f"SLO missed even at {bottom:g} {unit}")
+            # a probe within its SLOs can still fall behind its arrivals (capacity.pace)
+            missed = (f"fell behind its arrivals (completed < {KEEP_UP:.0%} of them)" if r.missed_by == "keep_up"
+                      else "SLO missed")
+            r.reason = (f"{missed} at {at} {unit}: capacity {r.capacity_rps:.3g} < target {target:.3g}"
+                        if r.capacity_rps else f"{missed} even at {bottom:g} {unit}")
             if r.probe_limited:
                 why = (f"are fewer than {STEADY_ROUNDS} per user, too few to show a sustained load" if unit == "users"
                        else "start their conversations too close together to show a sustained rate")
