@@ -108,3 +108,18 @@ def test_a_search_s_capacity_does_not_climb_with_the_probe_s_length():
     specs = scaled(probe.specs, found[400].capacity_rps)
     ok, metrics, why = run_probe(make_plan(parse_scenario(probe.data)), specs)
     assert ok and metrics["throughput"]["requests_per_s"] < KEEP_UP * offered_rate([s.arrival_s for s in specs])
+
+
+@pytest.mark.parametrize("space_requests, workload_requests, key", [(10, 600, "search.max_requests"),
+                                                                     (1500, 12, "scenario.workload")])
+def test_a_probe_too_short_to_judge_keeping_up_is_one_clear_error(space_requests, workload_requests, key):
+    """Under MIN_PROBE_REQUESTS the rule counts a handful, and the last to arrive cannot end by the window's end: a
+    search refuses such probes, naming what sets their number (the search's cap, or a workload that short)."""
+    from sim.config.errors import ConfigError
+    from sim.report.capacity import MIN_PROBE_REQUESTS
+
+    base = {**BASE, "workload": {**BASE["workload"], "num_requests": workload_requests}}
+    with pytest.raises(ConfigError) as e:
+        probes_of(parse_search_spec({"name": "t", "scenario": base, "target": {"rate": 3.0},
+                                     "space": {"replicas": [1]}, "search": {"max_requests": space_requests}}))
+    assert e.value.key_path == key and f"{MIN_PROBE_REQUESTS} or more" in e.value.message

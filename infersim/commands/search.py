@@ -327,9 +327,9 @@ def _check_value(base: dict, key: str, value, where: str, base_dir: Path) -> str
 
 
 def _probe_specs(scenario, base_dir: Path, n: int) -> list[RequestSpec]:
-    specs = generate_requests(scenario.workload, base_dir)[:n]
-    check_scalable(specs, "scenario.workload")
-    return specs
+    every = generate_requests(scenario.workload, base_dir)
+    check_scalable(every[:n], "scenario.workload", "search.max_requests" if len(every) > n else None)
+    return every[:n]
 
 
 def _mean_rate(specs: list[RequestSpec]) -> float:

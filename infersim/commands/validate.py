@@ -100,7 +100,7 @@ def validate_capacity(scenarios: list[Path], out: Path | None = None, device: st
             check_has_slo(plan.slo)
             specs = plan_requests(plan)
             if plan.workload.closed_loop is None:  # a closed loop's capacity is in users: nothing to scale
-                check_scalable(specs)
+                check_scalable(specs, count_key="--requests" if requests is not None else None)
             elif len(specs) < STEADY_ROUNDS:
                 raise ConfigError(f"probes of {len(specs)} requests cannot judge even one user (a closed loop's probe "
                                   f"needs {STEADY_ROUNDS} requests per user or more)",

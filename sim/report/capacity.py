@@ -28,6 +28,9 @@ from sim.report.metrics import compute_metrics, measured
 KEEP_UP = 0.8  # a run passes only if it completes this share of its arrivals, both counted in its steady half
 STEADY_SPANS = 2.0  # conversations: the first turns' span over their mean lifetime a passing run needs
 STEADY_ROUNDS = 4  # a closed loop: requests per user a passing run needs (else its first wave is most of it)
+# requests a rate probe needs: the keep-up rule counts ~half of them, and the last to arrive cannot end by its
+# window's end, so with k counted a deployment that keeps up paces (k − 1) / k at best (under KEEP_UP below 5)
+MIN_PROBE_REQUESTS = 20
 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
@@ -57,10 +60,11 @@ def scaled(specs: tuple, rate: float) -> list[RequestSpec]:
                         specs[k][7]) for i, k in enumerate(order)]
 
 
-def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None:
+def check_scalable(specs: list[RequestSpec], key_path: str = "workload", count_key: str | None = None) -> None:
     """A capacity search scales the workload's arrival gaps (its first turns', for conversations): it needs two
     requests or more at distinct times (all at one instant, every rate scales them to that instant and no rate
-    passes)."""
+    passes), and MIN_PROBE_REQUESTS for its keep-up rule to judge (`count_key`: what sets their number, if not the
+    workload)."""
     if any(s.users for s in specs):
         raise ConfigError("a closed loop's users send each request when the one before it ends: its rate is what a run "
                           "measures, not one to scale (a capacity search counts it in users); allowed: an "
@@ -74,6 +78,9 @@ def check_scalable(specs: list[RequestSpec], key_path: str = "workload") -> None
     if arrivals[-1] - arrivals[0] <= 0:
         raise ConfigError(f"all {len(arrivals)} requests arrive at one instant: no rate to scale them to; allowed: "
                           "arrivals spread over time (an arrival process, or a trace of distinct times)", key_path)
+    if len(specs) < MIN_PROBE_REQUESTS:
+        raise ConfigError(f"probes of {len(specs)} requests are too few to judge whether a deployment keeps up with "
+                          f"their rate; allowed: {MIN_PROBE_REQUESTS} or more", count_key or key_path)
 
 
 def users_probe(workload, base_dir, users: int, max_requests: int) -> list[RequestSpec]:
