@@ -46,6 +46,7 @@ BACKENDS = ("allgather_reducescatter", "all_to_all")
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE blocks, in module order (every rank's the same)."""
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
