@@ -1,20 +1,21 @@
-"""Data-parallel ranks without expert parallelism (vLLM's `--data-parallel-size n` without `--enable-expert-parallel`):
-a MoE layer's tokens gathered from every rank, every expert sliced over the ranks, the outputs reduce-scattered back.
+"""A data-parallel rank's MoE layer on vLLM's allgather_reducescatter backend (its default all2all backend, and its
+naive dispatch / combine without expert parallelism): every rank's tokens gathered before the experts, the partial
+outputs reduce-scattered after.
 
-vLLM runs such a group's MoE layers tensor-parallel over all of its devices (FusedMoEParallelConfig.make flattens TP
-across DP: tp_size = DP × TP, ep_size 1). So each rank holds 1/n of every routed expert's intermediate width: its
-gate and up columns and the matching columns of the down projection, cut as tensor-parallel MoE cuts them
-(moe_parallel.py: swiglu_columns; gpt-oss's clamped SwiGLU is elementwise, so its columns split the same), with the
-gate/up biases cut alongside and the down bias kept by rank 0 alone, so the sum adds it once. The rest of the model
-(attention, dense layers, router, shared experts) stays whole on every rank, which runs its own requests.
+The rank's share of the routed experts (expert_shares.py) is either 1/n of every expert's columns (without expert
+parallelism: vLLM runs such a group's MoE layers tensor-parallel over all of its devices, FusedMoEParallelConfig.make
+flattening TP across DP: tp_size = DP × TP, ep_size 1) or 1/n of the experts whole (`--enable-expert-parallel` on the
+default backend, vLLM's AgRsAll2AllManager). The rest of the model (attention, dense layers, router, shared experts)
+stays whole on every rank, which runs its own requests.
 
-A MoE layer (`GatheredMoe`, vLLM's naive dispatch / combine on its default allgather_reducescatter backend): each
-rank computes its own tokens' router logits; the ranks all-gather their tokens' hidden states and router logits (one
-row of H + E a token, as vLLM gathers the two); every rank routes every gathered token (the rule is row-wise: what
-the token's own rank would pick) and runs them all through its slices; the partial outputs are summed over the ranks,
-each rank keeping its own tokens' rows (a reduce-scatter); the shared expert then adds its output on the rank's own
-tokens. Gathering the logits rather than the routing weights and expert ids moves what vLLM moves and what the
-simulator prices (sim/cost/blocks.py: gather_combine_s); tests/test_data_parallel.py compares the two.
+A MoE layer (`GatheredMoe`): each rank computes its own tokens' router logits; the ranks all-gather their tokens'
+hidden states and router logits (one row of H + E a token, as vLLM gathers the two); every rank routes every gathered
+token (the rule is row-wise: what the token's own rank would pick) and runs them all through its share — its slices
+of every expert, or its own experts on the (token, choice) pairs routed to them, the rest contributing zero —; the
+partial outputs are summed over the ranks, each rank keeping its own tokens' rows (a reduce-scatter); the shared
+expert then adds its output on the rank's own tokens. Gathering the logits rather than the routing weights and expert
+ids moves what vLLM moves and what the simulator prices (sim/cost/blocks.py: dispatch_s, gather_combine_s);
+tests/test_data_parallel.py compares the two.
 
 gloo has no variable-size all-gather and no reduce-scatter, so both are built from all_to_all_single, which takes a
 size per peer. The gather: an all-gather of the ranks' token counts (8 bytes each, each layer: the last layer may run
@@ -32,69 +33,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.distributed.moe_parallel import swiglu_columns
-from executor.model.moe import Experts, SparseMoeBlock
+from executor.distributed.expert_shares import OwnedExperts, sliced_experts
+from executor.model.moe import SparseMoeBlock
 
 COUNT_BYTES = 8  # a rank's token count in the counts' all-gather (int64)
 
 
 @dataclass(eq=False, repr=False)
 class Traffic:
-    """Bytes one rank's MoE layers moved across the data-parallel ranks, summed over layers and steps, and the
-    tokens they gathered (every rank's) summed the same way."""
+    """Bytes one rank's MoE layers moved across the data-parallel ranks, summed over layers and steps: the dispatch
+    before the experts (gathered hidden states and router logits, or routed rows sent to their experts' owners) and
+    the combine after (partial outputs reduce-scattered, or the experts' rows sent back); the tokens the gathers
+    collected (every rank's; gathered forms) and the (token, choice) rows of its own tokens routed (all-to-all form),
+    summed the same way."""
 
     tokens: int = 0
-    gather_sent: int = 0
-    gather_received: int = 0
-    scatter_sent: int = 0
-    scatter_received: int = 0
-    counts_received: int = 0  # the token counts' all-gather (metadata the simulator leaves out)
+    rows: int = 0
+    dispatch_sent: int = 0
+    dispatch_received: int = 0
+    combine_sent: int = 0
+    combine_received: int = 0
+    counts_received: int = 0  # the token or row counts' exchange (metadata the simulator leaves out)
 
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
-def check_sliced(width: int, world: int) -> None:
-    """ValueError (one line) unless `world` data-parallel ranks split an expert's `width` columns."""
-    if width % world:
-        raise ValueError(f"data_parallel_size {world} does not divide an expert's {width} columns (without expert "
-                         "parallelism every rank holds a slice of every expert); allowed: a data_parallel_size "
-                         f"dividing {width}, or expert parallelism")
-
-
-def sliced_experts(full: Experts, rank: int, world: int) -> Experts:
-    """Rank `rank`'s 1/world of every expert's columns of `full` (an MXFP4 block dequantized), its biases with them:
-    the gate/up bias cut alike, the down bias on rank 0 only (the ranks' outputs are summed)."""
-    gate_up, down = full.weights()
-    check_sliced(down.shape[2], world)
-    bias = full.gate_up_proj_bias is not None
-    local = Experts(full.num_experts, down.shape[1], down.shape[2] // world, bias, full.act)
-    gate_up, down = swiglu_columns(gate_up, down, world, rank)
-    with torch.no_grad():
-        local.gate_up_proj.copy_(gate_up)
-        local.down_proj.copy_(down)
-        if bias:
-            local.gate_up_proj_bias.copy_(_bias_columns(full.gate_up_proj_bias, world, rank))
-            local.down_proj_bias.copy_(full.down_proj_bias if rank == 0 else torch.zeros_like(full.down_proj_bias))
-    return local
-
-
-def _bias_columns(bias: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """A rank's slice of a gate/up bias [E, 2I] (gate, then up): its I/world gate and up entries."""
-    width = bias.shape[1] // 2
-    i, i0 = width // world, rank * (width // world)
-    return torch.cat([bias[:, i0:i0 + i], bias[:, width + i0:width + i0 + i]], dim=1)
-
-
 class GatheredMoe(SparseMoeBlock):
-    """A data-parallel rank's MoE block without expert parallelism: its slice of every routed expert, every rank's
-    tokens gathered before them and the partial outputs reduce-scattered after (`traffic`: the bytes it moved)."""
+    """A data-parallel rank's MoE block on the allgather_reducescatter backend: its share of the routed experts
+    (`experts`, called as Experts is: sliced_experts or OwnedExperts), every rank's tokens gathered before them and
+    the partial outputs reduce-scattered after (`traffic`: the bytes it moved)."""
 
-    def __init__(self, block: SparseMoeBlock, rank: int, world: int):
-        nn.Module.__init__(self)  # the block's router, shared expert and settings adopted, its experts sliced
+    def __init__(self, block: SparseMoeBlock, rank: int, world: int, experts: nn.Module):
+        nn.Module.__init__(self)  # the block's router, shared expert and settings adopted, its experts this rank's
         self.num_experts, self.top_k, self.norm_topk_prob = block.num_experts, block.top_k, block.norm_topk_prob
         self.routing, self.gate = block.routing, block.gate
-        self.experts = sliced_experts(block.experts, rank, world)
+        self.experts = experts
         self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
         self.register_buffer("counts", torch.zeros(block.num_experts, dtype=torch.int64), persistent=False)
         self.rank, self.world, self.traffic = rank, world, Traffic()
@@ -127,8 +101,8 @@ class GatheredMoe(SparseMoeBlock):
         dist.all_to_all_single(out, rows.repeat(n, 1), counts, [t] * n)
         tr = self.traffic
         tr.tokens += sum(counts)
-        tr.gather_sent += (n - 1) * t * nbytes
-        tr.gather_received += (sum(counts) - t) * nbytes
+        tr.dispatch_sent += (n - 1) * t * nbytes
+        tr.dispatch_received += (sum(counts) - t) * nbytes
         return out
 
     def _reduce_scatter(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -136,24 +110,27 @@ class GatheredMoe(SparseMoeBlock):
         n, mine, nbytes = self.world, counts[self.rank], rows.shape[1] * rows.element_size()
         out = rows.new_empty(n * mine, rows.shape[1])
         dist.all_to_all_single(out, rows.contiguous(), [mine] * n, counts)
-        self.traffic.scatter_sent += (sum(counts) - mine) * nbytes
-        self.traffic.scatter_received += (n - 1) * mine * nbytes
+        self.traffic.combine_sent += (sum(counts) - mine) * nbytes
+        self.traffic.combine_received += (n - 1) * mine * nbytes
         return out.view(n, mine, rows.shape[1]).sum(0)
 
 
-def gather_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
-    """The model with each MoE block a GatheredMoe holding this rank's slice of every expert (in place)."""
+def gather_experts(model: nn.Module, rank: int, world: int, whole: bool = False) -> nn.Module:
+    """The model with each MoE block a GatheredMoe holding this rank's share of the experts (in place): 1/world of
+    them whole (`whole`: expert parallelism) or a slice of every one."""
     parents = [(m, name, child) for m in model.modules() for name, child in m.named_children()
                if isinstance(child, SparseMoeBlock)]
     for parent, name, block in parents:
-        setattr(parent, name, GatheredMoe(block, rank, world))
+        share = OwnedExperts.of(block.experts, rank, world) if whole else sliced_experts(block.experts, rank, world)
+        setattr(parent, name, GatheredMoe(block, rank, world, share))
     return model
 
 
 def traffic_of(model: nn.Module) -> Traffic:
-    """The bytes the model's gathered MoE blocks moved, all of them together."""
+    """The bytes the model's MoE layers moved across the data-parallel ranks (any module keeping a Traffic), all of
+    them together."""
     total = Traffic()
     for m in model.modules():
-        if isinstance(m, GatheredMoe):
+        if isinstance(getattr(m, "traffic", None), Traffic):
             total = total + m.traffic
     return total
