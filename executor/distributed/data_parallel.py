@@ -39,6 +39,7 @@ from executor.distributed.expert_shares import check_owned, check_sliced
 from executor.distributed.gathered_moe import GatheredMoe, Traffic, gather_experts, traffic_of
 from executor.distributed.launch import collective, launch
 from executor.model.moe import SparseMoeBlock
+from sim.config.engines import release
 from sim.config.expert_parallel import ExpertLayout
 
 # the all2all backends (sim/config/engines.py's names) whose exchange the executor runs
@@ -139,12 +140,14 @@ class DataParallelRun:
 
 def data_parallel_run(model: nn.Module, world: int, make_policy, prompts: list[list[int]], max_tokens: list[int],
                       sampling=None, eos_token_id: int | None = None, threads: int = 1, timeout_s: float = 120.0,
-                      expert_parallel: bool = True, all2all_backend: str = "allgather_reducescatter") -> DataParallelRun:
+                      expert_parallel: bool = True, all2all_backend: str | None = None) -> DataParallelRun:
     """The prompts served offline by `world` data-parallel ranks (request i on rank i mod world; `make_policy()`
     makes each rank's scheduler and allocator, a picklable callable), the experts whole over the ranks
     (`expert_parallel`, exchanging tokens by `all2all_backend`: allgather_reducescatter, vLLM's default, or
-    all_to_all) or each sliced over them. ValueError (one line) for another backend, or where the ranks cannot split
-    the experts."""
+    all_to_all, the simulator's `infersim` engine's and so the default here) or each sliced over them. ValueError
+    (one line) for another backend, or where the ranks cannot split the experts."""
+    if all2all_backend is None:  # the simulator's `infersim` engine's for EP (sim/config/engines.py); else one form
+        all2all_backend = release("infersim", None).all2all_backend if expert_parallel else "allgather_reducescatter"
     layout = data_parallel_layout(world, expert_parallel, all2all_backend)
     check_data_parallel(model, layout)
     shares = [list(range(r, len(prompts), world)) for r in range(world)]
