@@ -85,3 +85,14 @@ def test_a_run_process_freezes_its_imports_and_a_run_inside_a_program_does_not(t
     own, embedded = frozen_after("main()", tmp_path), frozen_after("main(sys.argv[1:])", tmp_path)
     assert own[0] > 10_000 and embedded[0] == 0
     assert not own[1] and embedded[1]
+
+
+def test_a_run_process_with_a_thread_still_running_exits_normally(tmp_path):
+    """The early end (cli._end_process) is for a process with nothing else running: with a thread still alive the
+    process exits as Python does, after that thread ends, its atexit hooks run once."""
+    probe = ("import atexit, sys, threading, time\nsys.argv = ['infersim', 'run', '-q', '--no-plots']\n"
+             "done = []\nthreading.Thread(target=lambda: (time.sleep(0.5), done.append(1))).start()\n"
+             "atexit.register(lambda: print('hook', len(done), flush=True))\nfrom infersim.cli import main\nmain()")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert r.stdout.splitlines() == ["hook 1"]
