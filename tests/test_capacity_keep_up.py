@@ -11,7 +11,7 @@ import pytest
 from infersim.commands.search import parse_search_spec, probes_of, run_probe, run_search
 from sim.config.plan import make_plan
 from sim.config.scenario import SLOConfig, parse_scenario
-from sim.report.capacity import KEEP_UP, offered_rate, pace, scaled, why_failed
+from sim.report.capacity import KEEP_UP, offered_rate, pace, ramp_s, scaled, why_failed
 from sim.report.metrics import GapSummary, RequestRecords, compute_metrics
 
 SLO = SLOConfig(ttft_s=10.0, e2e_s=10.0, quantile=0.9)
@@ -58,12 +58,23 @@ def test_an_overloaded_deployment_fails_when_it_serves_under_keep_up_of_the_rate
     assert verdict(rec) == ("" if keeps else "keep_up")
 
 
-def test_a_burst_that_drains_within_the_slos_fails():
+def test_a_burst_that_drains_within_the_slos_fails_as_too_short_to_tell():
+    """All at once (or nearly): nothing completes in the judged window, and the requests took longer than their
+    arrivals' span: it fails, and a search shows the capacity below it as "≥ C" (a longer probe would tell)."""
     rec = records(np.zeros(10), np.full(10, 0.5))
     assert compute_metrics(rec, SLO)["slo"]["met_counting_rejected"]
-    assert pace(rec) == 0.0 and verdict(rec) == "keep_up"
+    assert pace(rec) == 0.0 and verdict(rec) == "short"
     rec = records(np.arange(10) * 1e-3, 0.5 + np.arange(10) * 1e-3)  # nearly at once
-    assert verdict(rec) == "keep_up"
+    assert verdict(rec) == "short"
+
+
+@pytest.mark.parametrize("latency, why", [(2.0, ""), (7.0, "short")])
+def test_a_probe_too_short_for_its_requests_latency_says_so(latency, why):
+    """A deployment that keeps up with requests of 7 s over a 9.9 s window paces 0.6 (what completes in the judged
+    half arrived before it): not a verdict on the deployment, so "short", not "keep_up"; at 2 s it passes."""
+    rec = records(ARRIVALS, ARRIVALS + latency)
+    assert ramp_s(rec) == latency
+    assert verdict(rec) == why
 
 
 def test_arrivals_count_when_the_client_meant_to_send_them():

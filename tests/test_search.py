@@ -136,10 +136,14 @@ def test_a_row_short_of_the_target_says_whether_its_slos_or_its_pace_failed():
     row = lambda label, by, capacity: ConfigResult(label, {}, {}, usd_per_hour=1.0, capacity_rps=capacity,  # noqa: E731
                                                    missed_at_rps=2.2 if capacity else 0.01, missed_by=by)
     slow, late, never = row("a", "slo", 2.0), row("b", "keep_up", 2.0), row("c", "keep_up", 0.0)
-    rank(search, [slow, late, never])
+    short = row("d", "short", 2.0)
+    short.probe_limited = True
+    rank(search, [slow, late, never, short])
     assert slow.reason == "SLO missed at 2.2 req/s: capacity 2 < target 3"
     assert late.reason == "fell behind its arrivals (completed < 80% of them) at 2.2 req/s: capacity 2 < target 3"
     assert never.reason.startswith("fell behind its arrivals") and "even at" in never.reason
+    assert short.reason.startswith("capacity 2 req/s or more: at 2.2 its 600 probe requests arrive over too short a "
+                                   "time") and "raise search.max_requests" in short.reason
 
 
 def test_same_results_in_one_process_in_several_and_on_ray():

@@ -137,7 +137,7 @@ class ConfigResult:
     tpot_p90_s: float | None = None
     e2e_p90_s: float | None = None
     meets_at_target: bool = False
-    missed_by: str = ""  # what failed the probe at missed_at_rps: slo, keep_up or unsteady (capacity.why_failed)
+    missed_by: str = ""  # what failed the probe at missed_at_rps: slo, keep_up, short or unsteady (why_failed)
     probe_limited: bool = False  # the rate above capacity failed only as the probe was too short (conversations, users)
     probes: int = 0
     pareto: bool = False  # on the cost-vs-capacity front
@@ -511,7 +511,7 @@ def search_one(probe: Probe) -> ConfigResult:
     row.probes = len(runs)
     row.capacity_rps, row.missed_at_rps = found.rate, found.missed_at
     row.missed_by = runs[found.missed_at][2] if found.missed_at is not None else ""
-    row.probe_limited = row.missed_by == "unsteady"
+    row.probe_limited = row.missed_by in ("unsteady", "short")
     if found.rate:  # a probe that meets the SLOs ran to its end: its throughput prices the tokens
         tokens_s = runs[found.rate][1]["throughput"]["output_tokens_per_s"]
         row.usd_per_million_tokens = row.usd_per_hour / 3600 / tokens_s * 1e6 if tokens_s else None
@@ -620,6 +620,8 @@ def rank(search: Search, rows: list[ConfigResult]) -> SearchResult:
                         if r.capacity_rps else f"{missed} even at {bottom:g} {unit}")
             if r.probe_limited:
                 why = (f"are fewer than {STEADY_ROUNDS} per user, too few to show a sustained load" if unit == "users"
+                       else "arrive over too short a time, beside their latency, to tell whether it keeps up"
+                       if r.missed_by == "short"
                        else "start their conversations too close together to show a sustained rate")
                 r.reason = (f"capacity {r.capacity_rps:.3g} {unit} or more: at {at} its {search.settings.max_requests} "
                             f"probe requests {why} (raise search.max_requests)")

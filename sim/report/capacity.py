@@ -31,6 +31,9 @@ STEADY_ROUNDS = 4  # a closed loop: requests per user a passing run needs (else 
 # requests a rate probe needs: the keep-up rule counts ~half of them, and the last to arrive cannot end by its
 # window's end, so with k counted a deployment that keeps up paces (k − 1) / k at best (under KEEP_UP below 5)
 MIN_PROBE_REQUESTS = 20
+# a run that falls behind while its first requests took longer than this share of its arrival window to end is too
+# short to tell: a deployment that keeps up paces 1 while its requests take under half the window, less beyond
+RAMP_SHARE = 0.25
 
 
 def probe_rows(specs: list[RequestSpec]) -> tuple:
@@ -141,15 +144,46 @@ def judged_metrics(metrics: dict, records, specs: list[RequestSpec], users: int 
 
 
 def why_failed(metrics: dict, records, specs: list[RequestSpec], users: int | None = None) -> str:
-    """What failed a run (see passes): "slo", "keep_up", "unsteady" (conversations, or a closed loop of `users`: the
-    probe too short), or "". `metrics`: as judged_metrics gives them (a closed loop without its first wave)."""
+    """What failed a run (see passes): "slo", "keep_up", "short" (fell behind, but the probe too short for its
+    requests' latency to tell: falls_behind), "unsteady" (conversations, or a closed loop of `users`: the probe too
+    short), or "". `metrics`: as judged_metrics gives them (a closed loop without its first wave)."""
     if not metrics["slo"]["met_counting_rejected"]:
         return "slo"
     if users is not None:  # a closed loop cannot fall behind its own arrivals: it needs enough rounds of them
         return "" if len(specs) >= STEADY_ROUNDS * users else "unsteady"
-    if pace(records) < KEEP_UP:
-        return "keep_up"
+    behind = falls_behind(records)
+    if behind:
+        return behind
     return "" if steady(records, specs) else "unsteady"
+
+
+def falls_behind(records) -> str:
+    """"" where a run kept pace with its arrivals (pace ≥ KEEP_UP); else "keep_up", or "short" where its first
+    requests took longer than RAMP_SHARE of its arrival window to end (`ramp_s`): a probe too short for its
+    requests' latency, whose pace says nothing of the deployment (a search shows its capacity as "≥ C")."""
+    if pace(records) >= KEEP_UP:
+        return ""
+    _, meant = _meant_arrivals(records)
+    return "short" if ramp_s(records) > RAMP_SHARE * float(meant.max() - meant.min()) else "keep_up"
+
+
+def _meant_arrivals(records):
+    """(the records without warm-up requests, when each was meant to arrive): a request that waited for a slot
+    (max_concurrency) arrived when it was meant to be sent."""
+    rec = measured(records)
+    return rec, rec.arrival_s if rec.client_wait_s is None else rec.arrival_s - rec.client_wait_s
+
+
+def ramp_s(records) -> float:
+    """The median E2E of the first tenth (5 at least) of the requests a run served, in order of arrival: their
+    latency before a backlog could build, beside which the keep-up rule's window must be long (0 where none)."""
+    rec, meant = _meant_arrivals(records)
+    served = rec.completed
+    if not served.any():
+        return 0.0
+    order = np.argsort(meant[served], kind="stable")
+    e2e = (rec.finish_s[served] - rec.arrival_s[served])[order]
+    return float(np.median(e2e[:max(5, len(e2e) // 10)]))
 
 
 def pace(records) -> float:
@@ -161,8 +195,7 @@ def pace(records) -> float:
     when it was meant to be sent), as they came in the run (a conversation's later turns after their answers);
     warm-up requests are left out, and so are rejected ones (no backlog: the SLO counts them as misses already).
     For a run that went to its end."""
-    rec = measured(records)
-    meant = rec.arrival_s if rec.client_wait_s is None else rec.arrival_s - rec.client_wait_s
+    rec, meant = _meant_arrivals(records)
     if not len(meant):
         return 0.0
     last = float(meant.max())
