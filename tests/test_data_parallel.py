@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from executor.core.build import make_engine, run_offline
-from executor.distributed.data_parallel import data_parallel_outputs, data_parallel_run, moe_blocks
+from executor.distributed.data_parallel import data_parallel_outputs, data_parallel_run
 from executor.distributed.expert_shares import OwnedExperts, sliced_experts
 from executor.model.families import tiny_twin
 from executor.model.from_spec import model_spec
+from executor.model.moe import moe_blocks
 from executor.model.mxfp4 import pack_experts
 from executor.model.sampling import SamplingParams
 from sim.config.expert_parallel import ExpertLayout

@@ -38,17 +38,12 @@ from executor.distributed.dispatched_moe import dispatch_experts
 from executor.distributed.expert_shares import check_owned, check_sliced
 from executor.distributed.gathered_moe import GatheredMoe, Traffic, gather_experts, traffic_of
 from executor.distributed.launch import collective, launch
-from executor.model.moe import SparseMoeBlock
+from executor.model.moe import moe_blocks
 from sim.config.engines import release
 from sim.config.expert_parallel import ExpertLayout
 
 # the all2all backends (sim/config/engines.py's names) whose exchange the executor runs
 BACKENDS = ("allgather_reducescatter", "all_to_all")
-
-
-def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
-    """The model's MoE blocks, in module order (every rank's the same)."""
-    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def data_parallel_layout(world: int, expert_parallel: bool, all2all_backend: str) -> ExpertLayout:

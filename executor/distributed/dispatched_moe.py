@@ -15,7 +15,7 @@ from torch import nn
 
 from executor.distributed.expert_shares import owned_experts
 from executor.distributed.gathered_moe import COUNT_BYTES, Traffic
-from executor.model.moe import Experts, SparseMoeBlock, sort_by_expert
+from executor.model.moe import Experts, moe_blocks, sort_by_expert
 
 
 class DispatchedExperts(nn.Module):
@@ -74,7 +74,7 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Ten
 
 def dispatch_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     """The model with each MoE block's experts cut to this rank's share, dispatched across the ranks (in place)."""
-    for block in [m for m in model.modules() if isinstance(m, SparseMoeBlock)]:
+    for block in moe_blocks(model):
         block.experts = DispatchedExperts(owned_experts(block.experts, rank, world), block.experts.num_experts, rank,
                                           world)
     return model

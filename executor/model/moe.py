@@ -265,6 +265,11 @@ class SparseMoeBlock(nn.Module):
         return sd
 
 
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE blocks, in module order (every data-parallel rank's the same)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
 # per-expert module names: (gate, up, down) of Mixtral and of Qwen-MoE
 _PER_EXPERT = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
