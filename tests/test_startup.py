@@ -18,12 +18,16 @@ HEAVY = ("numpy", "pydantic", "yaml", "rich", "simpy", "torch", "matplotlib", "P
          "infersim.commands")
 
 
+def probe_lines(code: str, cwd: Path = ROOT, **env: str) -> list[str]:
+    """What a fresh interpreter running `code` printed, a line each (this tree first on its path, nothing else)."""
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "", **env})
+    return r.stdout.splitlines()
+
+
 def loaded(code: str) -> set[str]:
     """Which of HEAVY a fresh interpreter has imported after running `code`."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
-    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    names = json.loads(r.stdout.splitlines()[-1])
+    names = json.loads(probe_lines(f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))")[-1])
     return {h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in names)}
 
 
@@ -44,9 +48,7 @@ def blas_threads(command: str, **env: str) -> int:
     """The threads of a fresh process after `infersim COMMAND --help` and then `import numpy` (OpenBLAS's pool)."""
     probe = (f"import os, sys; sys.argv = ['infersim', '{command}', '--help']\nfrom infersim.cli import main\n"
              "try:\n    main()\nexcept SystemExit:\n    pass\nimport numpy\nprint(len(os.listdir('/proc/self/task')))")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "", **env})
-    return int(r.stdout.splitlines()[-1])
+    return int(probe_lines(probe, **env)[-1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2, reason="Linux, 2+ cores")
@@ -70,10 +72,8 @@ def frozen_after(call: str, cwd: Path) -> tuple[int, bool]:
              "sys.argv = ['infersim', 'run', '-q', '--no-plots']\n"
              "atexit.register(lambda: print(gc.get_freeze_count(), gc.isenabled(), flush=True))\n"
              f"try:\n    {call}\nexcept SystemExit:\n    pass\nprint('returned')")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, check=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    lines = r.stdout.splitlines()
-    assert ("returned" in lines) == (call != "main()"), r.stdout
+    lines = probe_lines(probe, cwd)
+    assert ("returned" in lines) == (call != "main()"), lines
     frozen, enabled = lines[-1].split()
     return int(frozen), enabled == "True"
 
@@ -93,6 +93,4 @@ def test_a_run_process_with_a_thread_still_running_exits_normally(tmp_path):
     probe = ("import atexit, sys, threading, time\nsys.argv = ['infersim', 'run', '-q', '--no-plots']\n"
              "done = []\nthreading.Thread(target=lambda: (time.sleep(0.5), done.append(1))).start()\n"
              "atexit.register(lambda: print('hook', len(done), flush=True))\nfrom infersim.cli import main\nmain()")
-    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    assert r.stdout.splitlines() == ["hook 1"]
+    assert probe_lines(probe, tmp_path) == ["hook 1"]
